@@ -1,0 +1,65 @@
+"""otfload: load Hugging Face safetensors checkpoints on the fly into sharded JAX/Flax trees.
+
+    model = otfload.from_pretrained("./my-llama", mesh=mesh)
+
+The pipeline, one package each: ``sources`` (where bytes come from) → ``index`` (what the files
+hold) → ``plan`` (target leaf ← HF keys, hooks, stacking, sharding, byte runs) → ``read`` (byte
+ranges into scratch) → ``build`` (hooks, one ``np.stack``, placement) → this API.
+"""
+
+from otfload.api import from_pretrained, load_params, plan_model
+from otfload.build.report import LoadReport
+from otfload.errors import (
+    CheckpointIndexError,
+    CheckpointMismatchError,
+    CorruptFileError,
+    HeaderError,
+    MappingError,
+    MissingTensorError,
+    OtfloadError,
+    ShapeMismatchError,
+    SourceError,
+    SourceNotFoundError,
+    TruncatedFileError,
+    UnexpectedTensorError,
+    UnknownDtypeError,
+    UnsafeFormatError,
+    UnsupportedModelError,
+)
+from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
+from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.sharding import DEFAULT_RULES, logical_to_sharding, make_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_RULES",
+    "CheckpointIndexError",
+    "CheckpointMismatchError",
+    "CorruptFileError",
+    "HeaderError",
+    "Hook",
+    "LoadReport",
+    "MappingError",
+    "MappingTable",
+    "MissingTensorError",
+    "OtfloadError",
+    "Reshape",
+    "Rule",
+    "Scale",
+    "ShapeMismatchError",
+    "Slice",
+    "SourceError",
+    "SourceNotFoundError",
+    "Transpose",
+    "TruncatedFileError",
+    "UnexpectedTensorError",
+    "UnknownDtypeError",
+    "UnsafeFormatError",
+    "UnsupportedModelError",
+    "from_pretrained",
+    "load_params",
+    "logical_to_sharding",
+    "make_mesh",
+    "plan_model",
+]

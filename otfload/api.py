@@ -1,0 +1,117 @@
+"""The public entry points: :func:`from_pretrained` (a ready, sharded NNX model) and
+:func:`load_params` (a parameter pytree for a model the user brings)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from otfload.build.loader import DEFAULT_WORKERS, execute_plan
+from otfload.build.report import LoadReport
+from otfload.families.registry import family_for
+from otfload.index.checkpoint import CheckpointIndex, open_index
+from otfload.index.dtypes import to_numpy_dtype
+from otfload.plan.abstract import abstract_from_nnx, abstract_from_pytree, dotted
+from otfload.plan.mapping import MappingTable, Rule, as_table
+from otfload.plan.planner import LoadPlan, build_plan
+from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, make_mesh
+from otfload.sources import Source, open_source
+
+
+def storage_dtype(index: CheckpointIndex) -> np.dtype:
+    """The dtype holding most of the checkpoint's floating-point bytes."""
+    weights = Counter()
+    for info in index.tensors.values():
+        if np.issubdtype(info.dtype, np.floating) or info.dtype.kind == "V":
+            weights[info.dtype] += info.nbytes
+    return weights.most_common(1)[0][0] if weights else np.dtype(np.float32)
+
+
+def plan_model(
+    source: str | os.PathLike | Source,
+    *,
+    mesh: Mesh | None = None,
+    rules: LogicalRules | None = None,
+    scan_layers: bool = True,
+    dtype: Any = None,
+    strict: bool = False,
+    **source_options,
+) -> tuple[nnx.Module, LoadPlan, Source]:
+    """Everything :func:`from_pretrained` does before reading a tensor byte: the abstract model
+    (no weights allocated) and the load plan. ``otfload inspect`` prints this plan."""
+    src = open_source(source, **source_options)
+    index = open_index(src)
+    family = family_for(index.config)
+    cfg = family.parse_config(index.config)
+    dtype = storage_dtype(index) if dtype is None else to_numpy_dtype(dtype)
+    mesh = make_mesh() if mesh is None else mesh
+    model = nnx.eval_shape(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=nnx.Rngs(0)))
+    leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if rules is None else rules)
+    plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
+    return model, plan, src
+
+
+def from_pretrained(
+    source: str | os.PathLike | Source,
+    *,
+    mesh: Mesh | None = None,
+    rules: LogicalRules | None = None,
+    scan_layers: bool = True,
+    dtype: Any = None,
+    strict: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool | None = None,
+    return_report: bool = False,
+    **source_options,
+) -> nnx.Module | tuple[nnx.Module, LoadReport]:
+    """Load an HF safetensors checkpoint into a ready, sharded Flax NNX model.
+
+    ``source`` is a local directory, a Hub repo id (``revision=``, ``token=``, ``endpoint=``,
+    ``cache_dir=``, ``local_files_only=`` go to the source) or a ``gs://``/fsspec URL. ``mesh``
+    defaults to every device on one ``fsdp`` axis; ``rules`` map logical axes to mesh axes;
+    ``dtype=None`` keeps the storage dtype. With ``strict=True`` tensors no leaf uses are an
+    error. ``return_report=True`` returns ``(model, LoadReport)``.
+    """
+    model, plan, src = plan_model(
+        source, mesh=mesh, rules=rules, scan_layers=scan_layers, dtype=dtype, strict=strict, **source_options
+    )
+    arrays, report = execute_plan(plan, src, workers=workers, progress=progress)
+    state = nnx.state(model, nnx.Param)
+    loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
+    nnx.update(model, nnx.from_flat_state(loaded))
+    return (model, report) if return_report else model
+
+
+def load_params(
+    source: str | os.PathLike | Source,
+    abstract: Any,
+    mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
+    *,
+    config: Mapping | None = None,
+    mesh: Mesh | None = None,
+    strict: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool | None = None,
+    return_report: bool = False,
+    **source_options,
+) -> Any:
+    """Fill a pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) from a checkpoint.
+
+    ``mapping`` matches dotted leaf paths (``params.layers.attn.q.kernel``) to HF key templates;
+    ``config`` (default: the checkpoint's ``config.json``) resolves config names in hooks. Returns
+    the same tree structure with ``jax.Array`` leaves (and the report if asked).
+    """
+    src = open_source(source, **source_options)
+    index = open_index(src, require_config=False)
+    leaves, treedef = abstract_from_pytree(abstract, mesh)
+    plan = build_plan(index, leaves, as_table(mapping), index.config if config is None else config, strict=strict)
+    arrays, report = execute_plan(plan, src, workers=workers, progress=progress)
+    tree = jax.tree_util.tree_unflatten(treedef, [arrays[path] for path in leaves])
+    return (tree, report) if return_report else tree

@@ -1,0 +1,166 @@
+"""Typed errors raised by otfload.
+
+Every error a user can provoke with bad input derives from :class:`OtfloadError` and names the
+file, key or leaf involved and what was expected. Catch ``OtfloadError`` to handle them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class OtfloadError(Exception):
+    """Base class of every error otfload raises on purpose."""
+
+
+# --- sources -------------------------------------------------------------------------------------
+
+
+class SourceError(OtfloadError):
+    """A checkpoint source cannot be opened or read."""
+
+
+class SourceNotFoundError(SourceError):
+    """The source (directory, repository, bucket prefix or file in it) does not exist."""
+
+
+class SourceUnavailableError(SourceError):
+    """The source exists but could not be reached within the retry bounds."""
+
+
+class UnsafeFormatError(SourceError):
+    """The checkpoint is stored in a format that would need unpickling (``.bin``, ``.pt``, ...)."""
+
+
+# --- files and index -----------------------------------------------------------------------------
+
+
+class CorruptFileError(OtfloadError):
+    """A safetensors file is malformed; ``file`` names it and the message says what is wrong."""
+
+    def __init__(self, file: str, reason: str):
+        self.file = file
+        self.reason = reason
+        super().__init__(f"{file}: {reason}")
+
+
+class TruncatedFileError(CorruptFileError):
+    """A safetensors file is shorter than its header says."""
+
+
+class HeaderError(CorruptFileError):
+    """A safetensors header is not valid JSON of the expected form, or its offsets are wrong."""
+
+
+class UnknownDtypeError(CorruptFileError):
+    """A tensor's dtype string is not one otfload knows."""
+
+
+class CheckpointIndexError(OtfloadError):
+    """``model.safetensors.index.json`` or ``config.json`` is malformed or inconsistent."""
+
+
+# --- models and plans ----------------------------------------------------------------------------
+
+
+class UnsupportedModelError(OtfloadError):
+    """``config.json`` names a ``model_type`` (or a feature of one) that otfload cannot build."""
+
+
+class MappingError(OtfloadError):
+    """A mapping table or hook is inconsistent with the model or checkpoint it is used on."""
+
+
+@dataclass(frozen=True)
+class TensorProblem:
+    """One missing, unexpected or mis-shaped tensor found while planning a load."""
+
+    kind: str  # "missing" | "unexpected" | "shape"
+    hf_key: str | None
+    leaf: str | None
+    expected: object = None
+    actual: object = None
+    file: str | None = None
+
+    def describe(self) -> str:
+        where = f" in {self.file}" if self.file else ""
+        if self.kind == "missing":
+            return f"missing tensor {self.hf_key!r} needed by leaf {self.leaf!r} (expected shape {self.expected})"
+        if self.kind == "unexpected":
+            return f"unexpected tensor {self.hf_key!r}{where} (shape {self.actual}) is used by no leaf"
+        return (
+            f"shape mismatch for leaf {self.leaf!r} from {self.hf_key!r}{where}: "
+            f"expected {self.expected}, got {self.actual}"
+        )
+
+
+class CheckpointMismatchError(OtfloadError):
+    """The checkpoint's tensors do not fit the target tree; every problem is listed at once."""
+
+    def __init__(self, problems: Sequence[TensorProblem]):
+        self.problems = list(problems)
+        lines = [p.describe() for p in self.problems]
+        shown = lines[:50] + ([f"... and {len(lines) - 50} more"] if len(lines) > 50 else [])
+        super().__init__(f"{len(lines)} problem(s) loading checkpoint:\n  " + "\n  ".join(shown))
+
+    @property
+    def missing(self) -> list[TensorProblem]:
+        return [p for p in self.problems if p.kind == "missing"]
+
+    @property
+    def unexpected(self) -> list[TensorProblem]:
+        return [p for p in self.problems if p.kind == "unexpected"]
+
+    @property
+    def mismatched(self) -> list[TensorProblem]:
+        return [p for p in self.problems if p.kind == "shape"]
+
+
+class MissingTensorError(CheckpointMismatchError):
+    """Raised when every problem found is a missing tensor."""
+
+
+class UnexpectedTensorError(CheckpointMismatchError):
+    """Raised when every problem found is a tensor no leaf uses (only with ``strict=True``)."""
+
+
+class ShapeMismatchError(CheckpointMismatchError):
+    """Raised when every problem found is a tensor of the wrong shape."""
+
+
+def mismatch_error(problems: Sequence[TensorProblem]) -> CheckpointMismatchError:
+    """The most specific :class:`CheckpointMismatchError` subclass for ``problems``."""
+    kinds = {p.kind for p in problems}
+    cls = {
+        frozenset({"missing"}): MissingTensorError,
+        frozenset({"unexpected"}): UnexpectedTensorError,
+        frozenset({"shape"}): ShapeMismatchError,
+    }.get(frozenset(kinds), CheckpointMismatchError)
+    return cls(problems)
+
+
+# --- native checkpoints --------------------------------------------------------------------------
+
+
+class NativeCheckpointError(OtfloadError):
+    """A native (otfload/Orbax) checkpoint cannot be saved or restored."""
+
+
+class ScanLayersMismatchError(NativeCheckpointError):
+    """The caller asked for a ``scan_layers`` value that conflicts with the checkpoint's metadata."""
+
+
+class LayerLayoutError(OtfloadError):
+    """A parameter tree cannot be converted between the scanned and unscanned layer layouts."""
+
+
+# --- remote sources ------------------------------------------------------------------------------
+
+
+class SourcePermissionError(SourceError):
+    """The source refused the credentials (missing, invalid, or without access); never shows the token."""
+
+
+class ChecksumMismatchError(SourceError):
+    """A downloaded file's sha256 differs from the one the source published; the copy was discarded."""

@@ -1,0 +1,131 @@
+"""What a checkpoint holds: its config and, for every tensor, the file and byte span it lives in.
+
+Only headers and small JSON files are read here. ``model.safetensors.index.json`` is validated
+before any header is read: every file it names must be a plain name inside the checkpoint and
+exist, and every tensor it lists must be found in exactly the file it names.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from otfload.errors import CheckpointIndexError
+from otfload.index.header import FileHeader, TensorInfo, read_header
+from otfload.sources.base import Source, read_bytes
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# Headers are small; reading several at once hides remote latency without flooding a server.
+HEADER_READ_THREADS = 8
+# config.json and the index are small; anything larger is not what it claims to be.
+MAX_JSON_FILE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class CheckpointIndex:
+    """Config and tensor locations of one checkpoint, built from headers alone."""
+
+    source: Source
+    config: dict
+    tensors: dict[str, TensorInfo]
+    headers: dict[str, FileHeader] = field(repr=False)
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.headers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def __getitem__(self, key: str) -> TensorInfo:
+        return self.tensors[key]
+
+
+def read_json(source: Source, file: str) -> object:
+    """Parse a small JSON file of the checkpoint, with a typed error naming it."""
+    size = source.size(file)
+    if size > MAX_JSON_FILE_BYTES:
+        raise CheckpointIndexError(f"{file}: {size} bytes is too large for a JSON file of a checkpoint")
+    try:
+        return json.loads(read_bytes(source, file).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointIndexError(f"{file}: not valid JSON ({e})") from None
+
+
+def _check_member_name(name: object, source: Source) -> str:
+    if not isinstance(name, str) or not name:
+        raise CheckpointIndexError(f"{INDEX_FILE}: file name {name!r} is not a string")
+    norm = posixpath.normpath(name)
+    if "://" in name or name.startswith(("/", "\\")) or norm.startswith("..") or "\\" in name or ":" in name:
+        raise CheckpointIndexError(
+            f"{INDEX_FILE}: file {name!r} is outside the checkpoint in {source.description}"
+        )
+    return norm
+
+
+def _weight_map(source: Source, available: set[str]) -> dict[str, str]:
+    index = read_json(source, INDEX_FILE)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointIndexError(f"{INDEX_FILE}: no 'weight_map' object")
+    out = {}
+    for key, file in weight_map.items():
+        file = _check_member_name(file, source)
+        if file not in available:
+            raise CheckpointIndexError(f"{INDEX_FILE}: tensor {key!r} maps to missing file {file!r}")
+        out[key] = file
+    return out
+
+
+def _safetensors_files(source: Source, available: set[str]) -> tuple[list[str], dict[str, str] | None]:
+    if INDEX_FILE in available:
+        weight_map = _weight_map(source, available)
+        return sorted(set(weight_map.values())), weight_map
+    if SINGLE_FILE in available:
+        return [SINGLE_FILE], None
+    files = sorted(f for f in available if f.endswith(".safetensors") and "/" not in f)
+    if not files:
+        raise CheckpointIndexError(f"no .safetensors files in {source.description}")
+    return files, None
+
+
+def _merge(headers: dict[str, FileHeader], weight_map: dict[str, str] | None) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for header in headers.values():
+        for key, info in header.tensors.items():
+            if key in tensors:
+                raise CheckpointIndexError(f"tensor {key!r} is stored in both {tensors[key].file} and {info.file}")
+            if weight_map is None or weight_map.get(key) == info.file:
+                tensors[key] = info
+    if weight_map is not None:
+        for key, file in weight_map.items():
+            if key not in tensors:
+                raise CheckpointIndexError(f"{INDEX_FILE}: tensor {key!r} is not in {file}")
+    return tensors
+
+
+def open_index(source: Source, *, require_config: bool = True) -> CheckpointIndex:
+    """Read ``config.json``, the shard index and every safetensors header of ``source``."""
+    available = set(source.list_files())
+    config: dict = {}
+    if CONFIG_FILE in available:
+        config = read_json(source, CONFIG_FILE)
+        if not isinstance(config, dict):
+            raise CheckpointIndexError(f"{CONFIG_FILE}: not a JSON object")
+    elif require_config:
+        raise CheckpointIndexError(f"no {CONFIG_FILE} in {source.description}")
+    files, weight_map = _safetensors_files(source, available)
+    with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(files))) as pool:
+        headers = dict(zip(files, pool.map(lambda f: read_header(source, f), files), strict=True))
+    return CheckpointIndex(source, config, _merge(headers, weight_map), headers)
+
+
+__all__ = ["CheckpointIndex", "open_index", "read_json"]

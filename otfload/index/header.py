@@ -1,0 +1,160 @@
+"""Parse and validate one safetensors file header, without trusting anything in it.
+
+Layout of a safetensors file: an 8-byte little-endian unsigned header length ``N``, ``N`` bytes of
+UTF-8 JSON (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``),
+then the data section; offsets are relative to the data section. This parser checks every field
+the way the reference implementation does (so a file is accepted here iff ``safetensors`` accepts
+it) and turns every defect into a :class:`~otfload.errors.CorruptFileError` subclass naming the
+file and the tensor: it never raises anything else, never reads past the file and never executes
+anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+from otfload.errors import HeaderError, TruncatedFileError, UnknownDtypeError
+from otfload.index.dtypes import SAFETENSORS_DTYPES
+
+# The reference implementation refuses headers above 100 MB; a legitimate header of a 5 GB shard
+# with thousands of tensors is well under 1 MB, so this cap only stops hostile files.
+MAX_HEADER_BYTES = 100_000_000
+# Bytes read speculatively with the length prefix, so most headers arrive in one request.
+HEADER_PREFETCH_BYTES = 256 * 1024
+_LENGTH = struct.Struct("<Q")
+
+
+class TensorInfo(NamedTuple):
+    """Where one tensor's bytes are: ``file`` from absolute ``offset`` for ``nbytes`` bytes."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+
+
+class FileHeader(NamedTuple):
+    """A parsed header: tensors in file order, the ``__metadata__`` dict, and the data start."""
+
+    file: str
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def header_length(prefix: bytes, file: str, file_size: int) -> int:
+    """The JSON header length from the first 8 bytes, checked against the cap and file size."""
+    if file_size < _LENGTH.size or len(prefix) < _LENGTH.size:
+        raise TruncatedFileError(file, f"file is {file_size} bytes, too short for a safetensors header")
+    (n,) = _LENGTH.unpack_from(prefix)
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(file, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
+    if n + _LENGTH.size > file_size:
+        raise TruncatedFileError(file, f"header length {n} runs past the end of the {file_size}-byte file")
+    return n
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _decode_json(raw: bytes, file: str) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderError(file, f"header is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not text.startswith("{"):
+        raise HeaderError(file, "header does not start with '{'")
+    try:
+        parsed = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except (ValueError, RecursionError) as e:  # RecursionError: hostile deep nesting
+        raise HeaderError(file, f"header is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise HeaderError(file, "header JSON is not an object")
+    return parsed
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _tensor_entry(name: str, entry: object, file: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise HeaderError(file, f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+    dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        raise UnknownDtypeError(file, f"tensor {name!r}: unknown dtype {dtype_name!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise HeaderError(file, f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+        raise HeaderError(file, f"tensor {name!r}: data_offsets {offsets!r} is not two non-negative ints")
+    dtype = SAFETENSORS_DTYPES[dtype_name]
+    begin, end = offsets
+    want = math.prod(shape) * dtype.itemsize
+    if end < begin or end - begin != want:
+        raise HeaderError(
+            file, f"tensor {name!r}: {dtype_name}{shape} needs {want} bytes but data_offsets span {end - begin}"
+        )
+    return dtype, tuple(shape), begin, end
+
+
+def parse_header(raw_json: bytes, file: str, file_size: int) -> FileHeader:
+    """Validate a header's JSON bytes (without the length prefix) for a file of ``file_size`` bytes."""
+    data_start = _LENGTH.size + len(raw_json)
+    parsed = _decode_json(raw_json, file)
+    metadata = parsed.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise HeaderError(file, "__metadata__ must map strings to strings")
+    spans = []
+    for name, entry in parsed.items():
+        dtype, shape, begin, end = _tensor_entry(name, entry, file)
+        spans.append((begin, end, name, dtype, shape))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    cursor = 0
+    for begin, end, name, *_ in spans:
+        if begin != cursor:
+            what = "overlaps the previous tensor" if begin < cursor else f"leaves a gap after byte {cursor}"
+            raise HeaderError(file, f"tensor {name!r}: data_offsets [{begin}, {end}] {what}")
+        cursor = end
+    if data_start + cursor > file_size:
+        raise TruncatedFileError(
+            file, f"header needs {data_start + cursor} bytes but the file has only {file_size}"
+        )
+    if data_start + cursor < file_size:
+        raise HeaderError(file, f"{file_size - data_start - cursor} trailing bytes after the last tensor")
+    tensors = {
+        name: TensorInfo(name, dtype, shape, file, data_start + begin, end - begin)
+        for begin, end, name, dtype, shape in spans
+    }
+    return FileHeader(file, tensors, dict(metadata), data_start, file_size)
+
+
+def read_header(source, file: str) -> FileHeader:
+    """Read and validate the header of ``file`` from a :class:`~otfload.sources.Source`."""
+    file_size = source.size(file)
+    want = min(file_size, HEADER_PREFETCH_BYTES)
+    prefix = bytearray(want)
+    source.read_into(file, 0, memoryview(prefix))
+    n = header_length(bytes(prefix[: _LENGTH.size]), file, file_size)
+    if _LENGTH.size + n <= want:
+        raw = bytes(prefix[_LENGTH.size : _LENGTH.size + n])
+    else:
+        rest = bytearray(_LENGTH.size + n - want)
+        source.read_into(file, want, memoryview(rest))
+        raw = bytes(prefix[_LENGTH.size :]) + bytes(rest)
+    return parse_header(raw, file, file_size)

@@ -1,0 +1,123 @@
+"""Building blocks shared by the reference models: parameters with logical axes, norms, RoPE,
+attention. Layer math is written as pure functions of parameter dicts so one function serves
+scanned (``jax.lax.scan`` over stacked params) and unscanned (a Python loop) models.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Params = Mapping[str, object]
+
+
+def make_param(
+    rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, stack: int | None = None
+) -> nnx.Param:
+    """A normally initialised ``nnx.Param`` annotated with ``logical_axes``; ``stack`` prepends a
+    ``layers`` axis (scanned models)."""
+    shape, axes = tuple(shape), tuple(axes)
+    if stack is not None:
+        shape, axes = (stack, *shape), ("layers", *axes)
+    value = jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class Dense(nnx.Module):
+    """A weight ``kernel`` of ``shape`` (input dims first) and an optional ``bias``."""
+
+    def __init__(self, shape, axes, *, bias_dims: int = 0, dtype, rngs, stack=None):
+        self.kernel = make_param(rngs, shape, axes, dtype, stack)
+        if bias_dims:
+            self.bias = make_param(rngs, shape[-bias_dims:], axes[-bias_dims:], dtype, stack)
+
+
+class Norm(nnx.Module):
+    """An RMSNorm ``scale``."""
+
+    def __init__(self, dim: int, *, dtype, rngs, stack=None):
+        self.scale = make_param(rngs, (dim,), ("norm",), dtype, stack)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs):
+        self.embedding = make_param(rngs, (vocab, dim), ("vocab", "embed"), dtype)
+
+
+def pure(module: nnx.Module) -> dict:
+    """The module's parameters as a nested dict of arrays (what the pure layer functions take)."""
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32, scaled by ``offset + scale`` (Gemma uses offset 1)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32.astype(x.dtype) * (offset + scale.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
+
+
+def dense(p: Params, x: jax.Array, spec: str) -> jax.Array:
+    """``einsum(spec, x, kernel) + bias``."""
+    y = jnp.einsum(spec, x, p["kernel"])
+    return y + p["bias"] if "bias" in p else y
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None) -> np.ndarray:
+    """Inverse frequencies for RoPE, including Llama 3 ``rope_type="llama3"`` scaling."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv = np.where(medium, smoothed, scaled)
+    elif kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind not in ("default", None):
+        raise NotImplementedError(f"rope_type {kind!r}")
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [batch, seq, heads, head_dim]`` (the rotate-half convention of HF checkpoints)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def causal_mask(seq: int, window: int | None = None) -> jax.Array:
+    """``[seq, seq]`` boolean mask: causal, and within ``window`` tokens when given."""
+    i = jnp.arange(seq)[:, None]
+    j = jnp.arange(seq)[None, :]
+    mask = j <= i
+    return mask & (i - j < window) if window else mask
+
+
+def attention(q, k, v, mask, scale: float, softcap: float | None = None) -> jax.Array:
+    """Grouped-query attention; ``q [b, s, h, d]``, ``k, v [b, s, kv, d]``; softmax in float32."""
+    groups = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, groups, axis=2)
+    v = jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    if softcap:
+        logits = jnp.tanh(logits / softcap) * softcap
+    logits = jnp.where(mask[None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

@@ -1,0 +1,177 @@
+"""Reference Flax NNX decoder for the Llama family: Llama 3, Mistral, Qwen2 (qkv bias) and Qwen3
+(q/k RMSNorm). GQA, RoPE (incl. Llama 3 scaling), SwiGLU, RMSNorm, tied or untied embeddings,
+and ``scan_layers`` (parameters stacked on a leading ``layers`` axis, run with ``jax.lax.scan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from otfload.models.layers import (
+    Dense,
+    Embed,
+    Norm,
+    apply_rope,
+    attention,
+    causal_mask,
+    dense,
+    pure,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+)
+
+
+def rope_params(hf: dict) -> tuple[float, dict | None]:
+    """``(theta, scaling)`` from either the transformers 5 ``rope_parameters`` or older fields."""
+    params = hf.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return theta, scaling
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> LlamaConfig:
+        model_type = hf["model_type"]
+        heads = hf["num_attention_heads"]
+        theta, scaling = rope_params(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
+        use_window = hf.get("use_sliding_window", model_type == "mistral")
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=hf.get("sliding_window") if use_window else None,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
+        h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_bias = 2 if cfg.qkv_bias else 0
+        self.q = Dense((h, n, d), ("embed", "heads", "head_dim"), bias_dims=qkv_bias, dtype=dtype, rngs=rngs,
+                       stack=stack)
+        self.k = Dense((h, kv, d), ("embed", "kv_heads", "head_dim"), bias_dims=qkv_bias, dtype=dtype,
+                       rngs=rngs, stack=stack)
+        self.v = Dense((h, kv, d), ("embed", "kv_heads", "head_dim"), bias_dims=qkv_bias, dtype=dtype,
+                       rngs=rngs, stack=stack)
+        self.o = Dense((n, d, h), ("heads", "head_dim", "embed"), bias_dims=1 if cfg.o_bias else 0, dtype=dtype,
+                       rngs=rngs, stack=stack)
+        if cfg.qk_norm:
+            self.q_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
+            self.k_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
+        h, m, b = cfg.hidden_size, cfg.intermediate_size, 1 if cfg.mlp_bias else 0
+        self.gate = Dense((h, m), ("embed", "mlp"), bias_dims=b, dtype=dtype, rngs=rngs, stack=stack)
+        self.up = Dense((h, m), ("embed", "mlp"), bias_dims=b, dtype=dtype, rngs=rngs, stack=stack)
+        self.down = Dense((m, h), ("mlp", "embed"), bias_dims=b, dtype=dtype, rngs=rngs, stack=stack)
+
+
+class DecoderLayer(nnx.Module):
+    """One layer's parameters (``stack=L`` gives all L layers stacked on a leading axis)."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
+        self.input_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs, stack=stack)
+        self.post_attn_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
+        self.mlp = Mlp(cfg, dtype=dtype, rngs=rngs, stack=stack)
+
+
+def layer_forward(p: dict, x: jax.Array, cfg: LlamaConfig, cos, sin, mask) -> jax.Array:
+    """One decoder layer as a pure function of its parameter dict ``p``."""
+    a = p["attn"]
+    h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
+    q = dense(a["q"], h, "bsh,hnd->bsnd")
+    k = dense(a["k"], h, "bsh,hnd->bsnd")
+    v = dense(a["v"], h, "bsh,hnd->bsnd")
+    if cfg.qk_norm:
+        q = rms_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
+        k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = attention(q, k, v, mask, cfg.head_dim**-0.5)
+    x = x + dense(a["o"], out, "bsnd,ndh->bsh")
+    h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
+    m = p["mlp"]
+    act = jax.nn.silu(dense(m["gate"], h, "bsh,hm->bsm")) * dense(m["up"], h, "bsh,hm->bsm")
+    return x + dense(m["down"], act, "bsm,mh->bsh")
+
+
+class LlamaForCausalLM(nnx.Module):
+    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]``."""
+
+    def __init__(self, cfg: LlamaConfig, *, scan_layers: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.scan_layers = scan_layers
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        if scan_layers:
+            self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=cfg.num_layers)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embedding = self.embed.embedding[...]
+        x = embedding[input_ids]
+        seq = input_ids.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
+        cos, sin = rope_tables(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        mask = causal_mask(seq, cfg.sliding_window)
+        if self.scan_layers:
+            def body(h, p):
+                return layer_forward(p, h, cfg, cos, sin, mask), None
+
+            x, _ = jax.lax.scan(body, x, pure(self.layers))
+        else:
+            for layer in self.layers:
+                x = layer_forward(pure(layer), x, cfg, cos, sin, mask)
+        x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            return jnp.einsum("bsh,vh->bsv", x, embedding)
+        return jnp.einsum("bsh,hv->bsv", x, self.lm_head.kernel[...])

@@ -1,0 +1,285 @@
+"""Reshape hooks: the reusable steps that turn an HF tensor into (one slice of) a target leaf.
+
+A hook is a small frozen dataclass. Besides transforming a whole tensor (:meth:`Hook.forward`),
+each hook can carry a *box* through itself, which is what lets a device read only the bytes its
+shard needs:
+
+* :meth:`Hook.needed` — given the box of the output a shard needs, the box of the input that
+  covers it (a hook that cannot tell asks for the whole input);
+* :meth:`Hook.apply` — transform the part of the input that was read (a box of it) and say which
+  box of the output the result holds (a superset of what was asked; the builder crops).
+
+Hooks may name config fields instead of numbers (``Reshape(("num_attention_heads", -1))``);
+:meth:`Hook.resolve` substitutes them once per load. :meth:`Hook.inverse` gives the hook that
+undoes this one, so export runs the same mapping table backwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from otfload.errors import MappingError
+from otfload.plan.boxes import Box, cover_range, flat_range, full_box, is_full
+
+Shape = tuple[int, ...]
+
+
+def _config_value(config: Mapping, name: str) -> object:
+    if name not in config:
+        raise MappingError(f"hook refers to config field {name!r}, which config.json does not have")
+    return config[name]
+
+
+@dataclass(frozen=True)
+class Hook:
+    """Base class: a whole-tensor transform; subclasses override the box methods when they can."""
+
+    def resolve(self, config: Mapping) -> Hook:
+        """This hook with config field names replaced by their values."""
+        return self
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        raise NotImplementedError
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def needed(self, out_box: Box, in_shape: Shape) -> Box:
+        return full_box(in_shape)
+
+    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
+        if not is_full(in_box, in_shape):
+            raise MappingError(f"{self} needs the whole input tensor, got box {in_box}")
+        return self.forward(x), full_box(self.out_shape(in_shape))
+
+    def inverse(self, in_shape: Shape) -> Hook:
+        raise MappingError(f"{self} has no inverse; this mapping cannot be exported")
+
+
+@dataclass(frozen=True)
+class Transpose(Hook):
+    """Permute dimensions (``perm=None`` reverses them, the HF ``[out, in]`` → ``[in, out]`` case)."""
+
+    perm: tuple[int, ...] | None = None
+
+    def _perm(self, ndim: int) -> tuple[int, ...]:
+        return tuple(range(ndim))[::-1] if self.perm is None else tuple(self.perm)
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        return tuple(in_shape[p] for p in self._perm(len(in_shape)))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return x.transpose(self._perm(x.ndim))
+
+    def needed(self, out_box: Box, in_shape: Shape) -> Box:
+        perm = self._perm(len(in_shape))
+        box = [None] * len(perm)
+        for out_dim, in_dim in enumerate(perm):
+            box[in_dim] = out_box[out_dim]
+        return tuple(box)
+
+    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
+        perm = self._perm(len(in_shape))
+        return x.transpose(perm), tuple(in_box[p] for p in perm)
+
+    def inverse(self, in_shape: Shape) -> Hook:
+        return Transpose(tuple(int(i) for i in np.argsort(self._perm(len(in_shape)))))
+
+
+def reshape_groups(in_shape: Shape, out_shape: Shape) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input and output dimensions with equal products (the dims a reshape regroups)."""
+    if math.prod(in_shape) != math.prod(out_shape):
+        raise MappingError(f"cannot reshape {in_shape} into {out_shape}")
+    if 0 in in_shape or not in_shape or not out_shape:
+        return [(list(range(len(in_shape))), list(range(len(out_shape))))]
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, gj, pi, pj = [i], [j], in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != pj:  # equal totals guarantee a dim remains on the smaller side
+            if pi < pj:
+                gi.append(i)
+                pi *= in_shape[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= out_shape[j]
+                j += 1
+        groups.append((gi, gj))
+    groups[-1][0].extend(range(i, len(in_shape)))  # trailing size-1 dims
+    groups[-1][1].extend(range(j, len(out_shape)))
+    return groups
+
+
+@dataclass(frozen=True)
+class Reshape(Hook):
+    """Reshape to ``shape``; entries may be ints, ``-1`` or config field names."""
+
+    shape: tuple[int | str, ...]
+
+    def resolve(self, config: Mapping) -> Hook:
+        dims = tuple(int(_config_value(config, d)) if isinstance(d, str) else int(d) for d in self.shape)
+        return Reshape(dims)
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        dims = list(self.shape)
+        if any(isinstance(d, str) for d in dims):
+            raise MappingError(f"{self} was not resolved against a config")
+        if -1 in dims:
+            known = math.prod(d for d in dims if d != -1)
+            dims[dims.index(-1)] = math.prod(in_shape) // known if known else 0
+        if math.prod(dims) != math.prod(in_shape):
+            raise MappingError(f"cannot reshape {tuple(in_shape)} into {tuple(self.shape)}")
+        return tuple(int(d) for d in dims)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return x.reshape(self.out_shape(x.shape))
+
+    def needed(self, out_box: Box, in_shape: Shape) -> Box:
+        out_shape = self.out_shape(in_shape)
+        box: list = [None] * len(in_shape)
+        for gi, gj in reshape_groups(in_shape, out_shape):
+            in_dims, out_dims = [in_shape[d] for d in gi], [out_shape[d] for d in gj]
+            lo, hi = flat_range(tuple(out_box[d] for d in gj), out_dims)
+            # Grow the range until it is a box on both sides of the reshape (a fixpoint: ranges only
+            # grow and the whole group is a box on both sides).
+            while True:
+                lo_in, hi_in = flat_range(cover_range(lo, hi, in_dims), in_dims)
+                lo_out, hi_out = flat_range(cover_range(lo_in, hi_in, out_dims), out_dims)
+                if (lo_out, hi_out) == (lo, hi) == (lo_in, hi_in):
+                    break
+                lo, hi = min(lo_in, lo_out), max(hi_in, hi_out)
+            for d, span in zip(gi, cover_range(lo, hi, in_dims), strict=True):
+                box[d] = span
+        return tuple(box)
+
+    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
+        out_shape = self.out_shape(in_shape)
+        out_box: list = [None] * len(out_shape)
+        for gi, gj in reshape_groups(in_shape, out_shape):
+            in_dims, out_dims = [in_shape[d] for d in gi], [out_shape[d] for d in gj]
+            lo, hi = flat_range(tuple(in_box[d] for d in gi), in_dims)
+            spans = cover_range(lo, hi, out_dims) if hi > lo else tuple((0, 0) for _ in gj)
+            if hi > lo and flat_range(spans, out_dims) != (lo, hi):
+                raise MappingError(f"{self}: input box {in_box} does not map to an output box")
+            for d, span in zip(gj, spans, strict=True):
+                out_box[d] = span
+        out_box_t = tuple(out_box)
+        return x.reshape(tuple(b - a for a, b in out_box_t)), out_box_t
+
+    def inverse(self, in_shape: Shape) -> Hook:
+        return Reshape(tuple(in_shape))
+
+
+@dataclass(frozen=True)
+class Scale(Hook):
+    """Multiply by a constant (or a config field); the inverse divides."""
+
+    factor: float | str
+
+    def resolve(self, config: Mapping) -> Hook:
+        return Scale(float(_config_value(config, self.factor))) if isinstance(self.factor, str) else self
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        return tuple(in_shape)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return (x * np.asarray(self.factor, dtype=x.dtype)).astype(x.dtype)
+
+    def needed(self, out_box: Box, in_shape: Shape) -> Box:
+        return out_box
+
+    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
+        return self.forward(x), in_box
+
+    def inverse(self, in_shape: Shape) -> Hook:
+        return Scale(1.0 / float(self.factor))
+
+
+@dataclass(frozen=True)
+class Slice(Hook):
+    """Keep ``start:stop:step`` of one axis: splits fused tensors (QKV, gate/up, interleaved pairs).
+
+    ``start``/``stop`` may name config fields. Several leaves can take different slices of the same
+    HF tensor; each reads only its part.
+    """
+
+    axis: int
+    start: int | str = 0
+    stop: int | str | None = None
+    step: int = 1
+
+    def resolve(self, config: Mapping) -> Hook:
+        def value(v):
+            return int(_config_value(config, v)) if isinstance(v, str) else v
+
+        return dataclasses.replace(self, start=value(self.start), stop=value(self.stop))
+
+    def _range(self, n: int) -> range:
+        return range(n)[slice(self.start, self.stop, self.step)]
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        shape = list(in_shape)
+        shape[self.axis] = len(self._range(in_shape[self.axis]))
+        return tuple(shape)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        index = [slice(None)] * x.ndim
+        index[self.axis] = slice(self.start, self.stop, self.step)
+        return x[tuple(index)]
+
+    def needed(self, out_box: Box, in_shape: Shape) -> Box:
+        axis = self.axis % len(in_shape)
+        kept = self._range(in_shape[axis])
+        lo, hi = out_box[axis]
+        box = list(out_box)
+        box[axis] = (kept[lo], kept[hi - 1] + 1) if hi > lo else (0, 0)
+        return tuple(box)
+
+    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
+        axis = self.axis % len(in_shape)
+        kept = self._range(in_shape[axis])
+        a, b = in_box[axis]
+        positions = [j for j, p in enumerate(kept) if a <= p < b]
+        lo, hi = (positions[0], positions[-1] + 1) if positions else (0, 0)
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(kept[lo] - a, kept[hi - 1] - a + 1, kept.step) if positions else slice(0, 0)
+        box = list(in_box)
+        box[axis] = (lo, hi)
+        return x[tuple(index)], tuple(box)
+
+
+def run_forward(hooks: Sequence[Hook], x: np.ndarray) -> np.ndarray:
+    """Apply ``hooks`` to a whole tensor."""
+    for hook in hooks:
+        x = hook.forward(x)
+    return x
+
+
+def chain_shapes(hooks: Sequence[Hook], in_shape: Shape) -> list[Shape]:
+    """Input shape of every hook, then the final output shape (``len(hooks) + 1`` entries)."""
+    shapes = [tuple(in_shape)]
+    for hook in hooks:
+        shapes.append(tuple(hook.out_shape(shapes[-1])))
+    return shapes
+
+
+def chain_needed(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box) -> Box:
+    """The box of the source tensor that covers ``out_box`` of the chain's output."""
+    box = out_box
+    for hook, in_shape in zip(reversed(hooks), reversed(shapes[:-1]), strict=True):
+        box = hook.needed(box, in_shape)
+    return box
+
+
+def chain_apply(hooks: Sequence[Hook], shapes: Sequence[Shape], x: np.ndarray, box: Box) -> tuple[np.ndarray, Box]:
+    """Carry the part ``box`` of the source through every hook; returns the result and its box."""
+    for hook, in_shape in zip(hooks, shapes[:-1], strict=True):
+        x, box = hook.apply(x, box, in_shape)
+    return x, box

@@ -1,0 +1,126 @@
+"""Declarative mapping tables: target leaf path ↔ HF key template + hooks.
+
+A :class:`Rule` says where one kind of target leaf comes from::
+
+    Rule("layers.{layer}.attn.q.kernel", "model.layers.{layer}.self_attn.q_proj.weight",
+         (Transpose(), Reshape((-1, "num_attention_heads", "head_dim"))))
+
+Placeholders (``{layer}``, ``{expert}``) tie the two templates together. A placeholder that is a
+path segment of the *actual* leaf (``layers.3.attn.q.kernel``) selects one HF tensor; one that is
+absent from the leaf path (a scanned ``layers.attn.q.kernel``, or ``{expert}`` when the target
+never names experts) becomes a *stack axis*: the leaf gains a leading dimension over it and is
+built from many HF tensors with one ``np.stack``. ``stack_order`` fixes the order of those axes
+when the default (target-template order, then HF-template order) is not what the model wants.
+
+Rules are plain data: the same table drives loading, ``otfload inspect`` and export (which runs the
+hooks' inverses). One HF key may feed several leaves (tied embeddings); nothing is consumed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping as MappingABC
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from otfload.errors import MappingError
+from otfload.plan.hooks import Hook
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def placeholders(template: str) -> list[str]:
+    """Placeholder names in order of first appearance."""
+    seen: list[str] = []
+    for name in _PLACEHOLDER.findall(template):
+        if name not in seen:
+            seen.append(name)
+    return seen
+
+
+def _target_regex(template: str) -> re.Pattern:
+    """A regex matching leaf paths of ``template`` with each ``{name}.`` segment optional."""
+    parts, pos = [], 0
+    for m in re.finditer(r"\{(\w+)\}\.?", template):
+        parts.append(re.escape(template[pos : m.start()]))
+        dot = r"\." if m.group(0).endswith(".") else ""
+        parts.append(rf"(?:(?P<{m.group(1)}>\d+){dot})?")
+        pos = m.end()
+    parts.append(re.escape(template[pos:]))
+    return re.compile("".join(parts) + r"\Z")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One target-leaf template, the HF key template(s) feeding it, and the hooks between them.
+
+    ``fallbacks`` are HF templates tried in order when ``source`` is absent (tied embeddings:
+    ``lm_head.weight`` falls back to ``model.embed_tokens.weight``). ``offsets`` shift placeholder
+    values on the HF side (``{"layer": "first_k_dense_replace"}`` for a group of layers that
+    starts after the dense ones); values may be config field names.
+    """
+
+    target: str
+    source: str
+    hooks: tuple[Hook, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    stack_order: tuple[str, ...] | None = None
+    offsets: MappingABC[str, int | str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        missing = set(placeholders(self.target)) - set(placeholders(self.source))
+        if missing:
+            raise MappingError(f"rule {self.target!r}: placeholders {sorted(missing)} not in {self.source!r}")
+
+    @property
+    def regex(self) -> re.Pattern:
+        return _target_regex(self.target)
+
+    def match(self, leaf_path: str) -> tuple[dict[str, int], tuple[str, ...]] | None:
+        """``(fixed placeholder values, stack axis names)`` if ``leaf_path`` is this rule's, else None."""
+        m = self.regex.match(leaf_path)
+        if m is None:
+            return None
+        fixed = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+        stacked = [k for k in placeholders(self.target) if k not in fixed]
+        stacked += [k for k in placeholders(self.source) if k not in fixed and k not in stacked]
+        if self.stack_order is not None:
+            if sorted(self.stack_order) != sorted(stacked):
+                return None
+            stacked = list(self.stack_order)
+        return fixed, tuple(stacked)
+
+
+@dataclass(frozen=True)
+class MappingTable:
+    """An ordered list of rules; the first rule whose target template matches a leaf wins."""
+
+    rules: tuple[Rule, ...]
+    # HF keys that may be present but are never loaded (e.g. rotary buffers): not "unexpected".
+    ignore: tuple[str, ...] = ()
+
+    def find(self, leaf_path: str) -> tuple[Rule, dict[str, int], tuple[str, ...]] | None:
+        for rule in self.rules:
+            found = rule.match(leaf_path)
+            if found is not None:
+                return rule, *found
+        return None
+
+    def ignored(self, hf_key: str) -> bool:
+        return any(re.fullmatch(pattern, hf_key) for pattern in self.ignore)
+
+    def __add__(self, other: MappingTable) -> MappingTable:
+        return MappingTable(self.rules + other.rules, self.ignore + other.ignore)
+
+
+def as_table(mapping: MappingTable | Sequence[Rule] | MappingABC[str, str]) -> MappingTable:
+    """Accept a table, a list of rules, or a plain ``{target template: HF template}`` dict."""
+    if isinstance(mapping, MappingTable):
+        return mapping
+    if isinstance(mapping, MappingABC):
+        return MappingTable(tuple(Rule(t, s) for t, s in mapping.items()))
+    return MappingTable(tuple(mapping))
+
+
+def format_key(template: str, values: MappingABC[str, int]) -> str:
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)

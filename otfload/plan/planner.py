@@ -1,0 +1,164 @@
+"""The load plan: for every target leaf, the HF tensors it is built from and how — computed from
+headers alone, before any tensor byte is read, so it can be printed and checked.
+
+For each leaf the first matching :class:`~otfload.plan.mapping.Rule` gives an HF key template;
+its stack axes (scanned layers, experts) enumerate one HF key per slice of the leaf, in row-major
+order over the leading stack dimensions. Every key is checked to exist (or a fallback, for tied
+weights) and every tensor's shape is carried through the hooks and compared with the leaf's slice
+shape. All problems — missing, mis-shaped and (with ``strict``) unexpected tensors — are collected
+and raised together as one :class:`~otfload.errors.CheckpointMismatchError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from otfload.errors import MappingError, TensorProblem, mismatch_error
+from otfload.index.checkpoint import CheckpointIndex
+from otfload.index.header import TensorInfo
+from otfload.plan.abstract import AbstractLeaf
+from otfload.plan.hooks import Hook, Shape, chain_shapes
+from otfload.plan.mapping import MappingTable, Rule, format_key
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """How one target leaf is built: ``sources`` (row-major over the stack dims) through ``hooks``."""
+
+    leaf: AbstractLeaf
+    rule: Rule
+    stack_axes: tuple[str, ...]
+    sources: tuple[TensorInfo, ...]
+    hooks: tuple[Hook, ...]
+    shapes: tuple[Shape, ...]  # the source shape, then the output shape of each hook
+
+    @property
+    def path(self) -> str:
+        return self.leaf.path
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        return self.leaf.shape[: len(self.stack_axes)]
+
+    @property
+    def slice_shape(self) -> tuple[int, ...]:
+        return self.leaf.shape[len(self.stack_axes) :]
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(info.nbytes for info in self.sources)
+
+    def describe(self) -> dict:
+        """A JSON-able summary (what ``otfload inspect`` prints)."""
+        keys = [s.name for s in self.sources]
+        return {
+            "leaf": self.path,
+            "shape": list(self.leaf.shape),
+            "dtype": str(self.leaf.dtype),
+            "sharding": str(getattr(self.leaf.sharding, "spec", self.leaf.sharding)),
+            "stack_axes": list(self.stack_axes),
+            "hf_keys": keys if len(keys) <= 2 else [keys[0], f"... {len(keys) - 2} more ...", keys[-1]],
+            "num_hf_keys": len(keys),
+            "hf_dtype": str(self.sources[0].dtype) if self.sources else None,
+            "hooks": [repr(h) for h in self.hooks],
+            "source_bytes": self.source_bytes,
+        }
+
+
+@dataclass
+class LoadPlan:
+    """Every leaf's plan plus the checkpoint tensors that no leaf uses."""
+
+    leaves: dict[str, LeafPlan]
+    unused: list[str] = field(default_factory=list)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(p.source_bytes for p in self.leaves.values())
+
+
+def _resolve_offset(value: int | str, config: Mapping) -> int:
+    if isinstance(value, str):
+        if value not in config:
+            raise MappingError(f"rule offset refers to config field {value!r}, which the config does not have")
+        return int(config[value])
+    return int(value)
+
+
+def _lookup(index: CheckpointIndex, rule: Rule, values: dict[str, int]) -> tuple[str, TensorInfo | None]:
+    key = format_key(rule.source, values)
+    for candidate in (key, *(format_key(f, values) for f in rule.fallbacks)):
+        if candidate in index:
+            return candidate, index[candidate]
+    return key, None
+
+
+def plan_leaf(
+    leaf: AbstractLeaf, table: MappingTable, index: CheckpointIndex, config: Mapping, problems: list
+) -> LeafPlan | None:
+    """Plan one leaf, appending any problems found; returns None when it cannot be built."""
+    found = table.find(leaf.path)
+    if found is None:
+        problems.append(TensorProblem("missing", None, leaf.path, expected=f"a mapping rule for {leaf.shape}"))
+        return None
+    rule, fixed, stack_axes = found
+    if len(leaf.shape) < len(stack_axes):
+        problems.append(TensorProblem("shape", rule.source, leaf.path, f"{len(stack_axes)} stack dims", leaf.shape))
+        return None
+    hooks = tuple(h.resolve(config) for h in rule.hooks)
+    offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
+    stack_shape, slice_shape = leaf.shape[: len(stack_axes)], leaf.shape[len(stack_axes) :]
+    sources, shapes, ok = [], None, True
+    for combo in itertools.product(*(range(n) for n in stack_shape)):
+        values = {**fixed, **dict(zip(stack_axes, combo, strict=True))}
+        values = {k: v + offsets.get(k, 0) for k, v in values.items()}
+        key, info = _lookup(index, rule, values)
+        if info is None:
+            problems.append(TensorProblem("missing", key, leaf.path, expected=slice_shape))
+            ok = False
+            continue
+        try:
+            chain = tuple(chain_shapes(hooks, info.shape))
+        except MappingError:
+            chain = None
+        if chain is None or chain[-1] != slice_shape or (shapes is not None and chain != shapes):
+            actual = info.shape if chain is None else f"{info.shape} (becomes {chain[-1]} after hooks)"
+            problems.append(TensorProblem("shape", key, leaf.path, slice_shape, actual, info.file))
+            ok = False
+            continue
+        shapes = chain
+        sources.append(info)
+    if not ok or math.prod(stack_shape) != len(sources):
+        return None
+    return LeafPlan(leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,))
+
+
+def build_plan(
+    index: CheckpointIndex,
+    leaves: Mapping[str, AbstractLeaf],
+    table: MappingTable,
+    config: Mapping | None = None,
+    *,
+    strict: bool = False,
+) -> LoadPlan:
+    """Plan every leaf; raise one error listing every problem, or return the plan."""
+    config = config or {}
+    problems: list[TensorProblem] = []
+    plans = {}
+    for path, leaf in leaves.items():
+        plan = plan_leaf(leaf, table, index, config, problems)
+        if plan is not None:
+            plans[path] = plan
+    used = {info.name for plan in plans.values() for info in plan.sources}
+    used |= {p.hf_key for p in problems if p.hf_key}
+    unused = sorted(k for k in index.tensors if k not in used and not table.ignored(k))
+    if strict:
+        problems += [
+            TensorProblem("unexpected", k, None, actual=index[k].shape, file=index[k].file) for k in unused
+        ]
+    if problems:
+        raise mismatch_error(problems)
+    return LoadPlan(plans, unused)

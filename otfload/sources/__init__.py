@@ -1,0 +1,49 @@
+"""Where checkpoint bytes come from: local directories, Hub repos and fsspec URLs (``gs://`` ...)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from otfload.errors import SourceNotFoundError
+from otfload.sources.base import RangeRead, Source, read_bytes
+from otfload.sources.formats import check_safe_format
+from otfload.sources.local import LocalSource
+
+__all__ = ["LocalSource", "RangeRead", "Source", "open_source", "read_bytes"]
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub allows them
+
+
+def open_source(location: str | os.PathLike | Source, **options) -> Source:
+    """Open ``location`` as a :class:`Source`.
+
+    - a :class:`Source`: returned as is;
+    - ``scheme://...`` (``gs://``, ``s3://``, ``hf://``, ``memory://``, ``file://``, ...): an
+      :class:`~otfload.sources.fsspec_source.FsspecSource` with ``options["storage_options"]``;
+    - an existing local directory: a :class:`LocalSource`;
+    - ``org/name``: a :class:`~otfload.sources.hub.HubSource`, with the ``revision``, ``token``,
+      ``endpoint``, ``cache_dir`` and ``local_files_only`` options.
+
+    A location with pickle checkpoints but no safetensors raises ``UnsafeFormatError``; one that
+    does not exist raises ``SourceNotFoundError``. ``retry`` (a ``RetryPolicy``) applies to remote sources.
+    """
+    if isinstance(location, Source):
+        return location
+    text = os.fspath(location)
+    if _URL.match(text):
+        from otfload.sources.fsspec_source import FsspecSource
+
+        return FsspecSource(text, options.get("storage_options"), retry=options.get("retry"))
+    if Path(text).expanduser().is_dir():
+        source = LocalSource(text)
+        check_safe_format(source.list_files(), source.description)
+        return source
+    if _HUB_REPO_ID.match(text) and not text.startswith((".", "~")):
+        from otfload.sources.hub import HubSource
+
+        hub_options = ("revision", "token", "endpoint", "cache_dir", "local_files_only", "retry")
+        return HubSource(text, **{k: options[k] for k in hub_options if k in options})
+    raise SourceNotFoundError(f"checkpoint location {text!r} is neither a local directory, a URL nor a Hub repo id")
