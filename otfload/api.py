@@ -67,6 +67,7 @@ def from_pretrained(
     dtype: Any = None,
     strict: bool = False,
     workers: int = DEFAULT_WORKERS,
+    host_memory_budget: int | None = None,
     progress: bool | None = None,
     return_report: bool = False,
     **source_options,
@@ -77,12 +78,15 @@ def from_pretrained(
     ``cache_dir=``, ``local_files_only=`` go to the source) or a ``gs://``/fsspec URL. ``mesh``
     defaults to every device on one ``fsdp`` axis; ``rules`` map logical axes to mesh axes;
     ``dtype=None`` keeps the storage dtype. With ``strict=True`` tensors no leaf uses are an
-    error. ``return_report=True`` returns ``(model, LoadReport)``.
+    error. ``host_memory_budget`` caps scratch bytes in flight (default: the largest leaf);
+    ``workers`` builder threads run at once. ``return_report=True`` returns ``(model, LoadReport)``.
     """
     model, plan, src = plan_model(
         source, mesh=mesh, rules=rules, scan_layers=scan_layers, dtype=dtype, strict=strict, **source_options
     )
-    arrays, report = execute_plan(plan, src, workers=workers, progress=progress)
+    arrays, report = execute_plan(
+        plan, src, workers=workers, host_memory_budget=host_memory_budget, progress=progress
+    )
     state = nnx.state(model, nnx.Param)
     loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
     nnx.update(model, nnx.from_flat_state(loaded))
@@ -98,6 +102,7 @@ def load_params(
     mesh: Mesh | None = None,
     strict: bool = False,
     workers: int = DEFAULT_WORKERS,
+    host_memory_budget: int | None = None,
     progress: bool | None = None,
     return_report: bool = False,
     **source_options,
@@ -112,6 +117,8 @@ def load_params(
     index = open_index(src, require_config=False)
     leaves, treedef = abstract_from_pytree(abstract, mesh)
     plan = build_plan(index, leaves, as_table(mapping), index.config if config is None else config, strict=strict)
-    arrays, report = execute_plan(plan, src, workers=workers, progress=progress)
+    arrays, report = execute_plan(
+        plan, src, workers=workers, host_memory_budget=host_memory_budget, progress=progress
+    )
     tree = jax.tree_util.tree_unflatten(treedef, [arrays[path] for path in leaves])
     return (tree, report) if return_report else tree

@@ -1,66 +1,133 @@
 """Build and place leaves: each device shard from exactly the bytes it needs, with one ``np.stack``.
 
-For a leaf and one of its shards (a box of the leaf):
+For one leaf:
 
-1. the leading stack dims of the box pick which HF tensors (layers, experts) the shard needs;
-2. the rest of the box is carried backwards through the hooks to the box of each HF tensor that
-   covers it, and only those byte runs are read (into reusable scratch);
-3. each piece goes forwards through the hooks (views where possible) and is cropped to the box;
-4. one ``np.stack`` writes every piece, cast to the target dtype, into a fresh 64-byte-aligned
-   buffer — the only full copy of the data — which JAX's CPU backend adopts without copying.
+1. the sharding gives every local device a box of the leaf; devices with equal boxes (replicated
+   dims) share one build;
+2. a box's leading stack dims pick the HF tensors (layers, experts) it needs; the rest of the box
+   is carried backwards through the hooks to the box of each HF tensor covering it
+   (:func:`~otfload.plan.hooks.chain_needed`);
+3. each HF tensor is read once per process — the bounding box of what the local devices need from
+   it — into reusable scratch, so replicated and column-split shards never read a byte twice;
+4. per device box, the pieces go forwards through the hooks (views where possible), are cropped,
+   and one ``np.stack`` writes them, cast to the target dtype, into a fresh 64-byte-aligned buffer
+   — the only full copy of the data — which JAX's CPU backend adopts without copying.
 
-Devices that hold the same box (replicated dims) share one build; each gets its own buffer, so no
-two devices alias memory that a donating computation might overwrite.
+Scratch is bounded: stack slices are processed in chunks whose source bytes fit ``budget``
+(default: all of a leaf at once, i.e. transient memory ≤ the largest leaf). Each device gets its
+own buffer, so no two devices alias memory a donating computation might overwrite.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import defaultdict
 
 import jax
 import numpy as np
 
-from otfload.plan.boxes import Box, box_from_index, box_shape, crop
+from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop
 from otfload.plan.hooks import chain_apply, chain_needed
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
 from otfload.read.reader import TensorReader
 
 
-def build_box(plan: LeafPlan, box: Box, reader: TensorReader, arena: Arena) -> np.ndarray:
-    """The values of ``plan``'s leaf inside ``box``, in a fresh aligned array of the target dtype."""
+def bounding_box(boxes: list[Box]) -> Box:
+    return tuple((min(d[0] for d in dims), max(d[1] for d in dims)) for dims in zip(*boxes, strict=True))
+
+
+class ByteBudget:
+    """Caps the scratch bytes all builder threads hold at once; one oversized request may run alone."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._held = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        if self.limit is None:
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._held == 0 or self._held + nbytes <= self.limit)
+            self._held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        if self.limit is None:
+            return
+        with self._cond:
+            self._held -= nbytes
+            self._cond.notify_all()
+
+
+def _chunks(combos: list[tuple[int, ...]], per_combo: int, limit: int | None) -> list[list[tuple[int, ...]]]:
+    """Consecutive runs of stack slices whose source bytes fit ``limit`` (at least one slice each)."""
+    if limit is None or not combos:
+        return [combos]
+    size = max(1, limit // max(1, per_combo))
+    return [combos[i : i + size] for i in range(0, len(combos), size)]
+
+
+def build_boxes(
+    plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None = None
+) -> dict[Box, np.ndarray]:
+    """The values of ``plan``'s leaf inside each of ``boxes``, in fresh aligned target-dtype arrays."""
+    budget = budget or ByteBudget(None)
     n_stack = len(plan.stack_axes)
-    stack_box, inner = box[:n_stack], box[n_stack:]
     strides = [int(np.prod(plan.stack_shape[d + 1 :], dtype=np.int64)) for d in range(n_stack)]
-    need = chain_needed(plan.hooks, plan.shapes, inner)
+    need = {box: chain_needed(plan.hooks, plan.shapes, box[n_stack:]) for box in boxes}
+    union = bounding_box(list(need.values()))
+    combos_of = {box: list(itertools.product(*(range(a, b) for a, b in box[:n_stack]))) for box in boxes}
+    all_combos = sorted(set().union(*combos_of.values()))
+    results = {box: aligned_empty(box_shape(box), plan.leaf.dtype) for box in boxes}
+    per_combo = box_nbytes(union, plan.sources[0].dtype.itemsize) if plan.sources else 0
+    for chunk in _chunks(all_combos, per_combo, budget.limit):
+        held = per_combo * len(chunk)
+        budget.acquire(held)
+        try:
+            parts = {
+                c: reader.read_box(plan.sources[sum(i * s for i, s in zip(c, strides, strict=True))], union, arena)
+                for c in chunk
+            }
+            for box in boxes:
+                _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
+        finally:
+            arena.reset()
+            budget.release(held)
+    return results
+
+
+def _stack_into(plan: LeafPlan, box: Box, need: Box, union: Box, combos, parts, result: np.ndarray) -> None:
+    """Write the pieces of ``box`` present in ``parts`` into their rows of ``result`` (one np.stack)."""
+    inner = box[len(plan.stack_axes) :]
+    rows = [i for i, c in enumerate(combos) if c in parts]  # consecutive: chunks follow row-major order
+    if not rows:
+        return
     pieces = []
-    for combo in itertools.product(*(range(a, b) for a, b in stack_box)):
-        info = plan.sources[sum(i * s for i, s in zip(combo, strides, strict=True))]
-        part = reader.read_box(info, need, arena)
-        out, have = chain_apply(plan.hooks, plan.shapes, part, need)
+    for i in rows:
+        out, have = chain_apply(plan.hooks, plan.shapes, crop(parts[combos[i]], union, need), need)
         pieces.append(crop(out, have, inner))
-    result = aligned_empty(box_shape(box), plan.leaf.dtype)
-    if n_stack == 0:
+    if not plan.stack_axes:
         np.copyto(result, pieces[0], casting="unsafe")
-    else:
-        np.stack(pieces, axis=0, out=result.reshape((-1, *box_shape(inner))), casting="unsafe")
-    arena.reset()
-    return result
+        return
+    flat = result.reshape((-1, *box_shape(inner)))
+    np.stack(pieces, axis=0, out=flat[rows[0] : rows[-1] + 1], casting="unsafe")
 
 
-def build_leaf(plan: LeafPlan, reader: TensorReader, arena: Arena) -> jax.Array:
-    """The leaf as a ``jax.Array`` with its target sharding, built shard by shard."""
+def build_leaf(
+    plan: LeafPlan, reader: TensorReader, arena: Arena, budget: ByteBudget | None = None
+) -> jax.Array:
+    """The leaf as a ``jax.Array`` with its target sharding, built from the bytes local devices need."""
     leaf = plan.leaf
     devices_by_box: dict[Box, list] = defaultdict(list)
     for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
         devices_by_box[box_from_index(index, leaf.shape)].append(device)
+    built = build_boxes(plan, list(devices_by_box), reader, arena, budget)
     arrays = []
     for box, devices in devices_by_box.items():
-        data = build_box(plan, box, reader, arena)
         for i, device in enumerate(devices):
-            own = data if i == 0 else _aligned_copy(data)
-            arrays.append(jax.device_put(own, device))
+            arrays.append(jax.device_put(built[box] if i == 0 else _aligned_copy(built[box]), device))
     return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
 
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 from tqdm.auto import tqdm
 
-from otfload.build.builder import build_leaf
+from otfload.build.builder import ByteBudget, build_leaf
 from otfload.build.report import LoadReport, current_rss, peak_rss
 from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
@@ -23,9 +23,21 @@ DEFAULT_WORKERS = 2
 
 
 def execute_plan(
-    plan: LoadPlan, source: Source, *, workers: int = DEFAULT_WORKERS, progress: bool | None = None
+    plan: LoadPlan,
+    source: Source,
+    *,
+    workers: int = DEFAULT_WORKERS,
+    host_memory_budget: int | None = None,
+    progress: bool | None = None,
 ) -> tuple[dict[str, jax.Array], LoadReport]:
-    """Build every leaf of ``plan`` from ``source``; returns ``{leaf path: array}`` and the report."""
+    """Build every leaf of ``plan`` from ``source``; returns ``{leaf path: array}`` and the report.
+
+    ``host_memory_budget`` caps the scratch bytes (source data read but not yet placed) held by all
+    builder threads together; the default, the largest leaf's source bytes, keeps transient host
+    memory within one leaf. A smaller budget makes large stacked leaves build in several chunks.
+    """
+    largest = max((p.source_bytes for p in plan.leaves.values()), default=0)
+    budget = ByteBudget(host_memory_budget or largest)
     report = LoadReport(source=source.description, leaves=len(plan.leaves), rss_before=current_rss())
     reader = TensorReader(source)
     local = threading.local()
@@ -36,7 +48,7 @@ def execute_plan(
     def build(path: str) -> jax.Array:
         if not hasattr(local, "arena"):
             local.arena = Arena()
-        array = build_leaf(plan.leaves[path], reader, local.arena)
+        array = build_leaf(plan.leaves[path], reader, local.arena, budget)
         bar.update(plan.leaves[path].source_bytes)
         return array
 

@@ -6,7 +6,7 @@ scanned (``jax.lax.scan`` over stacked params) and unscanned (a Python loop) mod
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,22 @@ def pure(module: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
+def run_layers(
+    params: Mapping | Sequence[Mapping],
+    x: jax.Array,
+    forward: Callable[[Mapping, jax.Array, object], jax.Array],
+    xs: object = None,
+) -> jax.Array:
+    """``x`` through every layer: ``forward(p, x, xs_i)`` scanned (``jax.lax.scan``) over stacked
+    parameters (a dict whose leaves have a leading ``layers`` axis) or looped over a list of
+    per-layer dicts; ``xs`` (a pytree with a leading layer axis, or None) gives each layer its slice."""
+    if isinstance(params, Mapping):
+        return jax.lax.scan(lambda h, p_xs: (forward(p_xs[0], h, p_xs[1]), None), x, (params, xs))[0]
+    for i, p in enumerate(params):
+        x = forward(p, x, jax.tree.map(lambda a, i=i: a[i], xs))
+    return x
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm computed in float32, scaled by ``offset + scale`` (Gemma uses offset 1)."""
     x32 = x.astype(jnp.float32)
@@ -83,15 +99,49 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None) -> np.nd
         inv = np.where(medium, smoothed, scaled)
     elif kind == "linear":
         inv = inv / scaling["factor"]
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(inv, head_dim, theta, scaling)
     elif kind not in ("default", None):
         raise NotImplementedError(f"rope_type {kind!r}")
     return inv.astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def _yarn_inv_freq(inv: np.ndarray, head_dim: int, theta: float, scaling: Mapping) -> np.ndarray:
+    """YaRN: interpolate low frequencies by ``factor``, keep high ones, blend linearly between the
+    ``beta_fast``/``beta_slow`` correction dims (transformers' ``_compute_yarn_parameters``)."""
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(scaling: Mapping | None) -> float:
+    """The factor YaRN multiplies cos/sin by (``attention_factor`` or ``0.1 ln(factor) + 1``); 1 otherwise."""
+    scaling = scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of ``positions x inv_freq``, each times ``scale`` (see :func:`rope_attention_factor`)."""
     freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -110,8 +160,9 @@ def causal_mask(seq: int, window: int | None = None) -> jax.Array:
     return mask & (i - j < window) if window else mask
 
 
-def attention(q, k, v, mask, scale: float, softcap: float | None = None) -> jax.Array:
-    """Grouped-query attention; ``q [b, s, h, d]``, ``k, v [b, s, kv, d]``; softmax in float32."""
+def attention(q, k, v, mask, scale: float, softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+    """Grouped-query attention; ``q [b, s, h, d]``, ``k, v [b, s, kv, d]``; softmax in float32.
+    ``sinks [h]`` (GPT-OSS) are per-head logits of a virtual key that takes probability but adds no value."""
     groups = q.shape[2] // k.shape[2]
     k = jnp.repeat(k, groups, axis=2)
     v = jnp.repeat(v, groups, axis=2)
@@ -119,5 +170,8 @@ def attention(q, k, v, mask, scale: float, softcap: float | None = None) -> jax.
     if softcap:
         logits = jnp.tanh(logits / softcap) * softcap
     logits = jnp.where(mask[None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
+        logits = jnp.concatenate([logits, sink], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)[..., : k.shape[1]].astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

@@ -6,6 +6,7 @@ and ``scan_layers`` (parameters stacked on a leading ``layers`` axis, run with `
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -22,8 +23,10 @@ from otfload.models.layers import (
     dense,
     pure,
     rms_norm,
+    rope_attention_factor,
     rope_inv_freq,
     rope_tables,
+    run_layers,
 )
 
 
@@ -121,10 +124,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = Mlp(cfg, dtype=dtype, rngs=rngs, stack=stack)
 
 
-def layer_forward(p: dict, x: jax.Array, cfg: LlamaConfig, cos, sin, mask) -> jax.Array:
-    """One decoder layer as a pure function of its parameter dict ``p``."""
-    a = p["attn"]
-    h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
+def attention_block(a: dict, h: jax.Array, cfg: LlamaConfig, cos, sin, mask) -> jax.Array:
+    """Self-attention of the normed input ``h``: GQA, optional q/k norm, RoPE, optional ``sinks``."""
     q = dense(a["q"], h, "bsh,hnd->bsnd")
     k = dense(a["k"], h, "bsh,hnd->bsnd")
     v = dense(a["v"], h, "bsh,hnd->bsnd")
@@ -132,45 +133,69 @@ def layer_forward(p: dict, x: jax.Array, cfg: LlamaConfig, cos, sin, mask) -> ja
         q = rms_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
         k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = attention(q, k, v, mask, cfg.head_dim**-0.5)
-    x = x + dense(a["o"], out, "bsnd,ndh->bsh")
-    h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
-    m = p["mlp"]
+    out = attention(q, k, v, mask, cfg.head_dim**-0.5, sinks=a.get("sinks"))
+    return dense(a["o"], out, "bsnd,ndh->bsh")
+
+
+def swiglu(m: dict, h: jax.Array) -> jax.Array:
+    """The SwiGLU MLP ``down(silu(gate(h)) * up(h))``."""
     act = jax.nn.silu(dense(m["gate"], h, "bsh,hm->bsm")) * dense(m["up"], h, "bsh,hm->bsm")
-    return x + dense(m["down"], act, "bsm,mh->bsh")
+    return dense(m["down"], act, "bsm,mh->bsh")
+
+
+def layer_forward(
+    p: dict, x: jax.Array, cfg: LlamaConfig, cos, sin, mask, ffn: Callable[[dict, jax.Array], jax.Array] | None = None
+) -> jax.Array:
+    """One decoder layer as a pure function of its parameter dict ``p``; ``ffn(p, h)`` replaces the
+    SwiGLU MLP of ``p["mlp"]`` (MoE layers)."""
+    h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
+    x = x + attention_block(p["attn"], h, cfg, cos, sin, mask)
+    h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
+    return x + (swiglu(p["mlp"], h) if ffn is None else ffn(p, h))
 
 
 class LlamaForCausalLM(nnx.Module):
-    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]``."""
+    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]``.
+
+    Subclasses with other kinds of layers override :meth:`init_layers` and :meth:`decode`.
+    """
 
     def __init__(self, cfg: LlamaConfig, *, scan_layers: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if scan_layers:
-            self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=cfg.num_layers)
-        else:
-            self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.init_layers(dtype, rngs)
         self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
+    def init_layers(self, dtype, rngs: nnx.Rngs) -> None:
+        """Create ``self.layers``: one stacked :class:`DecoderLayer` (scanned) or a list of them."""
+        cfg = self.cfg
+        if self.scan_layers:
+            self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=cfg.num_layers)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE ``(cos, sin)`` tables for ``positions`` (YaRN's attention factor folded in)."""
+        cfg = self.cfg
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return rope_tables(positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
+
+    def decode(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Run every decoder layer on the embedded tokens ``x [batch, seq, hidden]``."""
+        cfg = self.cfg
+        cos, sin = self.rope(positions)
+        mask = causal_mask(x.shape[1], cfg.sliding_window)
+        params = pure(self.layers) if self.scan_layers else [pure(layer) for layer in self.layers]
+        return run_layers(params, x, lambda p, h, _: layer_forward(p, h, cfg, cos, sin, mask))
+
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
-        x = embedding[input_ids]
-        seq = input_ids.shape[1]
-        positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
-        cos, sin = rope_tables(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        mask = causal_mask(seq, cfg.sliding_window)
-        if self.scan_layers:
-            def body(h, p):
-                return layer_forward(p, h, cfg, cos, sin, mask), None
-
-            x, _ = jax.lax.scan(body, x, pure(self.layers))
-        else:
-            for layer in self.layers:
-                x = layer_forward(pure(layer), x, cfg, cos, sin, mask)
+        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        x = self.decode(embedding[input_ids], positions)
         x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             return jnp.einsum("bsh,vh->bsv", x, embedding)

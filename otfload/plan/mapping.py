@@ -57,7 +57,9 @@ class Rule:
     ``fallbacks`` are HF templates tried in order when ``source`` is absent (tied embeddings:
     ``lm_head.weight`` falls back to ``model.embed_tokens.weight``). ``offsets`` shift placeholder
     values on the HF side (``{"layer": "first_k_dense_replace"}`` for a group of layers that
-    starts after the dense ones); values may be config field names.
+    starts after the dense ones); values may be config field names. ``indices`` give a group whose
+    layers are not contiguous its HF values explicitly: ``{"layer": "moe_layers"}`` makes position
+    ``i`` of ``{layer}`` (in the leaf path or on a stack axis) read HF layer ``config["moe_layers"][i]``.
     """
 
     target: str
@@ -66,6 +68,7 @@ class Rule:
     fallbacks: tuple[str, ...] = ()
     stack_order: tuple[str, ...] | None = None
     offsets: MappingABC[str, int | str] = field(default_factory=dict)
+    indices: MappingABC[str, Sequence[int] | str] = field(default_factory=dict)
 
     def __post_init__(self):
         missing = set(placeholders(self.target)) - set(placeholders(self.source))

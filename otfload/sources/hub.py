@@ -38,7 +38,7 @@ from otfload.errors import (
     TruncatedFileError,
 )
 from otfload.sources.base import RangeRead
-from otfload.sources.formats import check_safe_format, is_checkpoint_file
+from otfload.sources.formats import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
 from otfload.sources.local import LocalSource
 from otfload.sources.ranges import coalesce, read_runs
 from otfload.sources.retry import RetryPolicy, TransientError, is_transient_status
@@ -47,7 +47,6 @@ T = TypeVar("T")
 
 PUBLIC_HUB = "https://huggingface.co"  # descriptions name the endpoint only when it is another one
 HASH_CHUNK_BYTES = 8 << 20  # sha256 verification reads: large enough to run at hashing speed
-STREAM_CHUNK_BYTES = 1 << 20  # HTTP body chunks copied into the caller's buffer
 
 
 class _Entry(NamedTuple):
@@ -82,16 +81,14 @@ class HubSource:
         self._retry = retry or RetryPolicy()
         self._storage = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
         self._cache: LocalSource | None = None
-        if self.local_files_only:
-            self.commit, names = self._open_cached()
-        else:
-            self.commit, names = self._open_remote()
+        self.commit, self._files, names = self._open_cached() if self.local_files_only else self._open_remote()
         check_safe_format(names, self.description)
         self._cached = {f for f in self._files if self._snapshot_path(f).is_file()}
 
     # --- opening ---------------------------------------------------------------------------------
 
-    def _open_remote(self) -> tuple[str, list[str]]:
+    def _open_remote(self) -> tuple[str, dict[str, _Entry], list[str]]:
+        """Pin the revision to a commit and list every file with its size and LFS sha256."""
         api = HfApi(endpoint=self.endpoint, token=self._token, library_name="otfload")
         info = self._call(
             lambda: api.model_info(
@@ -101,14 +98,15 @@ class HubSource:
         siblings = info.siblings or []
         if any(s.size is None for s in siblings):
             raise SourceError(f"{self.description}: the Hub did not report file sizes")
-        self._files = {
+        files = {
             s.rfilename: _Entry(s.size, s.lfs.sha256 if s.lfs else None)
             for s in siblings
             if is_checkpoint_file(s.rfilename)
         }
-        return info.sha, [s.rfilename for s in siblings]
+        return info.sha, files, [s.rfilename for s in siblings]
 
-    def _open_cached(self) -> tuple[str, list[str]]:
+    def _open_cached(self) -> tuple[str, dict[str, _Entry], list[str]]:
+        """The cached snapshot of the revision (no network); sha256s are not known offline."""
         try:
             snapshot = Path(
                 snapshot_download(
@@ -116,7 +114,7 @@ class HubSource:
                     revision=self.revision,
                     cache_dir=self.cache_dir,
                     local_files_only=True,
-                    allow_patterns=["*.safetensors", "*.json"],
+                    allow_patterns=[f"*{suffix}" for suffix in CHECKPOINT_SUFFIXES],
                 )
             )
         except LocalEntryNotFoundError as e:
@@ -124,8 +122,8 @@ class HubSource:
                 f"{self.description}: not in the local Hub cache {str(self.cache_dir)!r} (offline mode)"
             ) from e
         names = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
-        self._files = {n: _Entry(os.path.getsize(snapshot / n), None) for n in names if is_checkpoint_file(n)}
-        return snapshot.name, names
+        files = {n: _Entry(os.path.getsize(snapshot / n), None) for n in names if is_checkpoint_file(n)}
+        return snapshot.name, files, names
 
     # --- the Source protocol ---------------------------------------------------------------------
 
@@ -187,7 +185,15 @@ class HubSource:
         if entry.sha256 is not None:
             self._verify(file, Path(path), entry.sha256)
         self._cached.add(file)
+        self._record_ref()
         return path
+
+    def _record_ref(self) -> None:
+        """Map the revision name to the pinned commit in the cache, so offline opens find the snapshot."""
+        ref = self._storage / "refs" / self.revision
+        if self.revision != self.commit and not (ref.is_file() and ref.read_text() == self.commit):
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            ref.write_text(self.commit)
 
     def _verify(self, file: str, path: Path, sha256: str) -> None:
         digest = hashlib.sha256()
@@ -238,7 +244,7 @@ class HubSource:
                     hf_raise_for_status(r)
                 if r.status_code == 200 and offset + done != 0:
                     raise SourceError(f"{self.description}: the server ignored the Range header for {file}")
-                for chunk in r.iter_bytes(STREAM_CHUNK_BYTES):
+                for chunk in r.iter_bytes():  # as received: a broken body still keeps what arrived
                     n = min(len(chunk), len(out) - done)
                     out[done : done + n] = chunk[:n]
                     done += n
@@ -280,7 +286,9 @@ class HubSource:
         except HfHubHTTPError as e:
             status = e.response.status_code
             if status in (401, 403):
-                raise SourcePermissionError(f"{what}: HTTP {status}, the token is missing, invalid or lacks access") from e
+                raise SourcePermissionError(
+                    f"{what}: HTTP {status}, the token is missing, invalid or lacks access"
+                ) from e
             if is_transient_status(status):
                 raise TransientError(f"HTTP {status}") from e
             raise SourceError(f"{what}: HTTP {status}") from e

@@ -55,9 +55,7 @@ def _split(read: RangeRead, max_run: int) -> list[tuple[int, memoryview]]:
     return [(read.offset + i, out[i : i + max_run]) for i in range(0, len(out), max_run)]
 
 
-def coalesce(
-    reads: Sequence[RangeRead], gap: int = COALESCE_GAP_BYTES, max_run: int = MAX_RUN_BYTES
-) -> list[Run]:
+def coalesce(reads: Sequence[RangeRead], gap: int = COALESCE_GAP_BYTES, max_run: int = MAX_RUN_BYTES) -> list[Run]:
     """Group ``reads`` into runs: same file, holes of at most ``gap`` bytes, at most ``max_run`` bytes each.
 
     Reads longer than ``max_run`` are split first; overlapping reads share a run. Empty reads vanish.

@@ -48,6 +48,10 @@ class RetryPolicy:
     deadline_s: float = 60.0
     attempt_timeout_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+
     def delay(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (0-based): half fixed, half random, capped."""
         ceiling = min(self.max_delay_s, self.base_delay_s * 2**retry)

@@ -45,7 +45,9 @@ def unscanned_state(mesh, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     sharding = NamedSharding(mesh, PartitionSpec("fsdp", "tp"))
     layers = {
-        str(i): {"attn": {"kernel": jax.device_put(rng.standard_normal((8, 16)).astype(np.float32), sharding)}}
+        str(i): {
+            "attn": {"kernel": jax.device_put(rng.standard_normal((8, 16)).astype(np.float32), sharding)}
+        }
         for i in range(NUM_LAYERS)
     }
     return {"model": {"layers": layers}}

@@ -43,7 +43,9 @@ def test_round_trip_is_exact_for_dotted_and_tuple_keys():
 def test_one_stack_call_per_stacked_leaf(monkeypatch):
     calls = []
     real_stack = np.stack
-    monkeypatch.setattr(layout_module.np, "stack", lambda xs, **kw: calls.append(len(xs)) or real_stack(xs, **kw))
+    monkeypatch.setattr(
+        layout_module.np, "stack", lambda xs, **kw: calls.append(len(xs)) or real_stack(xs, **kw)
+    )
     stack_layers(_unscanned())
     assert calls == [L, L]
 

@@ -104,7 +104,11 @@ def test_metadata_json_round_trip_and_forward_compatibility():
 def test_completed_for_fills_only_unset_fields(mesh):
     state = scanned_state(mesh)
     filled = LayoutMetadata(model_type="llama").completed_for(state)
-    assert (filled.scan_layers, filled.param_dtype, filled.mesh_axes) == (True, "float32", {"fsdp": 2, "tp": 4})
+    assert (filled.scan_layers, filled.param_dtype, filled.mesh_axes) == (
+        True,
+        "float32",
+        {"fsdp": 2, "tp": 4},
+    )
     kept = LayoutMetadata(scan_layers=False, param_dtype="bfloat16", mesh_axes={"x": 8}).completed_for(state)
     assert (kept.scan_layers, kept.param_dtype, kept.mesh_axes) == (False, "bfloat16", {"x": 8})
     host = LayoutMetadata().completed_for(jax.tree.map(lambda x: x.astype("bfloat16"), {"w": state["model"]}))

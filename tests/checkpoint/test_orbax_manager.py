@@ -88,7 +88,10 @@ def test_killed_save_leaves_previous_checkpoint_latest_and_loadable(tmp_path, me
     state = scanned_state(mesh)
     with _manager(tmp_path) as manager:
         manager.save(1, state, wait=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.checkpoint.interrupted_save", str(tmp_path), "256"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -2,7 +2,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from otfload.checkpoint import (
     CheckpointConfig,
@@ -11,12 +12,12 @@ from otfload.checkpoint import (
     OrbaxCheckpointManager,
     reshard_checkpoint,
 )
-from otfload.checkpoint.paths import flatten_tree
-from otfload.checkpoint.reshard import _parts, fallback_spec
+from otfload.checkpoint.paths import flatten_tree, unflatten_tree
+from otfload.checkpoint.reshard import _parts, fallback_spec, target_sharding
 from otfload.errors import NativeCheckpointError, ScanLayersMismatchError
-from otfload.plan.sharding import make_mesh, parse_mesh_spec
+from otfload.plan.sharding import DEFAULT_RULES, make_mesh, parse_mesh_spec
 
-from .helpers import abstract, assert_trees_equal, scanned_state
+from .helpers import assert_trees_equal, scanned_state
 
 META = LayoutMetadata(
     family="llama",
@@ -38,21 +39,36 @@ def _open(directory):
 
 
 def _chunk_shapes(directory, step):
-    plain = ocp.CheckpointManager(directory, item_names=("state",))
+    """The on-disk chunk shape of every array: Orbax writes one chunk per device shard."""
+    plain = ocp.CheckpointManager(
+        directory, item_names=("state",), item_handlers={"state": ocp.PyTreeCheckpointHandler()}
+    )
     tree = plain.item_metadata(step)["state"].tree
     return {k: tuple(v.storage.chunk_shape) for k, v in flatten_tree(tree).items()}
+
+
+def _targets(state, layout, mesh):
+    """``state``'s abstract tree with the shardings reshard picks for ``mesh``."""
+    flat = flatten_tree(state)
+    shardings = {
+        path: target_sharding(path, x.shape, layout, mesh, DEFAULT_RULES) for path, x in flat.items()
+    }
+    return unflatten_tree(
+        {p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[p]) for p, x in flat.items()}
+    )
 
 
 def test_reshard_is_bit_exact_keeps_metadata_and_rewrites_chunks(tmp_path, mesh):
     state = scanned_state(mesh)
     saved_meta = _save(tmp_path / "src", {1: state})
-    step = reshard_checkpoint(tmp_path / "src", tmp_path / "dst", parse_mesh_spec("fsdp=8"), max_part_bytes=600)
+    step = reshard_checkpoint(
+        tmp_path / "src", tmp_path / "dst", parse_mesh_spec("fsdp=8"), max_part_bytes=600
+    )
     assert step == 1
     with _open(tmp_path / "dst") as dst:
         assert dst.all_steps() == [1]
         assert dst.metadata(1) == saved_meta.replace(mesh_axes={"fsdp": 8})
-        target = make_mesh({"fsdp": 8})
-        restored = dst.restore(1, abstract(jax.tree.map(lambda x: jax.device_put(x, _on(target, x)), state)))
+        restored = dst.restore(1, _targets(state, META, make_mesh({"fsdp": 8})))
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert _chunk_shapes(tmp_path / "dst", 1) == {
@@ -62,34 +78,20 @@ def test_reshard_is_bit_exact_keeps_metadata_and_rewrites_chunks(tmp_path, mesh)
     }
 
 
-def _on(mesh, leaf):
-    from otfload.checkpoint.reshard import target_sharding
-
-    return target_sharding(_path_of(leaf), leaf.shape, META, mesh, ())
-
-
-def _path_of(leaf):
-    return {(16, 8): "model.embed.embedding"}.get(leaf.shape, "other")
-
-
-def test_reshard_back_onto_2x4_restores_identical_shardings(tmp_path, mesh):
-    state = scanned_state(mesh)
+def test_reshard_onto_2x4_from_another_layout_and_step(tmp_path, mesh):
+    layout = LayoutMetadata(logical_axes={"w": ("embed", "mlp")})  # rules: embed -> fsdp, mlp -> tp
     fsdp8 = make_mesh({"fsdp": 8})
-    on_fsdp8 = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(fsdp8, PartitionSpec("fsdp"))),
-                            {"w": np.arange(64 * 8, dtype=np.float32).reshape(64, 8)})  # fmt: skip
-    _save(tmp_path / "src", {1: on_fsdp8, 2: {"w": on_fsdp8["w"] + 1}}, meta=LayoutMetadata())
+    w = jax.device_put(np.arange(64 * 8, dtype=np.float32).reshape(64, 8), NamedSharding(fsdp8, P("fsdp")))
+    _save(tmp_path / "src", {1: {"w": w}, 2: {"w": w + 1}}, meta=layout)
+    assert _chunk_shapes(tmp_path / "src", 1) == {"w": (8, 8)}
     reshard_checkpoint(tmp_path / "src", tmp_path / "dst", {"fsdp": 2, "tp": 4}, step=1)
+    expected = {"w": jax.device_put(w, NamedSharding(mesh, P("fsdp", "tp")))}
     with _open(tmp_path / "dst") as dst:
         assert dst.all_steps() == [1]
-        target = abstract(jax.tree.map(lambda x: jax.device_put(x, _first_axis(mesh)), on_fsdp8))
-        assert_trees_equal(dst.restore(1, target), jax.tree.map(lambda x: jax.device_put(x, _first_axis(mesh)), on_fsdp8))
-        assert dst.metadata().mesh_axes == {"fsdp": 2, "tp": 4}
-    assert _chunk_shapes(tmp_path / "dst", 1) == {"w": (32, 8)}
-    del state
-
-
-def _first_axis(mesh):
-    return jax.sharding.NamedSharding(mesh, PartitionSpec("fsdp"))
+        saved = layout.replace(scan_layers=False, param_dtype="float32")  # filled in at save time
+        assert dst.metadata() == saved.replace(mesh_axes={"fsdp": 2, "tp": 4})
+        assert_trees_equal(dst.restore(1, _targets(expected, layout, mesh)), expected)
+    assert _chunk_shapes(tmp_path / "dst", 1) == {"w": (32, 2)}
 
 
 def test_reshard_applies_the_scan_layers_rule(tmp_path, mesh):
@@ -110,7 +112,9 @@ def test_reshard_without_metadata_warns_once_and_records_callers_value(tmp_path,
     plain.wait_until_finished()
     plain.close()
     with pytest.warns(MissingLayoutMetadataWarning) as record:
-        reshard_checkpoint(tmp_path / "src", tmp_path / "dst", {"fsdp": 8}, scan_layers=True, max_part_bytes=1)
+        reshard_checkpoint(
+            tmp_path / "src", tmp_path / "dst", {"fsdp": 8}, scan_layers=True, max_part_bytes=1
+        )
     assert len(record) == 1
     with _open(tmp_path / "dst") as dst:
         assert dst.metadata(3).scan_layers is True and dst.metadata(3).mesh_axes == {"fsdp": 8}
@@ -125,7 +129,7 @@ def test_reshard_refuses_to_overwrite_an_existing_step(tmp_path, mesh):
 
 @pytest.mark.parametrize(
     ("shape", "spec"),
-    [((3, 5), PartitionSpec()), ((4, 6), PartitionSpec(None, "fsdp")), ((6, 6), PartitionSpec("fsdp")), ((), PartitionSpec())],
+    [((3, 5), P()), ((4, 6), P(None, "fsdp")), ((6, 6), P("fsdp")), ((), P())],
 )
 def test_fallback_shards_largest_divisible_dim_on_first_axis(shape, spec):
     assert fallback_spec(shape, make_mesh({"fsdp": 2, "tp": 4})) == spec

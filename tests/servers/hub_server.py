@@ -10,6 +10,7 @@ bytes and delays.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -216,7 +217,8 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.server.hub.repo(repo_id)
         if repo is None:
             self._error(404, "RepoNotFound", f"Repository {repo_id} not found")
-        elif revision not in ("main", repo.sha):
+            return None
+        if revision not in ("main", repo.sha):
             self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", {"X-Repo-Commit": repo.sha})
             return None
         return repo
@@ -294,6 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.request.close()
         elif truncate:  # FIN before Content-Length bytes: a short body
             self.request.shutdown(socket.SHUT_WR)
+
 
 def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
     """``[start, end)`` for a single-range ``Range`` header, or None when unsatisfiable."""
@@ -383,10 +386,8 @@ class HubServer:
         self._httpd.server_close()
         with self._conns_lock:
             for conn in self._conns:
-                try:
+                with contextlib.suppress(OSError):  # already closed by its client
                     conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         self._httpd = None
 
     def __enter__(self) -> HubServer:

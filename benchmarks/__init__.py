@@ -1,0 +1,1 @@
+"""Benchmarks for otfload: synthetic checkpoints, baseline loaders and the load benchmark."""

@@ -1,0 +1,219 @@
+"""The ways of getting one checkpoint onto one set of shardings that the load benchmark compares.
+
+Each method is ``prepare(target) -> run``: ``prepare`` does the untimed set-up (imports, abstract
+trees), ``run()`` is timed and returns what it loaded (kept alive while memory is measured) and a
+dict of extra figures. Every method loads exactly the leaves of ``target.plan`` onto their
+``NamedSharding`` s, except the raw floor (bytes only) and Orbax (the HF tensors unstacked, no hooks,
+on the matching shardings).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors.numpy import load_file
+
+from benchmarks.common import Target
+from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose, reshape_groups, run_forward
+from otfload.plan.planner import LeafPlan
+
+Run = Callable[[], tuple[Any, dict]]
+FLOOR_CHUNK_BYTES = 64 * 2**20
+
+
+def _files(target: Target) -> list[str]:
+    return sorted({info.file for lp in target.plan.leaves.values() for info in lp.sources})
+
+
+def _read_chunk(path: str, offset: int, out: memoryview) -> None:
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while out:
+            n = f.readinto(out)
+            if not n:
+                raise EOFError(f"{path} ended early")
+            out = out[n:]
+
+
+def floor(target: Target, threads: int = 2) -> Run:
+    """Raw floor: every byte of every checkpoint file ``readinto`` fresh numpy memory (no JAX).
+
+    Files are split into 64 MiB chunks read by ``threads`` threads, as a loader with that many
+    workers could at best.
+    """
+    paths = [str(target.directory / f) for f in _files(target)]
+
+    def run():
+        buffers, jobs = [], []
+        for path in paths:
+            with open(path, "rb") as f:
+                size = f.seek(0, 2)
+            buf = np.empty(size, np.uint8)
+            buffers.append(buf)
+            jobs += [(path, o, memoryview(buf)[o : o + FLOOR_CHUNK_BYTES]) for o in range(0, size, FLOOR_CHUNK_BYTES)]
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda job: _read_chunk(*job), jobs))
+        return buffers, {"threads": threads}
+
+    return run
+
+
+def floor_1thread(target: Target) -> Run:
+    """The raw floor with one reader thread."""
+    return floor(target, threads=1)
+
+
+def _load_all(target: Target) -> dict[str, np.ndarray]:
+    state: dict[str, np.ndarray] = {}
+    for file in _files(target):
+        state.update(load_file(str(target.directory / file)))
+    return state
+
+
+def _hooked(lp: LeafPlan, state: dict[str, np.ndarray], i: int) -> np.ndarray:
+    return run_forward(lp.hooks, state[lp.sources[i].name])
+
+
+def naive(target: Target) -> Run:
+    """``safetensors.numpy.load_file`` per file, numpy hooks per tensor, one ``np.stack``, ``device_put``."""
+
+    def run():
+        state = _load_all(target)
+        out = {}
+        for path, lp in target.plan.leaves.items():
+            pieces = [_hooked(lp, state, i) for i in range(len(lp.sources))]
+            x = np.stack(pieces).reshape(lp.leaf.shape) if lp.stack_axes else pieces[0]
+            out[path] = jax.device_put(x.astype(lp.leaf.dtype, copy=False), lp.leaf.sharding)
+        jax.block_until_ready(out)
+        return out, {}
+
+    return run
+
+
+def _full_spec(sharding: NamedSharding, ndim: int) -> list:
+    spec = list(sharding.spec)
+    return spec + [None] * (ndim - len(spec))
+
+
+def loop(target: Target) -> Run:
+    """The per-slice loop the seed started with: a zeros target made by ``jit(out_shardings=...)``,
+    then ``stacked = stacked.at[i].set(device_put(slice))`` for every layer (and expert)."""
+
+    def build_stacked(lp: LeafPlan, state: dict[str, np.ndarray]) -> jax.Array:
+        leaf, n_stack = lp.leaf, len(lp.stack_axes)
+        stacked = jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding)()
+        slice_spec = PartitionSpec(*_full_spec(leaf.sharding, len(leaf.shape))[n_stack:])
+        slice_sharding = NamedSharding(leaf.sharding.mesh, slice_spec)
+        for i in range(len(lp.sources)):
+            position = tuple(jax.device_put(int(k)) for k in np.unravel_index(i, lp.stack_shape))
+            piece = jax.device_put(_hooked(lp, state, i).astype(leaf.dtype), slice_sharding)
+            stacked = stacked.at[position].set(piece)
+        return stacked
+
+    def run():
+        state = _load_all(target)
+        out = {}
+        for path, lp in target.plan.leaves.items():
+            if lp.stack_axes:
+                out[path] = build_stacked(lp, state)
+            else:
+                out[path] = jax.device_put(_hooked(lp, state, 0).astype(lp.leaf.dtype), lp.leaf.sharding)
+        jax.block_until_ready(out)
+        return out, {}
+
+    return run
+
+
+def _spec_through(hook: Hook, out_spec: list, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list:
+    """The spec of a hook's input that puts the same bytes on each device as ``out_spec`` of its output."""
+    if isinstance(hook, Transpose):
+        perm = hook.perm if hook.perm is not None else tuple(range(len(in_shape)))[::-1]
+        spec = [None] * len(in_shape)
+        for out_dim, in_dim in enumerate(perm):
+            spec[in_dim] = out_spec[out_dim]
+        return spec
+    if isinstance(hook, Reshape):
+        spec = [None] * len(in_shape)
+        for gi, gj in reshape_groups(in_shape, out_shape):
+            spec[gi[0]] = out_spec[gj[0]]
+        return spec
+    if isinstance(hook, Scale | Slice):
+        return list(out_spec)
+    return [None] * len(in_shape)
+
+
+def source_sharding(lp: LeafPlan) -> NamedSharding:
+    """A sharding of one HF tensor of ``lp`` matching one slice of the leaf's sharding."""
+    sharding = lp.leaf.sharding
+    spec = _full_spec(sharding, len(lp.leaf.shape))[len(lp.stack_axes) :]
+    for hook, in_shape, out_shape in reversed(list(zip(lp.hooks, lp.shapes[:-1], lp.shapes[1:], strict=True))):
+        spec = _spec_through(hook, spec, in_shape, out_shape)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def orbax(target: Target) -> Run:
+    """Orbax v1's safetensors layout loading every HF tensor (no hooks, no stacking) onto
+    :func:`source_sharding`."""
+    from orbax.checkpoint import v1 as ocp
+
+    abstract = {
+        info.name: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=source_sharding(lp))
+        for lp in target.plan.leaves.values()
+        for info in lp.sources
+    }
+
+    def run():
+        with ocp.Context(checkpoint_layout="safetensors"):
+            tree = ocp.load(target.directory, abstract_state=abstract)
+        jax.block_until_ready(tree)
+        return tree, {"tensors": len(abstract)}
+
+    return run
+
+
+def otfload_load(target: Target) -> Run:
+    """otfload's own route (``from_pretrained``, or ``load_params`` for a family it lacks)."""
+
+    def run():
+        loaded, report = target.load_otfload()
+        extra = {
+            "route": target.route,
+            "load_seconds": report.seconds,
+            "bytes_read": report.bytes_read,
+            "requests": report.requests,
+        }
+        return loaded, extra
+
+    return run
+
+
+METHODS: dict[str, Callable[[Target], Run]] = {
+    "floor": floor,
+    "floor1": floor_1thread,
+    "naive": naive,
+    "loop": loop,
+    "orbax": orbax,
+    "otfload": otfload_load,
+}
+
+
+def placed_bytes(tree: Any) -> int:
+    """Bytes held by the addressable shards of every ``jax.Array`` (or numpy array) in ``tree``."""
+    total = 0
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, np.ndarray | jax.Array)):
+        if isinstance(leaf, jax.Array):
+            total += sum(s.data.nbytes for s in leaf.addressable_shards)
+        elif isinstance(leaf, np.ndarray):
+            total += leaf.nbytes
+    return total
+
+
+def largest_leaf_bytes(target: Target) -> int:
+    return max(math.prod(lp.leaf.shape) * lp.leaf.dtype.itemsize for lp in target.plan.leaves.values())

@@ -1,0 +1,290 @@
+"""Load benchmark: otfload against the raw read floor, naive loading, the per-slice loop and Orbax.
+
+    python -m benchmarks.bench_load --size-gib 1.0 [--moe] [--repeat 3]
+        [--methods floor,naive,loop,orbax,otfload] [--devices 8] [--cold]
+    python -m benchmarks.bench_load --scaling size|devices|both [--methods floor,otfload]
+
+Every run of every method is a fresh process on ``--devices`` simulated CPU devices (mesh
+``fsdp × tp`` with ``tp = min(4, n)``), so its peak RSS is its own. Page cache is warmed once
+before the runs; ``--cold`` (root) drops it before each run instead. Runs are interleaved
+(method by method, ``--repeat`` rounds) and the median of each method is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT_PREFIX = "BENCH_RESULT "
+DEFAULT_METHODS = "floor,naive,loop,orbax,otfload"
+SCALING_SIZES = (0.25, 0.5, 1.0, 2.0)
+SCALING_DEVICES = (1, 2, 4, 8)
+# (baseline, target ratio): otfload must be at least this many times as fast as the baseline.
+SPEED_TARGETS = {"floor": 0.8, "floor1": 0.8, "orbax": 1.2, "naive": 2.0, "loop": 10.0}
+GIB = 2**30
+
+
+# --- child: one method, one load, in this process ---------------------------------------------
+
+
+def child(method: str, directory: Path, devices: int) -> dict:
+    """Load ``directory`` once with ``method`` and measure it (run in a fresh process)."""
+    import jax
+    from flax import nnx
+
+    from benchmarks.baselines import METHODS, largest_leaf_bytes, placed_bytes
+    from benchmarks.common import RssSampler, bench_mesh, current_rss, open_target, peak_rss
+
+    if len(jax.devices()) != devices:
+        raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
+    target = open_target(directory, bench_mesh(devices))
+    run = METHODS[method](target)
+    gc.collect()
+    rss_before = current_rss()
+    with RssSampler() as sampler:
+        start = time.perf_counter()
+        loaded, extra = run()
+        seconds = time.perf_counter() - start
+    gc.collect()
+    rss_after = current_rss()
+    peak = max(peak_rss(), sampler.peak)
+    held = nnx.state(loaded) if isinstance(loaded, nnx.Module) else loaded
+    return {
+        "method": method,
+        "seconds": seconds,
+        "checkpoint_bytes": target.checkpoint_bytes,
+        "placed_bytes": placed_bytes(held),
+        "largest_leaf": largest_leaf_bytes(target),
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "peak_rss": peak,
+        "sampled_peak": sampler.peak,
+        "loadavg": os.getloadavg()[0],
+        **extra,
+    }
+
+
+# --- parent: orchestration ---------------------------------------------------------------------
+
+
+def warm(directory: Path) -> None:
+    """Read every file of ``directory`` once so the runs find it in the page cache."""
+    buf = bytearray(16 * 2**20)
+    for path in sorted(directory.iterdir()):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def run_child(method: str, directory: Path, devices: int, cold: bool) -> dict:
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    if cold:
+        drop_caches()
+    cmd = [sys.executable, "-m", "benchmarks.bench_load", "--child", method, "--dir", str(directory)]
+    proc = subprocess.run([*cmd, "--devices", str(devices)], env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def measure(methods: list[str], directory: Path, devices: int, repeat: int, cold: bool) -> dict[str, dict]:
+    """Median figures of each method over ``repeat`` interleaved rounds of fresh processes."""
+    if not cold:
+        warm(directory)
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for r in range(repeat):
+        for method in methods:
+            result = run_child(method, directory, devices, cold)
+            runs[method].append(result)
+            print(
+                f"  round {r + 1}/{repeat} {method:8s} {result['seconds']:7.2f} s  "
+                f"peak {result['peak_rss'] / GIB:5.2f} GiB  load avg {result['loadavg']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return {m: summarize(rs) for m, rs in runs.items()}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The run of median time, with the median of every memory figure and all the times."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    out = dict(ordered[len(ordered) // 2])
+    for key in ("peak_rss", "rss_before", "rss_after"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["seconds"] = statistics.median(r["seconds"] for r in runs)
+    out["all_seconds"] = [round(r["seconds"], 3) for r in runs]
+    out["transient"] = statistics.median(r["peak_rss"] - r["rss_after"] for r in runs)
+    return out
+
+
+# --- reporting ---------------------------------------------------------------------------------
+
+
+def results_table(results: dict[str, dict]) -> str:
+    rows = [
+        "| method | seconds (median) | runs (s) | GB/s | peak RSS GiB | held after GiB | transient GiB | "
+        "transient / largest leaf |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for method, r in results.items():
+        gbps = r["checkpoint_bytes"] / r["seconds"] / 1e9
+        held = (r["rss_after"] - r["rss_before"]) / GIB
+        runs = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+        rows.append(
+            f"| {method} | {r['seconds']:.2f} | {runs} | {gbps:.2f} | {r['peak_rss'] / GIB:.2f} | {held:.2f} | "
+            f"{r['transient'] / GIB:.2f} | {r['transient'] / r['largest_leaf']:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def targets_table(results: dict[str, dict]) -> str:
+    rows = ["| figure | measured | target | verdict |", "|---|---:|---:|---|"]
+    mine = results.get("otfload")
+    if mine is None:
+        return "(otfload not measured: no ratios)"
+    for base, target in SPEED_TARGETS.items():
+        if base in results:
+            ratio = results[base]["seconds"] / mine["seconds"]
+            verdict = "PASS" if ratio >= target else "MISS"
+            rows.append(f"| otfload speed / {base} | {ratio:.2f} | ≥ {target:g} | {verdict} |")
+    transient, largest = mine["transient"], mine["largest_leaf"]
+    verdict = "PASS" if transient <= largest else "MISS"
+    rows.append(
+        f"| otfload transient host memory | {transient / GIB:.3f} GiB | ≤ {largest / GIB:.3f} GiB "
+        f"(largest leaf) | {verdict} |"
+    )
+    return "\n".join(rows)
+
+
+def checkpoint_line(directory: Path) -> str:
+    config = json.loads((directory / "config.json").read_text())
+    files = sorted(directory.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_local_experts")
+    shape = ", ".join(f"{k}={config[k]}" for k in keys if k in config)
+    return f"checkpoint {directory}: {size / GIB:.3f} GiB in {len(files)} files ({shape})"
+
+
+def scaling(kind: str, methods: list[str], repeat: int, cold: bool, moe: bool, plot: Path) -> str:
+    """Load time vs checkpoint size (8 devices) and vs device count (1 GiB); a table and a PNG."""
+    from benchmarks.make_checkpoint import ensure_checkpoint
+
+    tables, series = [], {}
+    if kind in ("size", "both"):
+        rows = {}
+        for size in SCALING_SIZES:
+            print(f"size {size} GiB", file=sys.stderr)
+            rows[size] = measure(methods, ensure_checkpoint(size, moe), 8, repeat, cold)
+        tables.append(_scaling_table("checkpoint GiB (8 devices, 2×4 mesh)", rows, methods))
+        series["size"] = rows
+    if kind in ("devices", "both"):
+        rows = {}
+        directory = ensure_checkpoint(1.0, moe)
+        for n in SCALING_DEVICES:
+            print(f"{n} devices", file=sys.stderr)
+            rows[n] = measure(methods, directory, n, repeat, cold)
+        tables.append(_scaling_table("devices (1 GiB checkpoint)", rows, methods))
+        series["devices"] = rows
+    _plot(series, methods, plot)
+    return "\n\n".join(tables) + f"\n\nplot: {plot}"
+
+
+def _scaling_table(label: str, rows: dict, methods: list[str]) -> str:
+    head = f"| {label} | " + " | ".join(f"{m} s | {m} GB/s | {m} peak GiB" for m in methods) + " |"
+    lines = [head, "|---" * (1 + 3 * len(methods)) + "|"]
+    for x, results in rows.items():
+        cells = []
+        for m in methods:
+            r = results[m]
+            gbps = r["checkpoint_bytes"] / r["seconds"] / 1e9
+            cells.append(f"{r['seconds']:.2f} | {gbps:.2f} | {r['peak_rss'] / GIB:.2f}")
+        lines.append(f"| {x:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(series: dict, methods: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4), squeeze=False)
+    labels = {"size": "checkpoint size (GiB), 8 devices", "devices": "devices, 1 GiB checkpoint"}
+    for ax, (kind, rows) in zip(axes[0], series.items(), strict=True):
+        xs = list(rows)
+        for m in methods:
+            ax.plot(xs, [rows[x][m]["seconds"] for x in xs], marker="o", label=m)
+        ax.set_xlabel(labels[kind])
+        ax.set_ylabel("load time (s, median)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def machine_line() -> str:
+    import psutil
+
+    mem = psutil.virtual_memory().total / GIB
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"machine: {os.cpu_count()} CPUs, {mem:.1f} GiB RAM, load average {load}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--moe", action="store_true", help="a Mixtral-shaped checkpoint (8 experts)")
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: bench_data/...)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--methods", default=None, help=f"comma-separated (default {DEFAULT_METHODS})")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before every run (root)")
+    parser.add_argument("--scaling", choices=("size", "devices", "both"), default=None)
+    parser.add_argument("--plot", type=Path, default=Path("docs/load_scaling.png"))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        print(RESULT_PREFIX + json.dumps(child(args.child, args.dir, args.devices)), flush=True)
+        return
+    from benchmarks.make_checkpoint import ensure_checkpoint
+
+    print(machine_line())
+    if args.scaling:
+        methods = (args.methods or "floor,otfload").split(",")
+        print(scaling(args.scaling, methods, args.repeat, args.cold, args.moe, args.plot))
+    else:
+        methods = (args.methods or DEFAULT_METHODS).split(",")
+        directory = args.dir or ensure_checkpoint(args.size_gib, args.moe)
+        print(checkpoint_line(directory))
+        mode = "cold (page cache dropped before each run)" if args.cold else "warm page cache"
+        print(f"{args.devices} devices, {mode}, median of {args.repeat} interleaved fresh-process runs\n")
+        results = measure(methods, directory, args.devices, args.repeat, args.cold)
+        if "otfload" in results:
+            print(f"otfload route: {results['otfload'].get('route')}\n")
+        print(results_table(results) + "\n\n" + targets_table(results))
+    print(machine_line())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Leaf arrays of a model or pytree, and host copies of one slice of a sharded leaf.
+
+:func:`gather_slice` copies one position of a leaf's leading (stack) dims — one layer of a scanned
+weight, or the whole leaf — from the device shards that hold it, one shard at a time, so host
+memory holds only that slice. Replicas are skipped (``replica_id != 0``). On CPU a shard is
+viewed in place (no copy); on accelerators the slice is cut on the device (one compiled indexing
+function per shard shape, the position is traced) and only it is transferred.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from otfload.errors import OtfloadError
+from otfload.plan.abstract import dotted
+
+
+def leaf_arrays(model_or_params: Any) -> dict[str, Any]:
+    """Dotted leaf path → array, for an NNX module (its ``nnx.Param`` s) or any pytree of arrays."""
+    if isinstance(model_or_params, nnx.Module):
+        state = nnx.state(model_or_params, nnx.Param)
+        return {dotted(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+    flat, _ = jax.tree_util.tree_flatten_with_path(model_or_params)
+    return {dotted(path): getattr(leaf, "value", leaf) for path, leaf in flat}
+
+
+def _local_range(index: slice, n: int) -> tuple[int, int]:
+    start, stop, _ = index.indices(n)
+    return start, stop
+
+
+@jax.jit
+def _index(data: jax.Array, position: jax.Array) -> jax.Array:
+    return data[tuple(position)]
+
+
+def _take(data: jax.Array, position: tuple[int, ...]) -> np.ndarray:
+    """``data[position]`` of a single-device array, as a host array."""
+    if not position:
+        return np.asarray(data)
+    if data.devices().pop().platform == "cpu":
+        return np.asarray(data)[position]
+    return np.asarray(_index(data, jnp.asarray(position)))
+
+
+def gather_slice(array: Any, index: tuple[int, ...]) -> np.ndarray:
+    """A host copy of ``array[index]`` (``index`` addresses leading dims), read shard by shard."""
+    if not isinstance(array, jax.Array):
+        return np.asarray(array[index])
+    lead = len(index)
+    out = np.empty(array.shape[lead:], array.dtype)
+    filled = 0
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        spans = [_local_range(s, n) for s, n in zip(shard.index, array.shape, strict=True)]
+        if not all(a <= i < b for i, (a, b) in zip(index, spans, strict=False)):
+            continue
+        local = tuple(i - a for i, (a, _) in zip(index, spans, strict=False))
+        piece = _take(shard.data, local)
+        out[tuple(slice(a, b) for a, b in spans[lead:])] = piece
+        filled += piece.size
+    if filled != out.size:
+        raise OtfloadError(
+            "this process does not hold every shard of the leaf being exported; multi-process export "
+            "needs each tensor to be addressable by one process"
+        )
+    return out

@@ -1,0 +1,62 @@
+"""HF tensor shapes inferred backwards through hooks, for exports without a reference checkpoint.
+
+Most hooks determine their input shape from their output shape. A :class:`Reshape` does not: the
+leaf ``[hidden, heads, head_dim]`` could come from ``[hidden, heads * head_dim]`` or from
+``[hidden * heads, head_dim]``. HF checkpoints store attention projections with the head dims
+merged, so the inverse merges the one run of adjacent reshape dims that the table names after
+head counts or sizes (config fields containing ``head``, or ``-1``). Tables this rule does not fit
+need the reference checkpoint (``export_hf(..., reference=...)``), which gives exact shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from otfload.errors import MappingError
+from otfload.plan.hooks import Hook, Reshape, Scale, Shape, Slice, Transpose
+
+
+def slice_positions(hook: Slice, shape: Shape) -> range:
+    """The indices along ``hook.axis`` of an input of ``shape`` that ``hook`` keeps."""
+    return range(shape[hook.axis % len(shape)])[slice(hook.start, hook.stop, hook.step)]
+
+
+def _head_run(spec: tuple) -> tuple[int, int] | None:
+    """``(start, stop)`` of the single run (length >= 2) of head-like entries in a reshape spec."""
+    flags = [d == -1 or (isinstance(d, str) and "head" in d) for d in spec]
+    runs, start = [], None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            if i - start >= 2:
+                runs.append((start, i))
+            start = None
+    return runs[0] if len(runs) == 1 else None
+
+
+def infer_in_shape(hook: Hook, unresolved: Hook, out_shape: Shape, key: str) -> Shape:
+    """The input shape of ``hook`` (resolved) producing ``out_shape``; ``unresolved`` is the same
+    hook as written in the table (its config field names guide :class:`Reshape`)."""
+    out_shape = tuple(out_shape)
+    if isinstance(hook, Transpose):
+        perm = hook._perm(len(out_shape))
+        shape = [0] * len(out_shape)
+        for out_dim, in_dim in enumerate(perm):
+            shape[in_dim] = out_shape[out_dim]
+        return tuple(shape)
+    if isinstance(hook, Scale):
+        return out_shape
+    if isinstance(hook, Reshape):
+        run = _head_run(tuple(unresolved.shape))
+        if run is None:
+            raise MappingError(f"cannot tell the HF shape of {key!r} through {unresolved}; "
+                               "pass the checkpoint it was loaded from as reference=")
+        a, b = run
+        return (*out_shape[:a], math.prod(out_shape[a:b]), *out_shape[b:])
+    try:
+        if tuple(hook.out_shape(out_shape)) == out_shape:
+            return out_shape
+    except (MappingError, NotImplementedError, ValueError, IndexError):
+        pass
+    raise MappingError(f"cannot tell the HF shape of {key!r} through {hook}; pass reference=")

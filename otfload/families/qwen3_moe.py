@@ -1,0 +1,55 @@
+"""Mapping table for Qwen3-MoE: the MoE layers form the ``layers`` group and the dense
+(``mlp_only_layers`` / ``decoder_sparse_step``) ones the ``dense_layers`` group; every rule maps a
+group position to its HF layer through the config's ``moe_layers`` / ``dense_layers`` lists, so
+either group may be stacked even when the two interleave."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from otfload.families.llama import LLAMA_TABLE
+from otfload.families.registry import Family, register
+from otfload.models.moe import MoeForCausalLM
+from otfload.models.qwen3_moe import qwen3_moe_config
+from otfload.plan.hooks import Transpose
+from otfload.plan.mapping import MappingTable, Rule
+
+MOE = "model.layers.{layer}.mlp"
+T = Transpose()
+
+
+def in_group(table: MappingTable, group: str, indices: str) -> MappingTable:
+    """``table``'s ``layers.{layer}...`` rules retargeted to ``group`` with HF layers from the config
+    list ``indices``; the other rules as they are."""
+
+    def retarget(rule: Rule) -> Rule:
+        if not rule.target.startswith("layers.{layer}"):
+            return rule
+        target = group + rule.target.removeprefix("layers")
+        return dataclasses.replace(rule, target=target, indices={"layer": indices})
+
+    return MappingTable(tuple(retarget(r) for r in table.rules), table.ignore)
+
+
+EXPERT_RULES = MappingTable(
+    rules=(
+        Rule("layers.{layer}.moe.router.kernel", f"{MOE}.gate.weight", (T,)),
+        Rule("layers.{layer}.moe.gate.kernel", f"{MOE}.experts.{{expert}}.gate_proj.weight", (T,)),
+        Rule("layers.{layer}.moe.up.kernel", f"{MOE}.experts.{{expert}}.up_proj.weight", (T,)),
+        Rule("layers.{layer}.moe.down.kernel", f"{MOE}.experts.{{expert}}.down_proj.weight", (T,)),
+    ),
+)
+
+QWEN3_MOE_TABLE = in_group(EXPERT_RULES + LLAMA_TABLE, "layers", "moe_layers") + in_group(
+    LLAMA_TABLE, "dense_layers", "dense_layers"
+)
+
+QWEN3_MOE = register(
+    Family(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        parse_config=qwen3_moe_config,
+        build=MoeForCausalLM,
+        mapping=lambda cfg: QWEN3_MOE_TABLE,
+    )
+)

@@ -1,0 +1,410 @@
+"""Reference Flax NNX decoder for DeepSeek-V2 and DeepSeek-V3, mirroring transformers 5.23.
+
+* Multi-head latent attention (MLA): queries from ``q`` (or the low-rank ``q_a`` → norm → ``q_b``);
+  keys and values from a compressed latent (``kv_a`` → norm → ``k_b``/``v_b`` per head) plus one
+  shared RoPE key (``k_rope``). The RoPE part uses DeepSeek's interleaved pair layout (V2 always,
+  V3 when ``rope_interleave``); YaRN scaling and its softmax ``mscale`` are supported.
+* The first ``first_k_dense_replace`` layers have a dense MLP, the rest a routed MoE with shared
+  experts. The two kinds of layer are two homogeneous groups (``dense_layers``, ``moe_layers``),
+  each scanned separately with ``scan_layers``.
+* Routing: V2 softmax scores with greedy or group-limited greedy top-k; V3 sigmoid scores with
+  ``e_score_correction_bias``, group selection by the sum of each group's top-2 and optional
+  ``norm_topk_prob``. Both scale the chosen weights by ``routed_scaling_factor``.
+
+Experts are stacked on an ``experts`` axis (``(experts, ...)``, or ``(layers, experts, ...)``
+scanned) so an ``ep`` mesh axis can shard them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from otfload.errors import UnsupportedModelError
+from otfload.models.layers import (
+    Dense,
+    Embed,
+    Norm,
+    apply_rope,
+    attention,
+    causal_mask,
+    dense,
+    make_param,
+    pure,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+)
+from otfload.models.llama import rope_params
+
+# transformers builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    first_k_dense_replace: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    topk_method: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    rope_interleave: bool
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> DeepseekConfig:
+        model_type = hf["model_type"]
+        v3 = model_type == "deepseek_v3"
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise UnsupportedModelError(f"{model_type} with {flag}=true is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{model_type} with hidden_act={hf['hidden_act']!r} is not supported")
+        topk_method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        if not v3 and topk_method not in V2_TOPK_METHODS:
+            raise UnsupportedModelError(f"deepseek_v2 topk_method {topk_method!r}; supported: {V2_TOPK_METHODS}")
+        theta, scaling = rope_params(hf)
+        experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts")
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            first_k_dense_replace=min(int(hf.get("first_k_dense_replace") or 0), hf["num_hidden_layers"]),
+            num_heads=hf["num_attention_heads"],
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            n_routed_experts=experts,
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            n_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            topk_method=topk_method,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            # V2 always rotates interleaved pairs (complex multiplication); V3 makes it a flag.
+            rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,
+            max_position_embeddings=hf["max_position_embeddings"],
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "qk_head_dim": self.qk_head_dim}
+
+
+# --- RoPE ----------------------------------------------------------------------------------------
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: dict, max_positions: int) -> tuple[np.ndarray, float]:
+    """YaRN inverse frequencies and the cos/sin attention factor (transformers' ``yarn`` rope)."""
+    old_ctx = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / old_ctx
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1.0 - ramp
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.astype(np.float32), float(attention_factor)
+
+
+def _rope_kind(cfg: DeepseekConfig) -> str:
+    scaling = cfg.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default")) or "default"
+
+
+def rope_frequencies(cfg: DeepseekConfig) -> tuple[np.ndarray, float]:
+    """``(inv_freq, attention_factor)`` for the ``qk_rope_head_dim`` rotary dims."""
+    if _rope_kind(cfg) == "yarn":
+        return yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    return rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling), 1.0
+
+
+def softmax_scale(cfg: DeepseekConfig) -> float:
+    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for scaled RoPE."""
+    scale = cfg.qk_head_dim**-0.5
+    mscale_all_dim = (cfg.rope_scaling or {}).get("mscale_all_dim")
+    if _rope_kind(cfg) != "default" and mscale_all_dim:
+        scale *= _yarn_mscale(cfg.rope_scaling["factor"], mscale_all_dim) ** 2
+    return scale
+
+
+def apply_pair_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
+    """RoPE on ``x [b, s, h, d]``. Interleaved pairs ``(x0, x1), (x2, x3), ...`` are de-interleaved
+    first (as transformers does); the result is the rotate-half rotation of ``[x_even, x_odd]``."""
+    if interleaved:
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return apply_rope(x, cos, sin)
+
+
+# --- parameters ----------------------------------------------------------------------------------
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention parameters; ``kv_a_proj_with_mqa`` and ``kv_b_proj`` are split
+    into per-role leaves (``kv_a``/``k_rope`` and ``k_b``/``v_b``) by the mapping's hooks."""
+
+    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
+        h, n = cfg.hidden_size, cfg.num_heads
+        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        if cfg.q_lora_rank is None:
+            self.q = Dense((h, n, cfg.qk_head_dim), ("embed", "heads", "head_dim"), **kw)
+        else:
+            self.q_a = Dense((h, cfg.q_lora_rank), ("embed", "q_lora"), **kw)
+            self.q_a_norm = Norm(cfg.q_lora_rank, **kw)
+            self.q_b = Dense((cfg.q_lora_rank, n, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), **kw)
+        self.kv_a = Dense((h, cfg.kv_lora_rank), ("embed", "kv_lora"), **kw)
+        self.k_rope = Dense((h, cfg.qk_rope_head_dim), ("embed", "head_dim"), **kw)
+        self.kv_a_norm = Norm(cfg.kv_lora_rank, **kw)
+        self.k_b = Dense((cfg.kv_lora_rank, n, cfg.qk_nope_head_dim), ("kv_lora", "heads", "head_dim"), **kw)
+        self.v_b = Dense((cfg.kv_lora_rank, n, cfg.v_head_dim), ("kv_lora", "heads", "head_dim"), **kw)
+        self.o = Dense((n, cfg.v_head_dim, h), ("heads", "head_dim", "embed"), **kw)
+
+
+class Mlp(nnx.Module):
+    """SwiGLU MLP (the dense layers' MLP and the shared experts)."""
+
+    def __init__(self, hidden: int, inner: int, *, dtype, rngs, stack=None):
+        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        self.gate = Dense((hidden, inner), ("embed", "mlp"), **kw)
+        self.up = Dense((hidden, inner), ("embed", "mlp"), **kw)
+        self.down = Dense((inner, hidden), ("mlp", "embed"), **kw)
+
+
+class Experts(nnx.Module):
+    """Routed experts' SwiGLU kernels stacked on a leading ``experts`` axis."""
+
+    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
+        e, h, m = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        self.gate = Dense((e, h, m), ("experts", "embed", "mlp"), **kw)
+        self.up = Dense((e, h, m), ("experts", "embed", "mlp"), **kw)
+        self.down = Dense((e, m, h), ("experts", "mlp", "embed"), **kw)
+
+
+class Router(nnx.Module):
+    """Router kernel; V3 adds the (always float32) ``e_score_correction_bias``."""
+
+    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
+        self.kernel = make_param(rngs, (cfg.hidden_size, cfg.n_routed_experts), ("embed", None), dtype, stack)
+        if cfg.model_type == "deepseek_v3":
+            self.bias = make_param(rngs, (cfg.n_routed_experts,), (None,), jnp.float32, stack)
+
+
+class Moe(nnx.Module):
+    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
+        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        self.router = Router(cfg, **kw)
+        self.experts = Experts(cfg, **kw)
+        if cfg.n_shared_experts:
+            self.shared = Mlp(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, **kw)
+
+
+class DecoderLayer(nnx.Module):
+    """One layer (``stack=L``: L layers on a leading axis); ``moe`` picks routed MoE over dense MLP."""
+
+    def __init__(self, cfg: DeepseekConfig, *, moe: bool, dtype, rngs, stack=None):
+        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        self.input_norm = Norm(cfg.hidden_size, **kw)
+        self.attn = MLAttention(cfg, **kw)
+        self.post_attn_norm = Norm(cfg.hidden_size, **kw)
+        if moe:
+            self.moe = Moe(cfg, **kw)
+        else:
+            self.mlp = Mlp(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+
+# --- layer math ----------------------------------------------------------------------------------
+
+
+def mla_forward(a: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, mask: jax.Array) -> jax.Array:
+    cos, sin, scale = rope
+    if cfg.q_lora_rank is None:
+        q = dense(a["q"], x, "bsh,hnd->bsnd")
+    else:
+        q_latent = rms_norm(dense(a["q_a"], x, "bsh,hr->bsr"), a["q_a_norm"]["scale"], LATENT_NORM_EPS)
+        q = dense(a["q_b"], q_latent, "bsr,rnd->bsnd")
+    q_nope, q_rot = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+    kv = rms_norm(dense(a["kv_a"], x, "bsh,hr->bsr"), a["kv_a_norm"]["scale"], LATENT_NORM_EPS)
+    k_rot = dense(a["k_rope"], x, "bsh,hd->bsd")[:, :, None, :]
+    q_rot = apply_pair_rope(q_rot, cos, sin, cfg.rope_interleave)
+    k_rot = apply_pair_rope(k_rot, cos, sin, cfg.rope_interleave)
+    k_nope = dense(a["k_b"], kv, "bsr,rnd->bsnd")
+    v = dense(a["v_b"], kv, "bsr,rnd->bsnd")
+    q = jnp.concatenate([q_nope, q_rot], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (*k_nope.shape[:3], cfg.qk_rope_head_dim))], axis=-1)
+    out = attention(q, k, v, mask, scale)
+    return dense(a["o"], out, "bsnd,ndh->bsh")
+
+
+def mlp_forward(m: dict, x: jax.Array) -> jax.Array:
+    act = jax.nn.silu(dense(m["gate"], x, "...h,hm->...m")) * dense(m["up"], x, "...h,hm->...m")
+    return dense(m["down"], act, "...m,mh->...h")
+
+
+def _keep_top_groups(choice: jax.Array, group_scores: jax.Array, cfg: DeepseekConfig, fill: float) -> jax.Array:
+    """``choice [t, E]`` with every expert outside the ``topk_group`` best groups set to ``fill``."""
+    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    kept = jax.nn.one_hot(top_groups, cfg.n_group, dtype=jnp.bool_).any(axis=-2)
+    kept = jnp.repeat(kept, cfg.n_routed_experts // cfg.n_group, axis=-1)
+    return jnp.where(kept, choice, fill)
+
+
+def route(router: dict, x: jax.Array, cfg: DeepseekConfig) -> jax.Array:
+    """Dense routing weights ``[tokens, experts]`` (zero for unchosen experts), computed in float32."""
+    logits = x.astype(jnp.float32) @ router["kernel"].astype(jnp.float32)
+    tokens, experts = logits.shape
+    if cfg.model_type == "deepseek_v3":
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + router["bias"].astype(jnp.float32)
+        grouped = choice.reshape(tokens, cfg.n_group, experts // cfg.n_group)
+        choice = _keep_top_groups(choice, jax.lax.top_k(grouped, 2)[0].sum(-1), cfg, -jnp.inf)
+        _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+        if cfg.topk_method == "group_limited_greedy":
+            group_max = scores.reshape(tokens, cfg.n_group, experts // cfg.n_group).max(-1)
+            scores = _keep_top_groups(scores, group_max, cfg, 0.0)
+        weights, idx = jax.lax.top_k(scores, cfg.num_experts_per_tok)
+    weights = weights * cfg.routed_scaling_factor
+    return (jax.nn.one_hot(idx, experts, dtype=jnp.float32) * weights[..., None]).sum(-2)
+
+
+def moe_forward(p: dict, x: jax.Array, cfg: DeepseekConfig) -> jax.Array:
+    """Routed experts (every expert evaluated, weighted by the dense routing weights) plus shared."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights = route(p["router"], flat, cfg).astype(x.dtype)
+    e = p["experts"]
+    gate = jnp.einsum("th,ehm->tem", flat, e["gate"]["kernel"])
+    up = jnp.einsum("th,ehm->tem", flat, e["up"]["kernel"])
+    out = jnp.einsum("tem,emh,te->th", jax.nn.silu(gate) * up, e["down"]["kernel"], weights).reshape(x.shape)
+    return out + mlp_forward(p["shared"], x) if "shared" in p else out
+
+
+def layer_forward(p: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, mask: jax.Array) -> jax.Array:
+    """One decoder layer (dense or MoE, by which parameters ``p`` holds) as a pure function."""
+    x = x + mla_forward(p["attn"], rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps), cfg, rope, mask)
+    h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
+    return x + (moe_forward(p["moe"], h, cfg) if "moe" in p else mlp_forward(p["mlp"], h))
+
+
+# --- model ---------------------------------------------------------------------------------------
+
+
+def _layer_group(cfg: DeepseekConfig, count: int, moe: bool, scan: bool, dtype, rngs):
+    if count == 0:
+        return None
+    if scan:
+        return DecoderLayer(cfg, moe=moe, dtype=dtype, rngs=rngs, stack=count)
+    return nnx.List([DecoderLayer(cfg, moe=moe, dtype=dtype, rngs=rngs) for _ in range(count)])
+
+
+class DeepseekForCausalLM(nnx.Module):
+    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for DeepSeek-V2/V3.
+
+    ``dense_layers`` holds HF layers ``0 .. first_k_dense_replace - 1`` and ``moe_layers`` the rest;
+    with ``scan_layers`` each group is stacked on a leading ``layers`` axis and run by its own scan.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, *, scan_layers: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.scan_layers = scan_layers
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.dense_layers = _layer_group(cfg, cfg.first_k_dense_replace, False, scan_layers, dtype, rngs)
+        self.moe_layers = _layer_group(cfg, cfg.num_moe_layers, True, scan_layers, dtype, rngs)
+        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+    def _run_group(self, group, x: jax.Array, rope: tuple, mask: jax.Array) -> jax.Array:
+        if group is None:
+            return x
+        if self.scan_layers:
+            def body(h, p):
+                return layer_forward(p, h, self.cfg, rope, mask), None
+
+            return jax.lax.scan(body, x, pure(group))[0]
+        for layer in group:
+            x = layer_forward(pure(layer), x, self.cfg, rope, mask)
+        return x
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embedding = self.embed.embedding[...]
+        x = embedding[input_ids]
+        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        inv_freq, attention_factor = rope_frequencies(cfg)
+        cos, sin = rope_tables(positions, inv_freq)
+        rope = (cos * attention_factor, sin * attention_factor, softmax_scale(cfg))
+        mask = causal_mask(input_ids.shape[1])
+        x = self._run_group(self.dense_layers, x, rope, mask)
+        x = self._run_group(self.moe_layers, x, rope, mask)
+        x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            return jnp.einsum("bsh,vh->bsv", x, embedding)
+        return jnp.einsum("bsh,hv->bsv", x, self.lm_head.kernel[...])

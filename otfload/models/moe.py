@@ -1,0 +1,172 @@
+"""Sparse mixture-of-experts decoders (Mixtral, Qwen3-MoE, GPT-OSS) built on the Llama pieces.
+
+Expert weights of a layer are stacked on a leading ``experts`` axis (logical axis ``"experts"``,
+sharded on ``ep`` by the default rules): ``gate``/``up`` kernels ``[E, hidden, inter]``, ``down``
+``[E, inter, hidden]``. The router picks each token's top-k experts; the experts are computed
+densely (every expert on every token) and combined with routing weights that are zero outside the
+top k, which is exact and simple at reference-model sizes.
+
+Layers whose feed-forward is an MoE (``cfg.moe_layers``) and dense SwiGLU layers
+(``cfg.dense_layers``) form two groups, ``layers`` and ``dense_layers``; with ``scan_layers`` each
+group is one stack, run in HF layer order one homogeneous run at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from otfload.models.layers import Dense, Norm, causal_mask, dense, make_param, pure, run_layers
+from otfload.models.llama import Attention, DecoderLayer, LlamaConfig, LlamaForCausalLM, layer_forward
+
+SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
+SWIGLU, CLAMPED_SWIGLU = "swiglu", "clamped_swiglu"
+
+
+@dataclass(frozen=True)
+class MoeConfig(LlamaConfig):
+    """A Llama-style decoder whose feed-forward is a sparse MoE on the layers in ``moe_layers``.
+
+    ``routing``: ``"softmax_topk"`` (softmax over all experts, keep the top k, renormalise if
+    ``norm_topk_prob``: Mixtral, Qwen3-MoE) or ``"topk_softmax"`` (top k of the logits, softmax over
+    them: GPT-OSS). ``activation``: ``"swiglu"`` or ``"clamped_swiglu"`` (GPT-OSS: gate clamped
+    above, up clamped both ways at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
+    ``sliding_layers`` lists the layers using ``sliding_window`` (None: all of them).
+    """
+
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    routing: str = SOFTMAX_TOPK
+    norm_topk_prob: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = SWIGLU
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False
+    moe_layers: tuple[int, ...] = ()
+    dense_layers: tuple[int, ...] = ()
+    sliding_layers: tuple[int, ...] | None = None
+
+    @classmethod
+    def extend(cls, base: LlamaConfig, **fields) -> MoeConfig:
+        """``base``'s fields plus (or overridden by) ``fields``."""
+        return cls(**{**dataclasses.asdict(base), **fields})
+
+
+class ExpertDense(nnx.Module):
+    """Per-expert weights on a leading experts axis: ``kernel [E, *shape]``, optional ``bias [E, out]``."""
+
+    def __init__(self, num_experts: int, shape, axes, *, bias: bool, dtype, rngs, stack=None):
+        self.kernel = make_param(rngs, (num_experts, *shape), ("experts", *axes), dtype, stack)
+        if bias:
+            self.bias = make_param(rngs, (num_experts, shape[-1]), ("experts", axes[-1]), dtype, stack)
+
+
+class SparseMoe(nnx.Module):
+    """Router ``[hidden, E]`` and the experts' ``gate``/``up``/``down`` weights."""
+
+    def __init__(self, cfg: MoeConfig, *, dtype, rngs, stack=None):
+        h, m, e, b = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts, cfg.expert_bias
+        self.router = Dense((h, e), ("embed", None), bias_dims=int(cfg.router_bias), dtype=dtype, rngs=rngs,
+                            stack=stack)
+        self.gate = ExpertDense(e, (h, m), ("embed", "mlp"), bias=b, dtype=dtype, rngs=rngs, stack=stack)
+        self.up = ExpertDense(e, (h, m), ("embed", "mlp"), bias=b, dtype=dtype, rngs=rngs, stack=stack)
+        self.down = ExpertDense(e, (m, h), ("mlp", "embed"), bias=b, dtype=dtype, rngs=rngs, stack=stack)
+
+
+class MoeDecoderLayer(nnx.Module):
+    """A decoder layer whose feed-forward is :class:`SparseMoe` (optionally with attention sinks)."""
+
+    def __init__(self, cfg: MoeConfig, *, dtype, rngs, stack=None):
+        self.input_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs, stack=stack)
+        if cfg.attention_sinks:
+            self.attn.sinks = make_param(rngs, (cfg.num_heads,), ("heads",), dtype, stack)
+        self.post_attn_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
+        self.moe = SparseMoe(cfg, dtype=dtype, rngs=rngs, stack=stack)
+
+
+def routing_weights(logits: jax.Array, cfg: MoeConfig) -> jax.Array:
+    """``[..., E]`` float32 weights of each token's top-k experts (zero for the others)."""
+    logits = logits.astype(jnp.float32)
+    if cfg.routing == TOPK_SOFTMAX:
+        top, idx = jax.lax.top_k(logits, cfg.experts_per_token)
+        top = jax.nn.softmax(top, axis=-1)
+    else:
+        top, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
+        if cfg.norm_topk_prob:
+            top = top / top.sum(axis=-1, keepdims=True)
+    return jnp.sum(jax.nn.one_hot(idx, cfg.num_experts, dtype=top.dtype) * top[..., None], axis=-2)
+
+
+def expert_activation(gate: jax.Array, up: jax.Array, cfg: MoeConfig) -> jax.Array:
+    if cfg.activation == CLAMPED_SWIGLU:
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
+    return jax.nn.silu(gate) * up
+
+
+def moe_forward(p: dict, h: jax.Array, cfg: MoeConfig) -> jax.Array:
+    """The MoE feed-forward of ``h [batch, seq, hidden]`` from a :class:`SparseMoe` param dict."""
+    weights = routing_weights(dense(p["router"], h, "bsh,he->bse"), cfg)
+    act = expert_activation(dense(p["gate"], h, "bsh,ehm->bsem"), dense(p["up"], h, "bsh,ehm->bsem"), cfg)
+    out = dense(p["down"], act, "bsem,emh->bseh")
+    return jnp.einsum("bseh,bse->bsh", out, weights.astype(out.dtype))
+
+
+def layer_runs(cfg: MoeConfig) -> list[tuple[str, int, int, int]]:
+    """Maximal runs of consecutive layers in one group: ``(group, first position, stop position,
+    first HF layer)``, in HF layer order."""
+    runs: list[tuple[str, int, int, int]] = []
+    for layer in range(cfg.num_layers):
+        group, ids = ("layers", cfg.moe_layers) if layer in cfg.moe_layers else ("dense_layers", cfg.dense_layers)
+        pos = ids.index(layer)
+        if runs and runs[-1][0] == group and runs[-1][2] == pos:
+            runs[-1] = (group, runs[-1][1], pos + 1, runs[-1][3])
+        else:
+            runs.append((group, pos, pos + 1, layer))
+    return runs
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for an MoE decoder."""
+
+    def init_layers(self, dtype, rngs: nnx.Rngs) -> None:
+        """``layers`` (the MoE layers) and, when the config has any, ``dense_layers``."""
+        self.layers = self._group(MoeDecoderLayer, len(self.cfg.moe_layers), dtype, rngs)
+        if self.cfg.dense_layers:
+            self.dense_layers = self._group(DecoderLayer, len(self.cfg.dense_layers), dtype, rngs)
+
+    def _group(self, layer_cls: type, n: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        if self.scan_layers:
+            return layer_cls(self.cfg, dtype=dtype, rngs=rngs, stack=n)
+        return nnx.List([layer_cls(self.cfg, dtype=dtype, rngs=rngs) for _ in range(n)])
+
+    def _params(self, group: str, start: int, stop: int) -> dict | Sequence[dict]:
+        layers = getattr(self, group)
+        if self.scan_layers:
+            return jax.tree.map(lambda a: a[start:stop], pure(layers))
+        return [pure(layers[i]) for i in range(start, stop)]
+
+    def decode(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        cos, sin = self.rope(positions)
+        sliding = range(cfg.num_layers) if cfg.sliding_layers is None else cfg.sliding_layers
+        masks = jnp.stack([causal_mask(x.shape[1], cfg.sliding_window if i in sliding else None)
+                           for i in range(cfg.num_layers)])
+
+        def forward(p: dict, h: jax.Array, mask: jax.Array) -> jax.Array:
+            ffn = (lambda q, y: moe_forward(q["moe"], y, cfg)) if "moe" in p else None
+            return layer_forward(p, h, cfg, cos, sin, mask, ffn)
+
+        for group, start, stop, first in layer_runs(cfg):
+            x = run_layers(self._params(group, start, stop), x, forward, masks[first : first + stop - start])
+        return x

@@ -1,0 +1,66 @@
+"""Checks shared by the MoE family tests: logits parity on a mesh (experts really sharded where the
+mesh has an ``ep`` axis) and the error for a wrong-shaped expert tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import otfload
+from otfload.errors import ShapeMismatchError
+from otfload.plan.sharding import make_mesh
+from tests.helpers import BASE, max_rel_diff, token_ids, torch_logits
+
+# 4 experts, top 2, 3 layers, hidden 64 (BASE); 12-token inputs.
+MOE_BASE = {**BASE, "num_experts_per_tok": 2}
+MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
+
+
+def logits(model, ids: np.ndarray) -> np.ndarray:
+    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+
+
+def expert_kernel(model, scan_layers: bool):
+    """The gate kernel of the first MoE layer's experts (the whole stack when scanned)."""
+    return model.layers.moe.gate.kernel[...] if scan_layers else model.layers[0].moe.gate.kernel[...]
+
+
+def check_parity(tiny_checkpoints, kind: str, mesh_name: str, scan_layers: bool) -> float:
+    """Load ``kind`` on the named mesh, assert experts sit on ``ep`` when the mesh has it, and return
+    the max relative logits difference to transformers."""
+    path, torch_model = tiny_checkpoints(kind)
+    assert len(list(path.glob("*.safetensors"))) > 1
+    model = otfload.from_pretrained(path, mesh=make_mesh(MESHES[mesh_name]), scan_layers=scan_layers)
+    spec = expert_kernel(model, scan_layers).sharding.spec
+    experts_dim = 1 if scan_layers else 0
+    assert (spec[experts_dim] == "ep") == ("ep" in MESHES[mesh_name]), spec
+    ids = token_ids(seq=12)
+    return max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+
+
+def replace_tensor(src: Path, dst: Path, key: str, value: np.ndarray) -> None:
+    """Copy checkpoint ``src`` to ``dst`` with tensor ``key`` replaced by ``value``."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    shard = dst / json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def wrong_shape_error(tiny_checkpoints, tmp_path: Path, kind: str, key: str, shape: tuple) -> ShapeMismatchError:
+    """The error of loading ``kind`` (scanned) with ``key`` replaced by zeros of ``shape``."""
+    src, _ = tiny_checkpoints(kind)
+    replace_tensor(src, tmp_path / "ckpt", key, np.zeros(shape, np.float32))
+    with pytest.raises(ShapeMismatchError) as err:
+        otfload.from_pretrained(tmp_path / "ckpt", scan_layers=True)
+    assert all(p.hf_key == key for p in err.value.problems)
+    assert key in str(err.value)
+    return err.value
