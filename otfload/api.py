@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -26,12 +27,16 @@ from otfload.sources import Source, open_source
 
 
 def storage_dtype(index: CheckpointIndex) -> np.dtype:
-    """The dtype holding most of the checkpoint's floating-point bytes."""
+    """The dtype holding most of the checkpoint's floating-point bytes (bf16 for FP8 checkpoints)."""
     weights = Counter()
     for info in index.tensors.values():
         if np.issubdtype(info.dtype, np.floating) or info.dtype.kind == "V":
             weights[info.dtype] += info.nbytes
-    return weights.most_common(1)[0][0] if weights else np.dtype(np.float32)
+    if not weights:
+        return np.dtype(np.float32)
+    dtype = weights.most_common(1)[0][0]
+    # FP8 checkpoints are dequantised on load; bf16 is the dtype they were trained in.
+    return np.dtype(ml_dtypes.bfloat16) if "float8" in dtype.name else dtype
 
 
 def plan_model(

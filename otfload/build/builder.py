@@ -86,10 +86,10 @@ def build_boxes(
         held = per_combo * len(chunk)
         budget.acquire(held)
         try:
-            parts = {
-                c: reader.read_box(plan.sources[sum(i * s for i, s in zip(c, strides, strict=True))], union, arena)
-                for c in chunk
-            }
+            parts = {}
+            for c in chunk:
+                i = sum(k * s for k, s in zip(c, strides, strict=True))
+                parts[c] = reader.read_source(plan.sources[i], plan.scale_of(i), union, plan.quant_block, arena)
             for box in boxes:
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
         finally:

@@ -7,7 +7,7 @@ reference checkpoint is given, ``gather`` copies one leaf slice to the host shar
 ``writer`` writes shards, index and config atomically.
 """
 
-from otfload.export.api import export_hf
+from otfload.export.api import export_checkpoint, export_hf
 from otfload.export.inverse import ExportPlan, HFTensor, plan_export
 
-__all__ = ["ExportPlan", "HFTensor", "export_hf", "plan_export"]
+__all__ = ["ExportPlan", "HFTensor", "export_checkpoint", "export_hf", "plan_export"]

@@ -106,3 +106,24 @@ def export_hf(
         write_shards(tmp, specs, produce, max_shard_size)
         write_config(tmp, hf_config)
     return Path(out_dir)
+
+
+def export_checkpoint(
+    source: str | os.PathLike | Source,
+    out_dir: str | os.PathLike,
+    *,
+    scan_layers: bool = True,
+    mesh: Any = None,
+    dtype: Any = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    **source_options,
+) -> Path:
+    """What ``otfload export SRC OUT`` runs: load the HF checkpoint ``source`` with
+    :func:`otfload.from_pretrained` (sharded on ``mesh``) and write it back with :func:`export_hf`,
+    using ``source`` as the reference (config and shapes)."""
+    from otfload.api import from_pretrained
+
+    src = open_source(source, **source_options)
+    model = from_pretrained(src, mesh=mesh, scan_layers=scan_layers)
+    return export_hf(model, out_dir, reference=src, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)

@@ -197,8 +197,9 @@ def plan_export(
 
     ``hf_shapes`` (from the checkpoint the model was loaded from) gives exact HF shapes; without
     it they are inferred. ``tied`` (the HF config's ``tie_word_embeddings``) drops leaves whose rule
-    falls back to a key another leaf writes, as ``save_pretrained`` does. Raises :class:`MappingError` for leaves no rule maps, HF keys written by
-    several leaves that do not slice them, and slices that do not tile their tensor.
+    falls back to a key another leaf writes, as ``save_pretrained`` does. Raises
+    :class:`MappingError` for leaves no rule maps, HF keys written by several leaves that do not
+    slice them, and slices that do not tile their tensor.
     """
     groups: dict[str, list[_Entry]] = {}
     for entry in _drop_tied(_entries(leaves, table, config), tied):

@@ -4,8 +4,9 @@ Most hooks determine their input shape from their output shape. A :class:`Reshap
 leaf ``[hidden, heads, head_dim]`` could come from ``[hidden, heads * head_dim]`` or from
 ``[hidden * heads, head_dim]``. HF checkpoints store attention projections with the head dims
 merged, so the inverse merges the one run of adjacent reshape dims that the table names after
-head counts or sizes (config fields containing ``head``, or ``-1``). Tables this rule does not fit
-need the reference checkpoint (``export_hf(..., reference=...)``), which gives exact shapes.
+head counts or sizes (config fields containing ``head``; a lone one with an adjacent ``-1``).
+Tables this rule does not fit need the reference checkpoint (``export_hf(..., reference=...)``),
+which gives exact shapes.
 """
 
 from __future__ import annotations
@@ -22,17 +23,24 @@ def slice_positions(hook: Slice, shape: Shape) -> range:
 
 
 def _head_run(spec: tuple) -> tuple[int, int] | None:
-    """``(start, stop)`` of the single run (length >= 2) of head-like entries in a reshape spec."""
-    flags = [d == -1 or (isinstance(d, str) and "head" in d) for d in spec]
+    """``(start, stop)`` of the one run of adjacent head-named entries of a reshape spec, extended
+    by an adjacent ``-1`` when it is a single entry (``("rank", "heads", -1)``); None if ambiguous."""
+    named = [isinstance(d, str) and "head" in d for d in spec]
     runs, start = [], None
-    for i, flag in enumerate([*flags, False]):
+    for i, flag in enumerate([*named, False]):
         if flag and start is None:
             start = i
         elif not flag and start is not None:
-            if i - start >= 2:
-                runs.append((start, i))
+            runs.append((start, i))
             start = None
-    return runs[0] if len(runs) == 1 else None
+    if len(runs) != 1:
+        return None
+    a, b = runs[0]
+    if b - a == 1 and b < len(spec) and spec[b] == -1:
+        b += 1
+    elif b - a == 1 and a > 0 and spec[a - 1] == -1:
+        a -= 1
+    return (a, b) if b - a >= 2 else None
 
 
 def infer_in_shape(hook: Hook, unresolved: Hook, out_shape: Shape, key: str) -> Shape:

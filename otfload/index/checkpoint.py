@@ -21,6 +21,8 @@ SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # Headers are small; reading several at once hides remote latency without flooding a server.
 HEADER_READ_THREADS = 8
+# DeepSeek-V3's ``quantization_config.weight_block_size``; used when the config does not say.
+DEFAULT_QUANT_BLOCK = (128, 128)
 # config.json and the index are small; anything larger is not what it claims to be.
 MAX_JSON_FILE_BYTES = 64 * 1024 * 1024
 
@@ -33,6 +35,14 @@ class CheckpointIndex:
     config: dict
     tensors: dict[str, TensorInfo]
     headers: dict[str, FileHeader] = field(repr=False)
+    # FP8 weight key -> its block-scale tensor (``<key>_scale_inv``, DeepSeek-V3 format)
+    scales: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+
+    @property
+    def quant_block(self) -> tuple[int, int]:
+        """Block size of FP8 block scales (``quantization_config.weight_block_size``)."""
+        block = (self.config.get("quantization_config") or {}).get("weight_block_size") or DEFAULT_QUANT_BLOCK
+        return int(block[0]), int(block[1])
 
     @property
     def files(self) -> list[str]:
@@ -125,7 +135,18 @@ def open_index(source: Source, *, require_config: bool = True) -> CheckpointInde
     files, weight_map = _safetensors_files(source, available)
     with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(files))) as pool:
         headers = dict(zip(files, pool.map(lambda f: read_header(source, f), files), strict=True))
-    return CheckpointIndex(source, config, _merge(headers, weight_map), headers)
+    tensors = _merge(headers, weight_map)
+    return CheckpointIndex(source, config, tensors, headers, _fp8_scales(tensors))
+
+
+def _fp8_scales(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """Pair each 2-D FP8 weight with its ``_scale_inv`` block-scale tensor, when present."""
+    scales = {}
+    for key, info in tensors.items():
+        scale = tensors.get(f"{key}_scale_inv")
+        if scale is not None and "float8" in info.dtype.name and len(info.shape) == 2:
+            scales[key] = scale
+    return scales
 
 
 __all__ = ["CheckpointIndex", "open_index", "read_json"]

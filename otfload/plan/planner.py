@@ -34,6 +34,8 @@ class LeafPlan:
     sources: tuple[TensorInfo, ...]
     hooks: tuple[Hook, ...]
     shapes: tuple[Shape, ...]  # the source shape, then the output shape of each hook
+    scales: tuple[TensorInfo | None, ...] = ()  # FP8 block scales per source (empty: none quantised)
+    quant_block: tuple[int, int] = (128, 128)
 
     @property
     def path(self) -> str:
@@ -49,7 +51,10 @@ class LeafPlan:
 
     @property
     def source_bytes(self) -> int:
-        return sum(info.nbytes for info in self.sources)
+        return sum(info.nbytes for info in (*self.sources, *self.scales) if info is not None)
+
+    def scale_of(self, i: int) -> TensorInfo | None:
+        return self.scales[i] if self.scales else None
 
     def describe(self) -> dict:
         """A JSON-able summary (what ``otfload inspect`` prints)."""
@@ -63,7 +68,8 @@ class LeafPlan:
             "hf_keys": keys if len(keys) <= 2 else [keys[0], f"... {len(keys) - 2} more ...", keys[-1]],
             "num_hf_keys": len(keys),
             "hf_dtype": str(self.sources[0].dtype) if self.sources else None,
-            "hooks": [repr(h) for h in self.hooks],
+            "hooks": ([f"DequantizeFP8(block={self.quant_block})"] if any(self.scales) else [])
+            + [repr(h) for h in self.hooks],
             "source_bytes": self.source_bytes,
         }
 
@@ -151,7 +157,11 @@ def plan_leaf(
         sources.append(info)
     if not ok or math.prod(stack_shape) != len(sources):
         return None
-    return LeafPlan(leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,))
+    scales = tuple(index.scales.get(info.name) for info in sources)
+    return LeafPlan(
+        leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,),
+        scales if any(scales) else (), index.quant_block,
+    )
 
 
 def build_plan(
@@ -170,7 +180,7 @@ def build_plan(
         plan = plan_leaf(leaf, table, index, config, problems)
         if plan is not None:
             plans[path] = plan
-    used = {info.name for plan in plans.values() for info in plan.sources}
+    used = {info.name for plan in plans.values() for info in (*plan.sources, *plan.scales) if info is not None}
     used |= {p.hf_key for p in problems if p.hf_key}
     unused = sorted(k for k in index.tensors if k not in used and not table.ignored(k))
     if strict:

@@ -16,6 +16,7 @@ import numpy as np
 from otfload.index.header import TensorInfo
 from otfload.plan.boxes import Box, box_shape, byte_runs
 from otfload.read.arena import Arena
+from otfload.read.dequant import dequantize, scale_box
 from otfload.sources.base import RangeRead, Source
 
 # Reading a gap costs gap / ~10 GB/s; a separate request costs ~2 µs locally (a preadv) and far
@@ -75,3 +76,13 @@ class TensorReader:
         self.source.read_many(reads)
         self.stats.add(info.file, needed, len(reads))
         return buffer.view(info.dtype).reshape(box_shape(box))
+
+    def read_source(
+        self, info: TensorInfo, scale: TensorInfo | None, box: Box, block: tuple[int, int], arena: Arena
+    ) -> np.ndarray:
+        """``read_box``, dequantised to float32 with ``scale``'s FP8 block scales when given."""
+        part = self.read_box(info, box, arena)
+        if scale is None:
+            return part
+        sbox = scale_box(box, block)
+        return dequantize(part, box, self.read_box(scale, sbox, arena), block)

@@ -118,21 +118,21 @@ def test_tied_head_is_not_written_when_tied():
 
 
 @pytest.mark.parametrize(
-    "rules, leaves, message",
+    "rules, leaves, hf_shape, message",
     [
-        ((Rule("a", "x"),), {"a": (2,), "b": (2,)}, "no mapping rule"),
-        ((Rule("a", "x"), Rule("b", "x")), {"a": (2,), "b": (2,)}, "do not slice"),
-        ((Rule("a", "x", (Slice(0, 0, 2),)), Rule("b", "x", (Slice(0, 1, 3),))), {"a": (2,), "b": (2,)},
+        ((Rule("a", "x"),), {"a": (4,), "b": (4,)}, (4,), "no mapping rule"),
+        ((Rule("a", "x"), Rule("b", "x")), {"a": (4,), "b": (4,)}, (4,), "do not slice"),
+        ((Rule("a", "x", (Slice(0, 0, 2),)), Rule("b", "x", (Slice(0, 1, 3),))), {"a": (2,), "b": (2,)}, (4,),
          "exactly once"),
-        ((Rule("a", "x", (Slice(0, 0, None, 2),)),), {"a": (2,)}, "exactly once"),
-        ((Rule("a", "x", (Slice(0, 0, 4), Slice(0, 0, 2))),), {"a": (2,)}, "more than once"),
-        ((Rule("a", "x", (Slice(0, 0, 2),)), Rule("b", "x", (Transpose(), Slice(0, 2, 4)))),
-         {"a": (2, 2), "b": (2, 2)}, "different hooks"),
+        ((Rule("a", "x", (Slice(0, 0, None, 2),)),), {"a": (2,)}, (4,), "exactly once"),
+        ((Rule("a", "x", (Slice(0, 0, 4), Slice(0, 0, 2))),), {"a": (2,)}, (4,), "more than once"),
+        ((Rule("a", "x", (Slice(0, 0, 2),)), Rule("b", "x", (Transpose(), Slice(1, 2, 4)))),
+         {"a": (2, 2), "b": (2, 2)}, (4, 2), "different hooks"),
     ],
 )
-def test_tables_that_cannot_be_inverted_raise(rules, leaves, message):
+def test_tables_that_cannot_be_inverted_raise(rules, leaves, hf_shape, message):
     with pytest.raises(MappingError, match=message):
-        plan_export(leaves, MappingTable(rules), {}, {"x": (4, 2)})
+        plan_export(leaves, MappingTable(rules), {}, {"x": hf_shape})
 
 
 def test_reshape_shape_inference_merges_head_dims_and_refuses_to_guess():

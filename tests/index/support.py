@@ -1,11 +1,22 @@
-"""Test sources that record every range read, to prove a reader never reads past a file or into tensor data."""
+"""Test support: in-memory and recording sources, and the two parsers (ours, the reference) side by side.
+
+The recording source proves a reader never reads past a file or into tensor data; ``reference_parse``
+runs the ``safetensors`` package's own (Rust) parser on the same bytes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from otfload.errors import SourceNotFoundError, TruncatedFileError
-from otfload.sources.base import RangeRead, Source
+import numpy as np
+import safetensors
+
+from otfload.errors import OtfloadError, SourceNotFoundError, TruncatedFileError
+from otfload.index.dtypes import SAFETENSORS_DTYPES
+from otfload.index.header import FileHeader, read_header
+from otfload.sources.base import RangeRead, Source, read_bytes
+
+FILE = "model.safetensors"
 
 
 class MemorySource:
@@ -74,3 +85,29 @@ class RecordingSource:
 
     def read_files(self) -> set[str]:
         return {f for f, _, _ in self.reads}
+
+
+def otfload_parse(blob: bytes) -> tuple[FileHeader | OtfloadError, RecordingSource]:
+    """Our parse of ``blob`` as a file, through a recording source; a typed error is returned, not raised."""
+    source = RecordingSource(MemorySource({FILE: blob}))
+    try:
+        return read_header(source, FILE), source
+    except OtfloadError as e:
+        return e, source
+
+
+def reference_parse(blob: bytes) -> dict[str, dict] | Exception:
+    """``{name: {"dtype", "shape", "data"}}`` from the ``safetensors`` package, or the exception it raised."""
+    try:
+        return dict(safetensors.deserialize(blob))
+    except Exception as e:  # noqa: BLE001 - any rejection by the reference counts as "rejected"
+        return e
+
+
+def assert_same_as_reference(header: FileHeader, reference: dict[str, dict], source: Source) -> None:
+    """Same names, dtypes, shapes, and byte-identical data read through our offsets."""
+    assert sorted(header.tensors) == sorted(reference)
+    for name, info in header.tensors.items():
+        ref = reference[name]
+        assert (np.dtype(info.dtype), list(info.shape)) == (SAFETENSORS_DTYPES[ref["dtype"]], ref["shape"]), name
+        assert read_bytes(source, info.file, info.offset, info.nbytes) == bytes(ref["data"]), name

@@ -1,0 +1,38 @@
+"""The ``otfload`` command line: ``inspect``, ``load``, ``export``, ``reshard``, ``bench``.
+
+Exit codes: 0 success, 1 a typed :class:`~otfload.errors.OtfloadError` (its message is printed,
+without a traceback unless ``--debug``), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from otfload.cli import bench, export, inspect, load, options, reshard
+
+COMMANDS = (inspect, load, export, reshard, bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="otfload", description="Load HF safetensors checkpoints into sharded JAX.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    options.simulate_devices(getattr(args, "devices", None))
+    from otfload.errors import OtfloadError
+
+    try:
+        return args.run(args)
+    except OtfloadError as e:
+        if args.debug:
+            raise
+        print(f"otfload: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,36 @@
+"""``otfload bench``: time loads of a checkpoint and print the read throughput of each."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+from otfload.cli import options
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("bench", help="time loads of a checkpoint (GB/s)", description=__doc__,
+                            parents=[options.common_parser()])
+    options.add_source_args(p)
+    options.add_layout_args(p)
+    p.add_argument("--repeats", type=options.positive_int, default=3, help="number of loads (default: 3)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from otfload.api import from_pretrained
+    from otfload.sources import open_source
+
+    source = open_source(args.source, **options.source_options(args))
+    kwargs = options.layout_kwargs(args)
+    speeds, report = [], None
+    for i in range(args.repeats):
+        model, report = from_pretrained(source, return_report=True, progress=False, **kwargs)
+        del model
+        gc.collect()
+        speeds.append(report.gbps)
+        print(f"run {i + 1}: {report.bytes_read / 1e9:.3f} GB in {report.seconds:.3f} s = {report.gbps:.2f} GB/s")
+    print(f"best {max(speeds):.2f} GB/s, median {statistics.median(speeds):.2f} GB/s over {args.repeats} load(s)")
+    print(report.summary())
+    return 0

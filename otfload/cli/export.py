@@ -1,0 +1,38 @@
+"""``otfload export``: load a checkpoint and write it back as Hugging Face safetensors.
+
+The model goes through the loader and back through the inverted mapping table (``otfload.export``),
+so the output is what ``export_hf`` writes for this model: optionally cast (``--dtype``) and
+re-sharded into files of at most ``--max-shard-size``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from otfload.cli import options
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("export", help="write a checkpoint back as HF safetensors",
+                            description=__doc__.split("\n\n")[0], parents=[options.common_parser()])
+    options.add_source_args(p, "src")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--mesh", type=options.mesh_arg, help="mesh to load on (default: every device on fsdp)")
+    p.add_argument("--devices", type=options.positive_int, metavar="N", help="simulate N CPU devices")
+    p.add_argument("--dtype", type=options.dtype_arg, help="dtype written, e.g. bf16 (default: keep)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default: 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from otfload.api import from_pretrained
+    from otfload.export import export_hf
+    from otfload.sources import open_source
+
+    source = open_source(args.src, **options.source_options(args))
+    model = from_pretrained(source, mesh=options.mesh_of(args))
+    out = export_hf(model, args.out, reference=source, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                    overwrite=args.overwrite)
+    print(f"exported {source.description} to {out}")
+    return 0

@@ -1,0 +1,104 @@
+"""``otfload load``: load a checkpoint, print the load report, and optionally check the model.
+
+``--verify`` runs a forward pass on fixed token ids and checks the logits are finite; when
+transformers is installed and the checkpoint is a local directory it also loads the checkpoint
+with ``AutoModelForCausalLM`` in float32 and compares logits: the max relative difference
+(``max |ours - theirs| / max |theirs|``) must be at most 1e-3 for a float32 model (5e-2 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from otfload.cli import options
+
+TOLERANCE = {np.dtype(np.float32): 1e-3}
+LOW_PRECISION_TOLERANCE = 5e-2
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("load", help="load a checkpoint and print the load report",
+                            description=__doc__.split("\n\n")[0], parents=[options.common_parser()])
+    options.add_source_args(p)
+    options.add_layout_args(p)
+    p.add_argument("--verify", action="store_true", help="run a forward pass and compare logits with transformers")
+    p.set_defaults(run=run)
+
+
+def verify_ids(vocab_size: int) -> np.ndarray:
+    """The fixed token ids ``--verify`` runs: 2 sequences of 16."""
+    return np.random.default_rng(0).integers(0, vocab_size, (2, 16))
+
+
+def model_logits(model, ids: np.ndarray) -> np.ndarray:
+    import jax
+    import jax.numpy as jnp
+
+    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)), np.float32)
+
+
+def transformers_logits(directory: str, ids: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits for ``ids`` (the independent reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return reference(torch.as_tensor(ids)).logits.float().numpy()
+
+
+def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def reference_unavailable(source: str) -> str | None:
+    """Why no transformers comparison can run, or None when it can."""
+    if not Path(source).is_dir():
+        return "the checkpoint is not a local directory"
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers (with torch) is not installed"
+    return None
+
+
+def verify(model, source: str, vocab_size: int) -> bool:
+    """Print the verification of ``model`` (loaded from ``source``); True when it passed."""
+    from flax import nnx
+
+    ids = verify_ids(vocab_size)
+    logits = model_logits(model, ids)
+    finite = bool(np.isfinite(logits).all())
+    print(f"verify: logits {logits.shape} {'finite' if finite else 'NOT FINITE'}")
+    if not finite:
+        return False
+    skipped = reference_unavailable(source)
+    if skipped:
+        print(f"verify: no comparison with transformers: {skipped}")
+        return True
+    dtype = np.dtype(nnx.to_flat_state(nnx.state(model, nnx.Param))[0][1].get_value().dtype)
+    tolerance = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
+    diff = max_rel_diff(logits, transformers_logits(source, ids))
+    ok = diff <= tolerance
+    print(f"verify: max relative difference vs transformers {diff:.2e} (tolerance {tolerance:.0e}, {dtype}): "
+          f"{'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def run(args: argparse.Namespace) -> int:
+    from otfload.api import from_pretrained
+    from otfload.index.checkpoint import CONFIG_FILE, read_json
+    from otfload.sources import open_source
+
+    source = open_source(args.source, **options.source_options(args))
+    model, report = from_pretrained(source, return_report=True, **options.layout_kwargs(args))
+    print(report.summary())
+    if args.verify and not verify(model, args.source, int(read_json(source, CONFIG_FILE)["vocab_size"])):
+        print("otfload: verification failed", file=sys.stderr)
+        return 1
+    return 0

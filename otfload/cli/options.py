@@ -1,0 +1,90 @@
+"""Options shared by the subcommands: the checkpoint source, the mesh, simulated devices, dtype."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+def common_parser() -> argparse.ArgumentParser:
+    """Options every subcommand takes (a parent parser)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    return parser
+
+
+def dtype_arg(text: str) -> np.dtype:
+    """argparse type: a dtype name (``bf16``, ``float32``, ...); bad names are usage errors."""
+    from otfload.index.dtypes import to_numpy_dtype
+
+    try:
+        return to_numpy_dtype(text)
+    except TypeError as e:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}") from e
+
+
+def mesh_arg(text: str) -> dict[str, int]:
+    """argparse type: ``fsdp=4,tp=2`` as ``{"fsdp": 4, "tp": 2}``."""
+    from otfload.errors import OtfloadError
+    from otfload.plan.sharding import parse_mesh_spec
+
+    try:
+        return parse_mesh_spec(text)
+    except OtfloadError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def add_source_args(parser: argparse.ArgumentParser, name: str = "source") -> None:
+    """The checkpoint location and the Hub options that go with it."""
+    parser.add_argument(name, help="local directory, Hub repo id (org/name) or URL (gs://, s3://, hf://, ...)")
+    parser.add_argument("--revision", help="Hub branch, tag or commit")
+    parser.add_argument("--token", help="Hub token (default: the huggingface_hub login)")
+
+
+def add_layout_args(parser: argparse.ArgumentParser, *, mesh_help: str = "mesh axes, e.g. fsdp=4,tp=2") -> None:
+    """Mesh, simulated devices, dtype and layer layout of the target model."""
+    parser.add_argument("--mesh", type=mesh_arg, help=f"{mesh_help} (default: every device on fsdp)")
+    parser.add_argument("--devices", type=positive_int, metavar="N",
+                        help="simulate N CPU devices (plan or load for a mesh this machine does not have)")
+    parser.add_argument("--dtype", type=dtype_arg, help="parameter dtype, e.g. bf16 (default: the storage dtype)")
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                        help="stack layers on a leading axis for jax.lax.scan (default: yes)")
+
+
+def simulate_devices(n: int | None) -> None:
+    """Make JAX see ``n`` CPU devices; must run before JAX initialises its backend."""
+    if n is None:
+        return
+    flags = _DEVICE_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
+def source_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("revision", "token") if getattr(args, k, None) is not None}
+
+
+def mesh_of(args: argparse.Namespace):
+    """The ``Mesh`` of ``--mesh`` (every device on ``fsdp`` when not given)."""
+    from otfload.plan.sharding import make_mesh
+
+    return make_mesh(args.mesh)
+
+
+def layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``mesh``, ``scan_layers`` and ``dtype`` for ``plan_model`` / ``from_pretrained``."""
+    return dict(mesh=mesh_of(args), scan_layers=args.scan_layers, dtype=args.dtype)

@@ -1,0 +1,30 @@
+"""``otfload reshard``: re-save a native checkpoint in the layout of a target mesh."""
+
+from __future__ import annotations
+
+import argparse
+
+from otfload.cli import options
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("reshard", help="re-save a native checkpoint for a target mesh", description=__doc__,
+                            parents=[options.common_parser()])
+    p.add_argument("src", help="native (Orbax) checkpoint directory")
+    p.add_argument("dst", help="output checkpoint directory")
+    p.add_argument("--mesh", type=options.mesh_arg, required=True, help="target mesh axes, e.g. fsdp=16,tp=2")
+    p.add_argument("--devices", type=options.positive_int, metavar="N",
+                   help="simulate N CPU devices (the mesh must use all devices)")
+    p.add_argument("--step", type=int, help="step to reshard (default: the latest)")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="layer layout expected in SRC (default: from its metadata)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from otfload.checkpoint import reshard_checkpoint
+
+    step = reshard_checkpoint(args.src, args.dst, args.mesh, step=args.step, scan_layers=args.scan_layers)
+    axes = ", ".join(f"{k}={v}" for k, v in args.mesh.items())
+    print(f"resharded step {step} of {args.src} into {args.dst} for mesh {axes}")
+    return 0
