@@ -154,7 +154,7 @@ def peak_rss() -> int:
 class RssSampler:
     """A thread sampling this process's RSS every ``interval`` s; ``peak`` is the largest sample."""
 
-    def __init__(self, interval: float = 0.005):
+    def __init__(self, interval: float = 0.01):
         self.interval = interval
         self.peak = 0
         self._stop = threading.Event()

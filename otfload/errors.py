@@ -164,3 +164,30 @@ class SourcePermissionError(SourceError):
 
 class ChecksumMismatchError(SourceError):
     """A downloaded file's sha256 differs from the one the source published; the copy was discarded."""
+
+
+# --- shard cache ---------------------------------------------------------------------------------
+
+
+class CacheError(SourceError):
+    """The shard cache could not be filled or read."""
+
+
+class CacheFillError(CacheError):
+    """A process could not fetch a file into the shard cache; ``process`` and ``file`` name it."""
+
+    def __init__(self, message: str, process: int, file: str):
+        self.process = process
+        self.file = file
+        super().__init__(message)
+
+
+class CacheTimeoutError(CacheFillError):
+    """A process waited too long for another one to commit a file to the shard cache.
+
+    ``process`` is the process that fills ``file`` (the one waited for); ``waiter`` the one that gave up.
+    """
+
+    def __init__(self, message: str, process: int, file: str, waiter: int):
+        self.waiter = waiter
+        super().__init__(message, process, file)

@@ -1,7 +1,7 @@
 """The ``otfload`` command line: ``inspect``, ``load``, ``export``, ``reshard``, ``bench``.
 
-Exit codes: 0 success, 1 a typed :class:`~otfload.errors.OtfloadError` (its message is printed,
-without a traceback unless ``--debug``), 2 bad usage.
+Exit codes: 0 success, 1 a typed :class:`~otfload.errors.OtfloadError` or a file-system ``OSError``
+(its message is printed, without a traceback unless ``--debug``), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except OtfloadError as e:
+    except (OtfloadError, OSError) as e:
         if args.debug:
             raise
         print(f"otfload: error: {type(e).__name__}: {e}", file=sys.stderr)

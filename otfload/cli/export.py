@@ -1,8 +1,8 @@
 """``otfload export``: load a checkpoint and write it back as Hugging Face safetensors.
 
-The model goes through the loader and back through the inverted mapping table (``otfload.export``),
-so the output is what ``export_hf`` writes for this model: optionally cast (``--dtype``) and
-re-sharded into files of at most ``--max-shard-size``.
+The model goes through the loader and back through the inverted mapping table
+(:func:`otfload.export.export_checkpoint`): optionally cast (``--dtype``) and re-split into files of
+at most ``--max-shard-size``.
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from otfload.api import from_pretrained
-    from otfload.export import export_hf
-    from otfload.sources import open_source
+    from otfload.export import export_checkpoint
 
-    source = open_source(args.src, **options.source_options(args))
-    model = from_pretrained(source, mesh=options.mesh_of(args))
-    out = export_hf(model, args.out, reference=source, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                    overwrite=args.overwrite)
-    print(f"exported {source.description} to {out}")
+    out = export_checkpoint(args.src, args.out, mesh=options.mesh_of(args), dtype=args.dtype,
+                            max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                            **options.source_options(args))
+    print(f"exported {args.src} to {out}")
     return 0

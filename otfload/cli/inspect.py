@@ -15,6 +15,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from otfload.cli import options
 
 
@@ -38,10 +40,12 @@ def leaf_boxes(plan, devices: Iterable | None = None) -> set:
 
 
 def process_bytes(plan, devices: Iterable | None = None) -> int:
-    """Source bytes the builder reads for the shards of ``devices`` (default: this process's)."""
+    """Source bytes the builder reads for the shards of ``devices`` (default: this process's),
+    FP8 block scales included."""
     from otfload.build.builder import bounding_box
     from otfload.plan.boxes import box_nbytes
     from otfload.plan.hooks import chain_needed
+    from otfload.read.dequant import scale_box
 
     boxes = leaf_boxes(plan, devices)
     if not boxes or not plan.sources:
@@ -49,7 +53,13 @@ def process_bytes(plan, devices: Iterable | None = None) -> int:
     n = len(plan.stack_axes)
     union = bounding_box([chain_needed(plan.hooks, plan.shapes, box[n:]) for box in boxes])
     stacked = set().union(*(itertools.product(*(range(a, b) for a, b in box[:n])) for box in boxes))
-    return len(stacked) * box_nbytes(union, plan.sources[0].dtype.itemsize)
+    total = 0
+    for combo in stacked:
+        i = int(np.ravel_multi_index(combo, plan.stack_shape)) if n else 0
+        scale = plan.scale_of(i)
+        total += box_nbytes(union, plan.sources[i].dtype.itemsize)
+        total += box_nbytes(scale_box(union, plan.quant_block), scale.dtype.itemsize) if scale else 0
+    return total
 
 
 def shard_bytes(plan) -> int:
@@ -83,6 +93,7 @@ def inspect_source(source: Any, **kwargs) -> dict:
         "model_type": config.get("model_type"),
         "family": family_for(config).name,
         "mesh": {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else {},
+        "devices": mesh.size if mesh is not None else 0,
         "processes": jax.process_count(),
         "scan_layers": kwargs.get("scan_layers", True),
         "leaves": leaves,
@@ -111,7 +122,7 @@ def format_plan(info: dict) -> str:
     lines = [
         f"source       {info['source']}",
         f"model        {info['model_type']} (family {info['family']}), scan_layers={info['scan_layers']}",
-        f"mesh         {mesh} ({info['processes']} process(es))",
+        f"mesh         {mesh} ({info['devices']} devices, {info['processes']} process(es))",
         "",
     ]
     for leaf in info["leaves"]:

@@ -23,7 +23,7 @@ from otfload.errors import MappingError
 from otfload.export.shapes import infer_in_shape, slice_positions
 from otfload.plan.hooks import Hook, Shape, Slice, chain_shapes, run_forward
 from otfload.plan.mapping import MappingTable, Rule, format_key
-from otfload.plan.planner import _resolve_offset
+from otfload.plan.planner import _hf_value, _resolve_indices, _resolve_offset
 
 Fetch = Callable[[str, tuple[int, ...]], np.ndarray]
 
@@ -96,10 +96,11 @@ def _entries(leaves: Mapping[str, Shape], table: MappingTable, config: Mapping) 
         if len(cuts) > 1:
             raise MappingError(f"rule {rule.target!r} slices more than once; it cannot be inverted")
         offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
+        indices = {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
         stack_shape, out_shape = tuple(shape[: len(stack_axes)]), tuple(shape[len(stack_axes) :])
         for combo in itertools.product(*(range(n) for n in stack_shape)):
             values = {**fixed, **dict(zip(stack_axes, combo, strict=True))}
-            values = {k: v + offsets.get(k, 0) for k, v in values.items()}
+            values = {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
             key = format_key(rule.source, values)
             entries.append(_Entry(key, path, combo, values, rule, hooks, cuts[0] if cuts else None, out_shape))
     if unmapped:

@@ -12,7 +12,6 @@ anything.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ MAX_HEADER_BYTES = 100_000_000
 # Bytes read speculatively with the length prefix, so most headers arrive in one request.
 HEADER_PREFETCH_BYTES = 256 * 1024
 _LENGTH = struct.Struct("<Q")
+_U64_MAX = 2**64 - 1
 
 
 class TensorInfo(NamedTuple):
@@ -87,8 +87,30 @@ def _decode_json(raw: bytes, file: str) -> dict:
     return parsed
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_u64(x: object) -> bool:
+    # The reference parses sizes and offsets as u64: larger numbers are refused before any arithmetic.
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64_MAX
+
+
+def _is_utf8_text(x: object) -> bool:
+    # JSON escapes can spell lone surrogates ("\ud800"), which no UTF-8 text (nor the reference) allows.
+    if not isinstance(x, str):
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _element_count(shape: list[int]) -> int | None:
+    # Multiplied in order with the reference's u64 overflow check; also keeps every product small.
+    count = 1
+    for d in shape:
+        count *= d
+        if count > _U64_MAX:
+            return None
+    return count
 
 
 def _tensor_entry(name: str, entry: object, file: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
@@ -97,13 +119,16 @@ def _tensor_entry(name: str, entry: object, file: str) -> tuple[np.dtype, tuple[
     dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
         raise UnknownDtypeError(file, f"tensor {name!r}: unknown dtype {dtype_name!r}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise HeaderError(file, f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
-        raise HeaderError(file, f"tensor {name!r}: data_offsets {offsets!r} is not two non-negative ints")
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+        raise HeaderError(file, f"tensor {name!r}: shape {shape!r} is not a list of 64-bit unsigned ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(o) for o in offsets)):
+        raise HeaderError(file, f"tensor {name!r}: data_offsets {offsets!r} is not two 64-bit unsigned ints")
+    count = _element_count(shape)
+    if count is None:
+        raise HeaderError(file, f"tensor {name!r}: shape {shape} has more than 2**64 elements")
     dtype = SAFETENSORS_DTYPES[dtype_name]
     begin, end = offsets
-    want = math.prod(shape) * dtype.itemsize
+    want = count * dtype.itemsize
     if end < begin or end - begin != want:
         raise HeaderError(
             file, f"tensor {name!r}: {dtype_name}{shape} needs {want} bytes but data_offsets span {end - begin}"
@@ -115,13 +140,14 @@ def parse_header(raw_json: bytes, file: str, file_size: int) -> FileHeader:
     """Validate a header's JSON bytes (without the length prefix) for a file of ``file_size`` bytes."""
     data_start = _LENGTH.size + len(raw_json)
     parsed = _decode_json(raw_json, file)
-    metadata = parsed.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
+    metadata = parsed.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(_is_utf8_text(k) and _is_utf8_text(v) for k, v in metadata.items()):
         raise HeaderError(file, "__metadata__ must map strings to strings")
     spans = []
     for name, entry in parsed.items():
+        if not _is_utf8_text(name):
+            raise HeaderError(file, f"tensor name {name!r} is not valid UTF-8 text")
         dtype, shape, begin, end = _tensor_entry(name, entry, file)
         spans.append((begin, end, name, dtype, shape))
     spans.sort(key=lambda s: (s[0], s[1]))

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from otfload.errors import UnsupportedModelError
@@ -38,10 +37,13 @@ from otfload.models.layers import (
     make_param,
     pure,
     rms_norm,
+    rope_attention_factor,
     rope_inv_freq,
     rope_tables,
+    run_layers,
 )
 from otfload.models.llama import rope_params
+from otfload.models.moe import ExpertDense
 
 # transformers builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -50,6 +52,9 @@ V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 @dataclass(frozen=True)
 class DeepseekConfig:
+    """The fields of a DeepSeek-V2/V3 ``config.json`` the model uses (``to_dict()`` feeds the
+    mapping's hooks and offsets). ``topk_method`` matters for V2 only: V3 always routes by groups."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -75,7 +80,6 @@ class DeepseekConfig:
     rope_theta: float
     rope_scaling: dict | None
     rope_interleave: bool
-    max_position_embeddings: int
     tie_word_embeddings: bool
 
     @property
@@ -127,7 +131,6 @@ class DeepseekConfig:
             rope_scaling=scaling,
             # V2 always rotates interleaved pairs (complex multiplication); V3 makes it a flag.
             rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,
-            max_position_embeddings=hf["max_position_embeddings"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
 
@@ -138,62 +141,26 @@ class DeepseekConfig:
 # --- RoPE ----------------------------------------------------------------------------------------
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_inv_freq(dim: int, theta: float, scaling: dict, max_positions: int) -> tuple[np.ndarray, float]:
-    """YaRN inverse frequencies and the cos/sin attention factor (transformers' ``yarn`` rope)."""
-    old_ctx = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or max_positions / old_ctx
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1.0 - ramp
-    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv.astype(np.float32), float(attention_factor)
-
-
 def _rope_kind(cfg: DeepseekConfig) -> str:
     scaling = cfg.rope_scaling or {}
     return scaling.get("rope_type", scaling.get("type", "default")) or "default"
-
-
-def rope_frequencies(cfg: DeepseekConfig) -> tuple[np.ndarray, float]:
-    """``(inv_freq, attention_factor)`` for the ``qk_rope_head_dim`` rotary dims."""
-    if _rope_kind(cfg) == "yarn":
-        return yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-    return rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling), 1.0
 
 
 def softmax_scale(cfg: DeepseekConfig) -> float:
     """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for scaled RoPE."""
     scale = cfg.qk_head_dim**-0.5
     mscale_all_dim = (cfg.rope_scaling or {}).get("mscale_all_dim")
-    if _rope_kind(cfg) != "default" and mscale_all_dim:
-        scale *= _yarn_mscale(cfg.rope_scaling["factor"], mscale_all_dim) ** 2
+    factor = (cfg.rope_scaling or {}).get("factor", 1.0)
+    if _rope_kind(cfg) != "default" and mscale_all_dim and factor > 1:
+        scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
     return scale
 
 
 def apply_pair_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
     """RoPE on ``x [b, s, h, d]``. Interleaved pairs ``(x0, x1), (x2, x3), ...`` are de-interleaved
-    first (as transformers does); the result is the rotate-half rotation of ``[x_even, x_odd]``."""
+    first, as transformers' V3 does; the result is the rotate-half rotation of ``[x_even, x_odd]``.
+    V2's complex-number rotation keeps the pairs interleaved instead: a permutation of the same
+    values, applied alike to queries and keys, so attention scores are identical."""
     if interleaved:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     return apply_rope(x, cos, sin)
@@ -238,10 +205,10 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
         e, h, m = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
-        self.gate = Dense((e, h, m), ("experts", "embed", "mlp"), **kw)
-        self.up = Dense((e, h, m), ("experts", "embed", "mlp"), **kw)
-        self.down = Dense((e, m, h), ("experts", "mlp", "embed"), **kw)
+        kw = dict(bias=False, dtype=dtype, rngs=rngs, stack=stack)
+        self.gate = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
+        self.up = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
+        self.down = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
 
 
 class Router(nnx.Module):
@@ -384,23 +351,17 @@ class DeepseekForCausalLM(nnx.Module):
     def _run_group(self, group, x: jax.Array, rope: tuple, mask: jax.Array) -> jax.Array:
         if group is None:
             return x
-        if self.scan_layers:
-            def body(h, p):
-                return layer_forward(p, h, self.cfg, rope, mask), None
-
-            return jax.lax.scan(body, x, pure(group))[0]
-        for layer in group:
-            x = layer_forward(pure(layer), x, self.cfg, rope, mask)
-        return x
+        params = pure(group) if self.scan_layers else [pure(layer) for layer in group]
+        return run_layers(params, x, lambda p, h, _: layer_forward(p, h, self.cfg, rope, mask))
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
         x = embedding[input_ids]
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-        inv_freq, attention_factor = rope_frequencies(cfg)
-        cos, sin = rope_tables(positions, inv_freq)
-        rope = (cos * attention_factor, sin * attention_factor, softmax_scale(cfg))
+        inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_tables(positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
+        rope = (cos, sin, softmax_scale(cfg))
         mask = causal_mask(input_ids.shape[1])
         x = self._run_group(self.dense_layers, x, rope, mask)
         x = self._run_group(self.moe_layers, x, rope, mask)

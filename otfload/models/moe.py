@@ -107,6 +107,7 @@ def routing_weights(logits: jax.Array, cfg: MoeConfig) -> jax.Array:
 
 
 def expert_activation(gate: jax.Array, up: jax.Array, cfg: MoeConfig) -> jax.Array:
+    """The experts' gated activation (``cfg.activation``) of their gate and up projections."""
     if cfg.activation == CLAMPED_SWIGLU:
         gate = jnp.minimum(gate, cfg.swiglu_limit)
         up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)

@@ -22,6 +22,9 @@ from otfload.sources.base import RangeRead, Source
 # Reading a gap costs gap / ~10 GB/s; a separate request costs ~2 µs locally (a preadv) and far
 # more remotely, so gaps up to this size per run are cheaper to read than to skip.
 COALESCE_GAP_BYTES = 32 * 1024
+# ... but never more than this fraction of the box's own bytes: when a process needs a column block,
+# the gaps are the other processes' columns, which it must not read (bytes per process ≈ its share).
+MAX_OVERREAD_FRACTION = 0.1
 
 
 @dataclass
@@ -58,7 +61,7 @@ class TensorReader:
         runs = byte_runs(info.shape, info.dtype.itemsize, box)
         needed = sum(r.length for r in runs)
         span = runs[-1].offset + runs[-1].length - runs[0].offset if runs else 0
-        if len(runs) > 1 and span - needed <= COALESCE_GAP_BYTES * (len(runs) - 1):
+        if len(runs) > 1 and span - needed <= min(COALESCE_GAP_BYTES * (len(runs) - 1), MAX_OVERREAD_FRACTION * needed):
             buffer = arena.take(span)
             self.source.read_into(info.file, info.offset + runs[0].offset, memoryview(buffer))
             self.stats.add(info.file, span, 1)

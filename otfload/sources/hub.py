@@ -138,6 +138,10 @@ class HubSource:
     def size(self, file: str) -> int:
         return self._entry(file).size
 
+    def sha256(self, file: str) -> str | None:
+        """The sha256 the Hub publishes for ``file`` (LFS files, when online), else None."""
+        return self._entry(file).sha256
+
     def read_into(self, file: str, offset: int, out: memoryview) -> None:
         want = len(out)
         if offset + want > self.size(file):

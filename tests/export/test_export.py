@@ -13,7 +13,7 @@ from flax import nnx
 
 import otfload
 from otfload.errors import MappingError
-from otfload.export import export_hf, writer
+from otfload.export import export_checkpoint, export_hf, writer
 from otfload.plan.sharding import make_mesh
 from tests.helpers import max_rel_diff, token_ids, torch_logits
 
@@ -134,3 +134,10 @@ def test_model_without_config_or_reference_is_refused(tiny_checkpoints, mesh_2x4
     with pytest.raises(MappingError, match="config"):
         export_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_checkpoint_is_the_cli_round_trip(tiny_checkpoints, mesh_2x4, tmp_path):
+    src, _ = tiny_checkpoints("qwen3")
+    out = export_checkpoint(src, tmp_path / "out", mesh=mesh_2x4, scan_layers=False, max_shard_size="60KB")
+    assert_bit_exact(read_tensors(out), read_tensors(src))
+    assert weight_map_keys(out) == weight_map_keys(src)

@@ -22,6 +22,12 @@ MOE_BASE = {**BASE, "num_experts_per_tok": 2}
 MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
 
 
+def parity_cases(kind: str, variant: str) -> list[tuple[str, bool, str]]:
+    """``(kind, scan_layers, mesh)``: ``kind`` with both scan values on both meshes, ``variant``
+    (another config of the family) once, scanned with experts on ``ep``."""
+    return [(kind, scan, mesh) for scan in (True, False) for mesh in MESHES] + [(variant, True, "fsdp2_ep4")]
+
+
 def logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 

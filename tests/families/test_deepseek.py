@@ -3,7 +3,8 @@
 The tiny models keep every feature live: 3 layers with ``first_k_dense_replace=1`` (one dense
 layer, two MoE layers), 4 routed experts in 2 groups with top-2 routing restricted to 1 group, a
 shared expert, MLA with small lora ranks (V3 with ``q_lora_rank``, V2 without) and YaRN RoPE whose
-attention factor and softmax ``mscale`` both differ from 1.
+attention factor and softmax ``mscale`` both differ from 1 (large ``mscale`` values sharpen the
+attention of these small random weights, so RoPE details show in the logits).
 """
 
 import json
@@ -27,7 +28,7 @@ DEEPSEEK_BASE = dict(
     qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128,
 )
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+        "beta_fast": 32, "beta_slow": 1, "mscale": 40.0, "mscale_all_dim": 20.0}
 
 
 def _randomize_router_bias(model) -> None:
@@ -45,7 +46,7 @@ def _deepseek_v2(**kw):
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     cfg = {**DEEPSEEK_BASE, "q_lora_rank": None, "topk_method": "group_limited_greedy",
-           "routed_scaling_factor": 1.5, "rope_parameters": {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}, **kw}
+           "routed_scaling_factor": 1.5, "rope_parameters": {**YARN, "mscale": 20.0, "mscale_all_dim": 20.0}, **kw}
     return DeepseekV2ForCausalLM(DeepseekV2Config(**cfg))
 
 
@@ -113,20 +114,24 @@ def test_v3_plain_rope_tied_ungrouped_matches(tiny_checkpoints, mesh_2x4):
     assert diff <= 1e-4, diff
 
 
-@pytest.mark.parametrize("change", [
-    {"rope_interleave": False},  # the rotary pair layout
-    {"rope_scaling": None},  # YaRN frequencies, attention factor and softmax mscale
-    {"n_group": 1},  # group-limited routing (with the correction bias)
-])
-def test_parity_is_not_vacuous(tiny_checkpoints, mesh_2x4, change):
-    """Each DeepSeek-specific feature changes the logits, so the parity above really checks it."""
+def test_parity_is_not_vacuous(tiny_checkpoints, mesh_2x4):
+    """Each DeepSeek-specific feature changes the logits well past the parity bound, so the parity
+    tests really check it."""
     import dataclasses
 
     path, torch_model = tiny_checkpoints("deepseek_v3")
     model = otfload.from_pretrained(path, mesh=mesh_2x4)
-    model.cfg = dataclasses.replace(model.cfg, **change)
     ids = token_ids(seq=12)
-    assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) > 1e-3
+    ref = torch_logits(torch_model, ids)
+    base = model.cfg
+    changes = [
+        {"rope_interleave": False},  # the rotary pair layout
+        {"rope_scaling": None},  # YaRN frequencies, attention factor and softmax mscale
+        {"n_group": 1},  # group-limited routing (with the correction bias)
+    ]
+    for change in changes:
+        model.cfg = dataclasses.replace(base, **change)
+        assert max_rel_diff(logits(model, ids), ref) > 1e-3, change
 
 
 def test_split_leaves_hold_their_part_of_fused_tensors(tiny_checkpoints, mesh_2x4):
@@ -188,3 +193,46 @@ def test_wrong_shaped_expert_names_key_and_leaf(tiny_checkpoints, mesh_2x4, tmp_
         otfload.from_pretrained(bad, mesh=mesh_2x4, scan_layers=True)
     assert [(p.hf_key, p.leaf) for p in err.value.problems] == [(key, "moe_layers.moe.experts.up.kernel")]
     assert key in str(err.value) and "moe_layers.moe.experts.up.kernel" in str(err.value)
+
+
+# The RoPE fields of the published configs, in their legacy ``rope_scaling`` form.
+V2_LITE = {"model_type": "deepseek_v2", "q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+           "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}}
+V3_671B = {"model_type": "deepseek_v3", "q_lora_rank": 1536, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+           "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}}
+
+
+@pytest.mark.parametrize("published", [V2_LITE, V3_671B], ids=["v2_lite", "v3"])
+def test_published_rope_configs_match_transformers(published):
+    """RoPE frequencies, cos/sin factor and softmax scale at the real sizes (64 rope dims, factor 40)."""
+    import importlib
+
+    from otfload.models.deepseek import DeepseekConfig, softmax_scale
+    from otfload.models.layers import rope_attention_factor, rope_inv_freq
+
+    hf = {**DEEPSEEK_BASE, "max_position_embeddings": 163840, "rope_theta": 10000, "qk_nope_head_dim": 128,
+          "qk_rope_head_dim": 64, **published}
+    version = hf["model_type"].split("_")[1]
+    module = importlib.import_module(f"transformers.models.deepseek_{version}.modeling_deepseek_{version}")
+    config_cls = getattr(importlib.import_module("transformers"), f"Deepseek{version.upper()}Config")
+    ref_cfg = config_cls(**{k: v for k, v in hf.items() if k != "model_type"})
+    rotary = getattr(module, f"Deepseek{version.upper()}RotaryEmbedding")(ref_cfg)
+    ours = DeepseekConfig.from_hf(hf)
+    inv = rope_inv_freq(ours.qk_rope_head_dim, ours.rope_theta, ours.rope_scaling)
+    np.testing.assert_allclose(inv, rotary.inv_freq.numpy(), rtol=1e-6)
+    assert rope_attention_factor(ours.rope_scaling) == pytest.approx(rotary.attention_scaling)
+    assert softmax_scale(ours) == pytest.approx(module.yarn_apply_mscale(ref_cfg.rope_parameters, 192**-0.5))
+    assert softmax_scale(ours) != pytest.approx(192**-0.5)
+
+
+@pytest.mark.parametrize("change", [{"attention_bias": True}, {"mlp_bias": True}, {"topk_method": "noaux_tc"}])
+def test_unsupported_variants_raise_a_typed_error(change):
+    from otfload.errors import UnsupportedModelError
+    from otfload.models.deepseek import DeepseekConfig
+
+    hf = {**DEEPSEEK_BASE, **V2_LITE, "rope_theta": 10000, **change}
+    DeepseekConfig.from_hf({**DEEPSEEK_BASE, **V2_LITE, "rope_theta": 10000})  # the unchanged config parses
+    with pytest.raises(UnsupportedModelError, match=next(iter(change))):
+        DeepseekConfig.from_hf(hf)

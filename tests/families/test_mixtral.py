@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import otfload
-from tests.families.moe_helpers import MESHES, MOE_BASE, check_parity, wrong_shape_error
+from tests.families.moe_helpers import MOE_BASE, check_parity, parity_cases, wrong_shape_error
 from tests.helpers import register_hf_model
 
 
@@ -18,9 +18,7 @@ register_hf_model("mixtral", _mixtral)
 register_hf_model("mixtral_tied_window", _mixtral, {"tie_word_embeddings": True, "sliding_window": 4})
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("scan_layers", [True, False])
-@pytest.mark.parametrize("kind", ["mixtral", "mixtral_tied_window"])
+@pytest.mark.parametrize(("kind", "scan_layers", "mesh_name"), parity_cases("mixtral", "mixtral_tied_window"))
 def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
     diff = check_parity(tiny_checkpoints, kind, mesh_name, scan_layers)
     assert diff <= 1e-4, diff

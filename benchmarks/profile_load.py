@@ -1,0 +1,80 @@
+"""Where one otfload load spends its time: py-spy samples every thread of a fresh load process.
+
+    python -m benchmarks.profile_load [--size-gib 1.0] [--moe] [--method otfload] [--top 20]
+
+Prints the functions with the most samples, inclusive (the function or anything it calls) and
+self (the innermost Python frame; time in C — memcpy, page faults, XLA — counts for the Python
+function that called it), as a share of the samples taken during the load. The raw collapsed
+stacks are kept (``--raw``) for a flame graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.bench_load import child_env
+from benchmarks.make_checkpoint import ensure_checkpoint
+
+# Stacks of the load itself: a frame in otfload or the baselines, not the benchmark's own planning.
+_LOAD_FRAME = re.compile(r"\((?:.*/)?(?:otfload|benchmarks/baselines)")
+_SKIP_FRAME = re.compile(r"open_target|_find_and_load")
+_LINE = re.compile(r":\d+\)$")
+
+
+def _function(frame: str) -> str:
+    """``build_box (otfload/build/builder.py:45)`` → ``build_box (otfload/build/builder.py)``."""
+    name = _LINE.sub(")", frame)
+    return re.sub(r"\(.*?site-packages/", "(", name)
+
+
+def summarize(raw: str, top: int) -> str:
+    """Top functions by inclusive and by self samples among the load's stacks."""
+    inclusive, own, total = Counter(), Counter(), 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not count.isdigit() or not any(_LOAD_FRAME.search(f) for f in frames):
+            continue
+        if any(_SKIP_FRAME.search(f) for f in frames):
+            continue
+        n = int(count)
+        total += n
+        for name in {_function(f) for f in frames if not f.startswith(("thread ", "process "))}:
+            inclusive[name] += n
+        own[_function(frames[-1])] += n
+    if not total:
+        return "no samples of the load"
+    lines = [f"{total} samples during the load (all threads)", "", "| inclusive % | function |", "|---:|---|"]
+    lines += [f"| {100 * n / total:.1f} | `{name}` |" for name, n in inclusive.most_common(top)]
+    lines += ["", "| self % | function |", "|---:|---|"]
+    lines += [f"| {100 * n / total:.1f} | `{name}` |" for name, n in own.most_common(top)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--moe", action="store_true")
+    parser.add_argument("--method", default="otfload")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--rate", type=int, default=250, help="samples per second")
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--raw", type=Path, default=Path("/tmp/otfload_profile.txt"))
+    args = parser.parse_args(argv)
+    directory = ensure_checkpoint(args.size_gib, args.moe)
+    py_spy = Path(sys.executable).with_name("py-spy")
+    cmd = [str(py_spy), "record", "--format", "raw", "--threads", "--rate", str(args.rate), "-o", str(args.raw)]
+    load = [sys.executable, "-m", "benchmarks.bench_load", "--child", args.method, "--dir", str(directory)]
+    subprocess.run([*cmd, "--", *load, "--devices", str(args.devices)], env=child_env(args.devices), check=True)
+    print(f"{args.method} on {directory}, {args.devices} devices, load average {os.getloadavg()[0]:.2f}")
+    print(summarize(args.raw.read_text(), args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Choosing how a load reaches a remote source: direct range reads, or through a shard cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from otfload.cache.shard_cache import ShardCache
+from otfload.errors import CacheError
+from otfload.sources.base import Source
+from otfload.sources.local import LocalSource
+
+
+def default_cache_dir() -> Path:
+    """``$OTFLOAD_CACHE``, else ``$XDG_CACHE_HOME/otfload`` (``~/.cache/otfload``)."""
+    if env := os.environ.get("OTFLOAD_CACHE"):
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "otfload"
+
+
+def wrap_with_cache(
+    source: Source,
+    cache_dir: str | os.PathLike | bool | None = None,
+    *,
+    storage_options: dict | None = None,
+    **options,
+) -> Source:
+    """The source a load should read from.
+
+    - ``cache_dir`` None/False, or a local source: ``source`` itself; each process reads only its
+      byte ranges straight from the source.
+    - ``cache_dir=True`` (one process only): whole files cached on this host, in the HF cache for
+      a Hub source (``source.download``), else in :func:`default_cache_dir`.
+    - a directory shared by the processes, or an fsspec URL (``gs://bucket/prefix`` with
+      ``storage_options``): a :class:`ShardCache` there; ``options`` go to it. Collective when
+      several processes run: every process must call it.
+    """
+    if cache_dir is None or cache_dir is False or isinstance(source, LocalSource):
+        return source
+    if cache_dir is True:
+        import jax
+
+        if jax.process_count() > 1:
+            raise CacheError(
+                f"cache_dir=True caches on one host, but {jax.process_count()} processes are loading "
+                f"{source.description}: name a directory they all share or a gs:// prefix"
+            )
+        download = getattr(source, "download", None)
+        if callable(download):
+            for file in source.list_files():
+                download(file)
+            return source
+        cache_dir = default_cache_dir()
+    return ShardCache(source, cache_dir, storage_options=storage_options, **options)

@@ -1,0 +1,52 @@
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from otfload.build.builder import ByteBudget, build_leaf
+from otfload.index.checkpoint import open_index
+from otfload.plan.abstract import abstract_from_pytree
+from otfload.plan.hooks import Reshape, Transpose
+from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.planner import build_plan
+from otfload.read.arena import Arena
+from otfload.read.reader import TensorReader
+from otfload.sources import LocalSource
+from tests.synthetic import write_checkpoint
+
+TABLE = MappingTable((Rule("layers.{layer}.o", "l.{layer}.o", (Transpose(), Reshape((4, 8, 16)))),))
+
+
+@pytest.fixture
+def setup(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {f"l.{i}.o": rng.standard_normal((16, 32), dtype=np.float32) for i in range(6)}
+    index = open_index(LocalSource(write_checkpoint(tmp_path / "c", tensors)), require_config=False)
+    want = np.stack([tensors[f"l.{i}.o"].T.reshape(4, 8, 16) for i in range(6)])
+    return index, want
+
+
+@pytest.mark.parametrize("spec", [P(None, "tp", None, "fsdp"), P("fsdp", "tp"), P(), P(None, None, "tp")])
+@pytest.mark.parametrize("budget", [None, 1])
+def test_leaf_shards_hold_numpy_reference(setup, mesh_2x4, spec, budget):
+    index, want = setup
+    sharding = NamedSharding(mesh_2x4, spec)
+    leaves, _ = abstract_from_pytree({"layers": {"o": jax.ShapeDtypeStruct(want.shape, np.float32, sharding=sharding)}})
+    plan = build_plan(index, leaves, TABLE).leaves["layers.o"]
+    reader = TensorReader(index.source)
+    array = build_leaf(plan, reader, Arena(), ByteBudget(budget))
+    assert array.sharding == sharding
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+    # each HF tensor is read once per process, whatever the sharding
+    assert reader.stats.pieces == 6
+
+
+def test_budget_admits_an_oversized_request_alone():
+    budget = ByteBudget(10)
+    budget.acquire(100)  # larger than the limit, but nothing else is held
+    budget.release(100)
+    budget.acquire(4)
+    budget.acquire(6)
+    budget.release(10)

@@ -1,0 +1,86 @@
+"""Property-based fuzzing of ``read_header``: random, mutated and hand-built hostile files.
+
+Every case must end in a typed ``CorruptFileError`` naming the file, or in a parse the ``safetensors`` package
+agrees with byte for byte; any other exception fails, so does a slow case (the deadline guards against
+hangs), and every range read is checked to lie inside the file. The profile is derandomized, so CI runs
+the same cases every time; ``OTFLOAD_FUZZ_EXAMPLES`` scales the number of cases per test (see
+``scripts/fuzz_report.py``, which runs these tests and prints the outcome counts).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from datetime import timedelta
+
+from hypothesis import HealthCheck, given, settings
+
+from otfload.errors import CorruptFileError
+from otfload.index.header import FileHeader
+from tests.index.strategies import hostile_headers, mutated_files, random_files
+from tests.index.support import FILE, assert_same_as_reference, otfload_parse, reference_parse
+
+EXAMPLES_PER_TEST = int(os.environ.get("OTFLOAD_FUZZ_EXAMPLES", "3400"))
+settings.register_profile(
+    "otfload-fuzz",
+    max_examples=EXAMPLES_PER_TEST,
+    derandomize=True,
+    database=None,
+    deadline=timedelta(seconds=2),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+FUZZ = settings.get_profile("otfload-fuzz")
+
+# Outcome of every case run in this process: the error class name, or "parsed".
+OUTCOMES: Counter[str] = Counter()
+
+
+def _assert_covers_file(header: FileHeader) -> None:
+    cursor = header.data_start
+    for info in sorted(header.tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        assert info.offset == cursor and info.nbytes == info.dtype.itemsize * _count(info.shape)
+        cursor += info.nbytes
+    assert cursor == header.file_size
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def check_case(blob: bytes) -> str:
+    """Run one file through the parser and check the outcome; returns and counts the outcome's name."""
+    result, source = otfload_parse(blob)
+    assert not source.out_of_bounds(), source.reads
+    if isinstance(result, Exception):
+        assert isinstance(result, CorruptFileError) and result.file == FILE, repr(result)
+        outcome = type(result).__name__
+    else:
+        _assert_covers_file(result)
+        reference = reference_parse(blob)
+        assert not isinstance(reference, Exception), f"accepted a file the reference rejects: {reference}"
+        assert_same_as_reference(result, reference, source)
+        outcome = "parsed"
+    OUTCOMES[outcome] += 1
+    return outcome
+
+
+@FUZZ
+@given(random_files)
+def test_random_bytes(blob: bytes):
+    check_case(blob)
+
+
+@FUZZ
+@given(mutated_files())
+def test_mutated_valid_files(blob: bytes):
+    check_case(blob)
+
+
+@FUZZ
+@given(hostile_headers())
+def test_hostile_headers(blob: bytes):
+    check_case(blob)

@@ -1,0 +1,1 @@
+"""Multi-process loading and the distributed shard cache (real JAX processes, real servers)."""

@@ -1,0 +1,61 @@
+"""Start the JAX processes of one multi-process test run on localhost and collect what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.servers.net import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_env() -> dict[str, str]:
+    """The test process's environment without its 8-device XLA flag (workers set their own count)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    return env
+
+
+def start_workers(spec: dict, processes: int, out: Path) -> list[subprocess.Popen]:
+    """Write ``spec`` (plus ``processes``, ``port``, ``out``) and start one worker per process."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "processes": processes, "port": free_port(), "out": str(out)}
+    path = out / "spec.json"
+    path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "tests.multihost.worker", str(path)]
+    return [
+        subprocess.Popen([*cmd, str(i)], cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for i in range(processes)
+    ]
+
+
+def wait_workers(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Wait for every worker (killing all of them past ``timeout_s``); their output, Gloo lines removed.
+
+    Raises ``AssertionError`` with the outputs if any worker failed or timed out.
+    """
+    outputs, failed = [], False
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            text, _ = p.communicate()
+            text += f"\n[killed after {timeout_s}s]"
+            failed = True
+        failed |= p.returncode != 0
+        outputs.append("\n".join(line for line in text.splitlines() if not line.startswith("[Gloo]")))
+    assert not failed, "worker(s) failed:\n" + "\n----\n".join(outputs)
+    return outputs
+
+
+def run_workers(spec: dict, processes: int, out: Path, timeout_s: float = 90.0) -> list[dict]:
+    """Run one job to completion; every process's ``proc<i>.json``."""
+    wait_workers(start_workers(spec, processes, out), timeout_s)
+    return [json.loads((out / f"proc{i}.json").read_text()) for i in range(processes)]

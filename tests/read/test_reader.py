@@ -1,0 +1,48 @@
+import numpy as np
+import pytest
+
+from otfload.index.checkpoint import open_index
+from otfload.plan.boxes import box_to_slices
+from otfload.read.arena import ALIGNMENT, Arena, aligned_empty
+from otfload.read.reader import TensorReader
+from otfload.sources import LocalSource
+from tests.synthetic import write_checkpoint
+
+
+@pytest.fixture
+def index(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        "wide": rng.standard_normal((8, 5000), dtype=np.float32),  # rows of 20 KB
+        "tall": rng.standard_normal((40, 20000), dtype=np.float32),  # rows of 80 KB: runs read apart
+    }
+    return open_index(LocalSource(write_checkpoint(tmp_path / "c", tensors, files=1)), require_config=False), tensors
+
+
+@pytest.mark.parametrize("key,box,requests", [
+    ("wide", ((0, 8), (0, 5000)), 1),
+    ("wide", ((2, 5), (0, 5000)), 1),
+    ("wide", ((0, 8), (1000, 2000)), 8),  # gaps are 4x the box: read each row's run
+    ("tall", ((0, 40), (0, 19000)), 1),  # gaps of 4 KB (5 % extra): one span
+    ("tall", ((0, 40), (5000, 10000)), 40),  # gaps of 60 KB: read each row's run
+    ("tall", ((3, 4), (7, 9)), 1),
+])
+def test_read_box_equals_numpy_and_counts_requests(index, key, box, requests):
+    idx, tensors = index
+    reader = TensorReader(idx.source)
+    got = reader.read_box(idx[key], box, Arena())
+    np.testing.assert_array_equal(got, tensors[key][box_to_slices(box)])
+    assert reader.stats.requests == requests
+
+
+def test_arena_reuses_memory_and_aligns():
+    arena = Arena()
+    passes = []
+    for _ in range(4):  # grows while it learns the shard size, then reuses the same memory
+        arena.reset()
+        passes.append(([arena.take(n).ctypes.data for n in (100, 1000, 10)], arena.capacity))
+    (second, capacity2), (third, capacity3) = passes[2], passes[3]
+    assert second == third and capacity2 == capacity3
+    assert all(p % ALIGNMENT == 0 for p in third)
+    assert third[1] - third[0] >= 100 and third[2] - third[1] >= 1000  # no overlap
+    assert aligned_empty((3, 7), np.float32).ctypes.data % ALIGNMENT == 0
