@@ -50,14 +50,14 @@ class JaxCoordinator:
     """The key-value store of ``jax.distributed`` (its coordination service)."""
 
     def __init__(self) -> None:
-        import jax
         from jax._src.distributed import global_state
 
         if global_state.client is None:
             raise RuntimeError("jax.distributed.initialize() has not been called in this process")
         self._client = global_state.client
-        self.process_index = jax.process_index()
-        self.process_count = jax.process_count()
+        # Not jax.process_index(): that starts the backend, a collective step a peer may not be at yet.
+        self.process_index = global_state.process_id
+        self.process_count = global_state.num_processes
 
     def publish(self, key: str, value: str) -> None:
         self._client.key_value_set(key, value, allow_overwrite=True)
@@ -73,6 +73,7 @@ class JaxCoordinator:
 
 def current_coordinator() -> Coordinator:
     """The JAX distributed store when this is one of several processes, else a local one."""
-    import jax
+    from jax._src.distributed import global_state
 
-    return JaxCoordinator() if jax.process_count() > 1 else LocalCoordinator()
+    multi = global_state.client is not None and global_state.num_processes > 1
+    return JaxCoordinator() if multi else LocalCoordinator()

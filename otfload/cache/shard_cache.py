@@ -119,9 +119,16 @@ class ShardCache:
         with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="otfload-cache") as pool:
             futures = {pool.submit(self._ensure, f): f for f in mine}
             for future in as_completed(futures):
-                error = future.exception()
-                failure = failure or error
-                status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
+                if future.cancelled():  # after a failure: tell the peers at once rather than let them time out
+                    status = f"error: not fetched, after {type(failure).__name__}: {failure}"
+                elif (error := future.exception()) is not None:
+                    status = f"error: {type(error).__name__}: {error}"
+                    if failure is None:
+                        failure = error
+                        for other in futures:
+                            other.cancel()
+                else:
+                    status = "ok"
                 self.coordinator.publish(f"{prefix}/{futures[future]}", status)
         if failure is not None:
             raise failure

@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 a typed :class:`~otfload.errors.OtfloadError` or a file
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.run(args)
+    except BrokenPipeError:  # the reader of stdout stopped early (``otfload inspect ... | head``)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 0
     except (OtfloadError, OSError) as e:
         if args.debug:
             raise

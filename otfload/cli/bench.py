@@ -10,7 +10,7 @@ from otfload.cli import options
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("bench", help="time loads of a checkpoint (GB/s)", description=__doc__,
+    p = commands.add_parser("bench", help="time loads of a checkpoint (GB/s)", description=options.description(__doc__),
                             parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)

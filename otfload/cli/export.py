@@ -14,7 +14,7 @@ from otfload.cli import options
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("export", help="write a checkpoint back as HF safetensors",
-                            description=__doc__.split("\n\n")[0], parents=[options.common_parser()])
+                            description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p, "src")
     p.add_argument("out", help="output directory")
     p.add_argument("--mesh", type=options.mesh_arg, help="mesh to load on (default: every device on fsdp)")

@@ -22,7 +22,7 @@ from otfload.cli import options
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("inspect", help="print the load plan (reads headers and config only)",
-                            description=__doc__.split("\n\n")[0], parents=[options.common_parser()])
+                            description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

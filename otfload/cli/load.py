@@ -22,7 +22,7 @@ LOW_PRECISION_TOLERANCE = 5e-2
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("load", help="load a checkpoint and print the load report",
-                            description=__doc__.split("\n\n")[0], parents=[options.common_parser()])
+                            description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)
     p.add_argument("--verify", action="store_true", help="run a forward pass and compare logits with transformers")

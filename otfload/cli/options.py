@@ -12,6 +12,11 @@ import numpy as np
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
 
+def description(doc: str) -> str:
+    """A subcommand's ``--help`` text: its module docstring without the ``otfload NAME`` prefix."""
+    return doc.split(": ", 1)[1].replace("``", "")
+
+
 def common_parser() -> argparse.ArgumentParser:
     """Options every subcommand takes (a parent parser)."""
     parser = argparse.ArgumentParser(add_help=False)

@@ -8,8 +8,8 @@ from otfload.cli import options
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("reshard", help="re-save a native checkpoint for a target mesh", description=__doc__,
-                            parents=[options.common_parser()])
+    p = commands.add_parser("reshard", help="re-save a native checkpoint for a target mesh",
+                            description=options.description(__doc__), parents=[options.common_parser()])
     p.add_argument("src", help="native (Orbax) checkpoint directory")
     p.add_argument("dst", help="output checkpoint directory")
     p.add_argument("--mesh", type=options.mesh_arg, required=True, help="target mesh axes, e.g. fsdp=16,tp=2")

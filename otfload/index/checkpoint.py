@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from otfload.errors import CheckpointIndexError
-from otfload.index.header import FileHeader, TensorInfo, read_header
+from otfload.index.header import FileHeader, TensorInfo, read_header, reject_duplicate_keys
 from otfload.sources.base import Source, read_bytes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,7 +65,7 @@ def read_json(source: Source, file: str) -> object:
     if size > MAX_JSON_FILE_BYTES:
         raise CheckpointIndexError(f"{file}: {size} bytes is too large for a JSON file of a checkpoint")
     try:
-        return json.loads(read_bytes(source, file).decode("utf-8"))
+        return json.loads(read_bytes(source, file).decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointIndexError(f"{file}: not valid JSON ({e})") from None
 
@@ -86,6 +86,8 @@ def _weight_map(source: Source, available: set[str]) -> dict[str, str]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointIndexError(f"{INDEX_FILE}: no 'weight_map' object")
+    if not weight_map:
+        raise CheckpointIndexError(f"{INDEX_FILE}: 'weight_map' is empty")
     out = {}
     for key, file in weight_map.items():
         file = _check_member_name(file, source)

@@ -3,10 +3,10 @@
 Layout of a safetensors file: an 8-byte little-endian unsigned header length ``N``, ``N`` bytes of
 UTF-8 JSON (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``),
 then the data section; offsets are relative to the data section. This parser checks every field
-the way the reference implementation does (so a file is accepted here iff ``safetensors`` accepts
-it) and turns every defect into a :class:`~otfload.errors.CorruptFileError` subclass naming the
-file and the tensor: it never raises anything else, never reads past the file and never executes
-anything.
+the way the reference implementation does (a file is accepted here only if ``safetensors`` accepts
+it; the few stricter rules are listed in ``tests/index/test_header.py``) and turns every defect into
+a :class:`~otfload.errors.CorruptFileError` subclass naming the file and the tensor: it never raises
+anything else, never reads past the file and never executes anything.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def header_length(prefix: bytes, file: str, file_size: int) -> int:
     return n
 
 
-def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads`` object hook: a key given twice is ambiguous in a file from a stranger, so it is an error."""
     out: dict = {}
     for key, value in pairs:
         if key in out:
@@ -79,7 +80,7 @@ def _decode_json(raw: bytes, file: str) -> dict:
     if not text.startswith("{"):
         raise HeaderError(file, "header does not start with '{'")
     try:
-        parsed = json.loads(text, object_pairs_hook=_reject_duplicates)
+        parsed = json.loads(text, object_pairs_hook=reject_duplicate_keys)
     except (ValueError, RecursionError) as e:  # RecursionError: hostile deep nesting
         raise HeaderError(file, f"header is not valid JSON: {e}") from None
     if not isinstance(parsed, dict):
@@ -144,11 +145,18 @@ def parse_header(raw_json: bytes, file: str, file_size: int) -> FileHeader:
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(_is_utf8_text(k) and _is_utf8_text(v) for k, v in metadata.items()):
         raise HeaderError(file, "__metadata__ must map strings to strings")
+    data_size = file_size - data_start
+    if data_size < 0:
+        raise TruncatedFileError(file, f"header needs {data_start} bytes but the file has only {file_size}")
     spans = []
     for name, entry in parsed.items():
         if not _is_utf8_text(name):
             raise HeaderError(file, f"tensor name {name!r} is not valid UTF-8 text")
         dtype, shape, begin, end = _tensor_entry(name, entry, file)
+        if end > data_size:
+            raise TruncatedFileError(
+                file, f"tensor {name!r}: data_offsets [{begin}, {end}] run past the end of the {data_size}-byte data"
+            )
         spans.append((begin, end, name, dtype, shape))
     spans.sort(key=lambda s: (s[0], s[1]))
     cursor = 0
@@ -157,12 +165,8 @@ def parse_header(raw_json: bytes, file: str, file_size: int) -> FileHeader:
             what = "overlaps the previous tensor" if begin < cursor else f"leaves a gap after byte {cursor}"
             raise HeaderError(file, f"tensor {name!r}: data_offsets [{begin}, {end}] {what}")
         cursor = end
-    if data_start + cursor > file_size:
-        raise TruncatedFileError(
-            file, f"header needs {data_start + cursor} bytes but the file has only {file_size}"
-        )
-    if data_start + cursor < file_size:
-        raise HeaderError(file, f"{file_size - data_start - cursor} trailing bytes after the last tensor")
+    if cursor < data_size:
+        raise HeaderError(file, f"{data_size - cursor} trailing bytes after the last tensor")
     tensors = {
         name: TensorInfo(name, dtype, shape, file, data_start + begin, end - begin)
         for begin, end, name, dtype, shape in spans

@@ -211,3 +211,10 @@ def test_errors_name_the_file_and_tensor():
     result, _ = otfload_parse(_file({"w.q": _entry("F32", (3,), (0, 2))}))
     assert isinstance(result, HeaderError)
     assert result.file == FILE and "'w.q'" in str(result) and "12 bytes" in str(result)
+
+
+def test_offsets_past_the_end_name_the_moved_tensor():
+    """A tensor moved past the end is reported by name, not as a gap before the tensor that follows it."""
+    blob = _file({"a": _entry(offsets=(2, 4)), "b": _entry(offsets=(10**9, 10**9 + 2))}, b"xyzw")
+    result, _ = otfload_parse(blob)
+    assert isinstance(result, TruncatedFileError) and "'b'" in str(result) and "past the end" in str(result), result

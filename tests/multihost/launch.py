@@ -28,8 +28,9 @@ def start_workers(spec: dict, processes: int, out: Path) -> list[subprocess.Pope
     path.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "tests.multihost.worker", str(path)]
     return [
-        subprocess.Popen([*cmd, str(i)], cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        subprocess.Popen(
+            [*cmd, str(i)], cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )  # fmt: skip
         for i in range(processes)
     ]
 

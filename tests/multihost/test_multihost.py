@@ -36,7 +36,8 @@ def test_four_processes_fetch_each_file_once_and_read_only_their_share(
 ):
     cache = tmp_path / "shared-cache"
     spec = {"mode": "load", "local_devices": LOCAL_DEVICES, "source": llama_repo, "retry": FAST_RETRY,
-            "source_options": {"endpoint": hub.url, "cache_dir": str(tmp_path / "hf")}, "cache_dir": str(cache)}  # fmt: skip
+            "source_options": {"endpoint": hub.url, "cache_dir": str(tmp_path / "hf")},
+            "cache_dir": str(cache)}  # fmt: skip
     results = run_workers(spec, 4, tmp_path / "out")
 
     files = checkpoint_bytes(llama)
@@ -45,9 +46,10 @@ def test_four_processes_fetch_each_file_once_and_read_only_their_share(
     assert all(r.range == f"bytes=0-{len(files[r.path.rsplit('/', 1)[1]]) - 1}" for r in gets)  # whole files
     fetched = [f for r in results for f in r["fetched"]]
     assert sorted(fetched) == sorted(files) and all(r["fetched"] for r in results)  # the work was split
-    records = {f"{f}.sha256": hashlib.sha256(b).hexdigest().encode() for f, b in files.items() if f.endswith(".safetensors")}
-    assert visible_files(cache) == files | records  # complete files only, each with the sha256 it was checked against
-    assert_reads_only_its_share(results, sum(len(b) for f, b in files.items() if f.endswith(".safetensors")))
+    shards = {f: b for f, b in files.items() if f.endswith(".safetensors")}
+    records = {f"{f}.sha256": hashlib.sha256(b).hexdigest().encode() for f, b in shards.items()}
+    assert visible_files(cache) == files | records  # whole files only, each with the sha256 it was checked against
+    assert_reads_only_its_share(results, sum(map(len, shards.values())))
     assert_params_equal(tmp_path / "out", reference_params)
 
 

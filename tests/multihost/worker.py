@@ -6,9 +6,10 @@
 ``source`` + ``source_options`` (+ ``retry``, RetryPolicy fields), ``cache_dir`` (+
 ``cache_options``; null: read straight from the source), ``timeout_s``, ``window_bytes``, ``out``
 (a directory) and ``mode``: ``load`` (load the model on a ``fsdp=processes, tp=local_devices``
-mesh; write ``proc<i>.json`` with bytes read, the ideal bytes and the files fetched, and process 0
-``params.npz`` with every parameter gathered), ``fill`` (only fill the cache) or ``stall`` (process
-0 fills the cache while the others sleep ``stall_s``; process 0 writes the error it got).
+mesh; write ``proc<i>.json`` with bytes read, the ideal bytes and the files fetched, and unless
+``gather`` is false, process 0 ``params.npz`` with every parameter gathered), ``fill`` (only fill
+the cache) or ``stall`` (process 0 fills the cache while the others sleep ``stall_s``; process 0
+writes the error it got).
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def load(spec: dict, pid: int, out: Path) -> None:
         "fetched": getattr(source, "fetched", []),
         "reused": getattr(source, "reused", []),
     }
-    params = {
-        ".".join(map(str, path)): process_allgather(var[...], tiled=True)
-        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
     (out / f"proc{pid}.json").write_text(json.dumps(result))
-    if pid == 0:
-        np.savez(out / "params.npz", **params)
+    if spec.get("gather", True):
+        params = {
+            ".".join(map(str, path)): process_allgather(var[...], tiled=True)
+            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        }
+        if pid == 0:
+            np.savez(out / "params.npz", **params)
 
 
 def stall(spec: dict, pid: int, out: Path) -> None:
