@@ -26,6 +26,7 @@ from otfload.errors import (
     UnsafeFormatError,
     UnsupportedModelError,
 )
+from otfload.export import export_checkpoint, export_hf
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.plan.sharding import DEFAULT_RULES, logical_to_sharding, make_mesh
@@ -57,6 +58,8 @@ __all__ = [
     "UnknownDtypeError",
     "UnsafeFormatError",
     "UnsupportedModelError",
+    "export_checkpoint",
+    "export_hf",
     "from_pretrained",
     "load_params",
     "logical_to_sharding",

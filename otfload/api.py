@@ -14,8 +14,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from otfload.build.loader import DEFAULT_WORKERS, execute_plan
+from otfload.build.loader import DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
 from otfload.build.report import LoadReport
+from otfload.cache import wrap_with_cache
 from otfload.families.registry import family_for
 from otfload.index.checkpoint import CheckpointIndex, open_index
 from otfload.index.dtypes import to_numpy_dtype
@@ -23,7 +24,21 @@ from otfload.plan.abstract import abstract_from_nnx, abstract_from_pytree, dotte
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, make_mesh
-from otfload.sources import Source, open_source
+from otfload.sources import LocalSource, Source, open_source
+
+ShardCacheSpec = str | os.PathLike | bool | None
+
+
+def open_cached(
+    source: str | os.PathLike | Source, shard_cache: ShardCacheSpec, shard_cache_options: dict | None, **options
+) -> Source:
+    """Open ``source`` and, when asked, put the distributed shard cache in front of it."""
+    return wrap_with_cache(open_source(source, **options), shard_cache, storage_options=shard_cache_options)
+
+
+def default_workers(source: Source) -> int:
+    """Builder threads: few for local files (CPU-bound), more for remote ones (latency-bound)."""
+    return DEFAULT_WORKERS if isinstance(source, LocalSource) else REMOTE_WORKERS
 
 
 def storage_dtype(index: CheckpointIndex) -> np.dtype:
@@ -47,11 +62,13 @@ def plan_model(
     scan_layers: bool = True,
     dtype: Any = None,
     strict: bool = False,
+    shard_cache: ShardCacheSpec = None,
+    shard_cache_options: dict | None = None,
     **source_options,
 ) -> tuple[nnx.Module, LoadPlan, Source]:
     """Everything :func:`from_pretrained` does before reading a tensor byte: the abstract model
     (no weights allocated) and the load plan. ``otfload inspect`` prints this plan."""
-    src = open_source(source, **source_options)
+    src = open_cached(source, shard_cache, shard_cache_options, **source_options)
     index = open_index(src)
     family = family_for(index.config)
     cfg = family.parse_config(index.config)
@@ -71,7 +88,9 @@ def from_pretrained(
     scan_layers: bool = True,
     dtype: Any = None,
     strict: bool = False,
-    workers: int = DEFAULT_WORKERS,
+    shard_cache: ShardCacheSpec = None,
+    shard_cache_options: dict | None = None,
+    workers: int | None = None,
     host_memory_budget: int | None = None,
     progress: bool | None = None,
     return_report: bool = False,
@@ -83,14 +102,18 @@ def from_pretrained(
     ``cache_dir=``, ``local_files_only=`` go to the source) or a ``gs://``/fsspec URL. ``mesh``
     defaults to every device on one ``fsdp`` axis; ``rules`` map logical axes to mesh axes;
     ``dtype=None`` keeps the storage dtype. With ``strict=True`` tensors no leaf uses are an
-    error. ``host_memory_budget`` caps scratch bytes in flight (default: the largest leaf);
-    ``workers`` builder threads run at once. ``return_report=True`` returns ``(model, LoadReport)``.
+    error. ``shard_cache`` (a shared directory or ``gs://`` prefix; ``True`` for a single-host local
+    cache) fetches each file once across all processes before reading ranges from the cache.
+    ``host_memory_budget`` caps scratch bytes in flight (default: the largest leaf); ``workers``
+    builder threads run at once (default 2 locally, 8 remote). ``return_report=True`` returns
+    ``(model, LoadReport)``.
     """
     model, plan, src = plan_model(
-        source, mesh=mesh, rules=rules, scan_layers=scan_layers, dtype=dtype, strict=strict, **source_options
+        source, mesh=mesh, rules=rules, scan_layers=scan_layers, dtype=dtype, strict=strict,
+        shard_cache=shard_cache, shard_cache_options=shard_cache_options, **source_options,
     )
     arrays, report = execute_plan(
-        plan, src, workers=workers, host_memory_budget=host_memory_budget, progress=progress
+        plan, src, workers=workers or default_workers(src), host_memory_budget=host_memory_budget, progress=progress
     )
     state = nnx.state(model, nnx.Param)
     loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
@@ -106,7 +129,9 @@ def load_params(
     config: Mapping | None = None,
     mesh: Mesh | None = None,
     strict: bool = False,
-    workers: int = DEFAULT_WORKERS,
+    shard_cache: ShardCacheSpec = None,
+    shard_cache_options: dict | None = None,
+    workers: int | None = None,
     host_memory_budget: int | None = None,
     progress: bool | None = None,
     return_report: bool = False,
@@ -116,14 +141,15 @@ def load_params(
 
     ``mapping`` matches dotted leaf paths (``params.layers.attn.q.kernel``) to HF key templates;
     ``config`` (default: the checkpoint's ``config.json``) resolves config names in hooks. Returns
-    the same tree structure with ``jax.Array`` leaves (and the report if asked).
+    the same tree structure with ``jax.Array`` leaves (and the report if asked). Other options are
+    those of :func:`from_pretrained`.
     """
-    src = open_source(source, **source_options)
+    src = open_cached(source, shard_cache, shard_cache_options, **source_options)
     index = open_index(src, require_config=False)
     leaves, treedef = abstract_from_pytree(abstract, mesh)
     plan = build_plan(index, leaves, as_table(mapping), index.config if config is None else config, strict=strict)
     arrays, report = execute_plan(
-        plan, src, workers=workers, host_memory_budget=host_memory_budget, progress=progress
+        plan, src, workers=workers or default_workers(src), host_memory_budget=host_memory_budget, progress=progress
     )
     tree = jax.tree_util.tree_unflatten(treedef, [arrays[path] for path in leaves])
     return (tree, report) if return_report else tree

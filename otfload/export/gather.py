@@ -39,13 +39,19 @@ def _index(data: jax.Array, position: jax.Array) -> jax.Array:
     return data[tuple(position)]
 
 
+def device_slice(array: jax.Array, index: tuple[int, ...]) -> jax.Array:
+    """``array[index]`` computed where ``array`` lives (every process of a multi-process array must
+    call it); one compiled function per leaf shape, the position is traced."""
+    return _index(array, np.asarray(index, np.int32)) if index else array
+
+
 def _take(data: jax.Array, position: tuple[int, ...]) -> np.ndarray:
     """``data[position]`` of a single-device array, as a host array."""
     if not position:
         return np.asarray(data)
     if data.devices().pop().platform == "cpu":
         return np.asarray(data)[position]
-    return np.asarray(_index(data, jnp.asarray(position)))
+    return np.asarray(device_slice(data, position))
 
 
 def gather_slice(array: Any, index: tuple[int, ...]) -> np.ndarray:

@@ -49,8 +49,14 @@ class HFTensor:
     assembled_shape: Shape
     undo: tuple[Hook, ...] = ()
 
+    @property
+    def sources(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The ``(leaf, index)`` slices :meth:`materialize` fetches, in the order it fetches them."""
+        return tuple((p.leaf, p.index) for p in self.parts)
+
     def materialize(self, fetch: Fetch) -> np.ndarray:
-        """Build the tensor from ``fetch(leaf, index)`` (a host copy of one leaf slice)."""
+        """Build the tensor from ``fetch(leaf, index)`` (a host copy of one leaf slice), called once
+        for each of :attr:`sources` in turn."""
         first = self.parts[0]
         if first.slice is None:
             x = run_forward(first.undo, fetch(first.leaf, first.index))

@@ -79,6 +79,11 @@ def _header(specs: Sequence[TensorSpec]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
+def _check(spec: TensorSpec, array: np.ndarray) -> None:
+    if array.shape != spec.shape or array.dtype != spec.dtype:
+        raise ValueError(f"{spec.key}: produced {array.dtype}{list(array.shape)}, planned {spec.dtype}{list(spec.shape)}")
+
+
 def write_safetensors(path: Path, specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray]) -> None:
     """Write one safetensors file, asking ``produce(key)`` for each tensor in turn."""
     header = _header(specs)
@@ -87,9 +92,7 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], produce: Callable
         f.write(header)
         for spec in specs:
             array = np.ascontiguousarray(produce(spec.key))
-            if array.shape != spec.shape or array.dtype != spec.dtype:
-                raise ValueError(f"{spec.key}: produced {array.dtype}{list(array.shape)}, "
-                                 f"planned {spec.dtype}{list(spec.shape)}")
+            _check(spec, array)
             f.write(array.reshape(-1).view(np.uint8).data)
             del array
 
@@ -100,42 +103,86 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | str) -> dict[str, list[TensorSpec]]:
+    """File name → the tensors it holds, in the order and split ``save_pretrained`` uses."""
+    shards = split_shards(specs, parse_size(max_shard_size))
+    return dict(zip(shard_names(len(shards)), shards, strict=True))
+
+
+def write_index(out: Path, files: Mapping[str, Sequence[TensorSpec]]) -> None:
+    """``model.safetensors.index.json`` for ``files`` (nothing when there is a single file)."""
+    if len(files) < 2:
+        return
+    specs = [s for shard in files.values() for s in shard]
+    index = {
+        "metadata": {"total_parameters": sum(math.prod(s.shape) for s in specs),
+                     "total_size": sum(s.nbytes for s in specs)},
+        "weight_map": {s.key: name for name, shard in files.items() for s in shard},
+    }
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def write_shards(
     out: Path, specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray], max_shard_size: int | str
 ) -> None:
     """All shards plus ``model.safetensors.index.json`` (when there is more than one shard)."""
-    shards = split_shards(specs, parse_size(max_shard_size))
-    names = shard_names(len(shards))
-    for name, shard in zip(names, shards, strict=True):
+    files = plan_shards(specs, max_shard_size)
+    for name, shard in files.items():
         write_safetensors(out / name, shard, produce)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_parameters": sum(math.prod(s.shape) for s in specs),
-                         "total_size": sum(s.nbytes for s in specs)},
-            "weight_map": {s.key: name for name, shard in zip(names, shards, strict=True) for s in shard},
-        }
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_index(out, files)
+
+
+class ShardFiles:
+    """Shard files laid out up front — headers written, each file at its full size — so tensors
+    can be written in any order (:meth:`write` places one at its offset)."""
+
+    def __init__(self, out: Path, specs: Sequence[TensorSpec], max_shard_size: int | str):
+        self.out = out
+        self.files = plan_shards(specs, max_shard_size)
+        self._where: dict[str, tuple[Path, int, TensorSpec]] = {}
+        for name, shard in self.files.items():
+            header = _header(shard)
+            offset = 8 + len(header)
+            with open(out / name, "wb") as f:
+                f.write(len(header).to_bytes(8, "little"))
+                f.write(header)
+                f.truncate(offset + sum(s.nbytes for s in shard))
+            for spec in shard:
+                self._where[spec.key] = (out / name, offset, spec)
+                offset += spec.nbytes
+
+    def write(self, key: str, array: np.ndarray) -> None:
+        """Write tensor ``key`` (shape and dtype as planned) at its place in its file."""
+        path, offset, spec = self._where[key]
+        array = np.ascontiguousarray(array)
+        _check(spec, array)
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(array.reshape(-1).view(np.uint8).data)
+
+    def write_index(self) -> None:
+        write_index(self.out, self.files)
 
 
 def write_config(out: Path, config: Mapping) -> None:
     (out / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
 
 
-@contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside ``target``; on success it replaces ``target``, on
-    failure it is removed (``target`` is never left half-written)."""
+def output_dir(target: str | os.PathLike, overwrite: bool = False) -> Path:
+    """``target`` as an absolute path; ``FileExistsError`` if it exists and not ``overwrite``."""
     target = Path(target).absolute()
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return target
+
+
+def temp_dir(target: Path, token: str | None = None) -> Path:
+    """The temporary directory beside ``target`` an export is written into (``token``: its suffix)."""
+    return target.parent / f".{target.name}.tmp-{token or uuid.uuid4().hex[:8]}"
+
+
+def commit(tmp: Path, target: Path) -> None:
+    """Rename the finished ``tmp`` to ``target``, replacing what is there."""
     if target.exists():
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
         target.rename(old)
@@ -146,3 +193,19 @@ def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[P
             old.unlink()
     else:
         tmp.rename(target)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``target``; on success it replaces ``target``, on
+    failure it is removed (``target`` is never left half-written)."""
+    target = output_dir(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir(target)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit(tmp, target)

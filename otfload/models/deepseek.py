@@ -18,7 +18,6 @@ scanned) so an ``ep`` mesh axis can shard them.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import jax
@@ -41,6 +40,7 @@ from otfload.models.layers import (
     rope_inv_freq,
     rope_tables,
     run_layers,
+    yarn_mscale,
 )
 from otfload.models.llama import rope_params
 from otfload.models.moe import ExpertDense
@@ -152,7 +152,7 @@ def softmax_scale(cfg: DeepseekConfig) -> float:
     mscale_all_dim = (cfg.rope_scaling or {}).get("mscale_all_dim")
     factor = (cfg.rope_scaling or {}).get("factor", 1.0)
     if _rope_kind(cfg) != "default" and mscale_all_dim and factor > 1:
-        scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+        scale *= yarn_mscale(factor, mscale_all_dim) ** 2
     return scale
 
 

@@ -122,6 +122,11 @@ def _yarn_inv_freq(inv: np.ndarray, head_dim: int, theta: float, scaling: Mappin
     return inv / factor * ramp + inv * (1 - ramp)
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 m ln(factor) + 1`` (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def rope_attention_factor(scaling: Mapping | None) -> float:
     """The factor YaRN multiplies cos/sin by (``attention_factor`` or ``0.1 ln(factor) + 1``); 1 otherwise."""
     scaling = scaling or {}
@@ -129,12 +134,8 @@ def rope_attention_factor(scaling: Mapping | None) -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-
-    def mscale(factor: float, m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
     factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
-    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
