@@ -7,21 +7,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from otfload.errors import MappingError
-from otfload.export.gather import gather_slice, leaf_arrays
-from otfload.export.inverse import ExportPlan, plan_export
-from otfload.export.writer import TensorSpec, atomic_dir, natural_key, write_config, write_shards
-from otfload.families.registry import Family, family_for
+from otfload.export.distributed import write_export
+from otfload.export.gather import leaf_arrays
+from otfload.export.job import ExportJob
+from otfload.families.registry import Family
 from otfload.index.checkpoint import CONFIG_FILE, open_index, read_json
-from otfload.index.dtypes import safetensors_name, to_numpy_dtype
-from otfload.plan.mapping import MappingTable, Rule, as_table
+from otfload.plan.mapping import MappingTable, Rule
 from otfload.sources import Source, open_source
 
-# config.json field naming the weights' dtype (transformers 5; older versions write torch_dtype).
-_DTYPE_FIELDS = ("dtype", "torch_dtype")
-_DTYPE_NAMES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "F64": "float64"}
 
 
 def _reference(reference: str | os.PathLike | Source | None) -> tuple[dict | None, dict | None]:
@@ -32,33 +26,13 @@ def _reference(reference: str | os.PathLike | Source | None) -> tuple[dict | Non
     return index.config or None, {k: info.shape for k, info in index.tensors.items()}
 
 
-def _load_config(config: Mapping | str | os.PathLike) -> dict:
+def load_config(config: Mapping | str | os.PathLike) -> dict:
+    """An HF ``config.json``: given as a dict, or a path to the file or to its directory."""
     if isinstance(config, Mapping):
         return dict(config)
     path = Path(config)
     src = open_source(path if path.is_dir() else path.parent)
     return dict(read_json(src, CONFIG_FILE if path.is_dir() else path.name))
-
-
-def _table(
-    hf_config: dict, family: str | Family | None, mapping: MappingTable | Sequence[Rule] | Mapping[str, str] | None
-) -> tuple[MappingTable, dict]:
-    """The mapping table and the config its hooks are resolved against."""
-    if mapping is not None:
-        return as_table(mapping), hf_config
-    if isinstance(family, str):
-        family = family_for({"model_type": family})
-    family = family or family_for(hf_config)
-    cfg = family.parse_config(hf_config)
-    return family.mapping(cfg), cfg.to_dict()
-
-
-def _out_dtypes(plan: ExportPlan, arrays: Mapping[str, Any], dtype: Any) -> dict[str, np.dtype]:
-    if dtype is not None:
-        target = to_numpy_dtype(dtype)
-        safetensors_name(target)  # a dtype safetensors cannot store fails before anything is written
-        return dict.fromkeys(plan.tensors, target)
-    return {k: np.dtype(arrays[t.parts[0].leaf].dtype) for k, t in plan.tensors.items()}
 
 
 def export_hf(
@@ -87,25 +61,10 @@ def export_hf(
     ref_config, hf_shapes = _reference(reference)
     if config is None and ref_config is None:
         raise MappingError("export_hf needs the HF config: pass config= (dict or config.json path) or reference=")
-    hf_config = _load_config(config) if config is not None else ref_config
-    table, hook_config = _table(hf_config, family, mapping)
+    hf_config = load_config(config) if config is not None else ref_config
     arrays = leaf_arrays(model_or_params)
-    leaf_shapes = {path: tuple(a.shape) for path, a in arrays.items()}
-    plan = plan_export(leaf_shapes, table, hook_config, hf_shapes, tied=bool(hf_config.get("tie_word_embeddings")))
-    dtypes = _out_dtypes(plan, arrays, dtype)
-    specs = [TensorSpec(k, plan.tensors[k].shape, dtypes[k]) for k in sorted(plan.tensors, key=natural_key)]
-
-    def produce(key: str) -> np.ndarray:
-        x = plan.tensors[key].materialize(lambda leaf, index: gather_slice(arrays[leaf], index))
-        return x.astype(dtypes[key], copy=False)
-
-    if dtype is not None:
-        name = _DTYPE_NAMES.get(safetensors_name(to_numpy_dtype(dtype)))
-        hf_config = {**hf_config, **{f: name for f in _DTYPE_FIELDS if f in hf_config or f == "dtype"}}
-    with atomic_dir(out_dir, overwrite) as tmp:
-        write_shards(tmp, specs, produce, max_shard_size)
-        write_config(tmp, hf_config)
-    return Path(out_dir)
+    job = ExportJob.build(arrays, hf_config, family=family, mapping=mapping, hf_shapes=hf_shapes, dtype=dtype)
+    return write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite)
 
 
 def export_checkpoint(

@@ -78,6 +78,8 @@ def _check_member_name(name: object, source: Source) -> str:
         raise CheckpointIndexError(
             f"{INDEX_FILE}: file {name!r} is outside the checkpoint in {source.description}"
         )
+    if not norm.endswith(".safetensors"):
+        raise CheckpointIndexError(f"{INDEX_FILE}: file {name!r} is not a .safetensors file")
     return norm
 
 

@@ -15,6 +15,7 @@ from otfload.index.checkpoint import CONFIG_FILE, INDEX_FILE, open_index
 from otfload.index.header import HEADER_PREFETCH_BYTES
 from otfload.sources import LocalSource, open_source
 from tests.index.support import RecordingSource
+from tests.synthetic import write_checkpoint
 
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 # Each shard is larger than the header prefetch, so a read of tensor data would show past it.
@@ -153,3 +154,12 @@ def test_pickle_only_checkpoint_is_refused(tmp_path: Path, name: str):
     (tmp_path / CONFIG_FILE).write_text("{}")
     with pytest.raises(UnsafeFormatError, match="safetensors"):
         open_source(tmp_path)
+
+
+def test_weight_map_pointing_at_a_non_safetensors_file_is_refused(tmp_path):
+    path = write_checkpoint(tmp_path / "c", {"w": np.ones(2, np.float32)}, files=1)
+    index = json.loads((path / INDEX_FILE).read_text())
+    index["weight_map"]["w"] = CONFIG_FILE
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointIndexError, match="not a .safetensors file"):
+        open_index(LocalSource(path))
