@@ -61,7 +61,7 @@ def test_bf16_checkpoint_cast_to_f32_is_exact_to_the_stored_values(tiny_checkpoi
     for f in path.glob("*.safetensors"):
         stored.update(load_file(f))
     got = np.asarray(model.layers.mlp.down.kernel[...])
-    want = np.stack([stored[f"model.layers.{i}.mlp.down_proj.weight"].T for i in range(3)]).astype(np.float32)
+    want = np.stack([stored[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(3)]).astype(np.float32)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
 
@@ -77,18 +77,18 @@ def test_every_leaf_has_its_sharding_and_per_shard_values(tiny_checkpoints, mesh
     heads, hd, h = 4, 16, 64
     expected = {
         "embed.embedding": (hf["model.embed_tokens.weight"], P("tp", "fsdp")),
-        "lm_head.kernel": (hf["lm_head.weight"].T, P("fsdp", "tp")),
+        "lm_head.kernel": (hf["lm_head.weight"], P("tp", "fsdp")),
         "layers.attn.q.kernel": (
-            np.stack([hf[f"model.layers.{i}.self_attn.q_proj.weight"].T.reshape(h, heads, hd) for i in range(3)]),
-            P(None, "fsdp", "tp"),
-        ),
-        "layers.attn.o.kernel": (
-            np.stack([hf[f"model.layers.{i}.self_attn.o_proj.weight"].T.reshape(heads, hd, h) for i in range(3)]),
+            np.stack([hf[f"model.layers.{i}.self_attn.q_proj.weight"].reshape(heads, hd, h) for i in range(3)]),
             P(None, "tp", None, "fsdp"),
         ),
+        "layers.attn.o.kernel": (
+            np.stack([hf[f"model.layers.{i}.self_attn.o_proj.weight"].reshape(h, heads, hd) for i in range(3)]),
+            P(None, "fsdp", "tp"),
+        ),
         "layers.mlp.down.kernel": (
-            np.stack([hf[f"model.layers.{i}.mlp.down_proj.weight"].T for i in range(3)]),
-            P(None, "tp", "fsdp"),
+            np.stack([hf[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(3)]),
+            P(None, "fsdp", "tp"),
         ),
     }
     state = dict(nnx_flat(model))
@@ -126,8 +126,9 @@ def test_report_counts_bytes_and_reads_each_byte_once_on_one_host(tiny_checkpoin
     assert 0 < report.bytes_planned < total
     # shards of sharded leaves are disjoint, replicated boxes are built once per process
     assert report.bytes_read == report.bytes_planned
+    assert report.bytes_needed == report.bytes_read and report.over_read == 1.0
     assert report.seconds > 0 and report.peak_rss > 0
-    assert "GB/s" in report.summary()
+    assert "GB/s" in report.summary() and "over-read 1.00x" in report.summary()
 
 
 def test_load_params_for_a_user_pytree(tiny_checkpoints, mesh_2x4):
@@ -249,7 +250,7 @@ def test_shape_mismatch_names_key_leaf_and_shapes(tiny_checkpoints, tmp_path):
         otfload.from_pretrained(path, scan_layers=False)
     (problem,) = err.value.mismatched
     assert problem.hf_key == key and problem.leaf == "layers.2.attn.k.kernel"
-    assert "(64, 2, 16)" in str(err.value) and "(16, 64)" in str(err.value)
+    assert "(2, 16, 64)" in str(err.value) and "(16, 64)" in str(err.value)
 
 
 def test_unexpected_tensors_are_skipped_or_strict_errors(tiny_checkpoints, tmp_path):

@@ -64,6 +64,7 @@ def execute_plan(
     report.seconds = time.perf_counter() - start
     stats = reader.stats
     report.tensors_read, report.bytes_read, report.requests = stats.pieces, stats.bytes_read, stats.requests
+    report.bytes_needed = stats.bytes_needed
     report.files = sorted(stats.files)
     report.bytes_planned = plan.source_bytes
     report.bytes_placed = sum(s.data.nbytes for a in arrays.values() for s in a.addressable_shards)

@@ -25,6 +25,7 @@ class LoadReport:
     leaves: int = 0
     tensors_read: int = 0
     bytes_read: int = 0
+    bytes_needed: int = 0
     bytes_planned: int = 0
     bytes_placed: int = 0
     requests: int = 0
@@ -39,6 +40,11 @@ class LoadReport:
         return self.bytes_read / self.seconds / 1e9 if self.seconds else 0.0
 
     @property
+    def over_read(self) -> float:
+        """Bytes read per byte the local shards need (> 1 when gaps were read to save requests)."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+    @property
     def read_fraction(self) -> float:
         """Bytes read over the planned checkpoint bytes (1.0 on one host reading everything once)."""
         return self.bytes_read / self.bytes_planned if self.bytes_planned else 0.0
@@ -48,5 +54,5 @@ class LoadReport:
         return (
             f"loaded {self.leaves} leaves from {self.tensors_read} tensor reads in {len(self.files)} files: "
             f"{self.bytes_read / 1e9:.3f} GB in {self.seconds:.2f} s ({self.gbps:.2f} GB/s), "
-            f"{self.requests} requests, peak RSS {self.peak_rss / 2**30:.2f} GiB{unused}"
+            f"{self.requests} requests, over-read {self.over_read:.2f}x, peak RSS {self.peak_rss / 2**30:.2f} GiB{unused}"
         )

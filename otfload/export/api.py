@@ -17,7 +17,6 @@ from otfload.plan.mapping import MappingTable, Rule
 from otfload.sources import Source, open_source
 
 
-
 def _reference(reference: str | os.PathLike | Source | None) -> tuple[dict | None, dict | None]:
     """``(config.json, {key: shape})`` of the reference checkpoint, read from headers only."""
     if reference is None:

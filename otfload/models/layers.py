@@ -29,12 +29,18 @@ def make_param(
 
 
 class Dense(nnx.Module):
-    """A weight ``kernel`` of ``shape`` (input dims first) and an optional ``bias``."""
+    """A weight ``kernel`` of ``shape`` and, when ``bias_dims`` names any, a ``bias`` over those
+    kernel dims (its output dims).
 
-    def __init__(self, shape, axes, *, bias_dims: int = 0, dtype, rngs, stack=None):
+    Reference models lay kernels out as HF stores them, output dims first and input dims last
+    (``q``: ``(heads, head_dim, hidden)``), so loading is a copy and a reshape, never a transpose;
+    ``bias_dims=(0, 1)`` then gives ``q`` a ``(heads, head_dim)`` bias.
+    """
+
+    def __init__(self, shape, axes, *, bias_dims: Sequence[int] = (), dtype, rngs, stack=None):
         self.kernel = make_param(rngs, shape, axes, dtype, stack)
         if bias_dims:
-            self.bias = make_param(rngs, shape[-bias_dims:], axes[-bias_dims:], dtype, stack)
+            self.bias = make_param(rngs, [shape[d] for d in bias_dims], [axes[d] for d in bias_dims], dtype, stack)
 
 
 class Norm(nnx.Module):

@@ -90,28 +90,30 @@ class LlamaConfig:
 
 
 class Attention(nnx.Module):
+    """q/k/v kernels ``(heads, head_dim, hidden)``, o ``(hidden, heads, head_dim)`` (HF's ``[out, in]``)."""
+
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
         h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_bias = 2 if cfg.qkv_bias else 0
-        self.q = Dense((h, n, d), ("embed", "heads", "head_dim"), bias_dims=qkv_bias, dtype=dtype, rngs=rngs,
-                       stack=stack)
-        self.k = Dense((h, kv, d), ("embed", "kv_heads", "head_dim"), bias_dims=qkv_bias, dtype=dtype,
-                       rngs=rngs, stack=stack)
-        self.v = Dense((h, kv, d), ("embed", "kv_heads", "head_dim"), bias_dims=qkv_bias, dtype=dtype,
-                       rngs=rngs, stack=stack)
-        self.o = Dense((n, d, h), ("heads", "head_dim", "embed"), bias_dims=1 if cfg.o_bias else 0, dtype=dtype,
-                       rngs=rngs, stack=stack)
+        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        qkv_bias = (0, 1) if cfg.qkv_bias else ()
+        self.q = Dense((n, d, h), ("heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
+        self.k = Dense((kv, d, h), ("kv_heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
+        self.v = Dense((kv, d, h), ("kv_heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
+        self.o = Dense((h, n, d), ("embed", "heads", "head_dim"), bias_dims=(0,) if cfg.o_bias else (), **kw)
         if cfg.qk_norm:
             self.q_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
             self.k_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
 
 
 class Mlp(nnx.Module):
+    """gate/up kernels ``(intermediate, hidden)``, down ``(hidden, intermediate)``."""
+
     def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
-        h, m, b = cfg.hidden_size, cfg.intermediate_size, 1 if cfg.mlp_bias else 0
-        self.gate = Dense((h, m), ("embed", "mlp"), bias_dims=b, dtype=dtype, rngs=rngs, stack=stack)
-        self.up = Dense((h, m), ("embed", "mlp"), bias_dims=b, dtype=dtype, rngs=rngs, stack=stack)
-        self.down = Dense((m, h), ("mlp", "embed"), bias_dims=b, dtype=dtype, rngs=rngs, stack=stack)
+        h, m = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(bias_dims=(0,) if cfg.mlp_bias else (), dtype=dtype, rngs=rngs, stack=stack)
+        self.gate = Dense((m, h), ("mlp", "embed"), **kw)
+        self.up = Dense((m, h), ("mlp", "embed"), **kw)
+        self.down = Dense((h, m), ("embed", "mlp"), **kw)
 
 
 class DecoderLayer(nnx.Module):
@@ -126,21 +128,21 @@ class DecoderLayer(nnx.Module):
 
 def attention_block(a: dict, h: jax.Array, cfg: LlamaConfig, cos, sin, mask) -> jax.Array:
     """Self-attention of the normed input ``h``: GQA, optional q/k norm, RoPE, optional ``sinks``."""
-    q = dense(a["q"], h, "bsh,hnd->bsnd")
-    k = dense(a["k"], h, "bsh,hnd->bsnd")
-    v = dense(a["v"], h, "bsh,hnd->bsnd")
+    q = dense(a["q"], h, "bsh,ndh->bsnd")
+    k = dense(a["k"], h, "bsh,ndh->bsnd")
+    v = dense(a["v"], h, "bsh,ndh->bsnd")
     if cfg.qk_norm:
         q = rms_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
         k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = attention(q, k, v, mask, cfg.head_dim**-0.5, sinks=a.get("sinks"))
-    return dense(a["o"], out, "bsnd,ndh->bsh")
+    return dense(a["o"], out, "bsnd,hnd->bsh")
 
 
 def swiglu(m: dict, h: jax.Array) -> jax.Array:
     """The SwiGLU MLP ``down(silu(gate(h)) * up(h))``."""
-    act = jax.nn.silu(dense(m["gate"], h, "bsh,hm->bsm")) * dense(m["up"], h, "bsh,hm->bsm")
-    return dense(m["down"], act, "bsm,mh->bsh")
+    act = jax.nn.silu(dense(m["gate"], h, "bsh,mh->bsm")) * dense(m["up"], h, "bsh,mh->bsm")
+    return dense(m["down"], act, "bsm,hm->bsh")
 
 
 def layer_forward(
@@ -167,7 +169,7 @@ class LlamaForCausalLM(nnx.Module):
         self.init_layers(dtype, rngs)
         self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
     def init_layers(self, dtype, rngs: nnx.Rngs) -> None:
         """Create ``self.layers``: one stacked :class:`DecoderLayer` (scanned) or a list of them."""
@@ -197,6 +199,4 @@ class LlamaForCausalLM(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         x = self.decode(embedding[input_ids], positions)
         x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            return jnp.einsum("bsh,vh->bsv", x, embedding)
-        return jnp.einsum("bsh,hv->bsv", x, self.lm_head.kernel[...])
+        return jnp.einsum("bsh,vh->bsv", x, embedding if cfg.tie_word_embeddings else self.lm_head.kernel[...])

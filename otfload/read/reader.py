@@ -32,14 +32,16 @@ class ReadStats:
     """Counters shared by every reader thread of one load."""
 
     bytes_read: int = 0
+    bytes_needed: int = 0  # the boxes' own bytes; bytes_read adds the gaps read to save requests
     requests: int = 0
     pieces: int = 0
     files: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, file: str, nbytes: int, requests: int) -> None:
+    def add(self, file: str, nbytes: int, needed: int, requests: int) -> None:
         with self._lock:
             self.bytes_read += nbytes
+            self.bytes_needed += needed
             self.requests += requests
             self.pieces += 1
             self.files.add(file)
@@ -64,7 +66,7 @@ class TensorReader:
         if len(runs) > 1 and span - needed <= min(COALESCE_GAP_BYTES * (len(runs) - 1), MAX_OVERREAD_FRACTION * needed):
             buffer = arena.take(span)
             self.source.read_into(info.file, info.offset + runs[0].offset, memoryview(buffer))
-            self.stats.add(info.file, span, 1)
+            self.stats.add(info.file, span, needed, 1)
             return np.lib.stride_tricks.as_strided(
                 buffer.view(info.dtype),
                 shape=box_shape(box),
@@ -77,7 +79,7 @@ class TensorReader:
             reads.append(RangeRead(info.file, info.offset + run.offset, memoryview(buffer[pos : pos + run.length])))
             pos += run.length
         self.source.read_many(reads)
-        self.stats.add(info.file, needed, len(reads))
+        self.stats.add(info.file, needed, needed, len(reads))
         return buffer.view(info.dtype).reshape(box_shape(box))
 
     def read_source(

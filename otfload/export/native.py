@@ -1,0 +1,120 @@
+"""Export a native (Orbax) checkpoint to HF safetensors without loading the model.
+
+The model family and ``config.json`` come from the checkpoint's
+:class:`~otfload.checkpoint.LayoutMetadata`, its ``scan_layers`` is resolved with the usual rule
+(:func:`~otfload.checkpoint.resolve_scan_layers`), and the leaves are restored one at a time
+(leaves that slice one HF tensor together, such as GPT-OSS gate/up, are restored together) onto
+the host. The shard files are laid out first so that each tensor is written as soon as its leaf
+is restored: host memory holds one leaf, never the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from otfload.checkpoint import CheckpointConfig, LayoutMetadata, OrbaxCheckpointManager, detect_scan_layers
+from otfload.checkpoint.metadata import resolve_scan_layers
+from otfload.checkpoint.paths import flatten_tree, unflatten_tree
+from otfload.errors import MappingError, ScanLayersMismatchError
+from otfload.export.api import load_config
+from otfload.export.gather import gather_slice
+from otfload.export.job import ExportJob
+from otfload.export.writer import ShardFiles, atomic_dir, write_config
+from otfload.index.checkpoint import CONFIG_FILE
+
+
+def is_native_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a local directory of committed Orbax steps (not an HF checkpoint)."""
+    path = Path(path)
+    if not path.is_dir() or (path / CONFIG_FILE).exists() or not any(p.name.isdigit() for p in path.iterdir()):
+        return False
+    with OrbaxCheckpointManager(CheckpointConfig(path, max_to_keep=None, async_save=False)) as manager:
+        return manager.has_checkpoint()
+
+
+def _hf_config(layout: LayoutMetadata | None, config: Mapping | str | os.PathLike | None, where: str) -> dict:
+    if config is not None:
+        return load_config(config)
+    if layout is None or not layout.hf_config:
+        raise MappingError(f"{where} records no HF config; pass config= (dict or config.json path)")
+    if layout.model_type is None:
+        return dict(layout.hf_config)
+    return {"model_type": layout.model_type, **layout.hf_config}
+
+
+def _groups(job: ExportJob) -> list[tuple[set[str], list[str]]]:
+    """``(leaves, HF keys)`` in file order: every key built from the leaves, leaves sharing a key together."""
+    parent: dict[str, str] = {}
+
+    def root(leaf: str) -> str:
+        while parent.setdefault(leaf, leaf) != leaf:
+            leaf = parent[leaf]
+        return leaf
+
+    for tensor in job.plan.tensors.values():
+        first, *rest = (leaf for leaf, _ in tensor.sources)
+        for leaf in rest:
+            parent[root(leaf)] = root(first)
+    groups: dict[str, tuple[set[str], list[str]]] = {}
+    for spec in job.specs:
+        sources = job.plan.tensors[spec.key].sources
+        leaves, keys = groups.setdefault(root(sources[0][0]), (set(), []))
+        leaves.update(leaf for leaf, _ in sources)
+        keys.append(spec.key)
+    return list(groups.values())
+
+
+def export_native(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    scan_layers: bool | None = None,
+    config: Mapping | str | os.PathLike | None = None,
+    dtype: Any = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write ``step`` (default: the latest) of the native checkpoint ``checkpoint_dir`` to ``out_dir``
+    as an HF safetensors checkpoint; returns the path.
+
+    ``scan_layers`` is checked against the saved metadata: ``None`` adopts it, a conflicting value
+    raises :class:`~otfload.errors.ScanLayersMismatchError`, and without metadata the value (default:
+    the saved tree's own layout) is used with a :class:`~otfload.checkpoint.MissingLayoutMetadataWarning`.
+    ``config`` (an HF ``config.json`` dict or path) replaces the one recorded in the metadata (needed
+    for a checkpoint without it). ``dtype``, ``max_shard_size`` and ``overwrite`` are as in
+    :func:`~otfload.export.export_hf`; HF shapes are inferred from the mapping.
+    """
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    with OrbaxCheckpointManager(CheckpointConfig(checkpoint_dir, max_to_keep=None, async_save=False)) as manager:
+        step = manager.resolve_step(step)
+        where = f"{manager.directory} step {step}"
+        layout = manager.metadata(step)
+        specs = manager.leaf_specs(step)
+        stored = detect_scan_layers(specs)
+        saved = None if layout is None else layout.scan_layers
+        resolved = resolve_scan_layers(scan_layers, saved, source=where, default=bool(stored))
+        if stored is not None and resolved != stored:
+            raise ScanLayersMismatchError(
+                f"scan_layers={resolved} was requested, but the parameters of {where} are "
+                f"{'scanned' if stored else 'unscanned'}"
+            )
+        job = ExportJob.build(specs, _hf_config(layout, config, where), dtype=dtype)
+        with atomic_dir(out_dir, overwrite) as tmp:
+            files = ShardFiles(tmp, job.specs, max_shard_size)
+            for leaves, keys in _groups(job):
+                abstract = {leaf: jax.ShapeDtypeStruct(specs[leaf].shape, specs[leaf].dtype, sharding=cpu)
+                            for leaf in leaves}
+                arrays = flatten_tree(manager.restore_leaves(step, unflatten_tree(abstract)))
+                produce = job.producer(lambda leaf, index: gather_slice(arrays[leaf], index))  # noqa: B023
+                for key in keys:
+                    files.write(key, produce(key))
+                del arrays
+            files.write_index()
+            write_config(tmp, job.config)
+    return Path(out_dir)
