@@ -1,4 +1,5 @@
-"""Restore time onto a 2x4 mesh from a native checkpoint saved on another layout vs its resharded copy.
+"""Restore time onto a 2x4 mesh from a native checkpoint saved on another layout vs its resharded copy,
+and vs otfload's on-the-fly load of the same tensors from HF safetensors.
 
 Usage: python benchmarks/bench_reshard.py [--mib 256] [--leaves 16] [--repeats 7] [--part-mib 64]
 
@@ -55,7 +56,24 @@ def phase_save(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     with OrbaxCheckpointManager(CheckpointConfig(args.workdir / "src", async_save=False)) as manager:
         manager.save(0, state, metadata=meta)
-    return {"save": [time.perf_counter() - start]}
+    seconds = time.perf_counter() - start
+    _save_as_hf(state, args.workdir / "hf")
+    return {"save": [seconds]}
+
+
+def _save_as_hf(state: dict, path: Path) -> None:
+    """The same tensors as an HF safetensors checkpoint (one file per 4 leaves, with an index)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True)
+    weight_map = {}
+    keys = sorted(state)
+    for start in range(0, len(keys), 4):
+        name = f"model-{start // 4:05d}.safetensors"
+        save_file({k: np.asarray(state[k]) for k in keys[start : start + 4]}, path / name)
+        weight_map.update({k: name for k in keys[start : start + 4]})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def phase_reshard(args: argparse.Namespace) -> dict:
@@ -71,16 +89,21 @@ def phase_reshard(args: argparse.Namespace) -> dict:
 def phase_restore(args: argparse.Namespace) -> dict:
     import jax
 
+    import otfload
     from otfload.checkpoint import CheckpointConfig, OrbaxCheckpointManager
 
     target = _abstract(TARGET_MESH, args)
-    times: dict[str, list[float]] = {"src": [], "dst": []}
-    managers = {k: OrbaxCheckpointManager(CheckpointConfig(args.workdir / k)) for k in times}
+    times: dict[str, list[float]] = {"src": [], "dst": [], "hf": []}
+    managers = {k: OrbaxCheckpointManager(CheckpointConfig(args.workdir / k)) for k in ("src", "dst")}
+    mapping = {k: k for k in target}
     for _ in range(args.repeats):
         for which, manager in managers.items():
             start = time.perf_counter()
             jax.block_until_ready(manager.restore(0, target, scan_layers=False))
             times[which].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        jax.block_until_ready(otfload.load_params(args.workdir / "hf", target, mapping, progress=False))
+        times["hf"].append(time.perf_counter() - start)
     for manager in managers.values():
         manager.close()
     return times
@@ -109,17 +132,19 @@ def _report(args: argparse.Namespace) -> None:
         ("reshard to fsdp=2,tp=4 (one-off)", reshard["reshard"], reshard),
         ("restore from fsdp=8 checkpoint", restore["src"], restore),
         ("restore from resharded checkpoint", restore["dst"], restore),
+        ("otfload on-the-fly from HF safetensors", restore["hf"], restore),
     ]
-    print(f"| {'phase':<36} | {'seconds':>8} | {'GiB/s':>6} | {'peak RSS MiB':>12} |")
-    print(f"|{'-' * 38}|{'-' * 9}:|{'-' * 7}:|{'-' * 13}:|")
+    print(f"| {'phase':<40} | {'seconds':>8} | {'GiB/s':>6} | {'peak RSS MiB':>12} |")
+    print(f"|{'-' * 42}|{'-' * 9}:|{'-' * 7}:|{'-' * 13}:|")
     for name, times, phase in rows_out:
         seconds = statistics.median(times)
         rss = phase["peak_rss_mib"]
-        print(f"| {name:<36} | {seconds:>8.3f} | {mib / 1024 / seconds:>6.2f} | {rss:>12.0f} |")
+        print(f"| {name:<40} | {seconds:>8.3f} | {mib / 1024 / seconds:>6.2f} | {rss:>12.0f} |")
     ratio = statistics.median(restore["src"]) / statistics.median(restore["dst"])
     print(f"\nrestore speed-up from resharding (median): {ratio:.2f}x")
     print("restore seconds src:", " ".join(f"{t:.3f}" for t in restore["src"]))
     print("restore seconds dst:", " ".join(f"{t:.3f}" for t in restore["dst"]))
+    print("otfload seconds hf: ", " ".join(f"{t:.3f}" for t in restore["hf"]))
 
 
 def main() -> None:

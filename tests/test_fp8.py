@@ -44,7 +44,7 @@ def test_fp8_checkpoint_dequantises_per_shard(tiny_checkpoints, mesh_2x4, tmp_pa
     model, report = otfload.from_pretrained(tmp_path / "fp8", mesh=mesh_2x4, dtype="float32", return_report=True)
     assert report.unused_tensors == []  # the scales are used, not left over
     got = np.asarray(model.layers.mlp.down.kernel[...])
-    want = np.stack([dequantised[f"model.layers.{i}.mlp.down_proj.weight"].T for i in range(3)])
+    want = np.stack([dequantised[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(3)])
     np.testing.assert_array_equal(got, want)
 
     # Logits equal transformers' run on the same dequantised weights (f32 parity)...
