@@ -13,8 +13,9 @@ For one leaf:
    and one ``np.stack`` writes them, cast to the target dtype, into a fresh 64-byte-aligned buffer
    — the only full copy of the data — which JAX's CPU backend adopts without copying.
 
-Scratch is bounded: stack slices are processed in chunks whose source bytes fit ``budget``
-(default: all of a leaf at once, i.e. transient memory ≤ the largest leaf). Each device gets its
+Scratch is bounded: stack slices are processed in chunks whose source bytes fit each thread's share
+of ``budget`` (default: the largest leaf, so transient memory stays within one leaf), and a thread's
+scratch shrinks back to its share after an oversized tensor. Each device gets its
 own buffer, so no two devices alias memory a donating computation might overwrite.
 """
 
@@ -39,10 +40,15 @@ def bounding_box(boxes: list[Box]) -> Box:
 
 
 class ByteBudget:
-    """Caps the scratch bytes all builder threads hold at once; one oversized request may run alone."""
+    """Caps the scratch bytes all builder threads hold at once; one oversized request may run alone.
 
-    def __init__(self, limit: int | None):
+    ``share`` (``limit / workers``) is the chunk size each thread aims for, so that every thread
+    can build at the same time without waiting, and the scratch each keeps stays within its share.
+    """
+
+    def __init__(self, limit: int | None, workers: int = 1):
         self.limit = limit
+        self.share = None if limit is None else max(1, limit // max(1, workers))
         self._held = 0
         self._cond = threading.Condition()
 
@@ -82,7 +88,7 @@ def build_boxes(
     all_combos = sorted(set().union(*combos_of.values()))
     results = {box: aligned_empty(box_shape(box), plan.leaf.dtype) for box in boxes}
     per_combo = box_nbytes(union, plan.sources[0].dtype.itemsize) if plan.sources else 0
-    for chunk in _chunks(all_combos, per_combo, budget.limit):
+    for chunk in _chunks(all_combos, per_combo, budget.share):
         held = per_combo * len(chunk)
         budget.acquire(held)
         try:
@@ -94,6 +100,7 @@ def build_boxes(
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
         finally:
             arena.reset()
+            arena.trim(budget.share)
             budget.release(held)
     return results
 

@@ -40,7 +40,7 @@ def execute_plan(
     memory within one leaf. A smaller budget makes large stacked leaves build in several chunks.
     """
     largest = max((p.source_bytes for p in plan.leaves.values()), default=0)
-    budget = ByteBudget(host_memory_budget or largest)
+    budget = ByteBudget(host_memory_budget or largest, workers)
     report = LoadReport(source=source.description, leaves=len(plan.leaves), rss_before=current_rss())
     reader = TensorReader(source)
     local = threading.local()

@@ -30,10 +30,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from otfload.cache import assign_files
+from otfload.export import writer
 from otfload.export.gather import device_slice, gather_slice
 from otfload.export.inverse import Fetch
 from otfload.export.job import ExportJob
-from otfload.export import writer
 
 Box = tuple[tuple[int, int], ...]
 

@@ -2,9 +2,10 @@
 
 :func:`gather_slice` copies one position of a leaf's leading (stack) dims — one layer of a scanned
 weight, or the whole leaf — from the device shards that hold it, one shard at a time, so host
-memory holds only that slice. Replicas are skipped (``replica_id != 0``). On CPU a shard is
-viewed in place (no copy); on accelerators the slice is cut on the device (one compiled indexing
-function per shard shape, the position is traced) and only it is transferred.
+memory holds only that slice. Each distinct shard is read once, from whichever replica this
+process holds. On CPU a shard is viewed in place (no copy); on accelerators the slice is cut on
+the device (one compiled indexing function per shard shape, the position is traced) and only it
+is transferred.
 """
 
 from __future__ import annotations
@@ -59,20 +60,19 @@ def gather_slice(array: Any, index: tuple[int, ...]) -> np.ndarray:
         return np.asarray(array[index])
     lead = len(index)
     out = np.empty(array.shape[lead:], array.dtype)
-    filled = 0
+    filled, seen = 0, set()
     for shard in array.addressable_shards:
-        if shard.replica_id != 0:
+        spans = tuple(_local_range(s, n) for s, n in zip(shard.index, array.shape, strict=True))
+        if spans in seen or not all(a <= i < b for i, (a, b) in zip(index, spans, strict=False)):
             continue
-        spans = [_local_range(s, n) for s, n in zip(shard.index, array.shape, strict=True)]
-        if not all(a <= i < b for i, (a, b) in zip(index, spans, strict=False)):
-            continue
+        seen.add(spans)
         local = tuple(i - a for i, (a, _) in zip(index, spans, strict=False))
         piece = _take(shard.data, local)
         out[tuple(slice(a, b) for a, b in spans[lead:])] = piece
         filled += piece.size
     if filled != out.size:
         raise OtfloadError(
-            "this process does not hold every shard of the leaf being exported; multi-process export "
-            "needs each tensor to be addressable by one process"
+            "this process does not hold every shard of the slice being exported; in a multi-process "
+            "job every process must call the export (see otfload.export.distributed)"
         )
     return out

@@ -13,19 +13,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-from otfload.checkpoint import CheckpointConfig, LayoutMetadata, OrbaxCheckpointManager, detect_scan_layers
-from otfload.checkpoint.metadata import resolve_scan_layers
-from otfload.checkpoint.paths import flatten_tree, unflatten_tree
-from otfload.errors import MappingError, ScanLayersMismatchError
+from otfload.errors import MappingError, NativeCheckpointError, ScanLayersMismatchError
 from otfload.export.api import load_config
 from otfload.export.gather import gather_slice
 from otfload.export.job import ExportJob
 from otfload.export.writer import ShardFiles, atomic_dir, write_config
 from otfload.index.checkpoint import CONFIG_FILE
+
+if TYPE_CHECKING:  # otfload.checkpoint imports Orbax: only when a native checkpoint is exported
+    from otfload.checkpoint import LayoutMetadata, OrbaxCheckpointManager
+
+
+def _open(path: str | os.PathLike) -> OrbaxCheckpointManager:
+    from otfload.checkpoint import CheckpointConfig, OrbaxCheckpointManager
+
+    return OrbaxCheckpointManager(CheckpointConfig(path, max_to_keep=None, async_save=False))
 
 
 def is_native_checkpoint(path: str | os.PathLike) -> bool:
@@ -33,7 +39,7 @@ def is_native_checkpoint(path: str | os.PathLike) -> bool:
     path = Path(path)
     if not path.is_dir() or (path / CONFIG_FILE).exists() or not any(p.name.isdigit() for p in path.iterdir()):
         return False
-    with OrbaxCheckpointManager(CheckpointConfig(path, max_to_keep=None, async_save=False)) as manager:
+    with _open(path) as manager:
         return manager.has_checkpoint()
 
 
@@ -88,10 +94,13 @@ def export_native(
     the saved tree's own layout) is used with a :class:`~otfload.checkpoint.MissingLayoutMetadataWarning`.
     ``config`` (an HF ``config.json`` dict or path) replaces the one recorded in the metadata (needed
     for a checkpoint without it). ``dtype``, ``max_shard_size`` and ``overwrite`` are as in
-    :func:`~otfload.export.export_hf`; HF shapes are inferred from the mapping.
+    :func:`~otfload.export.export_hf`; HF shapes are inferred from the mapping. Runs in one process.
     """
-    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    with OrbaxCheckpointManager(CheckpointConfig(checkpoint_dir, max_to_keep=None, async_save=False)) as manager:
+    from otfload.checkpoint import detect_scan_layers, resolve_scan_layers
+
+    if not Path(checkpoint_dir).is_dir():
+        raise NativeCheckpointError(f"{checkpoint_dir} is not a native checkpoint directory")
+    with _open(checkpoint_dir) as manager:
         step = manager.resolve_step(step)
         where = f"{manager.directory} step {step}"
         layout = manager.metadata(step)
@@ -108,13 +117,22 @@ def export_native(
         with atomic_dir(out_dir, overwrite) as tmp:
             files = ShardFiles(tmp, job.specs, max_shard_size)
             for leaves, keys in _groups(job):
-                abstract = {leaf: jax.ShapeDtypeStruct(specs[leaf].shape, specs[leaf].dtype, sharding=cpu)
-                            for leaf in leaves}
-                arrays = flatten_tree(manager.restore_leaves(step, unflatten_tree(abstract)))
-                produce = job.producer(lambda leaf, index: gather_slice(arrays[leaf], index))  # noqa: B023
-                for key in keys:
-                    files.write(key, produce(key))
-                del arrays
-            files.write_index()
+                _write(files, job, keys, _restore(manager, step, {leaf: specs[leaf] for leaf in leaves}))
+            files.finish()
             write_config(tmp, job.config)
     return Path(out_dir)
+
+
+def _restore(manager: OrbaxCheckpointManager, step: int, specs: Mapping[str, jax.ShapeDtypeStruct]) -> dict:
+    """The leaves ``specs`` names, restored onto the host (the first CPU device)."""
+    from otfload.checkpoint.paths import flatten_tree, unflatten_tree
+
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    abstract = {leaf: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu) for leaf, s in specs.items()}
+    return flatten_tree(manager.restore_leaves(step, unflatten_tree(abstract)))
+
+
+def _write(files: ShardFiles, job: ExportJob, keys: list[str], arrays: Mapping[str, jax.Array]) -> None:
+    produce = job.producer(lambda leaf, index: gather_slice(arrays[leaf], index))
+    for key in keys:
+        files.write(key, produce(key))

@@ -3,8 +3,9 @@
 Shards are filled in key order the way ``transformers``' ``save_pretrained`` does (a tensor larger
 than ``max_shard_size`` gets a shard of its own) and named ``model-0000i-of-0000n.safetensors``;
 one shard is written as ``model.safetensors`` with no index. Each tensor is produced on demand,
-written and dropped, so the host holds one tensor at a time. Everything is written into a
-temporary directory beside the target, which is renamed into place only when complete.
+written and dropped, so the host holds one tensor at a time; :class:`ShardFiles` lays the files
+out first so tensors can also be written in any order. Everything is written into a temporary
+directory beside the target, which is renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def _header(specs: Sequence[TensorSpec]) -> bytes:
 
 def _check(spec: TensorSpec, array: np.ndarray) -> None:
     if array.shape != spec.shape or array.dtype != spec.dtype:
-        raise ValueError(f"{spec.key}: produced {array.dtype}{list(array.shape)}, planned {spec.dtype}{list(spec.shape)}")
+        raise ValueError(
+            f"{spec.key}: produced {array.dtype}{list(array.shape)}, planned {spec.dtype}{list(spec.shape)}"
+        )
 
 
 def write_safetensors(path: Path, specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray]) -> None:
@@ -140,6 +143,7 @@ class ShardFiles:
         self.out = out
         self.files = plan_shards(specs, max_shard_size)
         self._where: dict[str, tuple[Path, int, TensorSpec]] = {}
+        self._written: set[str] = set()
         for name, shard in self.files.items():
             header = _header(shard)
             offset = 8 + len(header)
@@ -159,8 +163,13 @@ class ShardFiles:
         with open(path, "r+b") as f:
             f.seek(offset)
             f.write(array.reshape(-1).view(np.uint8).data)
+        self._written.add(key)
 
-    def write_index(self) -> None:
+    def finish(self) -> None:
+        """Write the index; ``ValueError`` if a planned tensor was never written."""
+        missing = sorted(set(self._where) - self._written)
+        if missing:
+            raise ValueError(f"tensors {missing} were planned but never written")
         write_index(self.out, self.files)
 
 

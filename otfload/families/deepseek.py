@@ -2,8 +2,9 @@
 
 HF layers ``0 .. first_k_dense_replace - 1`` feed ``dense_layers`` and the rest ``moe_layers``,
 whose rules carry ``offsets={"layer": "first_k_dense_replace"}`` so the group's index ``i`` reads HF
-layer ``first_k_dense_replace + i``. Fused MLA projections are split by hooks, so each leaf reads
-only its rows: ``kv_a_proj_with_mqa`` → ``kv_a`` (latent) + ``k_rope``; ``kv_b_proj`` (per head
+layer ``first_k_dense_replace + i``. Every leaf keeps HF's ``[out, in]`` orientation, so no hook
+transposes. Fused MLA projections are split on their (leading) output dim, so each leaf reads only
+its contiguous rows: ``kv_a_proj_with_mqa`` → ``kv_a`` (latent) + ``k_rope``; ``kv_b_proj`` (per head
 ``[k_nope | v]``) → ``k_b`` + ``v_b``. Routed experts are per-expert HF keys stacked on the
 ``experts`` axis by the ``{expert}`` placeholder. The MTP layer of V3 checkpoints (HF index
 ``num_hidden_layers``) matches no rule: it is listed as unused and never read.
@@ -15,20 +16,17 @@ from functools import partial
 
 from otfload.families.registry import Family, register
 from otfload.models.deepseek import DeepseekConfig, DeepseekForCausalLM
-from otfload.plan.hooks import Reshape, Slice, Transpose
+from otfload.plan.hooks import Reshape, Slice
 from otfload.plan.mapping import MappingTable, Rule
 
-T = Transpose()
 HF = "model.layers.{layer}"
 ATTN = f"{HF}.self_attn"
 # kv_b_proj.weight [heads * (nope + v), kv_lora] viewed as [heads, nope + v, kv_lora].
 KV_B_HEADS = Reshape(("num_heads", -1, "kv_lora_rank"))
-HEADS_LAST = Transpose((2, 0, 1))  # [heads, d, kv_lora] -> [kv_lora, heads, d]
 
 
 def _mlp_rules(rule, target: str, source: str) -> list[Rule]:
-    return [rule(f"{target}.{ours}.kernel", f"{source}.{theirs}_proj.weight", (T,))
-            for ours, theirs in (("gate", "gate"), ("up", "up"), ("down", "down"))]
+    return [rule(f"{target}.{name}.kernel", f"{source}.{name}_proj.weight") for name in ("gate", "up", "down")]
 
 
 def layer_rules(group: str, *, moe: bool) -> list[Rule]:
@@ -38,24 +36,22 @@ def layer_rules(group: str, *, moe: bool) -> list[Rule]:
     rules = [
         rule(f"{g}.input_norm.scale", f"{HF}.input_layernorm.weight"),
         rule(f"{g}.post_attn_norm.scale", f"{HF}.post_attention_layernorm.weight"),
-        rule(f"{g}.attn.q.kernel", f"{ATTN}.q_proj.weight", (T, Reshape(("hidden_size", "num_heads", -1)))),
-        rule(f"{g}.attn.q_a.kernel", f"{ATTN}.q_a_proj.weight", (T,)),
+        rule(f"{g}.attn.q.kernel", f"{ATTN}.q_proj.weight", (Reshape(("num_heads", -1, "hidden_size")),)),
+        rule(f"{g}.attn.q_a.kernel", f"{ATTN}.q_a_proj.weight"),
         rule(f"{g}.attn.q_a_norm.scale", f"{ATTN}.q_a_layernorm.weight"),
-        rule(f"{g}.attn.q_b.kernel", f"{ATTN}.q_b_proj.weight", (T, Reshape(("q_lora_rank", "num_heads", -1)))),
-        rule(f"{g}.attn.kv_a.kernel", f"{ATTN}.kv_a_proj_with_mqa.weight", (Slice(0, 0, "kv_lora_rank"), T)),
-        rule(f"{g}.attn.k_rope.kernel", f"{ATTN}.kv_a_proj_with_mqa.weight", (Slice(0, "kv_lora_rank"), T)),
+        rule(f"{g}.attn.q_b.kernel", f"{ATTN}.q_b_proj.weight", (Reshape(("num_heads", -1, "q_lora_rank")),)),
+        rule(f"{g}.attn.kv_a.kernel", f"{ATTN}.kv_a_proj_with_mqa.weight", (Slice(0, 0, "kv_lora_rank"),)),
+        rule(f"{g}.attn.k_rope.kernel", f"{ATTN}.kv_a_proj_with_mqa.weight", (Slice(0, "kv_lora_rank"),)),
         rule(f"{g}.attn.kv_a_norm.scale", f"{ATTN}.kv_a_layernorm.weight"),
-        rule(f"{g}.attn.k_b.kernel", f"{ATTN}.kv_b_proj.weight",
-             (KV_B_HEADS, Slice(1, 0, "qk_nope_head_dim"), HEADS_LAST)),
-        rule(f"{g}.attn.v_b.kernel", f"{ATTN}.kv_b_proj.weight",
-             (KV_B_HEADS, Slice(1, "qk_nope_head_dim"), HEADS_LAST)),
-        rule(f"{g}.attn.o.kernel", f"{ATTN}.o_proj.weight", (T, Reshape(("num_heads", "v_head_dim", "hidden_size")))),
+        rule(f"{g}.attn.k_b.kernel", f"{ATTN}.kv_b_proj.weight", (KV_B_HEADS, Slice(1, 0, "qk_nope_head_dim"))),
+        rule(f"{g}.attn.v_b.kernel", f"{ATTN}.kv_b_proj.weight", (KV_B_HEADS, Slice(1, "qk_nope_head_dim"))),
+        rule(f"{g}.attn.o.kernel", f"{ATTN}.o_proj.weight", (Reshape(("hidden_size", "num_heads", "v_head_dim")),)),
     ]
     if not moe:
         return rules + _mlp_rules(rule, f"{g}.mlp", f"{HF}.mlp")
     return [
         *rules,
-        rule(f"{g}.moe.router.kernel", f"{HF}.mlp.gate.weight", (T,)),
+        rule(f"{g}.moe.router.kernel", f"{HF}.mlp.gate.weight"),
         rule(f"{g}.moe.router.bias", f"{HF}.mlp.gate.e_score_correction_bias"),
         # {expert} is absent from the target: it becomes the experts stack axis (after layers).
         *_mlp_rules(rule, f"{g}.moe.experts", f"{HF}.mlp.experts.{{expert}}"),
@@ -67,7 +63,7 @@ DEEPSEEK_TABLE = MappingTable(
     rules=(
         Rule("embed.embedding", "model.embed_tokens.weight"),
         Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight", (T,), fallbacks=("model.embed_tokens.weight",)),
+        Rule("lm_head.kernel", "lm_head.weight", fallbacks=("model.embed_tokens.weight",)),
         *layer_rules("dense_layers", moe=False),
         *layer_rules("moe_layers", moe=True),
     ),

@@ -1,7 +1,9 @@
 """Mapping table for GPT-OSS: the Llama attention keys (with biases) plus ``self_attn.sinks``, the
 biased router, and the fused experts. ``gate_up_proj [E, hidden, 2 * inter]`` is stored in x out
 with gate and up interleaved on the last axis, so the ``gate`` leaf takes ``[..., ::2]`` and ``up``
-``[..., 1::2]`` (each shard reads only its columns); ``down_proj [E, inter, hidden]`` is as is."""
+``[..., 1::2]`` (each shard reads only its columns); ``down_proj [E, inter, hidden]`` is as is. The
+model keeps these expert kernels in x out (``experts_in_first``) and the router ``[E, hidden]`` as
+stored, so no tensor is transposed."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from otfload.families.llama import LLAMA_TABLE
 from otfload.families.registry import Family, register
 from otfload.models.gpt_oss import gpt_oss_config
 from otfload.models.moe import MoeForCausalLM
-from otfload.plan.hooks import Slice, Transpose
+from otfload.plan.hooks import Slice
 from otfload.plan.mapping import MappingTable, Rule
 
 L = "model.layers.{layer}"
@@ -19,7 +21,7 @@ GATE, UP = Slice(-1, 0, None, 2), Slice(-1, 1, None, 2)
 GPT_OSS_TABLE = MappingTable(
     rules=(
         Rule("layers.{layer}.attn.sinks", f"{L}.self_attn.sinks"),
-        Rule("layers.{layer}.moe.router.kernel", f"{L}.mlp.router.weight", (Transpose(),)),
+        Rule("layers.{layer}.moe.router.kernel", f"{L}.mlp.router.weight"),
         Rule("layers.{layer}.moe.router.bias", f"{L}.mlp.router.bias"),
         Rule("layers.{layer}.moe.gate.kernel", f"{X}.gate_up_proj", (GATE,)),
         Rule("layers.{layer}.moe.gate.bias", f"{X}.gate_up_proj_bias", (GATE,)),

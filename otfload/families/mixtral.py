@@ -7,18 +7,16 @@ from otfload.families.llama import LLAMA_TABLE
 from otfload.families.registry import Family, register
 from otfload.models.mixtral import mixtral_config
 from otfload.models.moe import MoeForCausalLM
-from otfload.plan.hooks import Transpose
 from otfload.plan.mapping import MappingTable, Rule
 
 MOE = "model.layers.{layer}.block_sparse_moe"
-T = Transpose()
 
 MIXTRAL_TABLE = MappingTable(
     rules=(
-        Rule("layers.{layer}.moe.router.kernel", f"{MOE}.gate.weight", (T,)),
-        Rule("layers.{layer}.moe.gate.kernel", f"{MOE}.experts.{{expert}}.w1.weight", (T,)),
-        Rule("layers.{layer}.moe.up.kernel", f"{MOE}.experts.{{expert}}.w3.weight", (T,)),
-        Rule("layers.{layer}.moe.down.kernel", f"{MOE}.experts.{{expert}}.w2.weight", (T,)),
+        Rule("layers.{layer}.moe.router.kernel", f"{MOE}.gate.weight"),
+        Rule("layers.{layer}.moe.gate.kernel", f"{MOE}.experts.{{expert}}.w1.weight"),
+        Rule("layers.{layer}.moe.up.kernel", f"{MOE}.experts.{{expert}}.w3.weight"),
+        Rule("layers.{layer}.moe.down.kernel", f"{MOE}.experts.{{expert}}.w2.weight"),
     ),
 ) + LLAMA_TABLE
 

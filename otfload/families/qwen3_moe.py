@@ -11,11 +11,9 @@ from otfload.families.llama import LLAMA_TABLE
 from otfload.families.registry import Family, register
 from otfload.models.moe import MoeForCausalLM
 from otfload.models.qwen3_moe import qwen3_moe_config
-from otfload.plan.hooks import Transpose
 from otfload.plan.mapping import MappingTable, Rule
 
 MOE = "model.layers.{layer}.mlp"
-T = Transpose()
 
 
 def in_group(table: MappingTable, group: str, indices: str) -> MappingTable:
@@ -33,10 +31,10 @@ def in_group(table: MappingTable, group: str, indices: str) -> MappingTable:
 
 EXPERT_RULES = MappingTable(
     rules=(
-        Rule("layers.{layer}.moe.router.kernel", f"{MOE}.gate.weight", (T,)),
-        Rule("layers.{layer}.moe.gate.kernel", f"{MOE}.experts.{{expert}}.gate_proj.weight", (T,)),
-        Rule("layers.{layer}.moe.up.kernel", f"{MOE}.experts.{{expert}}.up_proj.weight", (T,)),
-        Rule("layers.{layer}.moe.down.kernel", f"{MOE}.experts.{{expert}}.down_proj.weight", (T,)),
+        Rule("layers.{layer}.moe.router.kernel", f"{MOE}.gate.weight"),
+        Rule("layers.{layer}.moe.gate.kernel", f"{MOE}.experts.{{expert}}.gate_proj.weight"),
+        Rule("layers.{layer}.moe.up.kernel", f"{MOE}.experts.{{expert}}.up_proj.weight"),
+        Rule("layers.{layer}.moe.down.kernel", f"{MOE}.experts.{{expert}}.down_proj.weight"),
     ),
 )
 

@@ -11,8 +11,9 @@
   ``e_score_correction_bias``, group selection by the sum of each group's top-2 and optional
   ``norm_topk_prob``. Both scale the chosen weights by ``routed_scaling_factor``.
 
-Experts are stacked on an ``experts`` axis (``(experts, ...)``, or ``(layers, experts, ...)``
-scanned) so an ``ep`` mesh axis can shard them.
+Kernels keep HF's ``[out, in]`` orientation (output dims first, e.g. ``q`` is ``(heads, head_dim,
+hidden)``), so loading needs only slices and reshapes. Experts are stacked on an ``experts`` axis
+(``(experts, out, in)``, or ``(layers, experts, out, in)`` scanned) so an ``ep`` mesh axis can shard them.
 """
 
 from __future__ import annotations
@@ -177,17 +178,17 @@ class MLAttention(nnx.Module):
         h, n = cfg.hidden_size, cfg.num_heads
         kw = dict(dtype=dtype, rngs=rngs, stack=stack)
         if cfg.q_lora_rank is None:
-            self.q = Dense((h, n, cfg.qk_head_dim), ("embed", "heads", "head_dim"), **kw)
+            self.q = Dense((n, cfg.qk_head_dim, h), ("heads", "head_dim", "embed"), **kw)
         else:
-            self.q_a = Dense((h, cfg.q_lora_rank), ("embed", "q_lora"), **kw)
+            self.q_a = Dense((cfg.q_lora_rank, h), ("q_lora", "embed"), **kw)
             self.q_a_norm = Norm(cfg.q_lora_rank, **kw)
-            self.q_b = Dense((cfg.q_lora_rank, n, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), **kw)
-        self.kv_a = Dense((h, cfg.kv_lora_rank), ("embed", "kv_lora"), **kw)
-        self.k_rope = Dense((h, cfg.qk_rope_head_dim), ("embed", "head_dim"), **kw)
+            self.q_b = Dense((n, cfg.qk_head_dim, cfg.q_lora_rank), ("heads", "head_dim", "q_lora"), **kw)
+        self.kv_a = Dense((cfg.kv_lora_rank, h), ("kv_lora", "embed"), **kw)
+        self.k_rope = Dense((cfg.qk_rope_head_dim, h), ("head_dim", "embed"), **kw)
         self.kv_a_norm = Norm(cfg.kv_lora_rank, **kw)
-        self.k_b = Dense((cfg.kv_lora_rank, n, cfg.qk_nope_head_dim), ("kv_lora", "heads", "head_dim"), **kw)
-        self.v_b = Dense((cfg.kv_lora_rank, n, cfg.v_head_dim), ("kv_lora", "heads", "head_dim"), **kw)
-        self.o = Dense((n, cfg.v_head_dim, h), ("heads", "head_dim", "embed"), **kw)
+        self.k_b = Dense((n, cfg.qk_nope_head_dim, cfg.kv_lora_rank), ("heads", "head_dim", "kv_lora"), **kw)
+        self.v_b = Dense((n, cfg.v_head_dim, cfg.kv_lora_rank), ("heads", "head_dim", "kv_lora"), **kw)
+        self.o = Dense((h, n, cfg.v_head_dim), ("embed", "heads", "head_dim"), **kw)
 
 
 class Mlp(nnx.Module):
@@ -195,27 +196,27 @@ class Mlp(nnx.Module):
 
     def __init__(self, hidden: int, inner: int, *, dtype, rngs, stack=None):
         kw = dict(dtype=dtype, rngs=rngs, stack=stack)
-        self.gate = Dense((hidden, inner), ("embed", "mlp"), **kw)
-        self.up = Dense((hidden, inner), ("embed", "mlp"), **kw)
-        self.down = Dense((inner, hidden), ("mlp", "embed"), **kw)
+        self.gate = Dense((inner, hidden), ("mlp", "embed"), **kw)
+        self.up = Dense((inner, hidden), ("mlp", "embed"), **kw)
+        self.down = Dense((hidden, inner), ("embed", "mlp"), **kw)
 
 
 class Experts(nnx.Module):
-    """Routed experts' SwiGLU kernels stacked on a leading ``experts`` axis."""
+    """Routed experts' SwiGLU kernels (``[out, in]`` each) stacked on a leading ``experts`` axis."""
 
     def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
         e, h, m = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         kw = dict(bias=False, dtype=dtype, rngs=rngs, stack=stack)
-        self.gate = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
-        self.up = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
-        self.down = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
+        self.gate = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
+        self.up = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
+        self.down = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
 
 
 class Router(nnx.Module):
-    """Router kernel; V3 adds the (always float32) ``e_score_correction_bias``."""
+    """Router kernel ``[experts, hidden]``; V3 adds the (always float32) ``e_score_correction_bias``."""
 
     def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
-        self.kernel = make_param(rngs, (cfg.hidden_size, cfg.n_routed_experts), ("embed", None), dtype, stack)
+        self.kernel = make_param(rngs, (cfg.n_routed_experts, cfg.hidden_size), (None, "embed"), dtype, stack)
         if cfg.model_type == "deepseek_v3":
             self.bias = make_param(rngs, (cfg.n_routed_experts,), (None,), jnp.float32, stack)
 
@@ -249,26 +250,26 @@ class DecoderLayer(nnx.Module):
 def mla_forward(a: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, mask: jax.Array) -> jax.Array:
     cos, sin, scale = rope
     if cfg.q_lora_rank is None:
-        q = dense(a["q"], x, "bsh,hnd->bsnd")
+        q = dense(a["q"], x, "bsh,ndh->bsnd")
     else:
-        q_latent = rms_norm(dense(a["q_a"], x, "bsh,hr->bsr"), a["q_a_norm"]["scale"], LATENT_NORM_EPS)
-        q = dense(a["q_b"], q_latent, "bsr,rnd->bsnd")
+        q_latent = rms_norm(dense(a["q_a"], x, "bsh,rh->bsr"), a["q_a_norm"]["scale"], LATENT_NORM_EPS)
+        q = dense(a["q_b"], q_latent, "bsr,ndr->bsnd")
     q_nope, q_rot = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-    kv = rms_norm(dense(a["kv_a"], x, "bsh,hr->bsr"), a["kv_a_norm"]["scale"], LATENT_NORM_EPS)
-    k_rot = dense(a["k_rope"], x, "bsh,hd->bsd")[:, :, None, :]
+    kv = rms_norm(dense(a["kv_a"], x, "bsh,rh->bsr"), a["kv_a_norm"]["scale"], LATENT_NORM_EPS)
+    k_rot = dense(a["k_rope"], x, "bsh,dh->bsd")[:, :, None, :]
     q_rot = apply_pair_rope(q_rot, cos, sin, cfg.rope_interleave)
     k_rot = apply_pair_rope(k_rot, cos, sin, cfg.rope_interleave)
-    k_nope = dense(a["k_b"], kv, "bsr,rnd->bsnd")
-    v = dense(a["v_b"], kv, "bsr,rnd->bsnd")
+    k_nope = dense(a["k_b"], kv, "bsr,ndr->bsnd")
+    v = dense(a["v_b"], kv, "bsr,ndr->bsnd")
     q = jnp.concatenate([q_nope, q_rot], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (*k_nope.shape[:3], cfg.qk_rope_head_dim))], axis=-1)
     out = attention(q, k, v, mask, scale)
-    return dense(a["o"], out, "bsnd,ndh->bsh")
+    return dense(a["o"], out, "bsnd,hnd->bsh")
 
 
 def mlp_forward(m: dict, x: jax.Array) -> jax.Array:
-    act = jax.nn.silu(dense(m["gate"], x, "...h,hm->...m")) * dense(m["up"], x, "...h,hm->...m")
-    return dense(m["down"], act, "...m,mh->...h")
+    act = jax.nn.silu(dense(m["gate"], x, "...h,mh->...m")) * dense(m["up"], x, "...h,mh->...m")
+    return dense(m["down"], act, "...m,hm->...h")
 
 
 def _keep_top_groups(choice: jax.Array, group_scores: jax.Array, cfg: DeepseekConfig, fill: float) -> jax.Array:
@@ -281,7 +282,7 @@ def _keep_top_groups(choice: jax.Array, group_scores: jax.Array, cfg: DeepseekCo
 
 def route(router: dict, x: jax.Array, cfg: DeepseekConfig) -> jax.Array:
     """Dense routing weights ``[tokens, experts]`` (zero for unchosen experts), computed in float32."""
-    logits = x.astype(jnp.float32) @ router["kernel"].astype(jnp.float32)
+    logits = jnp.einsum("th,eh->te", x.astype(jnp.float32), router["kernel"].astype(jnp.float32))
     tokens, experts = logits.shape
     if cfg.model_type == "deepseek_v3":
         scores = jax.nn.sigmoid(logits)
@@ -307,9 +308,9 @@ def moe_forward(p: dict, x: jax.Array, cfg: DeepseekConfig) -> jax.Array:
     flat = x.reshape(-1, x.shape[-1])
     weights = route(p["router"], flat, cfg).astype(x.dtype)
     e = p["experts"]
-    gate = jnp.einsum("th,ehm->tem", flat, e["gate"]["kernel"])
-    up = jnp.einsum("th,ehm->tem", flat, e["up"]["kernel"])
-    out = jnp.einsum("tem,emh,te->th", jax.nn.silu(gate) * up, e["down"]["kernel"], weights).reshape(x.shape)
+    gate = jnp.einsum("th,emh->tem", flat, e["gate"]["kernel"])
+    up = jnp.einsum("th,emh->tem", flat, e["up"]["kernel"])
+    out = jnp.einsum("tem,ehm,te->th", jax.nn.silu(gate) * up, e["down"]["kernel"], weights).reshape(x.shape)
     return out + mlp_forward(p["shared"], x) if "shared" in p else out
 
 
@@ -346,7 +347,7 @@ class DeepseekForCausalLM(nnx.Module):
         self.moe_layers = _layer_group(cfg, cfg.num_moe_layers, True, scan_layers, dtype, rngs)
         self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
     def _run_group(self, group, x: jax.Array, rope: tuple, mask: jax.Array) -> jax.Array:
         if group is None:
@@ -366,6 +367,4 @@ class DeepseekForCausalLM(nnx.Module):
         x = self._run_group(self.dense_layers, x, rope, mask)
         x = self._run_group(self.moe_layers, x, rope, mask)
         x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            return jnp.einsum("bsh,vh->bsv", x, embedding)
-        return jnp.einsum("bsh,hv->bsv", x, self.lm_head.kernel[...])
+        return jnp.einsum("bsh,vh->bsv", x, embedding if cfg.tie_word_embeddings else self.lm_head.kernel[...])

@@ -170,18 +170,18 @@ def layer_forward(p: dict, x: jax.Array, cfg: GemmaConfig, rope: tuple, mask: ja
     and ``mask`` the ``[seq, seq]`` attention mask of this layer's attention type."""
     a, m, eps = p["attn"], p["mlp"], cfg.rms_norm_eps
     h = gemma_norm(x, p["input_norm"]["scale"], eps)
-    q = dense(a["q"], h, "bsh,hnd->bsnd")
-    k = dense(a["k"], h, "bsh,hnd->bsnd")
-    v = dense(a["v"], h, "bsh,hnd->bsnd")
+    q = dense(a["q"], h, "bsh,ndh->bsnd")
+    k = dense(a["k"], h, "bsh,ndh->bsnd")
+    v = dense(a["v"], h, "bsh,ndh->bsnd")
     if cfg.qk_norm:
         q = gemma_norm(q, a["q_norm"]["scale"], eps)
         k = gemma_norm(k, a["k_norm"]["scale"], eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out = attention(q, k, v, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_softcap)
-    x = x + gemma_norm(dense(a["o"], out, "bsnd,ndh->bsh"), p["post_attn_norm"]["scale"], eps)
+    x = x + gemma_norm(dense(a["o"], out, "bsnd,hnd->bsh"), p["post_attn_norm"]["scale"], eps)
     h = gemma_norm(x, p["pre_ffw_norm"]["scale"], eps)
-    gate = jax.nn.gelu(dense(m["gate"], h, "bsh,hm->bsm"), approximate=cfg.gelu_approximate)
-    out = dense(m["down"], gate * dense(m["up"], h, "bsh,hm->bsm"), "bsm,mh->bsh")
+    gate = jax.nn.gelu(dense(m["gate"], h, "bsh,mh->bsm"), approximate=cfg.gelu_approximate)
+    out = dense(m["down"], gate * dense(m["up"], h, "bsh,mh->bsm"), "bsm,hm->bsh")
     return x + gemma_norm(out, p["post_ffw_norm"]["scale"], eps)
 
 
@@ -198,7 +198,7 @@ class GemmaForCausalLM(nnx.Module):
             self.layers = nnx.List([GemmaDecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -223,8 +223,5 @@ class GemmaForCausalLM(nnx.Module):
             for layer, is_sliding in zip(self.layers, flags, strict=True):
                 x = run_layer(x, pure(layer), is_sliding)
         x = gemma_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("bsh,vh->bsv", x, embedding)
-        else:
-            logits = jnp.einsum("bsh,hv->bsv", x, self.lm_head.kernel[...])
+        logits = jnp.einsum("bsh,vh->bsv", x, embedding if cfg.tie_word_embeddings else self.lm_head.kernel[...])
         return softcap(logits, cfg.final_softcap)

@@ -1,6 +1,7 @@
 """GPT-OSS: biased attention with per-head sinks, alternating sliding/full attention
 (``layer_types``), YaRN RoPE, and a sparse MoE on every layer with a biased router (top k of the
-logits, then softmax) and biased experts with GPT-OSS's clamped SwiGLU."""
+logits, then softmax) and biased experts with GPT-OSS's clamped SwiGLU. The expert kernels keep the
+checkpoint's ``[E, in, out]`` orientation (``experts_in_first``), so loading them is a copy."""
 
 from __future__ import annotations
 
@@ -33,4 +34,5 @@ def gpt_oss_config(hf: dict) -> MoeConfig:
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
         moe_layers=tuple(range(n)),
+        experts_in_first=True,  # the fused expert tensors are stored [E, in, out]
     )

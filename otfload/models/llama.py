@@ -1,6 +1,7 @@
 """Reference Flax NNX decoder for the Llama family: Llama 3, Mistral, Qwen2 (qkv bias) and Qwen3
 (q/k RMSNorm). GQA, RoPE (incl. Llama 3 scaling), SwiGLU, RMSNorm, tied or untied embeddings,
 and ``scan_layers`` (parameters stacked on a leading ``layers`` axis, run with ``jax.lax.scan``).
+Kernels keep HF's ``[out, in]`` orientation (output dims first), so loading copies and reshapes only.
 """
 
 from __future__ import annotations

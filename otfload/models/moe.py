@@ -1,10 +1,14 @@
 """Sparse mixture-of-experts decoders (Mixtral, Qwen3-MoE, GPT-OSS) built on the Llama pieces.
 
 Expert weights of a layer are stacked on a leading ``experts`` axis (logical axis ``"experts"``,
-sharded on ``ep`` by the default rules): ``gate``/``up`` kernels ``[E, hidden, inter]``, ``down``
-``[E, inter, hidden]``. The router picks each token's top-k experts; the experts are computed
-densely (every expert on every token) and combined with routing weights that are zero outside the
-top k, which is exact and simple at reference-model sizes.
+sharded on ``ep`` by the default rules) in the orientation the checkpoint stores them, so loading
+never transposes: ``gate``/``up`` kernels ``[E, inter, hidden]`` and ``down`` ``[E, hidden, inter]``
+(per-expert HF ``[out, in]`` weights: Mixtral, Qwen3-MoE), or ``[E, hidden, inter]`` and
+``[E, inter, hidden]`` with ``experts_in_first`` (GPT-OSS's fused ``[E, in, out]`` tensors).
+
+The router picks each token's top-k experts; the experts are computed densely (every expert on
+every token) and combined with routing weights that are zero outside the top k, which is exact and
+simple at reference-model sizes.
 
 Layers whose feed-forward is an MoE (``cfg.moe_layers``) and dense SwiGLU layers
 (``cfg.dense_layers``) form two groups, ``layers`` and ``dense_layers``; with ``scan_layers`` each
@@ -37,6 +41,7 @@ class MoeConfig(LlamaConfig):
     them: GPT-OSS). ``activation``: ``"swiglu"`` or ``"clamped_swiglu"`` (GPT-OSS: gate clamped
     above, up clamped both ways at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
     ``sliding_layers`` lists the layers using ``sliding_window`` (None: all of them).
+    ``experts_in_first``: expert kernels are ``[E, in, out]`` (else ``[E, out, in]``).
     """
 
     num_experts: int = 0
@@ -53,6 +58,7 @@ class MoeConfig(LlamaConfig):
     moe_layers: tuple[int, ...] = ()
     dense_layers: tuple[int, ...] = ()
     sliding_layers: tuple[int, ...] | None = None
+    experts_in_first: bool = False
 
     @classmethod
     def extend(cls, base: LlamaConfig, **fields) -> MoeConfig:
@@ -60,25 +66,32 @@ class MoeConfig(LlamaConfig):
         return cls(**{**dataclasses.asdict(base), **fields})
 
 
-class ExpertDense(nnx.Module):
-    """Per-expert weights on a leading experts axis: ``kernel [E, *shape]``, optional ``bias [E, out]``."""
+class ExpertDense(Dense):
+    """Per-expert weights on a leading experts axis. ``shape``/``axes`` are ``(out, in)``; the kernel is
+    ``[E, out, in]``, or ``[E, in, out]`` with ``in_first``; the optional bias is ``[E, out]``."""
 
-    def __init__(self, num_experts: int, shape, axes, *, bias: bool, dtype, rngs, stack=None):
-        self.kernel = make_param(rngs, (num_experts, *shape), ("experts", *axes), dtype, stack)
-        if bias:
-            self.bias = make_param(rngs, (num_experts, shape[-1]), ("experts", axes[-1]), dtype, stack)
+    def __init__(self, num_experts: int, shape, axes, *, bias: bool, in_first: bool = False, dtype, rngs,
+                 stack=None):
+        (out, inp), (out_axis, in_axis) = shape, axes
+        if in_first:
+            dims, names, out_dim = (inp, out), (in_axis, out_axis), 2
+        else:
+            dims, names, out_dim = (out, inp), (out_axis, in_axis), 1
+        super().__init__((num_experts, *dims), ("experts", *names), bias_dims=(0, out_dim) if bias else (),
+                         dtype=dtype, rngs=rngs, stack=stack)
 
 
 class SparseMoe(nnx.Module):
-    """Router ``[hidden, E]`` and the experts' ``gate``/``up``/``down`` weights."""
+    """Router ``[E, hidden]`` and the experts' ``gate``/``up``/``down`` weights."""
 
     def __init__(self, cfg: MoeConfig, *, dtype, rngs, stack=None):
-        h, m, e, b = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts, cfg.expert_bias
-        self.router = Dense((h, e), ("embed", None), bias_dims=int(cfg.router_bias), dtype=dtype, rngs=rngs,
-                            stack=stack)
-        self.gate = ExpertDense(e, (h, m), ("embed", "mlp"), bias=b, dtype=dtype, rngs=rngs, stack=stack)
-        self.up = ExpertDense(e, (h, m), ("embed", "mlp"), bias=b, dtype=dtype, rngs=rngs, stack=stack)
-        self.down = ExpertDense(e, (m, h), ("mlp", "embed"), bias=b, dtype=dtype, rngs=rngs, stack=stack)
+        h, m, e = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+        self.router = Dense((e, h), (None, "embed"), bias_dims=(0,) if cfg.router_bias else (), dtype=dtype,
+                            rngs=rngs, stack=stack)
+        kw = dict(bias=cfg.expert_bias, in_first=cfg.experts_in_first, dtype=dtype, rngs=rngs, stack=stack)
+        self.gate = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
+        self.up = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
+        self.down = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
 
 
 class MoeDecoderLayer(nnx.Module):
@@ -117,9 +130,13 @@ def expert_activation(gate: jax.Array, up: jax.Array, cfg: MoeConfig) -> jax.Arr
 
 def moe_forward(p: dict, h: jax.Array, cfg: MoeConfig) -> jax.Array:
     """The MoE feed-forward of ``h [batch, seq, hidden]`` from a :class:`SparseMoe` param dict."""
-    weights = routing_weights(dense(p["router"], h, "bsh,he->bse"), cfg)
-    act = expert_activation(dense(p["gate"], h, "bsh,ehm->bsem"), dense(p["up"], h, "bsh,ehm->bsem"), cfg)
-    out = dense(p["down"], act, "bsem,emh->bseh")
+    weights = routing_weights(dense(p["router"], h, "bsh,eh->bse"), cfg)
+    if cfg.experts_in_first:
+        up_spec, down_spec = "bsh,ehm->bsem", "bsem,emh->bseh"
+    else:
+        up_spec, down_spec = "bsh,emh->bsem", "bsem,ehm->bseh"
+    act = expert_activation(dense(p["gate"], h, up_spec), dense(p["up"], h, up_spec), cfg)
+    out = dense(p["down"], act, down_spec)
     return jnp.einsum("bseh,bse->bsh", out, weights.astype(out.dtype))
 
 

@@ -59,3 +59,8 @@ class Arena:
 
     def reset(self) -> None:
         self._used = 0
+
+    def trim(self, max_bytes: int | None) -> None:
+        """Free the scratch if it grew beyond ``max_bytes`` (an oversized tensor); call after reset."""
+        if max_bytes is not None and self._used == 0 and len(self._buffer) > max_bytes:
+            self._buffer = np.empty(0, np.uint8)

@@ -43,10 +43,29 @@ def test_leaf_shards_hold_numpy_reference(setup, mesh_2x4, spec, budget):
     assert reader.stats.pieces == 6
 
 
-def test_budget_admits_an_oversized_request_alone():
-    budget = ByteBudget(10)
-    budget.acquire(100)  # larger than the limit, but nothing else is held
+def test_budget_blocks_over_limit_and_admits_an_oversized_request_alone():
+    import threading
+
+    budget = ByteBudget(10, workers=2)
+    assert budget.share == 5
+    budget.acquire(100)  # larger than the limit, but nothing else is held: admitted
     budget.release(100)
-    budget.acquire(4)
-    budget.acquire(6)
-    budget.release(10)
+    budget.acquire(8)
+    admitted = threading.Event()
+    waiter = threading.Thread(target=lambda: (budget.acquire(5), admitted.set()))
+    waiter.start()
+    assert not admitted.wait(0.2)  # 8 + 5 > 10: must wait
+    budget.release(8)
+    assert admitted.wait(5)
+    waiter.join()
+    budget.release(5)
+
+
+def test_arena_trims_after_an_oversized_tensor():
+    arena = Arena()
+    arena.take(1000)
+    arena.reset()
+    arena.trim(2000)
+    assert arena.capacity >= 1000  # within its share: kept for reuse
+    arena.trim(500)
+    assert arena.capacity == 0  # beyond its share: freed

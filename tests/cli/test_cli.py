@@ -71,7 +71,7 @@ def test_inspect_json_matches_the_abstract_model(llama, mesh_2x4):
         assert got[path]["num_hf_keys"] == len(plan.leaves[path].sources)
     q = got["layers.attn.q.kernel"]
     assert q["hf_keys"][0] == "model.layers.0.self_attn.q_proj.weight" and q["stack_axes"] == ["layer"]
-    assert q["hooks"][0].startswith("Transpose")
+    assert q["hooks"] == ["Reshape(shape=(4, 16, 64))"]  # HF's [out, in] kept: no transpose
     assert info["model_type"] == "llama" and info["mesh"] == {"fsdp": 2, "tp": 4}
     # One process holds every device, so it reads every planned byte exactly once.
     assert info["totals"]["process_bytes"] == info["totals"]["source_bytes"] == plan.source_bytes
@@ -81,9 +81,9 @@ def test_inspect_json_matches_the_abstract_model(llama, mesh_2x4):
 def test_inspect_text_lists_leaves_keys_and_hooks(llama, capsys):
     assert main(["inspect", str(llama), "--mesh", "fsdp=2,tp=4", "--no-scan-layers"]) == 0
     text = capsys.readouterr().out
-    assert "layers.2.mlp.down.kernel  (128, 64) float32  P('tp', 'fsdp')" in text
+    assert "layers.2.mlp.down.kernel  (64, 128) float32  P('fsdp', 'tp')" in text
     assert "← model.layers.2.mlp.down_proj.weight  [float32]" in text
-    assert "hooks: Transpose(perm=None), Reshape(shape=(64, 4, 16))" in text
+    assert "hooks: Reshape(shape=(4, 16, 64))" in text
     assert "unused tensors (0): none" in text
 
 
@@ -157,7 +157,7 @@ def test_inspect_missing_tensor_prints_problems_and_exits_1(llama_missing_up, ca
     assert out.returncode == 1, out.stderr
     problems = json.loads(out.stdout)["problems"]
     assert problems == [{"kind": "missing", "hf_key": "model.layers.1.mlp.up_proj.weight",
-                         "leaf": "layers.mlp.up.kernel", "expected": [64, 128], "actual": None, "file": None}]
+                         "leaf": "layers.mlp.up.kernel", "expected": [128, 64], "actual": None, "file": None}]
     assert main(["inspect", str(llama_missing_up)]) == 1
     assert "missing tensor 'model.layers.1.mlp.up_proj.weight' needed by leaf" in capsys.readouterr().out
 

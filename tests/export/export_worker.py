@@ -1,23 +1,37 @@
 """One JAX process of a multi-process export test: join the job, load the checkpoint sharded over
-every process, export it, report which shard files this process wrote.
+every process (scanned, then unscanned), export each, report which shard files this process wrote.
 
     python -m tests.export.export_worker SPEC_JSON PROCESS_ID
 
 ``SPEC_JSON`` (a file) says: ``processes``, ``local_devices``, ``port`` (the coordinator's),
-``src`` (an HF checkpoint directory), ``scan_layers``, ``max_shard_size`` and ``out`` (the export
-goes to ``out/export``, the report to ``out/proc<i>.json``).
+``src`` (an HF checkpoint directory), ``max_shard_size`` and ``out`` (the exports go to
+``out/scanned`` and ``out/unscanned``, the report to ``out/proc<i>.json``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
+LAYOUTS = {"scanned": True, "unscanned": False}
 
-def export(spec: dict, pid: int, out: Path) -> None:
+
+def recording(write, names: list[str]):
+    """``write`` (``writer.write_safetensors``), appending the name of each file it writes to ``names``."""
+
+    def record(path, specs, produce):
+        names.append(path.name)
+        write(path, specs, produce)
+
+    return record
+
+
+def export(spec: dict, out: Path) -> dict:
     import jax
     import numpy as np
+    from flax import nnx
     from jax.sharding import Mesh
 
     import otfload
@@ -25,18 +39,16 @@ def export(spec: dict, pid: int, out: Path) -> None:
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices).reshape(spec["processes"], spec["local_devices"]), ("fsdp", "tp"))
-    model = otfload.from_pretrained(spec["src"], mesh=mesh, scan_layers=spec["scan_layers"])
-    kernel = model.layers.attn.q.kernel.get_value() if spec["scan_layers"] else model.layers[0].attn.q.kernel.get_value()
-    wrote, real = [], writer.write_safetensors
-
-    def record(path, specs, produce):
-        wrote.append(path.name)
-        real(path, specs, produce)
-
-    writer.write_safetensors = record
-    export_hf(model, out / "export", reference=spec["src"], max_shard_size=spec["max_shard_size"])
-    report = {"wrote": wrote, "fully_addressable": kernel.is_fully_addressable, "exists": (out / "export").is_dir()}
-    (out / f"proc{pid}.json").write_text(json.dumps(report))
+    real, report = writer.write_safetensors, {}
+    for name, scan in LAYOUTS.items():
+        model = otfload.from_pretrained(spec["src"], mesh=mesh, scan_layers=scan)
+        params = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+        wrote: list[str] = []
+        writer.write_safetensors = recording(real, wrote)
+        export_hf(model, out / name, reference=spec["src"], max_shard_size=spec["max_shard_size"])
+        report[name] = {"wrote": wrote, "exists": (out / name).is_dir(),
+                        "split": sum(not p.is_fully_addressable for p in params)}  # fmt: skip
+    return report
 
 
 def main() -> None:
@@ -49,8 +61,13 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", spec["local_devices"])  # before any backend use
     jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=spec["processes"], process_id=pid,
                                initialization_timeout=60)  # fmt: skip
+    out = Path(spec["out"])
     try:
-        export(spec, pid, Path(spec["out"]))
+        (out / f"proc{pid}.json").write_text(json.dumps(export(spec, out)))
+    except BaseException:
+        traceback.print_exc()  # now: shutdown() waits for the other process
+        sys.stderr.flush()
+        raise
     finally:
         jax.distributed.shutdown()
 

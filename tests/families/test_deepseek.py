@@ -92,11 +92,11 @@ def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh
     dense = model.dense_layers if scan_layers else model.dense_layers[0]
     moe = model.moe_layers if scan_layers else model.moe_layers[1]
     experts = moe.moe.experts.gate.kernel[...]
-    # (layers, experts, hidden, moe_inter) scanned, (experts, ...) unscanned; experts on "ep" when present.
-    assert experts.shape == ((2,) if scan_layers else ()) + (4, 64, 32)
+    # (layers, experts, moe_inter, hidden) scanned, (experts, ...) unscanned; experts on "ep" when present.
+    assert experts.shape == ((2,) if scan_layers else ()) + (4, 32, 64)
     spec = experts.sharding.spec
     assert spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
-    assert dense.mlp.up.kernel[...].shape == ((1,) if scan_layers else ()) + (64, 128)
+    assert dense.mlp.up.kernel[...].shape == ((1,) if scan_layers else ()) + (128, 64)
     assert hasattr(moe.attn, "q_a") == (kind == "deepseek_v3")
     ids = token_ids(seq=12)
     diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
@@ -141,13 +141,13 @@ def test_split_leaves_hold_their_part_of_fused_tensors(tiny_checkpoints, mesh_2x
     hf = _hf_tensors(path)
     attn = model.moe_layers.attn
     kv_a = hf["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"]
-    np.testing.assert_array_equal(np.asarray(attn.kv_a.kernel[...])[1], kv_a[:16].T)
-    np.testing.assert_array_equal(np.asarray(attn.k_rope.kernel[...])[1], kv_a[16:].T)
+    np.testing.assert_array_equal(np.asarray(attn.kv_a.kernel[...])[1], kv_a[:16])
+    np.testing.assert_array_equal(np.asarray(attn.k_rope.kernel[...])[1], kv_a[16:])
     kv_b = hf["model.layers.1.self_attn.kv_b_proj.weight"].reshape(4, 32, 16)
-    np.testing.assert_array_equal(np.asarray(attn.k_b.kernel[...])[0], kv_b[:, :16].transpose(2, 0, 1))
-    np.testing.assert_array_equal(np.asarray(attn.v_b.kernel[...])[0], kv_b[:, 16:].transpose(2, 0, 1))
+    np.testing.assert_array_equal(np.asarray(attn.k_b.kernel[...])[0], kv_b[:, :16])
+    np.testing.assert_array_equal(np.asarray(attn.v_b.kernel[...])[0], kv_b[:, 16:])
     down = np.asarray(model.moe_layers.moe.experts.down.kernel[...])
-    np.testing.assert_array_equal(down[1, 3], hf["model.layers.2.mlp.experts.3.down_proj.weight"].T)
+    np.testing.assert_array_equal(down[1, 3], hf["model.layers.2.mlp.experts.3.down_proj.weight"])
 
 
 def _add_mtp_layer(src, dst) -> list[str]:

@@ -47,8 +47,8 @@ def test_groups_are_stacked_from_their_hf_layers(tiny_checkpoints, mesh_2x4):
     np.testing.assert_array_equal(np.asarray(model.layers.attn.q_norm.scale[...]), np.stack([hf[q.format(0)],
                                                                                              hf[q.format(2)]]))
     np.testing.assert_array_equal(np.asarray(model.dense_layers.attn.q_norm.scale[...]), hf[q.format(1)][None])
-    assert model.layers.moe.up.kernel[...].shape == (2, 4, 64, 32)
-    assert model.dense_layers.mlp.up.kernel[...].shape == (1, 64, 128)
+    assert model.layers.moe.up.kernel[...].shape == (2, 4, 32, 64)
+    assert model.dense_layers.mlp.up.kernel[...].shape == (1, 128, 64)
 
 
 def test_wrong_shaped_expert_names_expert_layer_and_leaf(tiny_checkpoints, tmp_path):
@@ -56,4 +56,4 @@ def test_wrong_shaped_expert_names_expert_layer_and_leaf(tiny_checkpoints, tmp_p
     err = wrong_shape_error(tiny_checkpoints, tmp_path, "qwen3_moe", key, (64, 31))
     (problem,) = err.mismatched
     assert problem.leaf == "layers.moe.down.kernel"
-    assert "(32, 64)" in str(err) and "(64, 31)" in str(err)
+    assert "(64, 32)" in str(err) and "(64, 31)" in str(err)
