@@ -26,7 +26,7 @@ from otfload.errors import (
     UnsafeFormatError,
     UnsupportedModelError,
 )
-from otfload.export import export_checkpoint, export_hf
+from otfload.export import export_checkpoint, export_hf, export_native
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.plan.sharding import DEFAULT_RULES, logical_to_sharding, make_mesh
@@ -60,6 +60,7 @@ __all__ = [
     "UnsupportedModelError",
     "export_checkpoint",
     "export_hf",
+    "export_native",
     "from_pretrained",
     "load_params",
     "logical_to_sharding",

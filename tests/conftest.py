@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from tests.helpers import HF_MODELS, save_tiny_hf_model  # noqa: E402
+from tests.helpers import save_tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -54,5 +54,6 @@ class LoadReport:
         return (
             f"loaded {self.leaves} leaves from {self.tensors_read} tensor reads in {len(self.files)} files: "
             f"{self.bytes_read / 1e9:.3f} GB in {self.seconds:.2f} s ({self.gbps:.2f} GB/s), "
-            f"{self.requests} requests, over-read {self.over_read:.2f}x, peak RSS {self.peak_rss / 2**30:.2f} GiB{unused}"
+            f"{self.requests} requests, over-read {self.over_read:.2f}x, "
+            f"peak RSS {self.peak_rss / 2**30:.2f} GiB{unused}"
         )

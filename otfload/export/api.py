@@ -56,6 +56,8 @@ def export_hf(
     ``family=``) or ``mapping=`` is inverted. ``dtype`` ``None`` keeps each leaf's dtype; ``"bf16"``,
     ``"f32"`` or a numpy dtype casts. Shards hold at most ``max_shard_size`` (``"5GB"``, ``"500MiB"``,
     bytes). The write is atomic; an existing ``out_dir`` is replaced only with ``overwrite=True``.
+    In a multi-process job every process calls it and writes its share of the files into the
+    shared ``out_dir`` (see :mod:`otfload.export.distributed`).
     """
     ref_config, hf_shapes = _reference(reference)
     if config is None and ref_config is None:
@@ -63,7 +65,8 @@ def export_hf(
     hf_config = load_config(config) if config is not None else ref_config
     arrays = leaf_arrays(model_or_params)
     job = ExportJob.build(arrays, hf_config, family=family, mapping=mapping, hf_shapes=hf_shapes, dtype=dtype)
-    return write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite)
+    write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite)
+    return Path(out_dir)
 
 
 def export_checkpoint(
