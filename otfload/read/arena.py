@@ -7,29 +7,22 @@ faster than into fresh ones, and host memory stays bounded by the largest shard'
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 
 # numpy views of the scratch as float types are fastest (and SIMD friendly) when aligned.
 ALIGNMENT = 64
-# First writes to fresh memory fault once per page; backing large buffers with 2 MiB transparent
-# huge pages (madvise) faults 512x less often — measured 1.5-2x faster first writes on this VM.
-HUGE_PAGE_MIN_BYTES = 4 << 20
+# (Transparent huge pages via madvise were tried for these buffers and measured 4x *slower* on this VM
+# during loads — direct compaction while the page cache is full — so plain allocations are used.)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A fresh uninitialised array whose data starts on a 64-byte boundary (large ones on huge pages).
+    """A fresh uninitialised array whose data starts on a 64-byte boundary.
 
     JAX's CPU backend adopts such buffers without copying (``device_put`` aliases them), so a
     shard built here becomes the device buffer as is.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
-        return np.frombuffer(region, dtype).reshape(shape)  # page-aligned; freed with the array
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(shape)
