@@ -91,14 +91,19 @@ def build_boxes(
     for chunk in _chunks(all_combos, per_combo, budget.share):
         held = per_combo * len(chunk)
         budget.acquire(held)
+        indices: dict = {}
         try:
-            parts = {}
-            for c in chunk:
-                i = sum(k * s for k, s in zip(c, strides, strict=True))
-                parts[c] = reader.read_source(plan.sources[i], plan.scale_of(i), union, plan.quant_block, arena)
+            indices = {c: sum(k * s for k, s in zip(c, strides, strict=True)) for c in chunk}
+            parts = {
+                c: reader.read_source(plan.sources[i], plan.scale_of(i), union, plan.quant_block, arena)
+                for c, i in indices.items()
+            }
             for box in boxes:
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
         finally:
+            parts = None
+            for i in indices.values():
+                reader.release(plan.sources[i], union)
             arena.reset()
             arena.trim(budget.share)
             budget.release(held)

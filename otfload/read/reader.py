@@ -1,8 +1,11 @@
-"""Read the box of a tensor a shard needs: only its byte runs, into scratch memory.
+"""Read the box of a tensor a shard needs: only its byte runs.
 
-A box of a row-major tensor is a set of byte runs (see :func:`~otfload.plan.boxes.byte_runs`).
-Many short runs with short gaps (a column block of a matrix) are read as one span and viewed
-with the tensor's strides: one request instead of thousands, at the price of reading the gaps.
+A source that maps files (local directories) gives the box as a zero-copy view of the mapped
+tensor; the builder then copies each byte once, from the page cache into its final buffer, and
+:meth:`TensorReader.release` drops the mapped pages again. Other sources read the box's byte runs
+(see :func:`~otfload.plan.boxes.byte_runs`) into scratch memory. Many short runs with short gaps (a
+column block of a matrix) are read as one span and viewed with the tensor's strides: one request
+instead of thousands, at the price of reading the gaps.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from otfload.index.header import TensorInfo
-from otfload.plan.boxes import Box, box_shape, byte_runs
+from otfload.plan.boxes import Box, box_shape, box_to_slices, byte_runs
 from otfload.read.arena import Arena
 from otfload.read.dequant import dequantize, scale_box
 from otfload.sources.base import RangeRead, Source
@@ -62,6 +65,11 @@ class TensorReader:
         """The elements of ``info`` inside ``box``, as an array of the box's shape (in scratch)."""
         runs = byte_runs(info.shape, info.dtype.itemsize, box)
         needed = sum(r.length for r in runs)
+        mapped = self._mapped(info.file)
+        if mapped is not None:
+            self.stats.add(info.file, needed, needed, 1 if runs else 0)
+            whole = np.frombuffer(mapped, info.dtype, math.prod(info.shape), info.offset).reshape(info.shape)
+            return whole[box_to_slices(box)]
         span = runs[-1].offset + runs[-1].length - runs[0].offset if runs else 0
         if len(runs) > 1 and span - needed <= min(COALESCE_GAP_BYTES * (len(runs) - 1), MAX_OVERREAD_FRACTION * needed):
             buffer = arena.take(span)
@@ -81,6 +89,18 @@ class TensorReader:
         self.source.read_many(reads)
         self.stats.add(info.file, needed, needed, len(reads))
         return buffer.view(info.dtype).reshape(box_shape(box))
+
+    def _mapped(self, file: str):
+        mapped = getattr(self.source, "mapped", None)
+        return mapped(file) if mapped is not None else None
+
+    def release(self, info: TensorInfo, box: Box) -> None:
+        """Done with ``box`` of ``info``: let a mapping source drop its pages from our memory."""
+        release = getattr(self.source, "release", None)
+        runs = byte_runs(info.shape, info.dtype.itemsize, box)
+        if release is not None and runs:
+            start, end = runs[0].offset, runs[-1].offset + runs[-1].length
+            release(info.file, info.offset + start, end - start)
 
     def read_source(
         self, info: TensorInfo, scale: TensorInfo | None, box: Box, block: tuple[int, int], arena: Arena

@@ -16,7 +16,8 @@ def index(tmp_path):
         "wide": rng.standard_normal((8, 5000), dtype=np.float32),  # rows of 20 KB
         "tall": rng.standard_normal((40, 20000), dtype=np.float32),  # rows of 80 KB: runs read apart
     }
-    return open_index(LocalSource(write_checkpoint(tmp_path / "c", tensors, files=1)), require_config=False), tensors
+    source = LocalSource(write_checkpoint(tmp_path / "c", tensors, files=1), mmap=False)
+    return open_index(source, require_config=False), tensors
 
 
 @pytest.mark.parametrize("key,box,requests", [
@@ -46,3 +47,27 @@ def test_arena_reuses_memory_and_aligns():
     assert all(p % ALIGNMENT == 0 for p in third)
     assert third[1] - third[0] >= 100 and third[2] - third[1] >= 1000  # no overlap
     assert aligned_empty((3, 7), np.float32).ctypes.data % ALIGNMENT == 0
+
+
+def test_mapped_source_gives_zero_copy_views_and_releases_pages(tmp_path):
+    big = np.random.default_rng(1).standard_normal((2048, 4096), dtype=np.float32)  # 32 MiB
+    path = write_checkpoint(tmp_path / "m", {"big": big}, files=1)
+    index = open_index(LocalSource(path), require_config=False)
+    reader = TensorReader(index.source)
+    box = ((0, 2048), (1024, 3072))
+    view = reader.read_box(index["big"], box, Arena())
+    assert not view.flags.owndata and not view.flags.writeable  # a view of the mapped file
+    np.testing.assert_array_equal(view, big[:, 1024:3072])  # touches the pages
+    mapped_before = rss_file()
+    del view
+    reader.release(index["big"], box)
+    assert mapped_before - rss_file() >= 16 * 2**20  # the box's pages left our RSS
+
+
+def rss_file() -> int:
+    from pathlib import Path
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
