@@ -67,6 +67,9 @@ class TensorReader:
         needed = sum(r.length for r in runs)
         mapped = self._mapped(info.file)
         if mapped is not None:
+            if runs:
+                start, end = runs[0].offset, runs[-1].offset + runs[-1].length
+                self.source.prefetch(info.file, info.offset + start, end - start)
             self.stats.add(info.file, needed, needed, 1 if runs else 0)
             whole = np.frombuffer(mapped, info.dtype, math.prod(info.shape), info.offset).reshape(info.shape)
             return whole[box_to_slices(box)]

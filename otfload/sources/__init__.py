@@ -14,6 +14,8 @@ from otfload.sources.local import LocalSource
 __all__ = ["LocalSource", "RangeRead", "Source", "open_source", "read_bytes"]
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_HUB_OPTIONS = ("revision", "token", "endpoint", "cache_dir", "local_files_only", "retry")
+_OPTIONS = {*_HUB_OPTIONS, "storage_options", "mmap"}
 _HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub allows them
 
 
@@ -28,8 +30,13 @@ def open_source(location: str | os.PathLike | Source, **options) -> Source:
       ``endpoint``, ``cache_dir`` and ``local_files_only`` options.
 
     A location with pickle checkpoints but no safetensors raises ``UnsafeFormatError``; one that
-    does not exist raises ``SourceNotFoundError``. ``retry`` (a ``RetryPolicy``) applies to remote sources.
+    does not exist raises ``SourceNotFoundError``. ``retry`` (a ``RetryPolicy``) applies to remote
+    sources; ``mmap=False`` makes a local directory use ``preadv`` instead of a read-only mapping.
+    Unknown options raise ``TypeError`` (a misspelt ``revison=`` must not be silently ignored).
     """
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise TypeError(f"unknown source option(s) {sorted(unknown)}; expected some of {sorted(_OPTIONS)}")
     if isinstance(location, Source):
         return location
     text = os.fspath(location)
@@ -38,12 +45,11 @@ def open_source(location: str | os.PathLike | Source, **options) -> Source:
 
         return FsspecSource(text, options.get("storage_options"), retry=options.get("retry"))
     if Path(text).expanduser().is_dir():
-        source = LocalSource(text)
+        source = LocalSource(text, mmap=options.get("mmap", True))
         check_safe_format(source.list_files(), source.description)
         return source
     if _HUB_REPO_ID.match(text) and not text.startswith((".", "~")):
         from otfload.sources.hub import HubSource
 
-        hub_options = ("revision", "token", "endpoint", "cache_dir", "local_files_only", "retry")
-        return HubSource(text, **{k: options[k] for k in hub_options if k in options})
+        return HubSource(text, **{k: options[k] for k in _HUB_OPTIONS if k in options})
     raise SourceNotFoundError(f"checkpoint location {text!r} is neither a local directory, a URL nor a Hub repo id")

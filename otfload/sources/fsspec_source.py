@@ -13,9 +13,8 @@ import os
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import re  # noqa: E402
-from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from typing import TypeVar  # noqa: E402
 
 import fsspec  # noqa: E402
 from fsspec.asyn import AsyncFileSystem  # noqa: E402
@@ -30,14 +29,12 @@ from otfload.errors import (  # noqa: E402
 from otfload.sources.base import RangeRead  # noqa: E402
 from otfload.sources.formats import check_safe_format, is_checkpoint_file  # noqa: E402
 from otfload.sources.ranges import coalesce, read_runs  # noqa: E402
-from otfload.sources.retry import RetryPolicy, TransientError, is_transient_status  # noqa: E402
-
-T = TypeVar("T")
+from otfload.sources.retry import RetriedCalls, RetryPolicy, TransientError, is_transient_status  # noqa: E402
 
 _USERINFO = re.compile(r"(?<=://)[^/@]*@")  # "s3://key:secret@bucket" -> "s3://bucket" in messages
 
 
-class FsspecSource:
+class FsspecSource(RetriedCalls):
     """The safetensors and JSON files under ``url``; ``storage_options`` go to the fsspec filesystem.
 
     For ``gs://`` they are gcsfs options, e.g. ``{"endpoint_url": "http://127.0.0.1:4443", "token": "anon"}``.
@@ -97,12 +94,6 @@ class FsspecSource:
     def __repr__(self) -> str:
         return f"FsspecSource({self.description!r})"
 
-    def _call(self, fn: Callable[[], T], file: str | None = None) -> T:
-        def attempt() -> T:
-            with self._translated(file):
-                return fn()
-
-        return self._retry.run(attempt, f"{self.description}: {file}" if file else self.description)
 
     @contextmanager
     def _translated(self, file: str | None) -> Iterator[None]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 from urllib.parse import quote
 
 import httpx2
@@ -41,9 +41,7 @@ from otfload.sources.base import RangeRead
 from otfload.sources.formats import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
 from otfload.sources.local import LocalSource
 from otfload.sources.ranges import coalesce, read_runs
-from otfload.sources.retry import RetryPolicy, TransientError, is_transient_status
-
-T = TypeVar("T")
+from otfload.sources.retry import RetriedCalls, RetryPolicy, TransientError, is_transient_status
 
 PUBLIC_HUB = "https://huggingface.co"  # descriptions name the endpoint only when it is another one
 HASH_CHUNK_BYTES = 8 << 20  # sha256 verification reads: large enough to run at hashing speed
@@ -54,7 +52,7 @@ class _Entry(NamedTuple):
     sha256: str | None  # the LFS oid, when the Hub publishes one
 
 
-class HubSource:
+class HubSource(RetriedCalls):
     """The safetensors and JSON files of a Hub model repo at one commit.
 
     ``endpoint`` defaults to ``HF_ENDPOINT`` (read now, not at import), ``cache_dir`` to the HF cache
@@ -258,14 +256,6 @@ class HubSource:
 
         self._call(attempt, file)
 
-    def _call(self, fn: Callable[[], T], file: str | None = None) -> T:
-        """Run one network operation under the retry policy, with Hub errors translated."""
-
-        def attempt() -> T:
-            with self._translated(file):
-                return fn()
-
-        return self._retry.run(attempt, f"{self.description}: {file}" if file else self.description)
 
     @contextmanager
     def _translated(self, file: str | None) -> Iterator[None]:

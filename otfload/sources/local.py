@@ -18,6 +18,9 @@ from pathlib import Path
 from otfload.errors import SourceNotFoundError, TruncatedFileError
 from otfload.sources.base import RangeRead
 
+# Linux 5.14+: populate page tables for a range, reading pages in as needed (not in Python's mmap).
+MADV_POPULATE_READ = 22
+
 
 class LocalSource:
     """Files under a local directory; file descriptors are opened once and shared by threads."""
@@ -66,6 +69,18 @@ class LocalSource:
             if file not in self._maps:
                 self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             return self._maps[file]
+
+    def prefetch(self, file: str, offset: int, length: int) -> None:
+        """Map a byte range's pages in one call (reading any the page cache lacks in large requests)
+        instead of one page fault at a time while copying."""
+        region = self._maps.get(file)
+        if region is None or length <= 0:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            region.madvise(MADV_POPULATE_READ, start, min(len(region), offset + length) - start)
+        except OSError:  # kernels before 5.14: ask for readahead instead
+            region.madvise(mmap.MADV_WILLNEED, start, min(len(region), offset + length) - start)
 
     def release(self, file: str, offset: int, length: int) -> None:
         """Drop the mapped pages of a byte range from this process (the page cache keeps them)."""

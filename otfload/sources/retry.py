@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -77,3 +78,21 @@ class RetryPolicy:
             f"{where}: unreachable after {retry + 1} attempt(s) in {time.monotonic() - start:.1f}s "
             f"(last error: {type(last).__name__}: {last})"
         ) from last
+
+
+class RetriedCalls:
+    """Mixin for remote sources: :meth:`_call` runs one network operation under ``self._retry``,
+    with the source's own ``self._translated(file)`` turning library errors into otfload errors."""
+
+    _retry: RetryPolicy
+    description: str
+
+    def _translated(self, file: str | None) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _call(self, fn: Callable[[], T], file: str | None = None) -> T:
+        def attempt() -> T:
+            with self._translated(file):
+                return fn()
+
+        return self._retry.run(attempt, f"{self.description}: {file}" if file else self.description)

@@ -52,3 +52,13 @@ def test_pickle_only_checkpoints_are_refused(pickle_checkpoint: Path, hub, tmp_p
     hub.add_repo("org/pickle-only", pickle_checkpoint)
     with pytest.raises(UnsafeFormatError, match="safetensors"):
         open_source("org/pickle-only", endpoint=hub.url, cache_dir=tmp_path, retry=fast_retry)
+
+
+def test_unknown_option_is_refused(tmp_path):
+    with pytest.raises(TypeError, match="revison"):
+        open_source(tmp_path, revison="main")
+
+
+def test_local_mmap_option(tmp_path):
+    assert open_source(tmp_path, mmap=False).use_mmap is False
+    assert open_source(tmp_path).use_mmap is True
