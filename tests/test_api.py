@@ -281,3 +281,12 @@ def test_unsupported_model_type_is_named(tiny_checkpoints, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="made_up_lm"):
         otfload.from_pretrained(path)
+
+
+def test_preadv_and_mmap_reads_give_identical_params(tiny_checkpoints, mesh_2x4):
+    path, _ = tiny_checkpoints("qwen2")
+    mapped = dict(nnx_flat(otfload.from_pretrained(path, mesh=mesh_2x4)))
+    read = dict(nnx_flat(otfload.from_pretrained(path, mesh=mesh_2x4, mmap=False)))
+    assert mapped.keys() == read.keys()
+    for key in mapped:
+        np.testing.assert_array_equal(np.asarray(mapped[key]), np.asarray(read[key]), err_msg=key)
