@@ -19,7 +19,8 @@ import otfload.errors
 from otfload.families.registry import supported_model_types
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-PAGES = ["index.md", "quickstart.md", "concepts.md", "families.md", "adding_a_family.md", "troubleshooting.md"]
+PAGES = ["index.md", "quickstart.md", "concepts.md", "families.md", "adding_a_family.md", "troubleshooting.md",
+         "sources.md", "export.md"]
 
 RUNNER = r"""
 import contextlib, re, subprocess, sys, traceback
