@@ -98,3 +98,18 @@ def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
     """max |ours - ref| / max |ref| — the parity measure of the quality bar (≤ 1e-4 for f32)."""
     ours = np.asarray(ours, np.float32)
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def jax_logits(model, ids: np.ndarray) -> np.ndarray:
+    """otfload's logits under ``jax.jit``."""
+    import jax
+    import jax.numpy as jnp
+
+    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+
+
+def hf_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint directory, read with the ``safetensors`` package (the reference)."""
+    from safetensors.numpy import load_file
+
+    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}

@@ -23,13 +23,12 @@ from otfload.errors import (
     UnsupportedModelError,
 )
 from otfload.plan.abstract import dotted
-from tests.helpers import max_rel_diff, token_ids, torch_logits
+from tests.helpers import hf_tensors, max_rel_diff, token_ids, torch_logits
+from tests.helpers import jax_logits as logits
 
 F32_KINDS = ["llama", "llama_tied", "mistral", "qwen2", "qwen2_tied", "qwen3", "qwen3_tied"]
 
 
-def logits(model, ids):
-    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -67,13 +66,10 @@ def test_bf16_checkpoint_cast_to_f32_is_exact_to_the_stored_values(tiny_checkpoi
 
 
 def test_every_leaf_has_its_sharding_and_per_shard_values(tiny_checkpoints, mesh_2x4):
-    from safetensors.numpy import load_file
 
     path, _ = tiny_checkpoints("llama")
     model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=True)
-    hf = {}
-    for f in path.glob("*.safetensors"):
-        hf.update(load_file(f))
+    hf = hf_tensors(path)
     heads, hd, h = 4, 16, 64
     expected = {
         "embed.embedding": (hf["model.embed_tokens.weight"], P("tp", "fsdp")),
@@ -132,12 +128,9 @@ def test_report_counts_bytes_and_reads_each_byte_once_on_one_host(tiny_checkpoin
 
 
 def test_load_params_for_a_user_pytree(tiny_checkpoints, mesh_2x4):
-    from safetensors.numpy import load_file
 
     path, _ = tiny_checkpoints("llama")
-    hf = {}
-    for f in path.glob("*.safetensors"):
-        hf.update(load_file(f))
+    hf = hf_tensors(path)
     sharded = NamedSharding(mesh_2x4, P(None, "tp"))
     abstract = {
         "params": {

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 import otfload
 from otfload.cli import main
@@ -25,6 +25,7 @@ from otfload.plan.boxes import box_from_index, box_to_slices
 from otfload.plan.hooks import run_forward
 from otfload.plan.sharding import logical_to_spec
 from otfload.sources import LocalSource
+from tests.helpers import hf_tensors
 
 OTFLOAD = Path(sys.executable).with_name("otfload")  # the console script pip installed
 
@@ -34,9 +35,6 @@ def otfload_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(OTFLOAD), *map(str, args)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TQDM_DISABLE": "1"})
 
-
-def hf_tensors(path: Path) -> dict[str, np.ndarray]:
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ import otfload
 from otfload.errors import ShapeMismatchError
 from otfload.plan.sharding import make_mesh
 from tests.helpers import BASE, max_rel_diff, token_ids, torch_logits
+from tests.helpers import jax_logits as logits
 
 # 4 experts, top 2, 3 layers, hidden 64 (BASE); 12-token inputs.
 MOE_BASE = {**BASE, "num_experts_per_tok": 2}
@@ -28,8 +27,6 @@ def parity_cases(kind: str, variant: str) -> list[tuple[str, bool, str]]:
     return [(kind, scan, mesh) for scan in (True, False) for mesh in MESHES] + [(variant, True, "fsdp2_ep4")]
 
 
-def logits(model, ids: np.ndarray) -> np.ndarray:
-    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 
 
 def expert_kernel(model, scan_layers: bool):

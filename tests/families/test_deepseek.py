@@ -10,8 +10,6 @@ attention of these small random weights, so RoPE details show in the logits).
 import json
 import shutil
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -19,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 import otfload
 from otfload.errors import ShapeMismatchError
 from otfload.plan.sharding import make_mesh
+from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
 
 DEEPSEEK_BASE = dict(
@@ -70,8 +69,6 @@ register_hf_model("deepseek_v3_plain", _deepseek_v3, {"rope_interleave": False, 
 MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
 
 
-def logits(model, ids):
-    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 
 
 def _hf_tensors(path) -> dict[str, np.ndarray]:

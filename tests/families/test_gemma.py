@@ -3,8 +3,6 @@
 import json
 import shutil
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,6 +10,7 @@ import otfload
 from otfload.errors import ShapeMismatchError
 from otfload.models.gemma import GemmaConfig
 from tests.helpers import BASE, max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.helpers import jax_logits as logits
 
 # 4 layers, a window of 4 and 12-token inputs: sliding and global layers both occur and differ.
 # head_dim and query_pre_attn_scalar differ from hidden/heads so a wrong scale shows; small
@@ -43,8 +42,6 @@ register_hf_model("gemma3_text", _gemma3)
 KINDS = ["gemma2", "gemma2_untied_bias", "gemma3_text"]
 
 
-def logits(model, ids):
-    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])

@@ -9,7 +9,7 @@ import pytest
 
 import otfload
 from tests.families.moe_helpers import MOE_BASE, check_parity, logits, parity_cases, wrong_shape_error
-from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
 
 
 def _gpt_oss(**kw):
@@ -31,11 +31,9 @@ def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh
 
 
 def test_gate_and_up_are_the_interleaved_columns(tiny_checkpoints, mesh_2x4):
-    from safetensors.numpy import load_file
-
     path, _ = tiny_checkpoints("gpt_oss")
     model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=False)
-    hf = {k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+    hf = hf_tensors(path)
     fused, bias = hf["model.layers.2.mlp.experts.gate_up_proj"], hf["model.layers.2.mlp.experts.gate_up_proj_bias"]
     moe = model.layers[2].moe
     np.testing.assert_array_equal(np.asarray(moe.gate.kernel[...]), fused[..., ::2])

@@ -5,7 +5,7 @@ import pytest
 
 import otfload
 from tests.families.moe_helpers import MOE_BASE, check_parity, parity_cases, wrong_shape_error
-from tests.helpers import register_hf_model
+from tests.helpers import hf_tensors, register_hf_model
 
 
 def _mixtral(**kw):
@@ -25,11 +25,9 @@ def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh
 
 
 def test_experts_are_stacked_in_expert_order(tiny_checkpoints, mesh_2x4):
-    from safetensors.numpy import load_file
-
     path, _ = tiny_checkpoints("mixtral")
     model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=True)
-    hf = {k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+    hf = hf_tensors(path)
     want = np.stack([np.stack([hf[f"model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"] for e in range(4)])
                      for i in range(3)])
     np.testing.assert_array_equal(np.asarray(model.layers.moe.down.kernel[...]), want)

@@ -7,7 +7,7 @@ import pytest
 import otfload
 from otfload.models.qwen3_moe import qwen3_moe_config
 from tests.families.moe_helpers import MOE_BASE, check_parity, parity_cases, wrong_shape_error
-from tests.helpers import register_hf_model
+from tests.helpers import hf_tensors, register_hf_model
 
 
 def _qwen3_moe(**kw):
@@ -38,11 +38,9 @@ def test_layer_groups_follow_transformers_rule():
 
 
 def test_groups_are_stacked_from_their_hf_layers(tiny_checkpoints, mesh_2x4):
-    from safetensors.numpy import load_file
-
     path, _ = tiny_checkpoints("qwen3_moe")
     model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=True)
-    hf = {k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+    hf = hf_tensors(path)
     q = "model.layers.{}.self_attn.q_norm.weight"
     np.testing.assert_array_equal(np.asarray(model.layers.attn.q_norm.scale[...]), np.stack([hf[q.format(0)],
                                                                                              hf[q.format(2)]]))
