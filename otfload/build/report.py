@@ -44,11 +44,6 @@ class LoadReport:
         """Bytes read per byte the local shards need (> 1 when gaps were read to save requests)."""
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
-    @property
-    def read_fraction(self) -> float:
-        """Bytes read over the planned checkpoint bytes (1.0 on one host reading everything once)."""
-        return self.bytes_read / self.bytes_planned if self.bytes_planned else 0.0
-
     def summary(self) -> str:
         unused = f", {len(self.unused_tensors)} unused tensors skipped" if self.unused_tensors else ""
         return (

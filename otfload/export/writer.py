@@ -125,16 +125,6 @@ def write_index(out: Path, files: Mapping[str, Sequence[TensorSpec]]) -> None:
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def write_shards(
-    out: Path, specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray], max_shard_size: int | str
-) -> None:
-    """All shards plus ``model.safetensors.index.json`` (when there is more than one shard)."""
-    files = plan_shards(specs, max_shard_size)
-    for name, shard in files.items():
-        write_safetensors(out / name, shard, produce)
-    write_index(out, files)
-
-
 class ShardFiles:
     """Shard files laid out up front — headers written, each file at its full size — so tensors
     can be written in any order (:meth:`write` places one at its offset)."""
