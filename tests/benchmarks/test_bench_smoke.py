@@ -1,0 +1,23 @@
+"""The benchmark harness still runs end to end (tiny checkpoints; the figures themselves are
+measured by hand and recorded in docs/benchmarks.md, never asserted by a timed test)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_bench_load_runs_every_method_and_prints_the_ratio_table(tmp_path, moe):
+    kind = ["--moe"] if moe else []
+    make = [sys.executable, "-m", "benchmarks.make_checkpoint", "--size-gib", "0.02", "--out", str(tmp_path / "c")]
+    subprocess.run(make + kind, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    cmd = [sys.executable, "-m", "benchmarks.bench_load", "--size-gib", "0.02", "--repeat", "1",
+           "--dir", str(tmp_path / "c"), "--methods", "floor,naive,loop,orbax,otfload"]
+    out = subprocess.run(cmd + kind, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for row in ["| floor |", "| naive |", "| loop |", "| orbax |", "| otfload |", "otfload speed / floor"]:
+        assert row in out.stdout, row
