@@ -39,3 +39,19 @@ def test_gs_load_equals_local_load(gcs_server: GcsServer, llama_bucket, local_lo
     source = open_source(llama_bucket, storage_options=gcs_server.storage_options, retry=fast_retry)
     model = otfload.from_pretrained(source, mesh=mesh_2x4)
     np.testing.assert_array_equal(logits(model), local_logits)
+
+
+def test_token_never_reaches_report_logs_or_reprs(hub: HubServer, llama_repo, mesh_2x4, tmp_path, fast_retry, caplog):
+    secret = "hf_SECRET_token_0123456789"
+    hub.token = secret
+    try:
+        with caplog.at_level("DEBUG"):
+            source = open_source(
+                llama_repo, endpoint=hub.url, token=secret, cache_dir=tmp_path / "hf", retry=fast_retry
+            )
+            model, report = otfload.from_pretrained(source, mesh=mesh_2x4, return_report=True)
+    finally:
+        hub.token = None
+    assert report.bytes_read > 0
+    for text in (report.summary(), repr(report), repr(source), source.description, caplog.text):
+        assert secret not in text
