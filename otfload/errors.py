@@ -147,6 +147,10 @@ class NativeCheckpointError(OtfloadError):
     """A native (otfload/Orbax) checkpoint cannot be saved or restored."""
 
 
+class OutputExistsError(OtfloadError, FileExistsError):
+    """An export or reshard target already exists and ``overwrite`` was not asked for."""
+
+
 class ScanLayersMismatchError(NativeCheckpointError):
     """The caller asked for a ``scan_layers`` value that conflicts with the checkpoint's metadata."""
 

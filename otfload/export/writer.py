@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from otfload.errors import OutputExistsError
 from otfload.index.dtypes import safetensors_name
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -168,10 +169,10 @@ def write_config(out: Path, config: Mapping) -> None:
 
 
 def output_dir(target: str | os.PathLike, overwrite: bool = False) -> Path:
-    """``target`` as an absolute path; ``FileExistsError`` if it exists and not ``overwrite``."""
+    """``target`` as an absolute path; ``OutputExistsError`` if it exists and not ``overwrite``."""
     target = Path(target).absolute()
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
+        raise OutputExistsError(f"{target} exists; pass overwrite=True to replace it")
     return target
 
 

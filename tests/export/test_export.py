@@ -12,7 +12,7 @@ import safetensors.numpy
 from flax import nnx
 
 import otfload
-from otfload.errors import MappingError
+from otfload.errors import MappingError, OutputExistsError
 from otfload.export import export_checkpoint, export_hf, writer
 from otfload.plan.sharding import make_mesh
 from tests.helpers import max_rel_diff, token_ids, torch_logits
@@ -99,7 +99,7 @@ def test_existing_output_is_kept_unless_overwrite(tiny_checkpoints, mesh_2x4, tm
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(OutputExistsError):
         export_hf(model, out, reference=src)
     assert (out / "keep.txt").read_text() == "mine"
     export_hf(model, out, reference=src, overwrite=True)
