@@ -18,6 +18,7 @@ hooks' inverses). One HF key may feed several leaves (tied embeddings); nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping as MappingABC
 from collections.abc import Sequence
@@ -114,6 +115,22 @@ class MappingTable:
 
     def __add__(self, other: MappingTable) -> MappingTable:
         return MappingTable(self.rules + other.rules, self.ignore + other.ignore)
+
+    def with_source_prefixes(self, prefixes: MappingABC[str, str]) -> MappingTable:
+        """The same table reading HF keys under other prefixes, e.g. a text model's table used on a
+        multimodal checkpoint: ``{"model.": "language_model.model.", "lm_head.": "language_model.lm_head."}``."""
+
+        def rename(key: str) -> str:
+            for old, new in prefixes.items():
+                if key.startswith(old):
+                    return new + key[len(old) :]
+            return key
+
+        rules = tuple(
+            dataclasses.replace(r, source=rename(r.source), fallbacks=tuple(map(rename, r.fallbacks)))
+            for r in self.rules
+        )
+        return MappingTable(rules, self.ignore)
 
 
 def as_table(mapping: MappingTable | Sequence[Rule] | MappingABC[str, str]) -> MappingTable:

@@ -35,13 +35,39 @@ def _gemma3(**kw):
     return Gemma3ForCausalLM(Gemma3TextConfig(**cfg))
 
 
+def _gemma3_multimodal(**kw):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    rope = {FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}, SLIDING: {"rope_type": "default",
+                                                                                       "rope_theta": 1e4}}
+    text = {**GEMMA_BASE, "layer_types": [SLIDING, SLIDING, FULL, SLIDING], "rope_parameters": rope, **kw}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4))
+
+
 register_hf_model("gemma2", _gemma2)
+register_hf_model("gemma3_multimodal", _gemma3_multimodal)
 register_hf_model("gemma2_untied_bias", _gemma2, {"tie_word_embeddings": False, "attention_bias": True})
 register_hf_model("gemma3_text", _gemma3)
 
 KINDS = ["gemma2", "gemma2_untied_bias", "gemma3_text"]
 
 
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_multimodal_gemma3_loads_its_text_model_and_skips_the_vision_tower(tiny_checkpoints, mesh_2x4, scan_layers):
+    path, torch_model = tiny_checkpoints("gemma3_multimodal")
+    keys = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    vision = sorted(k for k in keys if not k.startswith("language_model."))
+    assert vision and any(k.startswith("language_model.model.layers.") for k in keys)
+    model, report = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers, return_report=True)
+    assert report.unused_tensors == vision  # vision tower and projector: listed, never read
+    assert report.bytes_read == report.bytes_planned
+    ids = token_ids(seq=12)  # text only: the language model's logits
+    diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    assert diff <= 1e-4, diff
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])

@@ -49,3 +49,11 @@ def test_helpers():
     table = as_table({"w": "model.w"})
     assert table.find("w")[0].source == "model.w"
     assert as_table([Q]).rules == (Q,)
+
+
+def test_source_prefixes_rename_sources_and_fallbacks():
+    table = MappingTable((Rule("head", "lm_head.weight", fallbacks=("model.embed.weight",)), Q))
+    moved = table.with_source_prefixes({"model.": "language_model.model.", "lm_head.": "language_model.lm_head."})
+    head, q = moved.rules
+    assert head.source == "language_model.lm_head.weight" and head.fallbacks == ("language_model.model.embed.weight",)
+    assert q.source == "language_model.model.layers.{layer}.self_attn.q_proj.weight" and q.hooks == Q.hooks
