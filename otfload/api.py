@@ -41,6 +41,21 @@ def default_workers(source: Source) -> int:
     return DEFAULT_WORKERS if isinstance(source, LocalSource) else REMOTE_WORKERS
 
 
+def run_plan(
+    plan: LoadPlan, src: Source, owned: bool, workers: int | None, host_memory_budget: int | None,
+    progress: bool | None,
+) -> tuple[dict[str, jax.Array], LoadReport]:
+    """Execute ``plan``; a source this call opened itself (``owned``) is closed afterwards."""
+    try:
+        return execute_plan(
+            plan, src, workers=workers or default_workers(src), host_memory_budget=host_memory_budget,
+            progress=progress,
+        )
+    finally:
+        if owned:
+            src.close()
+
+
 def storage_dtype(index: CheckpointIndex) -> np.dtype:
     """The dtype holding most of the checkpoint's floating-point bytes (bf16 for FP8 checkpoints)."""
     weights = Counter()
@@ -69,14 +84,19 @@ def plan_model(
     """Everything :func:`from_pretrained` does before reading a tensor byte: the abstract model
     (no weights allocated) and the load plan. ``otfload inspect`` prints this plan."""
     src = open_cached(source, shard_cache, shard_cache_options, **source_options)
-    index = open_index(src)
-    family = family_for(index.config)
-    cfg = family.parse_config(index.config)
-    dtype = storage_dtype(index) if dtype is None else to_numpy_dtype(dtype)
-    mesh = make_mesh() if mesh is None else mesh
-    model = nnx.eval_shape(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=nnx.Rngs(0)))
-    leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if rules is None else rules)
-    plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
+    try:
+        index = open_index(src)
+        family = family_for(index.config)
+        cfg = family.parse_config(index.config)
+        dtype = storage_dtype(index) if dtype is None else to_numpy_dtype(dtype)
+        mesh = make_mesh() if mesh is None else mesh
+        model = nnx.eval_shape(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=nnx.Rngs(0)))
+        leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if rules is None else rules)
+        plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
+    except BaseException:
+        if not isinstance(source, Source):
+            src.close()
+        raise
     return model, plan, src
 
 
@@ -112,9 +132,7 @@ def from_pretrained(
         source, mesh=mesh, rules=rules, scan_layers=scan_layers, dtype=dtype, strict=strict,
         shard_cache=shard_cache, shard_cache_options=shard_cache_options, **source_options,
     )
-    arrays, report = execute_plan(
-        plan, src, workers=workers or default_workers(src), host_memory_budget=host_memory_budget, progress=progress
-    )
+    arrays, report = run_plan(plan, src, not isinstance(source, Source), workers, host_memory_budget, progress)
     state = nnx.state(model, nnx.Param)
     loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
     nnx.update(model, nnx.from_flat_state(loaded))
@@ -145,11 +163,14 @@ def load_params(
     those of :func:`from_pretrained`.
     """
     src = open_cached(source, shard_cache, shard_cache_options, **source_options)
-    index = open_index(src, require_config=False)
-    leaves, treedef = abstract_from_pytree(abstract, mesh)
-    plan = build_plan(index, leaves, as_table(mapping), index.config if config is None else config, strict=strict)
-    arrays, report = execute_plan(
-        plan, src, workers=workers or default_workers(src), host_memory_budget=host_memory_budget, progress=progress
-    )
+    try:
+        index = open_index(src, require_config=False)
+        leaves, treedef = abstract_from_pytree(abstract, mesh)
+        plan = build_plan(index, leaves, as_table(mapping), index.config if config is None else config, strict=strict)
+    except BaseException:
+        if not isinstance(source, Source):
+            src.close()
+        raise
+    arrays, report = run_plan(plan, src, not isinstance(source, Source), workers, host_memory_budget, progress)
     tree = jax.tree_util.tree_unflatten(treedef, [arrays[path] for path in leaves])
     return (tree, report) if return_report else tree

@@ -283,3 +283,22 @@ def test_preadv_and_mmap_reads_give_identical_params(tiny_checkpoints, mesh_2x4)
     assert mapped.keys() == read.keys()
     for key in mapped:
         np.testing.assert_array_equal(np.asarray(mapped[key]), np.asarray(read[key]), err_msg=key)
+
+
+def open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_loads_close_the_files_they_open(tiny_checkpoints, tmp_path, mesh_2x4):
+    path = copy_checkpoint(tiny_checkpoints, tmp_path)
+    otfload.from_pretrained(path, mesh=mesh_2x4)  # warm up lazily opened library files
+    before = open_fds()
+    for _ in range(3):
+        otfload.from_pretrained(path, mesh=mesh_2x4)
+    rewrite_shard(path, "model.norm.weight", lambda t: t.pop("model.norm.weight"))
+    for _ in range(3):
+        with pytest.raises(MissingTensorError):
+            otfload.from_pretrained(path, mesh=mesh_2x4)
+    assert open_fds() <= before
