@@ -82,7 +82,8 @@ def plan_model(
     **source_options,
 ) -> tuple[nnx.Module, LoadPlan, Source]:
     """Everything :func:`from_pretrained` does before reading a tensor byte: the abstract model
-    (no weights allocated) and the load plan. ``otfload inspect`` prints this plan."""
+    (no weights allocated), the load plan and the opened source (close it when done, unless you
+    passed it in). ``otfload inspect`` prints this plan."""
     src = open_cached(source, shard_cache, shard_cache_options, **source_options)
     try:
         index = open_index(src)

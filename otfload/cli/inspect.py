@@ -84,12 +84,16 @@ def inspect_source(source: Any, **kwargs) -> dict:
     from otfload.index.checkpoint import CONFIG_FILE, read_json
 
     _, plan, src = plan_model(source, **kwargs)
-    config = read_json(src, CONFIG_FILE)
+    try:
+        config = read_json(src, CONFIG_FILE)
+        description = src.description
+    finally:
+        src.close()
     mesh = next(iter(plan.leaves.values())).leaf.sharding.mesh if plan.leaves else None
     leaves = [{**p.describe(), "process_bytes": process_bytes(p), "shard_bytes": shard_bytes(p)}
               for p in plan.leaves.values()]
     return {
-        "source": src.description,
+        "source": description,
         "model_type": config.get("model_type"),
         "family": family_for(config).name,
         "mesh": {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else {},
