@@ -13,7 +13,6 @@ backwards through the hooks (see :func:`otfload.export.shapes.infer_in_shape`).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -22,8 +21,7 @@ import numpy as np
 from otfload.errors import MappingError
 from otfload.export.shapes import infer_in_shape, slice_positions
 from otfload.plan.hooks import Hook, Shape, Slice, chain_shapes, run_forward
-from otfload.plan.mapping import MappingTable, Rule, format_key
-from otfload.plan.planner import _hf_value, _resolve_indices, _resolve_offset
+from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values
 
 Fetch = Callable[[str, tuple[int, ...]], np.ndarray]
 
@@ -101,12 +99,8 @@ def _entries(leaves: Mapping[str, Shape], table: MappingTable, config: Mapping) 
         cuts = [i for i, h in enumerate(hooks) if isinstance(h, Slice)]
         if len(cuts) > 1:
             raise MappingError(f"rule {rule.target!r} slices more than once; it cannot be inverted")
-        offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
-        indices = {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
         stack_shape, out_shape = tuple(shape[: len(stack_axes)]), tuple(shape[len(stack_axes) :])
-        for combo in itertools.product(*(range(n) for n in stack_shape)):
-            values = {**fixed, **dict(zip(stack_axes, combo, strict=True))}
-            values = {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
+        for combo, values in slice_values(rule, fixed, stack_axes, stack_shape, config):
             key = format_key(rule.source, values)
             entries.append(_Entry(key, path, combo, values, rule, hooks, cuts[0] if cuts else None, out_shape))
     if unmapped:

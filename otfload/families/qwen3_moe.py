@@ -16,17 +16,19 @@ from otfload.plan.mapping import MappingTable, Rule
 MOE = "model.layers.{layer}.mlp"
 
 
+def is_layer_rule(rule: Rule) -> bool:
+    return rule.target.startswith("layers.{layer}")
+
+
 def in_group(table: MappingTable, group: str, indices: str) -> MappingTable:
     """``table``'s ``layers.{layer}...`` rules retargeted to ``group`` with HF layers from the config
-    list ``indices``; the other rules as they are."""
+    list ``indices``."""
 
     def retarget(rule: Rule) -> Rule:
-        if not rule.target.startswith("layers.{layer}"):
-            return rule
         target = group + rule.target.removeprefix("layers")
         return dataclasses.replace(rule, target=target, indices={"layer": indices})
 
-    return MappingTable(tuple(retarget(r) for r in table.rules), table.ignore)
+    return MappingTable(tuple(retarget(r) for r in table.rules if is_layer_rule(r)), table.ignore)
 
 
 EXPERT_RULES = MappingTable(
@@ -38,8 +40,13 @@ EXPERT_RULES = MappingTable(
     ),
 )
 
-QWEN3_MOE_TABLE = in_group(EXPERT_RULES + LLAMA_TABLE, "layers", "moe_layers") + in_group(
-    LLAMA_TABLE, "dense_layers", "dense_layers"
+# embeddings, final norm and lm_head: the Llama rules that are not per layer
+GLOBAL_RULES = MappingTable(tuple(r for r in LLAMA_TABLE.rules if not is_layer_rule(r)), LLAMA_TABLE.ignore)
+
+QWEN3_MOE_TABLE = (
+    in_group(EXPERT_RULES + LLAMA_TABLE, "layers", "moe_layers")
+    + in_group(LLAMA_TABLE, "dense_layers", "dense_layers")
+    + GLOBAL_RULES
 )
 
 QWEN3_MOE = register(

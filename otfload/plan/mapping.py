@@ -19,9 +19,10 @@ hooks' inverses). One HF key may feed several leaves (tied embeddings); nothing 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
+from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingABC
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from otfload.errors import MappingError
@@ -140,6 +141,45 @@ def as_table(mapping: MappingTable | Sequence[Rule] | MappingABC[str, str]) -> M
     if isinstance(mapping, MappingABC):
         return MappingTable(tuple(Rule(t, s) for t, s in mapping.items()))
     return MappingTable(tuple(mapping))
+
+
+def _resolve_offset(value: int | str, config: MappingABC) -> int:
+    if isinstance(value, str):
+        if value not in config:
+            raise MappingError(f"rule offset refers to config field {value!r}, which the config does not have")
+        return int(config[value])
+    return int(value)
+
+
+def _resolve_indices(value: Sequence[int] | str, config: MappingABC) -> tuple[int, ...]:
+    if isinstance(value, str):
+        if value not in config:
+            raise MappingError(f"rule indices refer to config field {value!r}, which the config does not have")
+        value = config[value]
+    return tuple(int(v) for v in value)
+
+
+def _hf_value(
+    name: str, position: int, offsets: MappingABC[str, int], indices: MappingABC[str, tuple[int, ...]]
+) -> int:
+    """The HF value of placeholder ``name`` at ``position`` of the leaf (path index or stack index)."""
+    if name not in indices:
+        return position + offsets.get(name, 0)
+    if position >= len(indices[name]):
+        raise MappingError(f"rule indices for {{{name}}} list {len(indices[name])} values; position {position} asked")
+    return indices[name][position]
+
+
+def slice_values(
+    rule: Rule, fixed: MappingABC[str, int], stack_axes: Sequence[str], stack_shape: Sequence[int], config: MappingABC
+) -> Iterator[tuple[tuple[int, ...], dict[str, int]]]:
+    """For every stack slice of a leaf (row-major), its index and the HF placeholder values that
+    name its tensor: leaf positions shifted by ``offsets`` or looked up in ``indices``."""
+    offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
+    indices = {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
+    for combo in itertools.product(*(range(n) for n in stack_shape)):
+        values = {**fixed, **dict(zip(stack_axes, combo, strict=True))}
+        yield combo, {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
 
 
 def format_key(template: str, values: MappingABC[str, int]) -> str:

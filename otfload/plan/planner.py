@@ -11,9 +11,8 @@ and raised together as one :class:`~otfload.errors.CheckpointMismatchError`.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from otfload.errors import MappingError, TensorProblem, mismatch_error
@@ -21,7 +20,7 @@ from otfload.index.checkpoint import CheckpointIndex
 from otfload.index.header import TensorInfo
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.hooks import Hook, Shape, chain_shapes
-from otfload.plan.mapping import MappingTable, Rule, format_key
+from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values
 
 
 @dataclass(frozen=True)
@@ -86,31 +85,6 @@ class LoadPlan:
         return sum(p.source_bytes for p in self.leaves.values())
 
 
-def _resolve_offset(value: int | str, config: Mapping) -> int:
-    if isinstance(value, str):
-        if value not in config:
-            raise MappingError(f"rule offset refers to config field {value!r}, which the config does not have")
-        return int(config[value])
-    return int(value)
-
-
-def _resolve_indices(value: Sequence[int] | str, config: Mapping) -> tuple[int, ...]:
-    if isinstance(value, str):
-        if value not in config:
-            raise MappingError(f"rule indices refer to config field {value!r}, which the config does not have")
-        value = config[value]
-    return tuple(int(v) for v in value)
-
-
-def _hf_value(name: str, position: int, offsets: Mapping[str, int], indices: Mapping[str, tuple[int, ...]]) -> int:
-    """The HF value of placeholder ``name`` at ``position`` of the leaf (path index or stack index)."""
-    if name not in indices:
-        return position + offsets.get(name, 0)
-    if position >= len(indices[name]):
-        raise MappingError(f"rule indices for {{{name}}} list {len(indices[name])} values; position {position} asked")
-    return indices[name][position]
-
-
 def _lookup(index: CheckpointIndex, rule: Rule, values: dict[str, int]) -> tuple[str, TensorInfo | None]:
     key = format_key(rule.source, values)
     for candidate in (key, *(format_key(f, values) for f in rule.fallbacks)):
@@ -132,13 +106,9 @@ def plan_leaf(
         problems.append(TensorProblem("shape", rule.source, leaf.path, f"{len(stack_axes)} stack dims", leaf.shape))
         return None
     hooks = tuple(h.resolve(config) for h in rule.hooks)
-    offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
-    indices = {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
     stack_shape, slice_shape = leaf.shape[: len(stack_axes)], leaf.shape[len(stack_axes) :]
     sources, shapes, ok = [], None, True
-    for combo in itertools.product(*(range(n) for n in stack_shape)):
-        values = {**fixed, **dict(zip(stack_axes, combo, strict=True))}
-        values = {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
+    for _, values in slice_values(rule, fixed, stack_axes, stack_shape, config):
         key, info = _lookup(index, rule, values)
         if info is None:
             problems.append(TensorProblem("missing", key, leaf.path, expected=slice_shape))
