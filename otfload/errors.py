@@ -68,6 +68,37 @@ class UnsupportedModelError(OtfloadError):
     """``config.json`` names a ``model_type`` (or a feature of one) that otfload cannot build."""
 
 
+class ConfigError(UnsupportedModelError):
+    """A ``config.json`` field has the wrong type, is out of range, or contradicts the tensors present.
+
+    ``field`` names the field (dotted for nested ones), ``value`` is what was found and ``rule`` what
+    was expected.
+    """
+
+    def __init__(self, field: str, value: object, rule: str, file: str = "config.json"):
+        self.field = field
+        self.value = value
+        self.rule = rule
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        super().__init__(f"{file}: {field} = {shown}: {rule}")
+
+
+class QuantizationError(OtfloadError):
+    """A quantized checkpoint cannot be decoded faithfully: an unknown ``quant_method``, a scale or
+    companion tensor no format explains, or scales of the wrong shape. Raised whatever ``strict`` says,
+    because loading such a checkpoint without its scales gives wrong weights."""
+
+
+class UnsupportedQuantizationError(QuantizationError):
+    """The checkpoint uses a known quantization method that otfload does not decode yet."""
+
+
+class UnfaithfulCastError(MappingError):
+    """A tensor's stored dtype cannot be held faithfully by its target leaf (integer or boolean data
+    into a float leaf, FP8 codes without their scales) and the mapping does not say the cast is meant."""
+
+
 class MappingError(OtfloadError):
     """A mapping table or hook is inconsistent with the model or checkpoint it is used on."""
 
@@ -162,6 +193,24 @@ class LayerLayoutError(OtfloadError):
 # --- remote sources ------------------------------------------------------------------------------
 
 
+class SourceTimeoutError(SourceUnavailableError):
+    """A read made no progress for too long, or the load's total deadline passed.
+
+    ``url`` names what was being read and ``received`` how many bytes of it had arrived.
+    """
+
+    def __init__(self, message: str, url: str = "", received: int = 0):
+        self.url = url
+        self.received = received
+        super().__init__(message)
+
+
+class SourceProtocolError(SourceError):
+    """A server answered in a way that cannot be trusted: a ``Content-Range`` for other bytes, a body
+    shorter or longer than asked, a broken ``Content-Encoding``, a redirect loop, or metadata that is
+    not the JSON it should be."""
+
+
 class SourcePermissionError(SourceError):
     """The source refused the credentials (missing, invalid, or without access); never shows the token."""
 
@@ -175,6 +224,15 @@ class ChecksumMismatchError(SourceError):
 
 class CacheError(SourceError):
     """The shard cache could not be filled or read."""
+
+
+class CacheUnsafeNameError(CacheError):
+    """A file name that would place a cache entry outside the cache root (``..``, absolute, NUL, a
+    symlink leaving the root); nothing was written."""
+
+
+class CacheIntegrityError(CacheError):
+    """A cache entry's bytes do not match the size and hash recorded when it was filled."""
 
 
 class CacheFillError(CacheError):
