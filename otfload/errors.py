@@ -94,13 +94,13 @@ class UnsupportedQuantizationError(QuantizationError):
     """The checkpoint uses a known quantization method that otfload does not decode yet."""
 
 
+class MappingError(OtfloadError):
+    """A mapping table or hook is inconsistent with the model or checkpoint it is used on."""
+
+
 class UnfaithfulCastError(MappingError):
     """A tensor's stored dtype cannot be held faithfully by its target leaf (integer or boolean data
     into a float leaf, FP8 codes without their scales) and the mapping does not say the cast is meant."""
-
-
-class MappingError(OtfloadError):
-    """A mapping table or hook is inconsistent with the model or checkpoint it is used on."""
 
 
 @dataclass(frozen=True)
