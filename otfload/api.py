@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from otfload.cache import wrap_with_cache
 from otfload.families.registry import family_for
 from otfload.index.checkpoint import CheckpointIndex, open_index
 from otfload.index.dtypes import to_numpy_dtype
+from otfload.index.quant import QuantizedTensor
 from otfload.plan.abstract import abstract_from_nnx, abstract_from_pytree, dotted
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
@@ -57,16 +59,18 @@ def run_plan(
 
 
 def storage_dtype(index: CheckpointIndex) -> np.dtype:
-    """The dtype holding most of the checkpoint's floating-point bytes (bf16 for FP8 checkpoints)."""
+    """The dtype holding most of the checkpoint's floating-point bytes; quantized weights count as
+    bf16, the dtype they were trained in."""
     weights = Counter()
     for info in index.tensors.values():
-        if np.issubdtype(info.dtype, np.floating) or info.dtype.kind == "V":
+        if isinstance(info, QuantizedTensor):
+            weights[np.dtype(ml_dtypes.bfloat16)] += 2 * math.prod(info.shape)
+        elif np.issubdtype(info.dtype, np.floating) or info.dtype.kind == "V":
             weights[info.dtype] += info.nbytes
     if not weights:
         return np.dtype(np.float32)
     dtype = weights.most_common(1)[0][0]
-    # FP8 checkpoints are dequantised on load; bf16 is the dtype they were trained in.
-    return np.dtype(ml_dtypes.bfloat16) if "float8" in dtype.name else dtype
+    return dtype
 
 
 def plan_model(

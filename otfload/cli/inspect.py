@@ -41,11 +41,10 @@ def leaf_boxes(plan, devices: Iterable | None = None) -> set:
 
 def process_bytes(plan, devices: Iterable | None = None) -> int:
     """Source bytes the builder reads for the shards of ``devices`` (default: this process's),
-    FP8 block scales included."""
+    every stored part of quantized tensors (codes, scales, zero points) included."""
     from otfload.build.builder import bounding_box
-    from otfload.plan.boxes import box_nbytes
     from otfload.plan.hooks import chain_needed
-    from otfload.read.dequant import scale_box
+    from otfload.read.reader import stored_box_bytes
 
     boxes = leaf_boxes(plan, devices)
     if not boxes or not plan.sources:
@@ -56,9 +55,7 @@ def process_bytes(plan, devices: Iterable | None = None) -> int:
     total = 0
     for combo in stacked:
         i = int(np.ravel_multi_index(combo, plan.stack_shape)) if n else 0
-        scale = plan.scale_of(i)
-        total += box_nbytes(union, plan.sources[i].dtype.itemsize)
-        total += box_nbytes(scale_box(union, plan.quant_block), scale.dtype.itemsize) if scale else 0
+        total += stored_box_bytes(plan.sources[i], union)
     return total
 
 

@@ -8,41 +8,43 @@ exist, and every tensor it lists must be found in exactly the file it names.
 from __future__ import annotations
 
 import json
-import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from otfload.errors import CheckpointIndexError
 from otfload.index.header import FileHeader, TensorInfo, read_header, reject_duplicate_keys
+from otfload.index.quant import QuantizedTensor, dequantized_view
 from otfload.sources.base import Source, read_bytes
+from otfload.sources.formats import is_checkpoint_file
+from otfload.sources.names import check_member_name, checked_listing
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # Headers are small; reading several at once hides remote latency without flooding a server.
 HEADER_READ_THREADS = 8
-# DeepSeek-V3's ``quantization_config.weight_block_size``; used when the config does not say.
-DEFAULT_QUANT_BLOCK = (128, 128)
 # config.json and the index are small; anything larger is not what it claims to be.
 MAX_JSON_FILE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
 class CheckpointIndex:
-    """Config and tensor locations of one checkpoint, built from headers alone."""
+    """Config and tensor locations of one checkpoint, built from headers alone.
+
+    ``tensors`` holds what the model sees: a quantized weight is one
+    :class:`~otfload.index.quant.QuantizedTensor` (decoded on read) in place of its stored parts;
+    ``activation`` holds the activation-side scales (``input_scale``, ``k_scale``, ...), which no
+    weight uses.
+    """
 
     source: Source
     config: dict
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo | QuantizedTensor]
     headers: dict[str, FileHeader] = field(repr=False)
-    # FP8 weight key -> its block-scale tensor (``<key>_scale_inv``, DeepSeek-V3 format)
-    scales: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
-
-    @property
-    def quant_block(self) -> tuple[int, int]:
-        """Block size of FP8 block scales (``quantization_config.weight_block_size``)."""
-        block = (self.config.get("quantization_config") or {}).get("weight_block_size") or DEFAULT_QUANT_BLOCK
-        return int(block[0]), int(block[1])
+    quant_method: str | None = None
+    activation: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
 
     @property
     def files(self) -> list[str]:
@@ -55,7 +57,7 @@ class CheckpointIndex:
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
 
-    def __getitem__(self, key: str) -> TensorInfo:
+    def __getitem__(self, key: str) -> TensorInfo | QuantizedTensor:
         return self.tensors[key]
 
 
@@ -71,16 +73,10 @@ def read_json(source: Source, file: str) -> object:
 
 
 def _check_member_name(name: object, source: Source) -> str:
-    if not isinstance(name, str) or not name:
-        raise CheckpointIndexError(f"{INDEX_FILE}: file name {name!r} is not a string")
-    norm = posixpath.normpath(name)
-    if "://" in name or name.startswith(("/", "\\")) or norm.startswith("..") or "\\" in name or ":" in name:
-        raise CheckpointIndexError(
-            f"{INDEX_FILE}: file {name!r} is outside the checkpoint in {source.description}"
-        )
-    if not norm.endswith(".safetensors"):
+    name = check_member_name(name, f"{INDEX_FILE} in {source.description}", CheckpointIndexError)
+    if not name.endswith(".safetensors"):
         raise CheckpointIndexError(f"{INDEX_FILE}: file {name!r} is not a .safetensors file")
-    return norm
+    return name
 
 
 def _weight_map(source: Source, available: set[str]) -> dict[str, str]:
@@ -128,7 +124,7 @@ def _merge(headers: dict[str, FileHeader], weight_map: dict[str, str] | None) ->
 
 def open_index(source: Source, *, require_config: bool = True) -> CheckpointIndex:
     """Read ``config.json``, the shard index and every safetensors header of ``source``."""
-    available = set(source.list_files())
+    available = set(checked_listing(source.list_files(), source.description, keep=is_checkpoint_file))
     config: dict = {}
     if CONFIG_FILE in available:
         config = read_json(source, CONFIG_FILE)
@@ -139,18 +135,20 @@ def open_index(source: Source, *, require_config: bool = True) -> CheckpointInde
     files, weight_map = _safetensors_files(source, available)
     with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(files))) as pool:
         headers = dict(zip(files, pool.map(lambda f: read_header(source, f), files), strict=True))
-    tensors = _merge(headers, weight_map)
-    return CheckpointIndex(source, config, tensors, headers, _fp8_scales(tensors))
+    view = dequantized_view(config, _merge(headers, weight_map), lambda infos: read_values(source, infos))
+    return CheckpointIndex(source, config, view.tensors, headers, view.method, view.activation)
 
 
-def _fp8_scales(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """Pair each 2-D FP8 weight with its ``_scale_inv`` block-scale tensor, when present."""
-    scales = {}
-    for key, info in tensors.items():
-        scale = tensors.get(f"{key}_scale_inv")
-        if scale is not None and "float8" in info.dtype.name and len(info.shape) == 2:
-            scales[key] = scale
-    return scales
+def read_values(source: Source, infos: list[TensorInfo]) -> list[np.ndarray]:
+    """The values of small tensors (a few per request, several requests at once)."""
+    def one(info: TensorInfo) -> np.ndarray:
+        data = read_bytes(source, info.file, info.offset, info.nbytes)
+        return np.frombuffer(data, info.dtype).reshape(info.shape)
+
+    if not infos:
+        return []
+    with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(infos))) as pool:
+        return list(pool.map(one, infos))
 
 
-__all__ = ["CheckpointIndex", "open_index", "read_json"]
+__all__ = ["CheckpointIndex", "open_index", "read_json", "read_values"]

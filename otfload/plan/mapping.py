@@ -62,6 +62,8 @@ class Rule:
     starts after the dense ones); values may be config field names. ``indices`` give a group whose
     layers are not contiguous its HF values explicitly: ``{"layer": "moe_layers"}`` makes position
     ``i`` of ``{layer}`` (in the leaf path or on a stack axis) read HF layer ``config["moe_layers"][i]``.
+    ``cast=True`` says an integer, boolean or unscaled FP8 tensor is meant to become a float leaf;
+    without it such a cast is an :class:`~otfload.errors.UnfaithfulCastError`.
     """
 
     target: str
@@ -71,6 +73,7 @@ class Rule:
     stack_order: tuple[str, ...] | None = None
     offsets: MappingABC[str, int | str] = field(default_factory=dict)
     indices: MappingABC[str, Sequence[int] | str] = field(default_factory=dict)
+    cast: bool = False
 
     def __post_init__(self):
         missing = set(placeholders(self.target)) - set(placeholders(self.source))

@@ -6,7 +6,11 @@ its stack axes (scanned layers, experts) enumerate one HF key per slice of the l
 order over the leading stack dimensions. Every key is checked to exist (or a fallback, for tied
 weights) and every tensor's shape is carried through the hooks and compared with the leaf's slice
 shape. All problems — missing, mis-shaped and (with ``strict``) unexpected tensors — are collected
-and raised together as one :class:`~otfload.errors.CheckpointMismatchError`.
+and raised together as one :class:`~otfload.errors.CheckpointMismatchError`. A tensor whose values
+the leaf cannot hold faithfully (integers or booleans into floats, FP8 codes without their scales)
+is an :class:`~otfload.errors.UnfaithfulCastError` unless its rule says ``cast=True``. Quantized
+weights arrive from the index already as :class:`~otfload.index.quant.QuantizedTensor` (float32
+values decoded on read), so they plan like any float tensor.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from otfload.errors import MappingError, TensorProblem, mismatch_error
+import numpy as np
+
+from otfload.errors import MappingError, TensorProblem, UnfaithfulCastError, mismatch_error
 from otfload.index.checkpoint import CheckpointIndex
 from otfload.index.header import TensorInfo
+from otfload.index.quant import QuantizedTensor
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.hooks import Hook, Shape, chain_shapes
 from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values
@@ -30,11 +37,9 @@ class LeafPlan:
     leaf: AbstractLeaf
     rule: Rule
     stack_axes: tuple[str, ...]
-    sources: tuple[TensorInfo, ...]
+    sources: tuple[TensorInfo | QuantizedTensor, ...]
     hooks: tuple[Hook, ...]
     shapes: tuple[Shape, ...]  # the source shape, then the output shape of each hook
-    scales: tuple[TensorInfo | None, ...] = ()  # FP8 block scales per source (empty: none quantised)
-    quant_block: tuple[int, int] = (128, 128)
 
     @property
     def path(self) -> str:
@@ -50,10 +55,15 @@ class LeafPlan:
 
     @property
     def source_bytes(self) -> int:
-        return sum(info.nbytes for info in (*self.sources, *self.scales) if info is not None)
+        return sum(info.nbytes for info in self.sources)
 
-    def scale_of(self, i: int) -> TensorInfo | None:
-        return self.scales[i] if self.scales else None
+    @property
+    def storage(self) -> str:
+        """How the leaf's HF tensors are stored: their dtype, or the quantized layout."""
+        if not self.sources:
+            return ""
+        first = self.sources[0]
+        return first.storage if isinstance(first, QuantizedTensor) else str(first.dtype)
 
     def describe(self) -> dict:
         """A JSON-able summary (what ``otfload inspect`` prints)."""
@@ -67,8 +77,8 @@ class LeafPlan:
             "hf_keys": keys if len(keys) <= 2 else [keys[0], f"... {len(keys) - 2} more ...", keys[-1]],
             "num_hf_keys": len(keys),
             "hf_dtype": str(self.sources[0].dtype) if self.sources else None,
-            "hooks": ([f"DequantizeFP8(block={self.quant_block})"] if any(self.scales) else [])
-            + [repr(h) for h in self.hooks],
+            "storage": self.storage,
+            "hooks": [repr(h) for h in self.hooks],
             "source_bytes": self.source_bytes,
         }
 
@@ -127,11 +137,22 @@ def plan_leaf(
         sources.append(info)
     if not ok or math.prod(stack_shape) != len(sources):
         return None
-    scales = tuple(index.scales.get(info.name) for info in sources)
-    return LeafPlan(
-        leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,),
-        scales if any(scales) else (), index.quant_block,
-    )
+    return LeafPlan(leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,))
+
+
+def unfaithful_cast(plan: LeafPlan) -> str | None:
+    """Why ``plan``'s tensors cannot become its leaf's dtype faithfully, or None when they can."""
+    target = np.dtype(plan.leaf.dtype)
+    if plan.rule.cast or not plan.sources or target.kind not in "fcV":
+        return None
+    info = plan.sources[0]
+    if isinstance(info, QuantizedTensor):
+        return None
+    if info.dtype.kind in "iub":
+        return f"{info.dtype} values of {info.name!r} into {target} leaf {plan.path!r}"
+    if "float8" in info.dtype.name:
+        return f"{info.dtype} codes of {info.name!r} without scales into {target} leaf {plan.path!r}"
+    return None
 
 
 def build_plan(
@@ -150,7 +171,13 @@ def build_plan(
         plan = plan_leaf(leaf, table, index, config, problems)
         if plan is not None:
             plans[path] = plan
-    used = {info.name for plan in plans.values() for info in (*plan.sources, *plan.scales) if info is not None}
+    casts = [why for plan in plans.values() if (why := unfaithful_cast(plan))]
+    if casts:
+        raise UnfaithfulCastError(
+            f"{len(casts)} tensor(s) cannot be held faithfully by their leaves (set cast=True on the rule "
+            "if the cast is meant): " + "; ".join(casts[:10])
+        )
+    used = {info.name for plan in plans.values() for info in plan.sources}
     used |= {p.hf_key for p in problems if p.hf_key}
     unused = sorted(k for k in index.tensors if k not in used and not table.ignored(k))
     if strict:

@@ -6,6 +6,10 @@ tensor; the builder then copies each byte once, from the page cache into its fin
 (see :func:`~otfload.plan.boxes.byte_runs`) into scratch memory. Many short runs with short gaps (a
 column block of a matrix) are read as one span and viewed with the tensor's strides: one request
 instead of thousands, at the price of reading the gaps.
+
+A quantized tensor (:class:`~otfload.index.quant.QuantizedTensor`) is read as the boxes of its
+stored parts that cover the box (codes, scales, zero points), decoded into one float32 array of
+the box's shape: no part is read beyond what the box needs, and nothing larger than the box exists.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from otfload.index.header import TensorInfo
-from otfload.plan.boxes import Box, box_shape, box_to_slices, byte_runs
+from otfload.index.quant import QuantizedTensor
+from otfload.plan.boxes import Box, box_nbytes, box_shape, box_to_slices, byte_runs
 from otfload.read.arena import Arena
-from otfload.read.dequant import dequantize, scale_box
 from otfload.sources.base import RangeRead, Source
 
 # Reading a gap costs gap / ~10 GB/s; a separate request costs ~2 µs locally (a preadv) and far
@@ -50,6 +54,13 @@ class ReadStats:
             self.files.add(file)
 
 
+def stored_box_bytes(info: TensorInfo | QuantizedTensor, box: Box) -> int:
+    """Stored bytes a read of ``box`` of ``info`` needs (for a quantized tensor: every part's box)."""
+    if isinstance(info, QuantizedTensor):
+        return sum(stored_box_bytes(part, pbox) for part, pbox in info.part_boxes(box).values())
+    return box_nbytes(box, info.dtype.itemsize)
+
+
 def element_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape)))
 
@@ -61,11 +72,14 @@ class TensorReader:
         self.source = source
         self.stats = stats or ReadStats()
 
-    def read_box(self, info: TensorInfo, box: Box, arena: Arena) -> np.ndarray:
+    def read_box(self, info: TensorInfo | QuantizedTensor, box: Box, arena: Arena) -> np.ndarray:
         """The elements of ``info`` inside ``box``, as an array of the box's shape (in scratch)."""
+        if isinstance(info, QuantizedTensor):
+            parts = info.part_boxes(box)
+            return info.decode({role: self.read_box(part, pbox, arena) for role, (part, pbox) in parts.items()}, box)
         runs = byte_runs(info.shape, info.dtype.itemsize, box)
         needed = sum(r.length for r in runs)
-        mapped = self._mapped(info.file)
+        mapped = self._mapped(info)
         if mapped is not None:
             if runs:
                 start, end = runs[0].offset, runs[-1].offset + runs[-1].length
@@ -93,24 +107,19 @@ class TensorReader:
         self.stats.add(info.file, needed, needed, len(reads))
         return buffer.view(info.dtype).reshape(box_shape(box))
 
-    def _mapped(self, file: str):
+    def _mapped(self, info: TensorInfo):
+        # The source checks that the file still holds the whole tensor before anything touches it.
         mapped = getattr(self.source, "mapped", None)
-        return mapped(file) if mapped is not None else None
+        return mapped(info.file, info.offset, info.nbytes) if mapped is not None else None
 
-    def release(self, info: TensorInfo, box: Box) -> None:
+    def release(self, info: TensorInfo | QuantizedTensor, box: Box) -> None:
         """Done with ``box`` of ``info``: let a mapping source drop its pages from our memory."""
+        if isinstance(info, QuantizedTensor):
+            for part, pbox in info.part_boxes(box).values():
+                self.release(part, pbox)
+            return
         release = getattr(self.source, "release", None)
         runs = byte_runs(info.shape, info.dtype.itemsize, box)
         if release is not None and runs:
             start, end = runs[0].offset, runs[-1].offset + runs[-1].length
             release(info.file, info.offset + start, end - start)
-
-    def read_source(
-        self, info: TensorInfo, scale: TensorInfo | None, box: Box, block: tuple[int, int], arena: Arena
-    ) -> np.ndarray:
-        """``read_box``, dequantised to float32 with ``scale``'s FP8 block scales when given."""
-        part = self.read_box(info, box, arena)
-        if scale is None:
-            return part
-        sbox = scale_box(box, block)
-        return dequantize(part, box, self.read_box(scale, sbox, arena), block)

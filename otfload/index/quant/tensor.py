@@ -1,0 +1,188 @@
+"""A quantized tensor seen as the float tensor it stands for.
+
+:class:`QuantizedTensor` replaces its stored parts (codes, scales, zero points, global scale) in
+the checkpoint index under the name and shape of the dequantised HF parameter, so mapping rules,
+hooks, shape checks and sharding treat it like any tensor. Reading a box of it reads only the part
+boxes covering that box (:meth:`QuantizedTensor.part_boxes`) and decodes them into one float32
+array of the box's shape (:meth:`QuantizedTensor.decode`): codes are widened, zero points
+subtracted and scales multiplied block by block (:func:`~otfload.index.quant.blocks.apply_blocks`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from otfload.index.header import TensorInfo
+from otfload.index.quant.blocks import Box, apply_blocks, block_box
+from otfload.index.quant.codes import e8m0_values, fp4_values, packed_words, unpack_ints
+
+Parts = dict[str, tuple[TensorInfo, Box]]
+FLOAT32 = np.dtype(np.float32)
+# MXFP4 (OCP microscaling): 32 FP4 values share one E8M0 scale, stored as 16 bytes per block.
+MX_BLOCK = 32
+MX_BLOCK_BYTES = MX_BLOCK // 2
+
+
+def as_grid(info: TensorInfo, grid: tuple[int, ...]) -> TensorInfo | None:
+    """``info`` viewed with shape ``grid`` when that only adds or drops size-1 axes (same bytes)."""
+    squeeze = tuple(d for d in info.shape if d != 1)
+    if math.prod(info.shape) != math.prod(grid) or squeeze != tuple(d for d in grid if d != 1):
+        return None
+    return info._replace(shape=grid)
+
+
+@dataclass(frozen=True)
+class PlainCodes:
+    """Codes stored one per element in the tensor's own layout (FP8, int8)."""
+
+    codes: TensorInfo
+
+    def part_boxes(self, box: Box) -> Parts:
+        return {"codes": (self.codes, box)}
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        return arrays["codes"].astype(FLOAT32)
+
+
+@dataclass(frozen=True)
+class PackedIntCodes:
+    """``num_bits`` integers packed densely along the last axis into int32 words."""
+
+    codes: TensorInfo
+    num_bits: int
+
+    def part_boxes(self, box: Box) -> Parts:
+        return {"codes": (self.codes, (*box[:-1], packed_words(*box[-1], self.num_bits)))}
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        return unpack_ints(arrays["codes"], self.num_bits, *box[-1]).astype(FLOAT32)
+
+
+@dataclass(frozen=True)
+class PackedFp4Codes:
+    """FP4 E2M1 codes, two per byte along the last axis, low nibble first (NVFP4)."""
+
+    codes: TensorInfo
+
+    def part_boxes(self, box: Box) -> Parts:
+        (start, stop) = box[-1]
+        return {"codes": (self.codes, (*box[:-1], (start // 2, -(-stop // 2))))}
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        (start, stop) = box[-1]
+        skip = start % 2
+        return fp4_values(arrays["codes"])[..., skip : skip + stop - start]
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """One scale (and optionally one zero point) per block of ``block`` elements.
+
+    ``zero_point_bits`` > 0: zero points are packed along the rows (axis -2) like compressed-tensors
+    writes them. ``global_scale`` (a one-element tensor) divides every scale (NVFP4).
+    """
+
+    scale: TensorInfo
+    block: tuple[int, ...]
+    zero_point: TensorInfo | None = None
+    zero_point_bits: int = 0
+    global_scale: TensorInfo | None = None
+
+    def part_boxes(self, box: Box) -> Parts:
+        grid = block_box(box, self.block)
+        parts = {"scale": (self.scale, grid)}
+        if self.zero_point is not None:
+            zbox = grid
+            if self.zero_point_bits:
+                zbox = (*grid[:-2], packed_words(*grid[-2], self.zero_point_bits), grid[-1])
+            parts["zero_point"] = (self.zero_point, zbox)
+        if self.global_scale is not None:
+            parts["global_scale"] = (self.global_scale, tuple((0, d) for d in self.global_scale.shape))
+        return parts
+
+    def apply(self, values: np.ndarray, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        if self.zero_point is not None:
+            zero = arrays["zero_point"]
+            if self.zero_point_bits:
+                rows = block_box(box, self.block)[-2]
+                zero = np.swapaxes(unpack_ints(np.swapaxes(zero, -1, -2), self.zero_point_bits, *rows), -1, -2)
+            apply_blocks(values, zero.astype(FLOAT32), box, self.block, np.subtract)
+        scale = arrays["scale"].astype(FLOAT32)
+        if self.global_scale is not None:
+            scale = scale / arrays["global_scale"].astype(FLOAT32).reshape(())
+        return apply_blocks(values, scale, box, self.block, np.multiply)
+
+
+@dataclass(frozen=True)
+class Mxfp4Codes:
+    """GPT-OSS MXFP4: ``blocks`` U8 ``[..., out, in/32, 16]`` and ``scales`` U8 ``[..., out, in/32]``
+    (E8M0), standing for the float tensor ``[..., in, out]`` (the stored matrix is transposed)."""
+
+    blocks: TensorInfo
+    scales: TensorInfo
+
+    def part_boxes(self, box: Box) -> Parts:
+        *lead, (i0, i1), out = box
+        groups = (i0 // MX_BLOCK, -(-i1 // MX_BLOCK))
+        return {
+            "blocks": (self.blocks, (*lead, out, groups, (0, MX_BLOCK_BYTES))),
+            "scales": (self.scales, (*lead, out, groups)),
+        }
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        (i0, i1) = box[-2]
+        values = fp4_values(arrays["blocks"])  # [..., out, g, 32]
+        values *= e8m0_values(arrays["scales"])[..., None]
+        values = values.reshape(*values.shape[:-2], -1)
+        skip = i0 - (i0 // MX_BLOCK) * MX_BLOCK
+        return np.swapaxes(values[..., skip : skip + i1 - i0], -1, -2)
+
+
+Codes = PlainCodes | PackedIntCodes | PackedFp4Codes | Mxfp4Codes
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A stored quantized tensor standing for the float32 tensor ``name`` of ``shape``.
+
+    Quacks like :class:`~otfload.index.header.TensorInfo` where the plan needs it (``name``,
+    ``dtype``, ``shape``, ``file``, ``nbytes``: the stored bytes of every part).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    codes: Codes
+    scales: BlockScales | None
+    storage: str  # what ``otfload inspect`` shows, e.g. "fp8 e4m3, f32 scales per 128x128 block"
+
+    dtype = FLOAT32
+
+    @property
+    def parts(self) -> tuple[TensorInfo, ...]:
+        box = tuple((0, d) for d in self.shape)
+        return tuple(info for info, _ in self.part_boxes(box).values())
+
+    @property
+    def file(self) -> str:
+        return self.parts[0].file
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def part_boxes(self, box: Box) -> Parts:
+        """For each stored part, the box of it that covers ``box`` of the float tensor."""
+        parts = self.codes.part_boxes(box)
+        if self.scales is not None:
+            parts.update(self.scales.part_boxes(box))
+        return parts
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        """The float32 values of ``box`` from the part boxes read for it (``arrays`` by role)."""
+        values = self.codes.decode(arrays, box)
+        if self.scales is not None:
+            values = self.scales.apply(values, arrays, box)
+        return values

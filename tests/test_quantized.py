@@ -1,0 +1,112 @@
+"""Quantized checkpoints in every published layout load dequantised, shard by shard, with the
+weights of the exact dequantised reference and the logits of transformers run on those weights.
+
+Each layout is written from a tiny float checkpoint (tests/index/quant/layouts.py says who writes the
+bytes and who computes the reference). Meshes split the matrices so that shard edges cut through
+quantization blocks and groups (hidden 64 / tp 4 = 16 columns against groups of 32 and blocks of
+48).
+"""
+
+import copy
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import otfload
+from otfload.plan.sharding import make_mesh
+from tests.families.moe_helpers import MESHES
+from tests.helpers import max_rel_diff, token_ids, torch_logits
+from tests.index.quant import layouts
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
+# name -> (tiny model kind, tensor selector, quantizer, quantization_config)
+LAYOUTS = {
+    "fp8_block_f32": ("llama", layouts.is_linear, layouts.fp8_blocks((48, 48)),
+                      {**FP8_CONFIG, "weight_block_size": [48, 48]}),
+    "fp8_block_bf16_scales": ("qwen3", layouts.is_linear, layouts.fp8_blocks((48, 48), scale_dtype=torch.bfloat16),
+                              {**FP8_CONFIG, "weight_block_size": [48, 48]}),
+    "fp8_tensor_null_block": ("mistral", layouts.is_linear, layouts.fp8_blocks(None),
+                              {**FP8_CONFIG, "weight_block_size": None}),
+    "fbgemm_fp8": ("llama", layouts.is_linear, layouts.fp8_blocks(None, "_scale", per_row=True),
+                   {"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["lm_head"]}),
+    **{f"ct_{kind}": ("llama", layouts.is_linear, layouts.compressed_tensors(kind), layouts.ct_config(kind))
+       for kind in ("fp8_tensor", "fp8_channel", "fp8_block", "w4a16", "w4a16_asym", "w8a16_channel", "nvfp4")},
+    "ct_w4a16_moe_experts": ("qwen3_moe", lambda k: layouts.is_linear(k) and ".experts." in k,
+                             layouts.compressed_tensors("w4a16"), layouts.ct_config("w4a16")),
+    "ct_fp8_channel_moe": ("mixtral", layouts.is_linear, layouts.compressed_tensors("fp8_channel"),
+                           layouts.ct_config("fp8_channel", ignore=["lm_head", "re:.*block_sparse_moe.gate$"])),
+    "mxfp4_gpt_oss": ("gpt_oss", layouts.is_gpt_oss_expert, layouts.mxfp4_experts, layouts.MXFP4_CONFIG),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoints, tmp_path_factory):
+    """``quantized(layout) -> (dir, float torch model, reference dequantised torch model, reference)``."""
+    import tests.families.test_gpt_oss  # noqa: F401  (registers the MoE kinds)
+    import tests.families.test_mixtral  # noqa: F401
+    import tests.families.test_qwen3_moe  # noqa: F401
+
+    made = {}
+
+    def get(layout: str):
+        if layout not in made:
+            kind, select, quantize, config = LAYOUTS[layout]
+            src, torch_model = tiny_checkpoints(kind)
+            dst = tmp_path_factory.mktemp(layout) / "ckpt"
+            reference = layouts.quantize_checkpoint(src, dst, select, quantize, config)
+            assert reference, layout
+            ref_model = layouts.load_reference(torch_model, reference, src, dst.parent / "reference")
+            made[layout] = (dst, torch_model, ref_model, reference)
+        return made[layout]
+
+    return get
+
+
+def mesh_for(layout: str, mesh_2x4):
+    return make_mesh(MESHES["fsdp2_ep4"]) if "moe" in layout or "gpt_oss" in layout else mesh_2x4
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_logits_match_transformers_on_the_dequantised_weights(quantized, layout, mesh_2x4):
+    path, _, reference_model, _ = quantized(layout)
+    model, report = otfload.from_pretrained(path, mesh=mesh_for(layout, mesh_2x4), dtype="float32",
+                                            return_report=True)
+    assert report.unused_tensors == []  # every scale, zero point and block was used
+    ids = token_ids()
+    diff = max_rel_diff(np.asarray(model(jnp.asarray(ids))), torch_logits(reference_model, ids))
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("layout", ["fp8_block_f32", "ct_w4a16_asym", "ct_nvfp4", "ct_fp8_block", "fbgemm_fp8"])
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_each_shard_holds_the_reference_dequantised_values(quantized, layout, scan_layers, mesh_2x4):
+    path, _, _, reference = quantized(layout)
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, dtype="float32", scan_layers=scan_layers)
+    for layer in range(3):
+        kernel = model.layers.mlp.down.kernel if scan_layers else model.layers[layer].mlp.down.kernel
+        value = kernel[...]
+        assert len(value.sharding.device_set) == 8
+        got = np.asarray(value)[layer] if scan_layers else np.asarray(value)
+        np.testing.assert_array_equal(got, reference[f"model.layers.{layer}.mlp.down_proj.weight"])
+
+
+def test_mxfp4_experts_equal_transformers_dequantisation(quantized):
+    path, _, _, reference = quantized("mxfp4_gpt_oss")
+    model = otfload.from_pretrained(path, mesh=make_mesh(MESHES["fsdp2_ep4"]), dtype="float32", scan_layers=False)
+    fused = reference["model.layers.1.mlp.experts.gate_up_proj"]
+    moe = model.layers[1].moe
+    np.testing.assert_array_equal(np.asarray(moe.gate.kernel[...]), fused[..., ::2])
+    np.testing.assert_array_equal(np.asarray(moe.up.kernel[...]), fused[..., 1::2])
+    np.testing.assert_array_equal(np.asarray(moe.down.kernel[...]), reference["model.layers.1.mlp.experts.down_proj"])
+
+
+def test_quantized_checkpoints_default_to_bf16_and_stay_close_to_float(quantized):
+    path, torch_model, _, _ = quantized("ct_fp8_channel")
+    assert otfload.from_pretrained(path).layers.attn.q.kernel[...].dtype == jnp.bfloat16
+    # e4m3 keeps 3 mantissa bits; over 3 layers of random weights the logits drift well under 15 %.
+    f32 = otfload.from_pretrained(path, dtype="float32")
+    ids = token_ids()
+    assert max_rel_diff(np.asarray(f32(jnp.asarray(ids))), torch_logits(copy.deepcopy(torch_model), ids)) <= 0.15
