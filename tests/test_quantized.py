@@ -8,16 +8,20 @@ quantization blocks and groups (hidden 64 / tp 4 = 16 columns against groups of 
 """
 
 import copy
+import json
+import shutil
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 import otfload
+from otfload.errors import QuantizationError, UnfaithfulCastError
 from otfload.plan.sharding import make_mesh
 from tests.families.moe_helpers import MESHES
-from tests.helpers import max_rel_diff, token_ids, torch_logits
+from tests.helpers import hf_tensors, max_rel_diff, token_ids, torch_logits
 from tests.index.quant import layouts
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
@@ -110,3 +114,50 @@ def test_quantized_checkpoints_default_to_bf16_and_stay_close_to_float(quantized
     f32 = otfload.from_pretrained(path, dtype="float32")
     ids = token_ids()
     assert max_rel_diff(np.asarray(f32(jnp.asarray(ids))), torch_logits(copy.deepcopy(torch_model), ids)) <= 0.15
+
+
+def test_scales_are_never_dropped_even_without_strict(quantized, tmp_path):
+    """compressed-tensors FP8 with its quantization_config stripped: raw codes must not load."""
+    path, *_ = quantized("ct_fp8_channel")
+    stripped = tmp_path / "stripped"
+    shutil.copytree(path, stripped)
+    config = json.loads((stripped / "config.json").read_text())
+    del config["quantization_config"]
+    (stripped / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationError, match="no known layout explains: '.*weight_scale'"):
+        otfload.from_pretrained(stripped, strict=False)
+
+
+def with_tensor(src, dst, key: str, value: np.ndarray):
+    """Copy checkpoint ``src`` to ``dst`` with tensor ``key`` set to ``value`` (added to the first
+    shard when new)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    index_file = dst / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"].setdefault(key, sorted(index["weight_map"].values())[0])
+    tensors = load_file(dst / shard)
+    tensors[key] = value
+    save_file(tensors, dst / shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+    return dst
+
+
+@pytest.mark.parametrize("stored", [np.int32, np.bool_, ml_dtypes.float8_e4m3fn])
+def test_unfaithful_casts_are_typed_errors(tiny_checkpoints, tmp_path, stored):
+    src, _ = tiny_checkpoints("llama")
+    key = "model.layers.1.mlp.up_proj.weight"
+    path = with_tensor(src, tmp_path / "ckpt", key, hf_tensors(src)[key].astype(stored))
+    with pytest.raises(UnfaithfulCastError, match=f"{np.dtype(stored)} .* of {key!r}"):
+        otfload.from_pretrained(path)
+
+
+def test_activation_scales_go_to_the_report_not_the_weights(quantized, tmp_path):
+    path, _, reference_model, _ = quantized("ct_fp8_tensor")
+    key = "model.layers.0.self_attn.q_proj.input_scale"
+    static = with_tensor(path, tmp_path / "static", key, np.array([0.25], np.float32))
+    model, report = otfload.from_pretrained(static, dtype="float32", return_report=True)
+    np.testing.assert_array_equal(report.activation_scales[key], [0.25])
+    ids = token_ids()
+    assert max_rel_diff(np.asarray(model(jnp.asarray(ids))), torch_logits(reference_model, ids)) <= 1e-4

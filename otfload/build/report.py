@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass, field
 
+import numpy as np
 import psutil
 
 
@@ -31,6 +32,9 @@ class LoadReport:
     requests: int = 0
     files: list[str] = field(default_factory=list)
     unused_tensors: list[str] = field(default_factory=list)
+    # Activation-side scales of a quantized checkpoint (``input_scale``, ``k_scale``, ...): read for the
+    # user's quantized kernels, never folded into weights.
+    activation_scales: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     seconds: float = 0.0
     rss_before: int = 0
     peak_rss: int = 0

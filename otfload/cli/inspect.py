@@ -132,7 +132,7 @@ def format_plan(info: dict) -> str:
             if leaf["stack_axes"] else ""
         lines.append(f"{leaf['leaf']}  {tuple(leaf['shape'])} {leaf['dtype']}  {leaf['sharding']}  "
                      f"{human_bytes(leaf['process_bytes'])}/process")
-        lines.append(f"    ← {keys}{stacked}  [{leaf['hf_dtype']}]")
+        lines.append(f"    ← {keys}{stacked}  [{leaf['storage']}]")
         if leaf["hooks"]:
             lines.append(f"    hooks: {', '.join(leaf['hooks'])}")
     t = info["totals"]

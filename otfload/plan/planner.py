@@ -89,6 +89,7 @@ class LoadPlan:
 
     leaves: dict[str, LeafPlan]
     unused: list[str] = field(default_factory=list)
+    activation: dict[str, TensorInfo] = field(default_factory=dict)  # activation-side quantization scales
 
     @property
     def source_bytes(self) -> int:
@@ -145,13 +146,13 @@ def unfaithful_cast(plan: LeafPlan) -> str | None:
     target = np.dtype(plan.leaf.dtype)
     if plan.rule.cast or not plan.sources or target.kind not in "fcV":
         return None
-    info = plan.sources[0]
-    if isinstance(info, QuantizedTensor):
-        return None
-    if info.dtype.kind in "iub":
-        return f"{info.dtype} values of {info.name!r} into {target} leaf {plan.path!r}"
-    if "float8" in info.dtype.name:
-        return f"{info.dtype} codes of {info.name!r} without scales into {target} leaf {plan.path!r}"
+    for info in plan.sources:
+        if isinstance(info, QuantizedTensor):
+            continue
+        if info.dtype.kind in "iub":
+            return f"{info.dtype} values of {info.name!r} into {target} leaf {plan.path!r}"
+        if "float8" in info.dtype.name:
+            return f"{info.dtype} codes of {info.name!r} without scales into {target} leaf {plan.path!r}"
     return None
 
 
@@ -186,4 +187,4 @@ def build_plan(
         ]
     if problems:
         raise mismatch_error(problems)
-    return LoadPlan(plans, unused)
+    return LoadPlan(plans, unused, dict(index.activation))

@@ -271,10 +271,10 @@ def _targets_match(targets: object, module: str) -> bool:
 
 
 def _compressed_tensors(qc: Mapping, tensors: dict[str, Tensor], read: ReadValues) -> None:
-    groups = qc.get("config_groups") or {}
+    groups = qc.get("config_groups", {})
     if not isinstance(groups, Mapping):
         raise ConfigError("quantization_config.config_groups", groups, "an object of quantization groups")
-    ignore = qc.get("ignore") or []
+    ignore = qc.get("ignore", [])
     if not isinstance(ignore, list):
         raise ConfigError("quantization_config.ignore", ignore, "a list of module names or 're:' patterns")
     parsed = [(name, g.get("targets") if isinstance(g, Mapping) else None,

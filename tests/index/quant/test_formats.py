@@ -1,0 +1,112 @@
+"""Layout detection: every quantized checkpoint is either decoded or a typed error naming the method
+and the tensor — never raw codes loaded as weights, whatever ``strict`` says."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from otfload.errors import ConfigError, QuantizationError, UnsupportedQuantizationError
+from otfload.index.checkpoint import open_index
+from otfload.index.quant import QuantizedTensor
+from otfload.sources import open_source
+
+F8 = ml_dtypes.float8_e4m3fn
+
+
+def checkpoint(tmp_path, tensors: dict, quantization_config=None, **config):
+    save_file(tensors, tmp_path / "model.safetensors")
+    cfg = {"model_type": "llama", **config}
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return open_index(open_source(tmp_path))
+
+
+def w8(shape=(64, 96)):
+    return np.random.default_rng(0).standard_normal(shape).astype(F8)
+
+
+def test_fp8_block_pairs_weight_and_scale(tmp_path):
+    index = checkpoint(tmp_path, {"a.weight": w8(), "a.weight_scale_inv": np.ones((1, 1), np.float32)},
+                       {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    q = index["a.weight"]
+    assert isinstance(q, QuantizedTensor) and q.shape == (64, 96) and "a.weight_scale_inv" not in index
+    assert q.nbytes == 64 * 96 + 4
+
+
+def test_fp8_null_block_takes_a_scalar_scale(tmp_path):
+    index = checkpoint(tmp_path, {"a.weight": w8(), "a.weight_scale_inv": np.array(0.5, np.float32)},
+                       {"quant_method": "fp8", "weight_block_size": None})
+    assert index["a.weight"].scales.block == (64, 96)
+
+
+@pytest.mark.parametrize(("tensors", "qc", "match"), [
+    ({"a.weight": w8(), "a.weight_scale_inv": np.ones((2, 2), np.float32)},
+     {"quant_method": "fp8", "weight_block_size": [128, 128]}, "needs \\[1, 1\\]"),
+    ({"a.weight": w8(), "a.weight_scale_inv": np.ones((3, 5), np.float32)},
+     {"quant_method": "fp8", "weight_block_size": None}, "neither per tensor nor per row"),
+    ({"a.weight": np.zeros((4, 4), np.float32), "a.weight_scale_inv": np.ones((1, 1), np.float32)},
+     {"quant_method": "fp8"}, "expected an FP8 weight"),
+    ({"a.weight": w8()}, {"quant_method": "fp8"}, "have no scale"),
+    ({"a.weight": w8(), "a.weight_scale": np.ones((64, 1), np.float32)}, None,
+     "no quantization_config.*no known layout explains: 'a.weight_scale'"),
+    ({"a.weight": w8(), "a.weight_scale": np.ones((64, 1), np.float32)}, {"quant_method": "fp8"},
+     "fp8: 1 FP8 tensor\\(s\\) have no scale, e.g. 'a.weight'"),
+    ({"a.weight": np.zeros((4, 4), np.float32), "a.weight_zero_point": np.ones((4, 1), np.int8)}, None,
+     "no known layout explains: 'a.weight_zero_point'"),
+    ({"a.weight_blocks": np.zeros((2, 4, 2, 16), np.uint8)}, {"quant_method": "mxfp4"}, "has no"),
+    ({"a.weight_blocks": np.zeros((2, 4, 2, 8), np.uint8), "a.weight_scales": np.zeros((2, 4, 2), np.uint8)},
+     {"quant_method": "mxfp4"}, "are not U8"),
+    ({"a.weight": w8(), "a.weight_scale": np.ones((64, 1), np.float32)},
+     {"quant_method": "compressed-tensors", "config_groups": {}}, "no config group targets it"),
+    ({"a.weight": w8(), "a.weight_scale": np.ones((64, 1), np.float32)},
+     {"quant_method": "compressed-tensors", "ignore": ["a"],
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}}, "'ignore'"),
+    ({"a.weight": w8(), "a.weight_scale": np.ones((64, 1), np.float32)},
+     {"quant_method": "compressed-tensors",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "tensor"}}}},
+     "needs \\[1, 1\\]"),
+    ({"a.weight": np.zeros((4, 4), np.int8), "a.weight_scale": np.ones((4, 1), np.float32)},
+     {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+         "num_bits": 8, "strategy": "channel", "symmetric": False}}}}, "asymmetric but has no weight_zero_point"),
+    ({"a.weight": np.zeros((4, 4), np.float32)}, {"quant_method": "turbo-q"}, "unknown quantization method"),
+])
+def test_what_no_layout_explains_is_a_quantization_error(tmp_path, tensors, qc, match):
+    with pytest.raises(QuantizationError, match=match):
+        checkpoint(tmp_path, tensors, qc)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "GPTQ", "hqq"])
+def test_known_but_unsupported_methods_say_not_supported_yet(tmp_path, method):
+    with pytest.raises(UnsupportedQuantizationError, match=f"{method.lower()!r} is not supported yet"):
+        checkpoint(tmp_path, {"a.weight": np.zeros((4, 4), np.float32)}, {"quant_method": method})
+
+
+@pytest.mark.parametrize(("qc", "field"), [
+    ("fp8", "quantization_config"),
+    (7, "quantization_config"),
+    ({"quant_method": 3}, "quantization_config.quant_method"),
+    ({"quant_method": "fp8", "weight_block_size": 128}, "quantization_config.weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "quantization_config.weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [True, 128]}, "quantization_config.weight_block_size"),
+    ({"quant_method": "compressed-tensors", "config_groups": []}, "quantization_config.config_groups"),
+    ({"quant_method": "compressed-tensors", "ignore": "lm_head"}, "quantization_config.ignore"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 16}}}},
+     "quantization_config.config_groups.g.weights.num_bits"),
+])
+def test_wrong_typed_quantization_config_is_a_config_error(tmp_path, qc, field):
+    with pytest.raises(ConfigError) as e:
+        checkpoint(tmp_path, {"a.weight": w8(), "a.weight_scale_inv": np.ones((1, 1), np.float32)}, qc)
+    assert e.value.field == field
+
+
+def test_activation_scales_are_set_aside_not_weights(tmp_path):
+    index = checkpoint(tmp_path, {"a.weight": w8(), "a.weight_scale": np.ones((1,), np.float32),
+                                  "a.input_scale": np.ones((1,), np.float32), "attn.k_scale": np.ones((), np.float32)},
+                       {"quant_method": "compressed-tensors", "config_groups": {"g": {
+                           "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}})
+    assert set(index.activation) == {"a.input_scale", "attn.k_scale"}
+    assert set(index.tensors) == {"a.weight"}
