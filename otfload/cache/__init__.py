@@ -5,10 +5,14 @@
 
 from otfload.cache.assign import assign_files
 from otfload.cache.coordination import Coordinator, JaxCoordinator, LocalCoordinator, current_coordinator
+from otfload.cache.integrity import VERIFY_MODES
 from otfload.cache.shard_cache import ShardCache, cache_key
+from otfload.cache.store import CacheStorageError
 from otfload.cache.wrap import default_cache_dir, wrap_with_cache
 
 __all__ = [
+    "VERIFY_MODES",
+    "CacheStorageError",
     "Coordinator",
     "JaxCoordinator",
     "LocalCoordinator",

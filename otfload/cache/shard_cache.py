@@ -2,17 +2,24 @@
 
 Constructing a :class:`ShardCache` is collective: every process of the job does it, in the same
 order. The files are split among the processes by :func:`~otfload.cache.assign.assign_files`; each
-process makes sure its files are committed in the cache (reusing copies already there when their
-size, and sha256 where the source publishes one, match; else fetching them whole from the source),
+process makes sure its files are committed in the cache (reusing copies whose record still matches,
+see :mod:`otfload.cache.integrity`; else fetching them whole from the source, hashed as they stream),
 publishes each file's status, and then waits until every other file is committed. From then on the
 cache is a :class:`~otfload.sources.base.Source` over the cached copies, so each process reads only
 the byte ranges its own devices need, from the cache rather than from the source.
+
+Every listed name is checked before anything is written (:func:`~otfload.sources.names.checked_listing`
+and :func:`~otfload.cache.store.check_cache_name`): a name that would leave the cache root is a
+:class:`~otfload.errors.CacheUnsafeNameError` and nothing is created. A reused copy whose bytes no
+longer match its record is fetched again (listed in ``repaired``); when that fetch fails too, the
+error is a :class:`~otfload.errors.CacheIntegrityError` naming the file, never the changed bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import re
 import time
@@ -21,9 +28,29 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from otfload.cache.assign import assign_files
 from otfload.cache.coordination import Coordinator, current_coordinator
-from otfload.cache.store import Store, open_store, record_sha256, recorded_sha256
-from otfload.errors import CacheFillError, CacheTimeoutError, ChecksumMismatchError
+from otfload.cache.integrity import (
+    VERIFY_FULL,
+    VERIFY_MODES,
+    VERIFY_RECORD,
+    Hasher,
+    Record,
+    mismatches,
+    published_digests,
+)
+from otfload.cache.store import EntryStat, Store, check_cache_name, open_store
+from otfload.errors import (
+    CacheError,
+    CacheFillError,
+    CacheIntegrityError,
+    CacheTimeoutError,
+    CacheUnsafeNameError,
+    ChecksumMismatchError,
+    SourceError,
+)
 from otfload.sources.base import RangeRead, Source
+from otfload.sources.names import checked_listing
+
+log = logging.getLogger(__name__)
 
 # A process that owns a file waits on the source, the others on it: long enough for a multi-GB
 # shard over a slow link, short enough that a dead peer is reported within minutes.
@@ -32,6 +59,7 @@ DEFAULT_TIMEOUT_S = 1800.0
 # pieces by the source's read_many, then written in order): ~4 × 256 MiB of buffers at most.
 FILL_THREADS = 4
 FILL_WINDOW_BYTES = 256 << 20
+HASH_CHUNK_BYTES = 8 << 20  # re-hashing a cached copy: large reads, at hashing speed
 
 _fills = itertools.count()  # one per ShardCache in this process: the same sequence in every process
 
@@ -43,12 +71,6 @@ def cache_key(source: Source) -> str:
     return f"{slug}-{hashlib.sha1(identity.encode()).hexdigest()[:12]}"
 
 
-def published_sha256(source: Source, file: str) -> str | None:
-    """The sha256 the source publishes for ``file`` (the Hub's LFS oid), if any."""
-    sha256 = getattr(source, "sha256", None)
-    return sha256(file) if callable(sha256) else None
-
-
 class ShardCache:
     """``source``'s files, each fetched once by one process into ``cache_dir``, read from there.
 
@@ -57,7 +79,11 @@ class ShardCache:
     :func:`cache_key`. ``coordinator`` defaults to JAX's distributed store when several processes
     run, else a local one. A process that waits more than ``timeout_s`` for another one's file
     raises :class:`~otfload.errors.CacheTimeoutError`; one whose peer failed to fetch a file raises
-    :class:`~otfload.errors.CacheFillError`. ``fetched`` / ``reused`` list this process's files.
+    :class:`~otfload.errors.CacheFillError`. ``verify`` is how a copy already in the cache is
+    checked before it is reused: ``"record"`` (size, record and stamp; the copy is hashed again
+    only when its stamp moved) or ``"full"`` (hashed again every time). ``fetched`` / ``reused``
+    list this process's files, ``repaired`` those of them whose cached bytes had changed and were
+    fetched again, ``orphans_removed`` the temporaries of dead writers it deleted.
     """
 
     def __init__(
@@ -69,16 +95,24 @@ class ShardCache:
         coordinator: Coordinator | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         window_bytes: int = FILL_WINDOW_BYTES,
+        verify: str = VERIFY_RECORD,
     ):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY_MODES))}")
         self.source = source
         self.timeout_s = timeout_s
         self.window_bytes = window_bytes
+        self.verify = verify
         self.key = cache_key(source)
-        self.store: Store = open_store(f"{os.fspath(cache_dir).rstrip('/')}/{self.key}", storage_options)
+        # Every name is checked before the store creates anything.
+        names = checked_listing(source.list_files(), source.description, CacheUnsafeNameError)
+        self._sizes = {check_cache_name(f, source.description): source.size(f) for f in names}
+        self.store: Store = open_store(cache_dir, self.key, storage_options)
         self.coordinator = coordinator or current_coordinator()
-        self._sizes = {f: source.size(f) for f in source.list_files()}
         self.fetched: list[str] = []
         self.reused: list[str] = []
+        self.repaired: list[str] = []
+        self.orphans_removed: list[str] = []
         self._fill()
         self._cache = self.store.source()
 
@@ -115,6 +149,10 @@ class ShardCache:
         owners = assign_files(self._sizes, self.coordinator.process_count)
         prefix = f"otfload/shard_cache/{next(_fills)}/{self.key}"
         mine = [f for f, owner in owners.items() if owner == me]
+        self.orphans_removed = self.store.clean_orphans()
+        if self.orphans_removed:
+            log.info("removed %d temporaries of dead cache writers: %s", len(self.orphans_removed),
+                     ", ".join(self.orphans_removed))  # fmt: skip
         failure: BaseException | None = None
         with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="otfload-cache") as pool:
             futures = {pool.submit(self._ensure, f): f for f in mine}
@@ -148,39 +186,99 @@ class ShardCache:
                                      f"{status.removeprefix('error: ')}", owner, file)  # fmt: skip
 
     def _ensure(self, file: str) -> None:
-        """Make sure a verified copy of ``file`` is committed: reuse it, or fetch it again."""
-        sha256 = published_sha256(self.source, file)
-        if self._is_valid(file, sha256):
+        """Make sure a verified copy of ``file`` is committed: reuse it, or fetch it (again)."""
+        published = published_digests(self.source, file)
+        trusted, changed = self._check(file, published)
+        if trusted:
             self.reused.append(file)
             return
         self.store.remove(file)
-        self._fetch(file, sha256)
-        if sha256 is not None:
-            record_sha256(self.store, file, sha256)
+        try:
+            self._fetch(file, published)
+        except SourceError as e:
+            if changed is None or isinstance(e, CacheError):
+                raise
+            raise CacheIntegrityError(
+                f"{self.store.path(file)}: {changed}, and fetching it again from {self.source.description} "
+                f"failed ({type(e).__name__}: {e}); the changed copy was removed"
+            ) from e
+        if changed is not None:
+            log.warning("%s: %s; fetched it again from %s", self.store.path(file), changed, self.source.description)
+            self.repaired.append(file)
         self.fetched.append(file)
 
-    def _is_valid(self, file: str, sha256: str | None) -> bool:
-        if self.store.committed_size(file) != self._sizes[file]:
-            return False
-        if sha256 is None:
-            return True
-        recorded = recorded_sha256(self.store, file)
-        if recorded is None and self.store.sha256(file) == sha256:  # committed by an older run
-            record_sha256(self.store, file, sha256)
-            return True
-        return recorded == sha256
+    def _revision(self) -> str | None:
+        return getattr(self.source, "commit", None) or None
 
-    def _fetch(self, file: str, sha256: str | None) -> None:
-        """Stream ``file`` from the source into the store, window by window; commit if it verifies."""
-        size, digest = self._sizes[file], hashlib.sha256()
+    def _check(self, file: str, published: dict[str, str]) -> tuple[bool, str | None]:
+        """``(trusted, why not)``: whether the committed copy of ``file`` may be reused; when a copy
+        with a valid record no longer matches it, what changed (an integrity failure, not a miss)."""
+        size, entry = self._sizes[file], self.store.stat(file)
+        if entry is None:
+            return False, None
+        record = Record.loads(self.store.read_record(file))
+        if record is None or not record.describes(size, self._revision(), published):
+            # No usable record (an older otfload, or killed between commit and record): adopt the copy
+            # only if its bytes are those the source publishes digests for.
+            if entry.size == size and published:
+                found = self._hash(file, published)
+                if not mismatches(found, published):
+                    self._record(file, found, published, entry, best_effort=True)
+                    return True, None
+            return False, None
+        if entry.size != size:
+            return False, f"its size changed from {size} to {entry.size} bytes since it was filled"
+        if self.verify == VERIFY_FULL or not record.stamp or record.stamp != entry.stamp:
+            found = self._hash(file, published)
+            if found["sha256"] != record.sha256 or mismatches(found, published):
+                return False, (f"its bytes changed since it was filled (sha256 {found['sha256']}, "
+                               f"recorded {record.sha256})")  # fmt: skip
+            if record.stamp != entry.stamp:
+                self._record(file, found, published, entry, best_effort=True)
+        return True, None
+
+    def _hash(self, file: str, published: dict[str, str]) -> dict[str, str]:
+        hasher = Hasher(published)
+        with self.store.reader(file) as f:
+            try:
+                while chunk := f.read(HASH_CHUNK_BYTES):
+                    hasher.update(chunk)
+            except OSError as e:
+                raise CacheIntegrityError(f"{self.store.path(file)}: cannot be read back ({e})") from e
+        return hasher.digests()
+
+    def _record(
+        self,
+        file: str,
+        found: dict[str, str],
+        published: dict[str, str],
+        entry: EntryStat | None,
+        best_effort: bool = False,
+    ) -> None:
+        """Write the record of the committed ``file`` (best effort: a read-only cache still serves reads)."""
+        entry = entry or self.store.stat(file)
+        if entry is None:
+            raise CacheError(f"{self.store.path(file)} vanished right after it was committed")
+        record = Record(entry.size, found["sha256"], self._revision(), dict(published), entry.stamp)
+        try:
+            self.store.write_record(file, record.dumps())
+        except CacheError:
+            if not best_effort:
+                raise
+
+    def _fetch(self, file: str, published: dict[str, str]) -> None:
+        """Stream ``file`` from the source into the store window by window, hashing it on the way;
+        commit it only if it matches every digest the source publishes, then record it."""
+        size, hasher = self._sizes[file], Hasher(published)
         with self.store.writer(file) as out:
             for start in range(0, size, self.window_bytes):
                 window = bytearray(min(self.window_bytes, size - start))
                 self.source.read_many([RangeRead(file, start, memoryview(window))])
-                digest.update(window)
+                hasher.update(window)
                 out.write(window)
-            if sha256 is not None and digest.hexdigest() != sha256:
+            found = hasher.digests()
+            if bad := mismatches(found, published):
                 raise ChecksumMismatchError(
-                    f"{self.source.description}: {file} fetched with sha256 {digest.hexdigest()}, "
-                    f"the source says {sha256}; not cached"
+                    f"{self.source.description}: {file} fetched with {'; '.join(bad)} (the source's); not cached"
                 )
+        self._record(file, found, published, None)

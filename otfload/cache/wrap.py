@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from otfload.cache.shard_cache import ShardCache
-from otfload.errors import CacheError
+from otfload.cache.integrity import VERIFY_FULL, VERIFY_MODES, VERIFY_RECORD, Hasher, mismatches, published_digests
+from otfload.cache.shard_cache import HASH_CHUNK_BYTES, ShardCache
+from otfload.errors import CacheError, CacheIntegrityError
 from otfload.sources.base import Source
 from otfload.sources.local import LocalSource
 
@@ -23,6 +24,7 @@ def wrap_with_cache(
     cache_dir: str | os.PathLike | bool | None = None,
     *,
     storage_options: dict | None = None,
+    verify: str = VERIFY_RECORD,
     **options,
 ) -> Source:
     """The source a load should read from.
@@ -34,7 +36,13 @@ def wrap_with_cache(
     - a directory shared by the processes, or an fsspec URL (``gs://bucket/prefix`` with
       ``storage_options``): a :class:`ShardCache` there; ``options`` go to it. Collective when
       several processes run: every process must call it.
+
+    ``verify`` (``"record"`` or ``"full"``) is how cached copies are checked before reuse (see
+    :class:`ShardCache`); with ``cache_dir=True`` and a Hub source, ``"full"`` re-hashes every file
+    the Hub publishes a sha256 for and raises :class:`~otfload.errors.CacheIntegrityError` on a mismatch.
     """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY_MODES))}")
     if cache_dir is None or cache_dir is False or isinstance(source, LocalSource):
         return source
     if cache_dir is True:
@@ -48,7 +56,23 @@ def wrap_with_cache(
         download = getattr(source, "download", None)
         if callable(download):
             for file in source.list_files():
-                download(file)
+                path = download(file)
+                if verify == VERIFY_FULL:
+                    _check_download(source, file, path)
             return source
         cache_dir = default_cache_dir()
-    return ShardCache(source, cache_dir, storage_options=storage_options, **options)
+    return ShardCache(source, cache_dir, storage_options=storage_options, verify=verify, **options)
+
+
+def _check_download(source: Source, file: str, path: str | os.PathLike) -> None:
+    """Re-hash a whole-file copy the source keeps itself (the HF cache) against its published digests."""
+    published = published_digests(source, file)
+    if not published:
+        return
+    hasher = Hasher(published)
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            hasher.update(chunk)
+    if bad := mismatches(hasher.digests(), published):
+        raise CacheIntegrityError(f"{path} (the cached copy of {file} from {source.description}) has changed: "
+                                  f"{'; '.join(bad)}; delete it to fetch it again")  # fmt: skip

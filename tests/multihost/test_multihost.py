@@ -5,6 +5,7 @@ distributed shard cache."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -47,8 +48,10 @@ def test_four_processes_fetch_each_file_once_and_read_only_their_share(
     fetched = [f for r in results for f in r["fetched"]]
     assert sorted(fetched) == sorted(files) and all(r["fetched"] for r in results)  # the work was split
     shards = {f: b for f, b in files.items() if f.endswith(".safetensors")}
-    records = {f"{f}.sha256": hashlib.sha256(b).hexdigest().encode() for f, b in shards.items()}
-    assert visible_files(cache) == files | records  # whole files only, each with the sha256 it was checked against
+    visible = visible_files(cache)
+    records = {f.removesuffix(".sha256"): json.loads(v)["sha256"] for f, v in visible.items() if f.endswith(".sha256")}
+    assert {f: v for f, v in visible.items() if not f.endswith(".sha256")} == files  # whole files only
+    assert records == {f: hashlib.sha256(b).hexdigest() for f, b in files.items()}  # each recorded as checked
     assert_reads_only_its_share(results, sum(map(len, shards.values())))
     assert_params_equal(tmp_path / "out", reference_params)
 
@@ -69,7 +72,8 @@ def test_two_processes_load_from_gcs_through_a_gs_cache(
     assert sorted(fetched) == sorted(files)  # each file fetched by exactly one process
     fs.invalidate_cache()
     cached = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(prefix)}
-    assert cached == files  # no partial objects, no sha256 records (the bucket publishes none)
+    assert {k: v for k, v in cached.items() if not k.endswith(".sha256")} == files  # no partial objects
+    assert {k for k in cached if k.endswith(".sha256")} == {f"{f}.sha256" for f in files}  # a record per file
     assert_reads_only_its_share(results, sum(len(b) for f, b in files.items() if f.endswith(".safetensors")))
     assert_params_equal(tmp_path / "out", reference_params)
 
