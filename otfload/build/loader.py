@@ -1,11 +1,17 @@
-"""Execute a load plan: build every leaf (in parallel threads) and report what it cost."""
+"""Execute a load plan: build every leaf (in parallel threads) and report what it cost.
+
+The first leaf that fails for good cancels the load: leaves not started never start, and the running
+ones stop at their next read (retries end, requests in flight are cut; see
+:class:`~otfload.sources.retry.CancelToken`). That first error is raised, not the cancellations.
+"""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import jax
 from tqdm.auto import tqdm
@@ -16,6 +22,7 @@ from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
+from otfload.sources.retry import CancelToken, LoadCancelled, cancel_scope
 
 # Two builders keep one core reading while the other copies; more only adds scratch memory on a
 # 2-core host. Raise it for remote sources, where threads mostly wait on the network.
@@ -48,18 +55,36 @@ def execute_plan(
     bar = tqdm(total=plan.source_bytes, unit="B", unit_scale=True, desc="otfload", disable=not show)
     start = time.perf_counter()
 
+    token = CancelToken()
+
     def build(path: str) -> jax.Array:
-        if not hasattr(local, "arena"):
-            local.arena = Arena()
-        array = build_leaf(plan.leaves[path], reader, local.arena, budget)
+        if token.cancelled:  # queued before the first failure, picked up after it
+            raise LoadCancelled(f"leaf {path!r}: cancelled, another leaf failed")
+        try:
+            with cancel_scope(token):
+                if not hasattr(local, "arena"):
+                    local.arena = Arena()
+                array = build_leaf(plan.leaves[path], reader, local.arena, budget)
+        except BaseException:
+            token.cancel()  # at once, before this worker picks up a queued leaf
+            raise
         bar.update(plan.leaves[path].source_bytes)
         return array
 
+    pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="otfload-build")
     try:
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            arrays = dict(zip(plan.leaves, pool.map(build, plan.leaves), strict=True))
+        futures = {path: pool.submit(build, path) for path in plan.leaves}
+        wait(futures.values(), return_when=FIRST_EXCEPTION)
+        if failure := first_failure(futures.values()):
+            pool.shutdown(wait=False, cancel_futures=True)  # leaves not started never start
+            token.cancel()  # running ones stop at their next read, or mid-request
+            pool.shutdown(wait=True)
+            raise failure
+        arrays = {path: f.result() for path, f in futures.items()}
         jax.block_until_ready(list(arrays.values()))
     finally:
+        token.cancel()  # a no-op after success; after an interrupt, stops what still runs
+        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     report.seconds = time.perf_counter() - start
     stats = reader.stats
@@ -72,3 +97,9 @@ def execute_plan(
     report.peak_rss = peak_rss()
     return arrays, report
 
+
+def first_failure(futures: Iterable[Future]) -> BaseException | None:
+    """The error of a finished future, preferring a real failure over a cancellation it caused."""
+    errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+    real = [e for e in errors if not isinstance(e, LoadCancelled)]
+    return (real or errors or [None])[0]

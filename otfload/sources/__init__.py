@@ -14,7 +14,7 @@ from otfload.sources.local import LocalSource
 __all__ = ["LocalSource", "RangeRead", "Source", "open_source", "read_bytes"]
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-_HUB_OPTIONS = ("revision", "token", "endpoint", "cache_dir", "local_files_only", "retry")
+_HUB_OPTIONS = ("revision", "token", "endpoint", "cache_dir", "local_files_only", "retry", "timeout")
 _OPTIONS = {*_HUB_OPTIONS, "storage_options", "mmap"}
 _HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub allows them
 
@@ -31,7 +31,10 @@ def open_source(location: str | os.PathLike | Source, **options) -> Source:
 
     A location with pickle checkpoints but no safetensors raises ``UnsafeFormatError``; one that
     does not exist raises ``SourceNotFoundError``. ``retry`` (a ``RetryPolicy``) applies to remote
-    sources; ``mmap=False`` makes a local directory use ``preadv`` instead of a read-only mapping.
+    sources, and ``timeout`` (seconds; default the ``OTFLOAD_TIMEOUT`` environment variable, else
+    no limit) is the total deadline of every remote read through the source, counted from its
+    opening: past it a read raises ``SourceTimeoutError`` naming the URL and the bytes received.
+    ``mmap=False`` makes a local directory use ``preadv`` instead of a read-only mapping.
     Unknown options raise ``TypeError`` (a misspelt ``revison=`` must not be silently ignored).
     """
     unknown = set(options) - _OPTIONS
@@ -43,7 +46,9 @@ def open_source(location: str | os.PathLike | Source, **options) -> Source:
     if _URL.match(text):
         from otfload.sources.fsspec_source import FsspecSource
 
-        return FsspecSource(text, options.get("storage_options"), retry=options.get("retry"))
+        return FsspecSource(
+            text, options.get("storage_options"), retry=options.get("retry"), timeout=options.get("timeout")
+        )
     if Path(text).expanduser().is_dir():
         source = LocalSource(text, mmap=options.get("mmap", True))
         check_safe_format(source.list_files(), source.description)

@@ -1,7 +1,10 @@
-"""A checkpoint under any fsspec URL (``gs://``, ``s3://``, ``hf://``, ``memory://``, ``file://``).
+"""A checkpoint under any fsspec URL (``gs://``, ``s3://``, ``hf://``, ``http(s)://``, ``memory://``, ``file://``).
 
-Files are listed once when the source opens; tensors are read as byte ranges (``cat_file`` with
-start/end), several in parallel, each under the shared retry policy.
+Files are listed once when the source opens; tensors are read as byte ranges, several in parallel,
+each under the shared retry policy and time bounds. On asynchronous filesystems (gcsfs, s3fs,
+HTTP) every call runs on fsspec's event loop with its own deadline and is cancelled at it (or when
+the load is cancelled); idle timeouts go to gcsfs and aiohttp. For ``gs://`` and ``http(s)://`` the
+range answer itself is checked (``Content-Range``, lengths, encoding) before a byte is taken.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import os
 # ~60 s against emulators and private endpoints); it reads this variable when it is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+import asyncio  # noqa: E402
+import concurrent.futures  # noqa: E402
 import re  # noqa: E402
-from collections.abc import Iterator, Sequence  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Awaitable, Callable, Iterator, Sequence  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
 
 import fsspec  # noqa: E402
 from fsspec.asyn import AsyncFileSystem  # noqa: E402
@@ -24,38 +31,68 @@ from otfload.errors import (  # noqa: E402
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
+    SourceProtocolError,
     TruncatedFileError,
 )
 from otfload.sources.base import RangeRead  # noqa: E402
 from otfload.sources.formats import check_safe_format, is_checkpoint_file  # noqa: E402
-from otfload.sources.ranges import coalesce, read_runs  # noqa: E402
-from otfload.sources.retry import RetriedCalls, RetryPolicy, TransientError, is_transient_status  # noqa: E402
+from otfload.sources.ranges import RangeSink, check_range_answer, coalesce, read_runs  # noqa: E402
+from otfload.sources.retry import (  # noqa: E402
+    Deadline,
+    LoadCancelled,
+    RetriedCalls,
+    RetryPolicy,
+    StallError,
+    TransientError,
+    current_token,
+    is_transient_status,
+)
+
+T = TypeVar("T")
 
 _USERINFO = re.compile(r"(?<=://)[^/@]*@")  # "s3://key:secret@bucket" -> "s3://bucket" in messages
+# Largest file size believed from a listing: 16 TiB, far above any safetensors shard; a larger (or
+# a negative) one is a broken server, and planning must not allocate or seek by it.
+MAX_FILE_BYTES = 1 << 44
+# Body chunks of an HTTP range answer: large enough for GB/s, small enough to notice a long body early.
+HTTP_CHUNK_BYTES = 1 << 20
 
 
 class FsspecSource(RetriedCalls):
     """The safetensors and JSON files under ``url``; ``storage_options`` go to the fsspec filesystem.
 
     For ``gs://`` they are gcsfs options, e.g. ``{"endpoint_url": "http://127.0.0.1:4443", "token": "anon"}``.
+    ``retry`` bounds every call (see :class:`RetryPolicy`); ``timeout`` (seconds, default
+    ``OTFLOAD_TIMEOUT``, else none) is the total deadline of everything read through this source,
+    counted from now: past it reads raise :class:`~otfload.errors.SourceTimeoutError`.
     """
 
-    def __init__(self, url: str, storage_options: dict | None = None, retry: RetryPolicy | None = None):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+    ):
+        self._deadline = Deadline.resolve(timeout)
         self.url = url.rstrip("/")
         self._retry = retry or RetryPolicy()
+        protocol = fsspec.core.split_protocol(self.url)[0] or "file"
+        options = _with_idle_timeouts(protocol, dict(storage_options or {}), self._retry.read_timeout_s)
         try:
-            self._fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-        except (ImportError, ValueError) as e:
+            self._fs, root = fsspec.core.url_to_fs(self.url, **options)
+        except (ImportError, ValueError, TypeError) as e:
             raise SourceError(f"{self.description}: cannot open ({type(e).__name__}: {e})") from e
         self._root = root.rstrip("/")
-        # Async filesystems (gcsfs, s3fs, http) take a per-call timeout; local ones never wait.
-        self._timeout = {"timeout": self._retry.attempt_timeout_s} if isinstance(self._fs, AsyncFileSystem) else {}
-        found = self._call(lambda: self._fs.find(self._root, detail=True, **self._timeout))
-        sizes = {path[len(self._root) + 1 :]: info["size"] for path, info in found.items() if path != self._root}
+        self._async = isinstance(self._fs, AsyncFileSystem)
+        self._http = protocol in ("http", "https")
+        self._gcs = protocol in ("gs", "gcs") and hasattr(self._fs, "_call") and hasattr(self._fs, "url")
+        found = self._call(lambda: self._run(lambda: self._fs._find(self._root, detail=True), self._find_sync, 0))
+        sizes = {path[len(self._root) + 1 :]: info.get("size") for path, info in found.items() if path != self._root}
         if not sizes:
             raise SourceNotFoundError(f"{self.description}: no files there (missing bucket, prefix or directory?)")
         check_safe_format(sizes, self.description)
-        self._sizes = {name: size for name, size in sizes.items() if is_checkpoint_file(name)}
+        self._sizes = {name: self._checked_size(name, size) for name, size in sizes.items() if is_checkpoint_file(name)}
 
     @property
     def description(self) -> str:
@@ -76,14 +113,25 @@ class FsspecSource(RetriedCalls):
             raise TruncatedFileError(file, f"wanted {want} bytes at offset {offset}, file has {size}")
         if want == 0:
             return
+        out = out.cast("B")
+        path = f"{self._root}/{file}"
+        url = f"{self.description}/{file}"
 
         def attempt() -> None:
-            data = self._fs.cat_file(f"{self._root}/{file}", start=offset, end=offset + want, **self._timeout)
-            if len(data) != want:
-                raise TransientError(f"got {len(data)} of {want} bytes")
-            out.cast("B")[:] = data
+            if self._http:
+                self._run(lambda: self._http_range(path, url, offset, out, size), None, want)
+            elif self._gcs:
+                self._run(lambda: self._gcs_range(path, url, offset, out, size), None, want)
+            else:
+                fetch = lambda: self._fs._cat_file(path, start=offset, end=offset + want)  # noqa: E731
+                data = self._run(fetch, lambda: self._fs.cat_file(path, start=offset, end=offset + want), want)
+                if len(data) > want:
+                    raise SourceProtocolError(f"{url}: asked for {want} bytes at {offset}, got {len(data)}")
+                if len(data) < want:
+                    raise TransientError(f"got {len(data)} of {want} bytes")
+                out[:] = data
 
-        self._call(attempt, file)
+        self._call(attempt, file, url=url)
 
     def read_many(self, reads: Sequence[RangeRead]) -> None:
         read_runs(coalesce(reads), self.read_into)
@@ -94,22 +142,102 @@ class FsspecSource(RetriedCalls):
     def __repr__(self) -> str:
         return f"FsspecSource({self.description!r})"
 
+    # --- internals -------------------------------------------------------------------------------
+
+    def _checked_size(self, name: str, size: object) -> int:
+        """A listed size, asked for separately when the listing has none (HTTP directory pages)."""
+        if size is None:
+            path = f"{self._root}/{name}"
+            info = self._call(lambda: self._run(lambda: self._fs._info(path), lambda: self._fs.info(path), 0), name)
+            size = info.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+            raise SourceProtocolError(
+                f"{self.description}: {name!r} is listed with size {size!r}, "
+                f"expected an integer in [0, {MAX_FILE_BYTES}]"
+            )
+        return size
+
+    def _find_sync(self) -> dict:
+        return self._fs.find(self._root, detail=True)
+
+    def _run(self, make: Callable[[], Awaitable[T]], sync_call: Callable[[], T] | None, nbytes: int) -> T:
+        """One call: on an async filesystem, ``make()`` on fsspec's loop, cancelled at the attempt's
+        deadline or when the load is cancelled; else ``sync_call()`` (local-like filesystems)."""
+        if not self._async:
+            assert sync_call is not None
+            return sync_call()
+        until = self._retry.attempt_until(nbytes, self._deadline)
+        left = until - time.monotonic()
+        if left <= 0:
+            raise StallError("no time left for another request")
+        future = asyncio.run_coroutine_threadsafe(_within(make(), left), self._fs.loop)
+        token = current_token()
+        unregister = token.on_cancel(future.cancel) if token is not None else (lambda: None)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError as e:
+            raise LoadCancelled(f"{self.description}: cancelled, another read of this load failed") from e
+        finally:
+            unregister()
+
+    async def _http_range(self, path: str, url: str, offset: int, out: memoryview, size: int) -> None:
+        """Checked Range GETs through the HTTP filesystem's own aiohttp session (more than one only
+        when the server sends shorter ranges than asked)."""
+        fs: Any = self._fs
+        kwargs = dict(fs.kwargs)
+        base = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}  # byte ranges of the stored bytes
+        session = await fs.set_session()
+        done = 0
+        while done < len(out):
+            start, last = offset + done, offset + len(out) - 1
+            headers = {**base, "Range": f"bytes={start}-{last}"}
+            async with session.get(fs.encode_url(path), headers=headers, **kwargs) as r:
+                if r.status == 404:
+                    raise FileNotFoundError(url)
+                r.raise_for_status()
+                answer = check_range_answer(r.status, r.headers, url, start, last, size)
+                sink = RangeSink(answer, out, done, f"{url} (bytes {start}-{last})")
+                while chunk := await r.content.read(HTTP_CHUNK_BYTES):
+                    if sink.feed(chunk):
+                        break
+                sink.finish()
+            if sink.done == done:
+                raise TransientError(f"no progress at byte {start}")
+            done = sink.done
+
+    async def _gcs_range(self, path: str, url: str, offset: int, out: memoryview, size: int) -> None:
+        """A checked Range GET through gcsfs (its auth, retries and endpoint)."""
+        fs: Any = self._fs
+        last = offset + len(out) - 1
+        headers, data = await fs._call("GET", fs.url(path), headers={"Range": f"bytes={offset}-{last}"})
+        answer = check_range_answer(200 if "Content-Range" not in headers else 206, headers, url, offset, last, size)
+        sink = RangeSink(answer, out, 0, url)
+        sink.feed(data)
+        sink.finish()
+        if sink.done < len(out):
+            raise TransientError(f"a shorter range than asked: {sink.done} of {len(out)} bytes")
 
     @contextmanager
-    def _translated(self, file: str | None) -> Iterator[None]:
+    def _translated(self, file: str | None, url: str = "") -> Iterator[None]:
         """Turn filesystem errors into otfload errors (permanent) or TransientError."""
         what = f"{self.description}: {file}" if file else self.description
         try:
             yield
         except (OtfloadError, TransientError):
             raise
+        except TimeoutError as e:
+            raise StallError(f"{type(e).__name__}: no complete answer within the attempt's time") from e
         except FileNotFoundError as e:
             raise SourceNotFoundError(f"{what}: not found") from e
         except PermissionError as e:
             raise SourcePermissionError(f"{what}: access denied") from e
         except Exception as e:
-            status = getattr(e, "code", None) or getattr(e, "status", None)  # gcsfs HttpError / aiohttp
-            if isinstance(status, int):
+            status = getattr(e, "status", None)  # aiohttp
+            if not isinstance(status, int):
+                status = getattr(e, "code", None)  # gcsfs HttpError
+            if _is_protocol_error(e):
+                raise SourceProtocolError(f"{what}: {type(e).__name__}: {e}") from e
+            if isinstance(status, int) and status >= 100:
                 if status in (401, 403):
                     raise SourcePermissionError(f"{what}: HTTP {status}, credentials missing or lacking access") from e
                 if not is_transient_status(status):
@@ -117,6 +245,29 @@ class FsspecSource(RetriedCalls):
             elif not _looks_transient(e):
                 raise SourceError(f"{what}: {type(e).__name__}: {e}") from e
             raise TransientError(f"{type(e).__name__}: {e}") from e
+
+
+async def _within(coro: Awaitable[T], seconds: float) -> T:
+    return await asyncio.wait_for(coro, seconds)
+
+
+def _with_idle_timeouts(protocol: str, options: dict, idle_s: float) -> dict:
+    """Give gcsfs and aiohttp an idle timeout (connect, next bytes) unless the caller chose one."""
+    if protocol not in ("gs", "gcs", "http", "https"):
+        return options
+    import aiohttp
+
+    idle = aiohttp.ClientTimeout(total=None, sock_connect=idle_s, sock_read=idle_s)
+    if protocol in ("gs", "gcs"):
+        options.setdefault("requests_timeout", idle)
+    else:
+        options["client_kwargs"] = {"timeout": idle, **options.get("client_kwargs", {})}
+    return options
+
+
+def _is_protocol_error(e: Exception) -> bool:
+    """aiohttp's "too many redirects" and undecodable bodies: retrying cannot help."""
+    return type(e).__name__ in ("TooManyRedirects", "ContentEncodingError") or "content-encoding" in str(e).lower()
 
 
 def _looks_transient(e: Exception) -> bool:

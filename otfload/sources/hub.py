@@ -1,23 +1,31 @@
-"""A Hugging Face Hub model repo as a source, read by HTTP byte ranges through ``huggingface_hub``.
+"""A Hugging Face Hub model repo as a source, read by HTTP byte ranges through ``huggingface_hub``'s client.
 
-The revision is pinned to a commit when the source opens (one ``model_info`` call gives the commit,
-the file sizes and LFS sha256s), so every later read sees the same files. Files already in the HF
-cache for that commit are read from disk; the rest by ``Range`` requests on ``resolve`` URLs.
+The revision is pinned to a commit when the source opens (one revision-info request, the one
+``model_info(files_metadata=True)`` makes, gives the commit, the file sizes and LFS sha256s; the
+answer is checked field by field), so every later read sees the same files. Files already in the HF
+cache for that commit are read from disk; the rest by ``Range`` requests on ``resolve`` URLs, each
+answer checked (``Content-Range``, lengths, encoding) before a byte is taken, and every request
+bounded by the idle, attempt and total time limits of :mod:`otfload.sources.retry`.
 Offline (``local_files_only`` or ``HF_HUB_OFFLINE``), only the cached snapshot is used.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
 
 import httpx2
-from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -35,21 +43,43 @@ from otfload.errors import (
     SourceError,
     SourceNotFoundError,
     SourcePermissionError,
+    SourceProtocolError,
     TruncatedFileError,
 )
 from otfload.sources.base import RangeRead
 from otfload.sources.formats import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
 from otfload.sources.local import LocalSource
-from otfload.sources.ranges import coalesce, read_runs
-from otfload.sources.retry import RetriedCalls, RetryPolicy, TransientError, is_transient_status
+from otfload.sources.names import check_member_name
+from otfload.sources.ranges import RangeSink, check_range_answer, coalesce, read_runs
+from otfload.sources.retry import (
+    Deadline,
+    RetriedCalls,
+    RetryPolicy,
+    StallError,
+    TransientError,
+    interrupt_at,
+    is_transient_status,
+)
 
 PUBLIC_HUB = "https://huggingface.co"  # descriptions name the endpoint only when it is another one
-HASH_CHUNK_BYTES = 8 << 20  # sha256 verification reads: large enough to run at hashing speed
+# Whole-file downloads go through this much memory at a time, fetched as parallel pieces: 64 MiB
+# keeps 4 requests of 16 MiB in flight (enough to fill a fast link) with bounded host memory.
+DOWNLOAD_WINDOW_BYTES = 64 << 20
+DOWNLOAD_PIECE_BYTES = 16 << 20
+# Revision metadata accepted: model_info with blobs for a 100k-file repo is ~20 MB; more is not JSON
+# the Hub would send, and must not be buffered without end.
+MAX_METADATA_BYTES = 64 << 20
+# Largest file size believed from metadata: 16 TiB, far above any safetensors shard; a larger (or a
+# negative) size is a broken server, and planning must not allocate or seek by it.
+MAX_FILE_BYTES = 1 << 44
+_COMMIT = re.compile(r"[0-9a-f]{40}")  # a git object id: it names a cache folder/blob, so nothing else passes
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class _Entry(NamedTuple):
     size: int
     sha256: str | None  # the LFS oid, when the Hub publishes one
+    blob_id: str | None = None  # the git blob id of a file not in LFS, when the Hub publishes one
 
 
 class HubSource(RetriedCalls):
@@ -57,7 +87,9 @@ class HubSource(RetriedCalls):
 
     ``endpoint`` defaults to ``HF_ENDPOINT`` (read now, not at import), ``cache_dir`` to the HF cache
     (``HF_HOME``/``HF_HUB_CACHE``); ``token`` defaults to the saved HF token and is never shown.
-    ``retry`` bounds every network operation (see :class:`RetryPolicy`).
+    ``retry`` bounds every network operation (see :class:`RetryPolicy`); ``timeout`` (seconds, default
+    ``OTFLOAD_TIMEOUT``, else none) is the total deadline of everything read through this source,
+    counted from now: past it reads raise :class:`~otfload.errors.SourceTimeoutError`.
     """
 
     def __init__(
@@ -69,7 +101,9 @@ class HubSource(RetriedCalls):
         cache_dir: str | os.PathLike | None = None,
         local_files_only: bool = False,
         retry: RetryPolicy | None = None,
+        timeout: float | None = None,
     ):
+        self._deadline = Deadline.resolve(timeout)
         self.repo_id = repo_id
         self.revision = revision or constants.DEFAULT_REVISION
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
@@ -86,22 +120,14 @@ class HubSource(RetriedCalls):
     # --- opening ---------------------------------------------------------------------------------
 
     def _open_remote(self) -> tuple[str, dict[str, _Entry], list[str]]:
-        """Pin the revision to a commit and list every file with its size and LFS sha256."""
-        api = HfApi(endpoint=self.endpoint, token=self._token, library_name="otfload")
-        info = self._call(
-            lambda: api.model_info(
-                self.repo_id, revision=self.revision, files_metadata=True, timeout=self._retry.attempt_timeout_s
-            )
-        )
-        siblings = info.siblings or []
-        if any(s.size is None for s in siblings):
-            raise SourceError(f"{self.description}: the Hub did not report file sizes")
-        files = {
-            s.rfilename: _Entry(s.size, s.lfs.sha256 if s.lfs else None)
-            for s in siblings
-            if is_checkpoint_file(s.rfilename)
-        }
-        return info.sha, files, [s.rfilename for s in siblings]
+        """Pin the revision to a commit and list every file with its size and LFS sha256.
+
+        The request is the one ``HfApi.model_info(files_metadata=True)`` makes, but bounded in time
+        and size, and its answer is checked field by field (a broken server is a typed error).
+        """
+        url = f"{self.endpoint}/api/models/{self.repo_id}/revision/{quote(self.revision, safe='')}?blobs=true"
+        body = self._call(lambda: self._get_small(url, MAX_METADATA_BYTES), url=url)
+        return _parse_revision_info(body, f"{self.description}: revision metadata from {url}")
 
     def _open_cached(self) -> tuple[str, dict[str, _Entry], list[str]]:
         """The cached snapshot of the revision (no network); sha256s are not known offline."""
@@ -166,29 +192,55 @@ class HubSource(RetriedCalls):
     def download(self, file: str) -> str:
         """Path of a complete local copy of ``file`` in the HF cache, downloading it if needed.
 
-        A fresh download is checked against the Hub's LFS sha256; on mismatch the cache entry is
-        deleted and :class:`~otfload.errors.ChecksumMismatchError` raised.
+        The copy is fetched by the same bounded, checked range reads as :meth:`read_into` (so the
+        idle, attempt and total time bounds hold), hashed while it is written to a private temporary
+        file, and checked against the Hub's LFS sha256 (or git blob id) before it is renamed into
+        ``blobs/`` and linked from the snapshot, as ``huggingface_hub`` lays it out. On a mismatch
+        nothing is kept and :class:`~otfload.errors.ChecksumMismatchError` is raised.
         """
         entry = self._entry(file)
         if file in self._cached:
             return str(self._snapshot_path(file))
-        path = self._call(
-            lambda: hf_hub_download(
-                self.repo_id,
-                file,
-                revision=self.commit,
-                cache_dir=self.cache_dir,
-                token=self._token,
-                endpoint=self.endpoint,
-                etag_timeout=self._retry.attempt_timeout_s,
-            ),
-            file,
-        )
-        if entry.sha256 is not None:
-            self._verify(file, Path(path), entry.sha256)
+        check_member_name(file, self.description, SourceProtocolError)
+        blobs = self._storage / "blobs"
+        blobs.mkdir(parents=True, exist_ok=True)
+        tmp = blobs / f".{secrets.token_hex(8)}.otfload-{os.getpid()}.incomplete"
+        sha256, git = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % entry.size)
+        try:
+            with open(tmp, "wb") as f:
+                for start in range(0, entry.size, DOWNLOAD_WINDOW_BYTES):
+                    window = memoryview(bytearray(min(DOWNLOAD_WINDOW_BYTES, entry.size - start)))
+                    reads = [RangeRead(file, start, window)]
+                    read_runs(coalesce(reads, max_run=DOWNLOAD_PIECE_BYTES), self._read_remote_into)
+                    f.write(window)
+                    sha256.update(window)
+                    if entry.sha256 is None and entry.blob_id is not None:
+                        git.update(window)
+            if entry.sha256 is not None and sha256.hexdigest() != entry.sha256:
+                raise ChecksumMismatchError(
+                    f"{self.description}: {file} downloaded with sha256 {sha256.hexdigest()}, the Hub says "
+                    f"{entry.sha256}; the cached copy was deleted"
+                )
+            if entry.sha256 is None and entry.blob_id is not None and git.hexdigest() != entry.blob_id:
+                raise ChecksumMismatchError(
+                    f"{self.description}: {file} downloaded with git blob id {git.hexdigest()}, the Hub says "
+                    f"{entry.blob_id}; the cached copy was deleted"
+                )
+            blob = blobs / (entry.sha256 or entry.blob_id or sha256.hexdigest())
+            os.replace(tmp, blob)
+        finally:
+            tmp.unlink(missing_ok=True)
+        link = self._snapshot_path(file)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp_link = link.parent / f".{secrets.token_hex(8)}.otfload-link"
+        os.symlink(os.path.relpath(blob, link.parent), tmp_link)
+        os.replace(tmp_link, link)
         self._cached.add(file)
         self._record_ref()
-        return path
+        return str(link)
+
+    def _read_remote_into(self, file: str, offset: int, out: memoryview) -> None:
+        self._read_remote(file, offset, out.cast("B"))
 
     def _record_ref(self) -> None:
         """Map the revision name to the pinned commit in the cache, so offline opens find the snapshot."""
@@ -196,20 +248,6 @@ class HubSource(RetriedCalls):
         if self.revision != self.commit and not (ref.is_file() and ref.read_text() == self.commit):
             ref.parent.mkdir(parents=True, exist_ok=True)
             ref.write_text(self.commit)
-
-    def _verify(self, file: str, path: Path, sha256: str) -> None:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(HASH_CHUNK_BYTES):
-                digest.update(chunk)
-        if digest.hexdigest() != sha256:
-            blob = path.resolve()
-            path.unlink(missing_ok=True)
-            blob.unlink(missing_ok=True)
-            raise ChecksumMismatchError(
-                f"{self.description}: {file} downloaded with sha256 {digest.hexdigest()}, the Hub says {sha256}; "
-                "the cached copy was deleted"
-            )
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -231,39 +269,112 @@ class HubSource(RetriedCalls):
             self._cache = LocalSource(self._storage)
         return self._cache
 
-    def _read_remote(self, file: str, offset: int, out: memoryview) -> None:
-        url = f"{self.endpoint}/{self.repo_id}/resolve/{self.commit}/{quote(file)}"
+    def _resolve_url(self, file: str) -> str:
+        return f"{self.endpoint}/{self.repo_id}/resolve/{self.commit}/{quote(file)}"
+
+    def _headers(self) -> dict[str, str]:
         headers = build_hf_headers(token=self._token, library_name="otfload")
         headers["Accept-Encoding"] = "identity"  # byte ranges of the stored bytes, not of a compressed body
-        done = 0  # bytes already in ``out``: a retry resumes after them
-
-        def attempt() -> None:
-            nonlocal done
-            headers["Range"] = f"bytes={offset + done}-{offset + len(out) - 1}"
-            with get_session().stream("GET", url, headers=headers, timeout=self._retry.attempt_timeout_s) as r:
-                if r.status_code not in (200, 206):
-                    r.read()
-                    hf_raise_for_status(r)
-                if r.status_code == 200 and offset + done != 0:
-                    raise SourceError(f"{self.description}: the server ignored the Range header for {file}")
-                for chunk in r.iter_bytes():  # as received: a broken body still keeps what arrived
-                    n = min(len(chunk), len(out) - done)
-                    out[done : done + n] = chunk[:n]
-                    done += n
-                    if done == len(out):
-                        return
-            raise TransientError(f"response body ended after {done} of {len(out)} bytes")
-
-        self._call(attempt, file)
-
+        return headers
 
     @contextmanager
-    def _translated(self, file: str | None) -> Iterator[None]:
+    def _stream(
+        self, url: str, headers: dict[str, str], until: float
+    ) -> Iterator[tuple[httpx2.Response, Callable[[], bool]]]:
+        """GET ``url``; the response must be fully handled by monotonic time ``until``.
+
+        Each wait (connect, headers, next bytes) is bounded by the idle timeout; once the headers are
+        in, the socket is shut at ``until`` (or when the load is cancelled), which ends a dripping
+        body. Yields the response and a function telling whether that cut happened.
+        """
+        idle = min(self._retry.read_timeout_s, until - time.monotonic())
+        if idle <= 0:
+            raise StallError("no time left for another request")
+        with get_session().stream("GET", url, headers=headers, timeout=httpx2.Timeout(idle)) as r:
+            sock = _socket_of(r)
+            with interrupt_at(until, lambda: _shutdown(sock)) as cut:
+                yield r, cut
+
+    def _get_small(self, url: str, limit: int) -> bytes:
+        """The body of a bounded GET of ``url`` (JSON metadata): at most ``limit`` bytes."""
+        until = self._retry.attempt_until(0, self._deadline)
+        received = 0
+        cut: Callable[[], bool] = lambda: False  # noqa: E731 - replaced once the headers are in
+        try:
+            with self._stream(url, build_hf_headers(token=self._token, library_name="otfload"), until) as (r, cut):
+                _raise_for_status(r, url)
+                body = bytearray()
+                for chunk in r.iter_bytes():
+                    body += chunk
+                    received = len(body)
+                    if len(body) > limit:
+                        raise SourceProtocolError(f"{self.description}: {url} sent more than {limit} bytes of metadata")
+                return bytes(body)
+        except httpx2.TransportError as e:
+            if cut():
+                raise StallError(f"no complete answer within the attempt's time ({received} bytes)", received) from e
+            raise
+
+    def _read_remote(self, file: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``file`` at ``offset`` by Range requests, checking every answer.
+
+        A ``206`` must carry the ``Content-Range`` asked for (it may end early: the rest is asked
+        next), of a file of the listed size, and exactly that many bytes; a ``200`` (Range ignored) is
+        sliced when it is the whole file and the skip is small. A body cut short keeps what arrived
+        and the retry asks only for the rest; anything else is :class:`SourceProtocolError`.
+        """
+        url = self._resolve_url(file)
+        headers = self._headers()
+        want, size = len(out), self.size(file)
+        done = 0  # bytes already in ``out``: a retry resumes after them
+
+        def one_request(until: float) -> None:
+            nonlocal done
+            start, last = offset + done, offset + want - 1
+            headers["Range"] = f"bytes={start}-{last}"
+            sink: RangeSink | None = None
+            cut: Callable[[], bool] = lambda: False  # noqa: E731 - replaced once the headers are in
+            try:
+                with self._stream(url, headers, until) as (r, cut):
+                    _raise_for_status(r, url)
+                    answer = check_range_answer(
+                        r.status_code, r.headers, f"{self.description}: {url}", start, last, size
+                    )
+                    sink = RangeSink(answer, out, done, f"{self.description}: {url} (bytes {start}-{last})")
+                    for chunk in r.iter_raw():  # as received: a broken body still keeps what arrived
+                        if sink.feed(chunk):
+                            break
+                        done = sink.done
+                    done = sink.done
+                    sink.finish()
+            except httpx2.TransportError as e:
+                done = sink.done if sink is not None else done
+                if cut():
+                    raise StallError(
+                        f"{type(e).__name__}: no complete answer within the attempt's time; "
+                        f"{done} of {want} bytes received",
+                        done,
+                    ) from e
+                raise
+
+        def attempt() -> None:
+            until = self._retry.attempt_until(want - done, self._deadline)
+            while done < want:  # more than one request only when a server sends a shorter range
+                before = done
+                one_request(until)
+                if done == before:
+                    raise TransientError(f"no progress at byte {offset + done}")
+
+        self._call(attempt, file, url=url, progress=lambda: done)
+
+    @contextmanager
+    def _translated(self, file: str | None, url: str = "") -> Iterator[None]:
         """Turn ``huggingface_hub``/HTTP errors into otfload errors (permanent) or TransientError."""
         what = f"{self.description}: {file}" if file else self.description
+        at = f" ({url})" if url else ""
         try:
             yield
-        except OtfloadError:
+        except (OtfloadError, TransientError):
             raise
         except OfflineModeIsEnabled as e:
             raise SourceError(f"{what}: offline mode is enabled (HF_HUB_OFFLINE) but the file is not cached") from e
@@ -285,6 +396,84 @@ class HubSource(RetriedCalls):
                 ) from e
             if is_transient_status(status):
                 raise TransientError(f"HTTP {status}") from e
-            raise SourceError(f"{what}: HTTP {status}") from e
+            raise SourceError(f"{what}: HTTP {status}{at}") from e
+        except httpx2.TimeoutException as e:
+            raise StallError(f"{type(e).__name__}: nothing received for {self._retry.read_timeout_s:g}s") from e
+        except httpx2.TooManyRedirects as e:
+            raise SourceProtocolError(f"{what}: {url or 'the request'} redirects in a loop ({e})") from e
+        except httpx2.DecodingError as e:
+            raise SourceProtocolError(f"{what}: the body from {url or 'the server'} does not decode "
+                                      f"as its Content-Encoding says ({e})") from e  # fmt: skip
+        except httpx2.UnsupportedProtocol as e:
+            raise SourceProtocolError(f"{what}: redirected to an unsupported URL ({e})") from e
         except httpx2.TransportError as e:
             raise TransientError(f"{type(e).__name__}: {e}") from e
+        except (httpx2.RequestError, httpx2.InvalidURL) as e:
+            raise SourceProtocolError(f"{what}: {type(e).__name__}: {e}{at}") from e
+
+
+def _socket_of(r: httpx2.Response) -> socket.socket | None:
+    stream = r.extensions.get("network_stream")
+    return stream.get_extra_info("socket") if stream is not None else None
+
+
+def _shutdown(sock: socket.socket | None) -> None:
+    """Unblock a thread reading ``sock`` (it sees the connection end); the pool then drops it."""
+    if sock is not None:
+        with suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _raise_for_status(r: httpx2.Response, url: str) -> None:
+    """Raise the ``huggingface_hub`` error for a 4xx/5xx; any other non-2xx status is a protocol error."""
+    if r.status_code >= 400:
+        r.read()
+        hf_raise_for_status(r)
+    if not 200 <= r.status_code < 300:
+        raise SourceProtocolError(f"{url}: unexpected HTTP {r.status_code}")
+
+
+def _parse_revision_info(body: bytes, what: str) -> tuple[str, dict[str, _Entry], list[str]]:
+    """(commit, checkpoint files, every listed name) from a ``/api/models/{repo}/revision/{rev}`` answer."""
+    try:
+        info = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SourceProtocolError(f"{what} is not JSON ({e})") from e
+    if not isinstance(info, dict):
+        raise SourceProtocolError(f"{what} is a JSON {type(info).__name__}, expected an object")
+    commit = info.get("sha")
+    if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
+        raise SourceProtocolError(f"{what}: 'sha' is {_short(commit)}, expected a 40-hex commit id")
+    siblings = info.get("siblings")
+    if not isinstance(siblings, list):
+        raise SourceProtocolError(f"{what}: 'siblings' is {_short(siblings)}, expected a list of files")
+    files: dict[str, _Entry] = {}
+    names: list[str] = []
+    for i, sib in enumerate(siblings):
+        name = sib.get("rfilename") if isinstance(sib, dict) else None
+        if not isinstance(name, str):
+            raise SourceProtocolError(f"{what}: siblings[{i}] has rfilename {_short(name)}, expected a string")
+        names.append(name)
+        if not is_checkpoint_file(name):
+            continue
+        size = sib.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+            raise SourceProtocolError(
+                f"{what}: {name!r} has size {_short(size)}, expected an integer in [0, {MAX_FILE_BYTES}]"
+            )
+        lfs = sib.get("lfs")
+        sha256 = lfs.get("sha256") if isinstance(lfs, dict) else None
+        if lfs is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256)):
+            raise SourceProtocolError(f"{what}: {name!r} has LFS metadata {_short(lfs)}, expected a sha256")
+        blob_id = sib.get("blobId")
+        if blob_id is not None and not (isinstance(blob_id, str) and _COMMIT.fullmatch(blob_id)):
+            raise SourceProtocolError(f"{what}: {name!r} has blobId {_short(blob_id)}, expected a git object id")
+        if name in files:
+            raise SourceProtocolError(f"{what}: {name!r} is listed twice")
+        files[name] = _Entry(size, sha256, blob_id)
+    return commit, files, names
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -3,16 +3,22 @@
 :func:`coalesce` is pure: it merges reads of one file that are adjacent or close (the gap is read
 and thrown away, cheaper than another round trip) and splits big reads so that no request exceeds
 ``max_run`` bytes. :func:`read_runs` fetches the runs with bounded concurrency and scatters the
-bytes into the callers' buffers.
+bytes into the callers' buffers; the first failure cancels the rest.
+:func:`check_range_answer` and :class:`RangeSink` check an HTTP answer to a ``Range`` request
+(status, ``Content-Range``, lengths, encoding) so that no wrong byte is ever taken for a right one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import re
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from otfload.errors import SourceProtocolError
 from otfload.sources.base import RangeRead
+from otfload.sources.retry import CancelToken, LoadCancelled, TransientError, cancel_scope, current_token
 
 # A gap this small costs ~1 ms to read at 1 GB/s, less than one request round trip (5-50 ms).
 COALESCE_GAP_BYTES = 1 << 20
@@ -23,6 +29,11 @@ MAX_RUN_BYTES = 64 << 20
 # runs, few enough to stay under per-host connection limits and bound in-flight bytes
 # (MAX_CONCURRENT_READS x MAX_RUN_BYTES).
 MAX_CONCURRENT_READS = 16
+
+# A server ignoring Range answers 200 with the whole file: discarding up to this many leading bytes
+# (one MAX_RUN_BYTES run) is cheaper than failing; beyond it the read is refused, typed.
+MAX_SKIP_BYTES = MAX_RUN_BYTES
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 FetchInto = Callable[[str, int, memoryview], None]
 
@@ -92,17 +103,114 @@ def _fetch_run(run: Run, fetch_into: FetchInto) -> None:
 def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX_CONCURRENT_READS) -> None:
     """Fetch every run with ``fetch_into(file, offset, buffer)``, at most ``max_workers`` at a time.
 
-    The first failure cancels the runs not yet started and is raised once the running ones end.
+    The first failure cancels the runs not yet started and interrupts the running ones (their
+    retries stop and their requests are cut, see :class:`~otfload.sources.retry.CancelToken`); it
+    is raised once they have ended. Work runs under the caller's cancel token, so a load cancelled
+    from above stops here too.
     """
     if len(runs) <= 1 or max_workers <= 1:
         for run in runs:
             _fetch_run(run, fetch_into)
         return
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(runs)), thread_name_prefix="otfload-read") as pool:
-        futures = [pool.submit(_fetch_run, run, fetch_into) for run in runs]
+    token = CancelToken(current_token())
+
+    def fetch(run: Run) -> None:
+        if token.cancelled:  # queued before the failure, picked up after it
+            raise LoadCancelled(f"{run.file}: cancelled, another read of this batch failed")
         try:
-            for f in futures:
-                f.result()
+            with cancel_scope(token):
+                _fetch_run(run, fetch_into)
         except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
+            token.cancel()  # at once, before this worker picks up a queued run
             raise
+
+    pool = ThreadPoolExecutor(max_workers=min(max_workers, len(runs)), thread_name_prefix="otfload-read")
+    try:
+        futures = [pool.submit(fetch, run) for run in runs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        failed.sort(key=lambda f: isinstance(f.exception(), LoadCancelled))  # a real failure first
+        if failed:
+            pool.shutdown(wait=False, cancel_futures=True)  # queued runs never start
+            token.cancel()  # running ones stop
+            pool.shutdown(wait=True)
+            raise failed[0].exception()
+    finally:
+        token.cancel()  # nothing is left running; detaches the token from its parent's work
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RangeAnswer(NamedTuple):
+    """How to take the bytes asked for from an HTTP answer's body."""
+
+    skip: int  # body bytes before the first wanted one (a 200 with the whole file)
+    take: int  # wanted bytes in the body (fewer than asked when a server sends a shorter range)
+    body_size: int  # bytes the body must have
+    may_stop: bool  # the rest of the body may be left unread once ``take`` bytes are in
+
+
+def check_range_answer(
+    status: int, headers: Mapping[str, str], what: str, start: int, last: int, size: int
+) -> RangeAnswer:
+    """Check an answer to ``Range: bytes=start-last`` on a file of ``size`` bytes; ``headers`` is
+    case-insensitive. Raises :class:`SourceProtocolError` (naming ``what``) for anything that could
+    deliver other bytes than those asked for."""
+    encoding = (headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        raise SourceProtocolError(
+            f"{what}: answered a byte range with Content-Encoding {encoding!r}; identity was asked, "
+            "encoded bytes cannot be sliced"
+        )
+    length_text = headers.get("Content-Length")
+    length = None
+    if length_text is not None:
+        if not length_text.strip().isdigit():
+            raise SourceProtocolError(f"{what}: Content-Length {length_text!r} is not a byte count")
+        length = int(length_text)
+    if status == 200:  # the Range header was ignored: the body is the whole file
+        if length is not None and length != size:
+            raise SourceProtocolError(f"{what}: answered a byte range with 200 and {length} bytes, the file has {size}")
+        if start > MAX_SKIP_BYTES:
+            raise SourceProtocolError(
+                f"{what}: the server ignores Range requests (200 with the whole file for bytes {start}-{last})"
+            )
+        return RangeAnswer(start, last - start + 1, size, length is not None)
+    if status != 206:
+        raise SourceProtocolError(f"{what}: unexpected HTTP {status} for a byte range")
+    header = headers.get("Content-Range")
+    m = _CONTENT_RANGE.fullmatch((header or "").strip())
+    if m is None:
+        raise SourceProtocolError(f"{what}: 206 with Content-Range {header!r}, expected 'bytes {start}-{last}/{size}'")
+    first, end, total = int(m[1]), int(m[2]), m[3]
+    if total != "*" and int(total) != size:
+        raise SourceProtocolError(f"{what}: Content-Range {header!r} says the file has {total} bytes, not {size}")
+    if first != start or end < first or end > last:
+        raise SourceProtocolError(f"{what}: asked for bytes {start}-{last}, Content-Range says {header!r}")
+    if length is not None and length != end - first + 1:
+        raise SourceProtocolError(f"{what}: Content-Length {length} does not match Content-Range {header!r}")
+    return RangeAnswer(0, end - first + 1, end - first + 1, False)
+
+
+class RangeSink:
+    """Copies the wanted bytes of a checked answer's body, chunk by chunk, into ``out[done:]``."""
+
+    def __init__(self, answer: RangeAnswer, out: memoryview, done: int, what: str):
+        self.answer, self.out, self.done, self.what = answer, out, done, what
+        self.seen = 0  # body bytes received
+
+    def feed(self, chunk: bytes | memoryview) -> bool:
+        """Take ``chunk``; True once the rest of the body may be left unread."""
+        view, (skip, take, body_size, may_stop) = memoryview(chunk), self.answer
+        lo, hi = max(skip, self.seen) - self.seen, min(skip + take, self.seen + len(view)) - self.seen
+        if lo < hi:
+            self.out[self.done : self.done + hi - lo] = view[lo:hi]
+            self.done += hi - lo
+        self.seen += len(view)
+        if self.seen > body_size:
+            raise SourceProtocolError(f"{self.what}: the body is longer than the {body_size} bytes announced")
+        return may_stop and self.seen >= skip + take
+
+    def finish(self) -> None:
+        """The body ended: a short one is worth a retry (what arrived is kept)."""
+        if self.seen < self.answer.body_size and not (self.answer.may_stop and self.seen >= sum(self.answer[:2])):
+            raise TransientError(f"response body ended after {self.seen} of {self.answer.body_size} bytes")

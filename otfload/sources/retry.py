@@ -1,33 +1,72 @@
-"""The retry policy shared by every remote source.
+"""The retry policy, time bounds and cancellation shared by every remote source.
 
 A source wraps one network operation in :meth:`RetryPolicy.run`. The operation classifies its own
-failures: permanent ones are raised as typed ``otfload`` errors (not found, permission) and end the
-call at once; transient ones (connection errors, timeouts, 5xx, 429, truncated bodies) are raised as
-:class:`TransientError` (or a builtin ``ConnectionError``/``TimeoutError``) and are retried with
-exponential backoff and jitter, up to a bounded number of attempts and an overall deadline. Past
-the bound the caller gets a :class:`~otfload.errors.SourceUnavailableError` naming the source and
-file; the message is built from ``where`` and the last error only, so it never holds credentials.
+failures: permanent ones are raised as typed ``otfload`` errors (not found, permission, protocol)
+and end the call at once; transient ones (connection errors, timeouts, 5xx, 429, truncated bodies)
+are raised as :class:`TransientError` (or a builtin ``ConnectionError``/``TimeoutError``) and are
+retried with exponential backoff and jitter, up to a bounded number of attempts and an overall
+deadline. Past the bound the caller gets a :class:`~otfload.errors.SourceUnavailableError` naming
+the source and file (:class:`~otfload.errors.SourceTimeoutError` when the last attempt timed out);
+the message is built from ``where``, the URL and the last error only, so it never holds credentials.
+
+Three clocks bound every network read:
+
+- **idle** (``RetryPolicy.read_timeout_s``): the longest wait for a connection or for the next bytes;
+- **attempt** (:meth:`RetryPolicy.attempt_budget`): one request, from connect to its last byte,
+  ``attempt_timeout_s`` plus the bytes asked for at ``min_rate_bytes_s`` -- a server that drips
+  bytes just fast enough to beat the idle clock still fails its attempt;
+- **total** (:class:`Deadline`, the ``timeout=`` of a load or ``OTFLOAD_TIMEOUT``): no request starts
+  or continues past it, and the error names the URL and the bytes received.
+
+A load also carries a :class:`CancelToken` (set per thread with :func:`cancel_scope`): once one part
+of a load fails for good, the rest stop between attempts, in their backoff sleep, or mid-request.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
+import os
 import random
+import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import TypeVar
 
-from otfload.errors import SourceUnavailableError
+from otfload.errors import OtfloadError, SourceTimeoutError, SourceUnavailableError
 
 T = TypeVar("T")
 
 # HTTP statuses worth retrying: request timeout, rate limiting, and server-side failures.
 TRANSIENT_HTTP_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# The environment variable giving the total deadline of a load when ``timeout=`` is not passed.
+TIMEOUT_ENV = "OTFLOAD_TIMEOUT"
 
 
 class TransientError(Exception):
     """A failure worth retrying (the source has already classified the raw error)."""
+
+
+class StallError(TransientError):
+    """An attempt that ran out of time: no bytes within the idle timeout, or past its deadline.
+
+    ``received`` counts the bytes of the requested range that had arrived.
+    """
+
+    def __init__(self, message: str, received: int = 0):
+        self.received = received
+        super().__init__(message)
+
+
+class LoadCancelled(OtfloadError):
+    """This read was abandoned because another part of the same load failed for good first.
+
+    The loader raises that first failure, never this; it only reaches callers that cancel on purpose.
+    """
 
 
 def is_transient_status(status: int) -> bool:
@@ -35,64 +74,319 @@ def is_transient_status(status: int) -> bool:
     return status in TRANSIENT_HTTP_STATUSES
 
 
+# --- the total deadline --------------------------------------------------------------------------
+
+
+class Deadline:
+    """The absolute end of a load (``timeout_s`` seconds after it was made); ``None`` never ends."""
+
+    def __init__(self, timeout_s: float | None):
+        ok = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool) and 0 < timeout_s < math.inf
+        if timeout_s is not None and not ok:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout_s!r}")
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self.at = math.inf if timeout_s is None else time.monotonic() + timeout_s
+
+    @classmethod
+    def resolve(cls, timeout: float | None) -> Deadline:
+        """``timeout`` seconds from now; ``None`` falls back on ``OTFLOAD_TIMEOUT`` (unset: no limit)."""
+        if timeout is None and (text := os.environ.get(TIMEOUT_ENV, "").strip()):
+            try:
+                timeout = float(text)
+            except ValueError:
+                raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+            if timeout <= 0 or not math.isfinite(timeout):
+                raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+        return cls(timeout)
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0
+
+    def __repr__(self) -> str:
+        return f"Deadline(timeout_s={self.timeout_s})"
+
+
+NO_DEADLINE = Deadline(None)
+
+
+# --- cancellation --------------------------------------------------------------------------------
+
+
+class CancelToken:
+    """A cancel flag for one load, or one part of it: cancelling a token cancels its children.
+
+    ``on_cancel`` callbacks (e.g. closing a socket a thread is blocked on) run once, at cancel time.
+    """
+
+    def __init__(self, parent: CancelToken | None = None):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._ids = itertools.count()
+        self._children: weakref.WeakSet[CancelToken] = weakref.WeakSet()
+        if parent is not None:
+            with parent._lock:
+                parent._children.add(self)
+            if parent.cancelled:
+                self.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = list(self._callbacks.values()), {}
+            children = list(self._children)
+        for fn in callbacks:
+            fn()
+        for child in children:
+            child.cancel()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True if cancelled meanwhile (returns at once then)."""
+        return self._event.wait(max(0.0, seconds))
+
+    def on_cancel(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Run ``fn`` when cancelled (now, if already); returns a function unregistering it."""
+        with self._lock:
+            if not self._event.is_set():
+                key = next(self._ids)
+                self._callbacks[key] = fn
+                return lambda: self._callbacks.pop(key, None)
+        fn()
+        return lambda: None
+
+
+_scope = threading.local()
+
+
+def current_token() -> CancelToken | None:
+    """The cancel token of the load this thread works for, if any."""
+    return getattr(_scope, "token", None)
+
+
+@contextmanager
+def cancel_scope(token: CancelToken | None) -> Iterator[CancelToken | None]:
+    """Make ``token`` this thread's :func:`current_token` for the duration of the block."""
+    previous = current_token()
+    _scope.token = token
+    try:
+        yield token
+    finally:
+        _scope.token = previous
+
+
+# --- alarms --------------------------------------------------------------------------------------
+
+
+class _Alarms:
+    """One daemon thread running callbacks at given monotonic times (cheaper than a Timer each)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._live: set[int] = set()
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, when: float, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` at monotonic time ``when`` unless the returned disarm function runs first."""
+        if math.isinf(when):
+            return lambda: None
+        with self._cond:
+            key = next(self._ids)
+            heapq.heappush(self._heap, (when, key, fn))
+            self._live.add(key)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="otfload-alarms", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+        def disarm() -> None:
+            with self._cond:
+                self._live.discard(key)
+
+        return disarm
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, key, fn = heapq.heappop(self._heap)
+                due = key in self._live
+                self._live.discard(key)
+            if due:
+                with suppress(Exception):  # an alarm must never kill the thread serving the others
+                    fn()
+
+
+ALARMS = _Alarms()
+
+
+@contextmanager
+def interrupt_at(until: float, fn: Callable[[], None]) -> Iterator[Callable[[], bool]]:
+    """Run ``fn`` (which must unblock the current I/O) at ``until`` or when the load is cancelled.
+
+    Yields a function telling whether it fired; the alarm is disarmed when the block ends.
+    """
+    fired = threading.Event()
+    lock = threading.Lock()
+    over = False  # the block has ended: ``fn`` must not touch what it guarded (a pooled socket)
+
+    def fire() -> None:
+        with lock:
+            if not over:
+                fired.set()
+                fn()
+
+    disarm = ALARMS.arm(until, fire)
+    token = current_token()
+    unregister = token.on_cancel(fire) if token is not None else (lambda: None)
+    try:
+        yield fired.is_set
+    finally:
+        with lock:
+            over = True
+        disarm()
+        unregister()
+
+
+# --- the policy ----------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded retries with exponential backoff and equal jitter.
+    """Bounded retries with exponential backoff and equal jitter, and the per-read time bounds.
 
-    The defaults ride out a server restart or a burst of 5xx lasting ~10 s and give up within a
-    minute; ``attempt_timeout_s`` bounds every single network wait (connect, read, object call).
+    The defaults ride out a server restart or a burst of 5xx lasting ~10 s and stop retrying after
+    a minute. ``read_timeout_s`` is the idle bound (connect, headers, next body bytes);
+    one attempt may take :meth:`attempt_budget` seconds in all. ``deadline_s`` stops new attempts;
+    the attempt running then still ends within its own budget.
     """
 
     attempts: int = 8
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
     deadline_s: float = 60.0
+    # One attempt's fixed allowance: connection, TLS, headers and the latency of a busy server.
     attempt_timeout_s: float = 30.0
+    # As huggingface_hub's download timeout (HF_HUB_DOWNLOAD_TIMEOUT): a healthy server never pauses
+    # 10 s mid-body; a stalled one is given up on (and resumed by the next attempt) after that.
+    read_timeout_s: float = 10.0
+    # Slowest transfer an attempt tolerates on top of attempt_timeout_s: 1 MiB/s lets a full 64 MiB
+    # run take 94 s; a server dripping bytes slower than that fails its attempt (and is resumed).
+    min_rate_bytes_s: float = float(1 << 20)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        for name in ("attempt_timeout_s", "read_timeout_s", "min_rate_bytes_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")
 
     def delay(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (0-based): half fixed, half random, capped."""
         ceiling = min(self.max_delay_s, self.base_delay_s * 2**retry)
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
-    def run(self, attempt: Callable[[], T], where: str) -> T:
+    def attempt_budget(self, nbytes: int) -> float:
+        """Seconds one attempt fetching ``nbytes`` may take, from connecting to its last byte."""
+        return self.attempt_timeout_s + nbytes / self.min_rate_bytes_s
+
+    def attempt_until(self, nbytes: int, deadline: Deadline = NO_DEADLINE) -> float:
+        """The monotonic time an attempt starting now must end by (its budget, or the load's end)."""
+        return min(time.monotonic() + self.attempt_budget(nbytes), deadline.at)
+
+    def run(
+        self,
+        attempt: Callable[[], T],
+        where: str,
+        *,
+        deadline: Deadline = NO_DEADLINE,
+        url: str = "",
+        progress: Callable[[], int] | None = None,
+    ) -> T:
         """Call ``attempt`` until it succeeds, fails permanently, or the bounds are spent.
 
-        ``where`` names the source and file for the final error, e.g. ``"hub:org/name@main: a.safetensors"``.
+        ``where`` names the source and file for the final error, e.g. ``"hub:org/name@main: a.safetensors"``;
+        ``url`` and ``progress`` (bytes received so far) go into a :class:`SourceTimeoutError`.
+        Cancelling the thread's :func:`current_token` ends the call with :class:`LoadCancelled`.
         """
+        token = current_token()
         start = time.monotonic()
-        for retry in range(self.attempts):
+        last: BaseException | None = None
+        retry = 0
+        for retry in range(self.attempts):  # noqa: B007 - the count is reported
+            if token is not None and token.cancelled:
+                raise LoadCancelled(f"{where}: cancelled, another read of this load failed") from last
+            if deadline.expired():
+                raise self._timed_out(where, deadline, url, progress, last) from last
             try:
                 return attempt()
             except (TransientError, ConnectionError, TimeoutError) as e:
                 last = e
+            if token is not None and token.cancelled:
+                raise LoadCancelled(f"{where}: cancelled, another read of this load failed") from last
+            if deadline.expired():
+                raise self._timed_out(where, deadline, url, progress, last) from last
             elapsed = time.monotonic() - start
-            pause = self.delay(retry)
+            pause = min(self.delay(retry), max(0.0, deadline.remaining()))
             if retry + 1 == self.attempts or elapsed + pause > self.deadline_s:
                 break
-            time.sleep(pause)
-        raise SourceUnavailableError(
+            if token is not None:
+                token.wait(pause)
+            else:
+                time.sleep(pause)
+        message = (
             f"{where}: unreachable after {retry + 1} attempt(s) in {time.monotonic() - start:.1f}s "
             f"(last error: {type(last).__name__}: {last})"
-        ) from last
+        )
+        if isinstance(last, StallError | TimeoutError):
+            received = progress() if progress is not None else getattr(last, "received", 0)
+            raise SourceTimeoutError(f"{message}; {received} byte(s) received from {url or where}",
+                                     url=url or where, received=received) from last  # fmt: skip
+        raise SourceUnavailableError(message) from last
+
+    @staticmethod
+    def _timed_out(
+        where: str, deadline: Deadline, url: str, progress: Callable[[], int] | None, last: BaseException | None
+    ) -> SourceTimeoutError:
+        received = progress() if progress is not None else getattr(last, "received", 0)
+        why = f" (last error: {type(last).__name__}: {last})" if last is not None else ""
+        return SourceTimeoutError(
+            f"{where}: the load's timeout of {deadline.timeout_s:g}s passed with {received} byte(s) received "
+            f"from {url or where}{why}; raise timeout= or {TIMEOUT_ENV} for slow networks",
+            url=url or where,
+            received=received,
+        )
 
 
 class RetriedCalls:
-    """Mixin for remote sources: :meth:`_call` runs one network operation under ``self._retry``,
-    with the source's own ``self._translated(file)`` turning library errors into otfload errors."""
+    """Mixin for remote sources: :meth:`_call` runs one network operation under ``self._retry`` and
+    the load's ``self._deadline``, with the source's own ``self._translated(file)`` turning library
+    errors into otfload errors."""
 
     _retry: RetryPolicy
+    _deadline: Deadline = NO_DEADLINE
     description: str
 
-    def _translated(self, file: str | None) -> AbstractContextManager[None]:
+    def _translated(self, file: str | None, url: str = "") -> AbstractContextManager[None]:
         raise NotImplementedError
 
-    def _call(self, fn: Callable[[], T], file: str | None = None) -> T:
+    def _call(
+        self, fn: Callable[[], T], file: str | None = None, *, url: str = "", progress: Callable[[], int] | None = None
+    ) -> T:
         def attempt() -> T:
-            with self._translated(file):
+            with self._translated(file, url):
                 return fn()
 
-        return self._retry.run(attempt, f"{self.description}: {file}" if file else self.description)
+        where = f"{self.description}: {file}" if file else self.description
+        return self._retry.run(attempt, where, deadline=self._deadline, url=url, progress=progress)

@@ -5,19 +5,25 @@ sha is derived from the repo id; revisions ``main`` and that sha resolve). Enoug
 for ``huggingface_hub`` 2.x: repo info, tree listing, paths-info, and HEAD/GET ``resolve`` with
 ``ETag``, ``X-Repo-Commit`` and byte ranges. Every request is logged, an optional bearer token is
 enforced, and :class:`Faults` injects 5xx bursts, connection resets, truncated bodies, corrupted
-bytes and delays.
+bytes and delays, and the hostile answers of issue 13: dripping and stalled bodies, range answers
+for other bytes (shifted ``Content-Range``, ``200`` with the whole file, long bodies, a wrong total,
+a lying ``Content-Encoding``), broken revision metadata and redirect loops. A directory URL under
+``resolve`` answers an HTML index of its files, so ``http://`` fsspec URLs work against it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import html
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +33,16 @@ from typing import NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
 CHUNK_BYTES = 1 << 20  # body write size: large enough for GB/s over loopback
+STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
+CAP_RANGE_BYTES = 4096  # range_fault "cap": honest answers of at most this many bytes (as some CDNs do)
+LONG_EXTRA_BYTES = 16  # range_fault "long"/"long_chunked": bytes sent beyond the range asked
+# range_fault values: how a ranged file GET lies (see Faults)
+RANGE_FAULTS = ("shift", "full", "long", "long_chunked", "total", "missing", "cap", "gzip")
+# metadata_fault values: how the revision-info JSON is broken (see Faults)
+METADATA_FAULTS = (
+    "not_json", "array", "negative_size", "huge_size", "missing_size", "string_size", "missing_sha", "bad_sha",
+    "missing_siblings", "rfilename_int", "bad_lfs", "gzip", "drip", "stall",
+)  # fmt: skip
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")  # files the Hub stores through LFS
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
@@ -49,6 +65,19 @@ class Faults:
     truncate_next: int = 0  # next N file GETs: send half the body, then close cleanly (short body)
     corrupt: set[str] = field(default_factory=set)  # file paths served with one byte flipped
     delay_s: float = 0.0  # sleep before answering every request
+    drip_next: int = 0  # next N file GETs: headers, then one body byte every ``drip_interval_s``
+    drip_interval_s: float = 1.0
+    stall_next: int = 0  # next N file GETs: half the body, then silence with the connection kept open
+    # the next ``range_fault_next`` ranged file GETs lie as ``range_fault`` says:
+    #   shift: Content-Range (and body) one byte off; full: 200 with the whole file; long: Content-Length
+    #   and body longer than the range; long_chunked: the same without Content-Length; total: a wrong
+    #   file size in Content-Range; missing: 206 without Content-Range; cap: an honest shorter range;
+    #   gzip: "Content-Encoding: gzip" on raw bytes
+    range_fault: str = ""
+    range_fault_next: int = 0
+    # every revision-info answer is broken as ``metadata_fault`` says (one of METADATA_FAULTS)
+    metadata_fault: str = ""
+    redirect_loop: bool = False  # resolve GETs answer 302 to themselves
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def take(self, knob: str) -> bool:
@@ -132,6 +161,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     hub: HubServer
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        """Connections the faults (or a client giving up) broke are expected: no traceback on stderr."""
+        if not isinstance(sys.exc_info()[1], OSError | ValueError):
+            super().handle_error(request, client_address)
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the real Hub
@@ -208,7 +242,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._tree(m[1], m[2], m[3] or "", params.get("recursive", "").lower() == "true")
         elif self.command == "POST" and (m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/paths-info/([^/]+)", path)):
             self._paths_info(m[1], m[2], parse_qs(body.decode()).get("paths", []))
-        elif m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
+        elif m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/?(.*)", path):
             self._resolve(m[1], m[2], m[3])
         else:
             self._error(404, None, f"no route for {self.command} {path}")
@@ -234,7 +268,51 @@ class _Handler(BaseHTTPRequestHandler):
                     if "lfs" in e:
                         sib["lfs"] = {"sha256": e["lfs"]["oid"], "size": e["size"], "pointerSize": 134}
                 siblings.append(sib)
-            self._json({"id": repo_id, "modelId": repo_id, "sha": repo.sha, "private": False, "siblings": siblings})
+            info = {"id": repo_id, "modelId": repo_id, "sha": repo.sha, "private": False, "siblings": siblings}
+            fault = self.server.hub.faults.metadata_fault
+            if fault:
+                self._broken_metadata(fault, info)
+            else:
+                self._json(info)
+
+    def _broken_metadata(self, fault: str, info: dict) -> None:
+        """Answer the revision info ``info`` broken as ``fault`` (one of METADATA_FAULTS) says."""
+        sibs = info["siblings"]
+        lfs_sib = next((sib for sib in sibs if "lfs" in sib), sibs[0] if sibs else {})
+        if fault == "not_json":
+            self._send(200, b"<html>502 Bad Gateway</html>", {"Content-Type": "application/json"})
+            return
+        if fault == "array":
+            self._json([info])
+            return
+        if fault in ("gzip", "drip", "stall"):
+            body = json.dumps(info).encode()
+            if fault == "gzip":  # a lying Content-Encoding: the body is plain JSON
+                self._send(200, body, {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if fault == "drip":
+                self._drip(body)
+            else:
+                self.wfile.write(body[: len(body) // 2])
+                self._hold()
+            return
+        edits = {
+            "negative_size": lambda: lfs_sib.update(size=-1),
+            "huge_size": lambda: lfs_sib.update(size=1 << 62),
+            "missing_size": lambda: lfs_sib.pop("size", None),
+            "string_size": lambda: lfs_sib.update(size="12"),
+            "missing_sha": lambda: info.pop("sha"),
+            "bad_sha": lambda: info.update(sha="../../../../tmp/evil"),
+            "missing_siblings": lambda: info.pop("siblings"),
+            "rfilename_int": lambda: sibs.append({"rfilename": 7, "size": 1}),
+            "bad_lfs": lambda: lfs_sib.update(lfs={"sha256": 12}),
+        }
+        edits[fault]()
+        self._json(info)
 
     def _tree(self, repo_id: str, revision: str, prefix: str, recursive: bool) -> None:
         if repo := self._repo(repo_id, revision):
@@ -253,6 +331,14 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None:
             return
         commit = {"X-Repo-Commit": repo.sha}
+        faults = self.server.hub.faults
+        if faults.redirect_loop and self.command == "GET":
+            self._send(302, b"", {"Location": self.path, **commit})
+            return
+        folder, root = (repo.path / name).resolve(), repo.path.resolve()
+        if folder.is_dir() and (folder == root or root in folder.parents):
+            self._index(repo, name.strip("/"))
+            return
         path = repo.file(name)
         if path is None:
             self._error(404, "EntryNotFound", f"{name} does not exist on {revision}", commit)
@@ -267,16 +353,97 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             (start, end), status = rng, 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{info.size}"
+        fault = (
+            faults.range_fault if status == 206 and self.command == "GET" and faults.take("range_fault_next") else ""
+        )
+        extra, length = 0, end - start
+        if fault == "shift":  # the neighbouring bytes, labelled as such
+            step = 1 if end < info.size else -1
+            start, end = start + step, end + step
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{info.size}"
+        elif fault == "full":
+            start, end, status = 0, info.size, 200
+            del headers["Content-Range"]
+        elif fault in ("long", "long_chunked"):
+            extra = LONG_EXTRA_BYTES
+        elif fault == "total":
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{info.size + 1}"
+        elif fault == "missing":
+            del headers["Content-Range"]
+        elif fault == "cap":
+            end = min(end, start + CAP_RANGE_BYTES)
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{info.size}"
+        elif fault == "gzip":
+            headers["Content-Encoding"] = "gzip"
+        length = end - start + extra
         self.send_response(status)
-        for k, v in {**headers, "Content-Length": str(end - start)}.items():
+        if fault == "long_chunked":
+            headers["Transfer-Encoding"] = "chunked"
+        else:
+            headers["Content-Length"] = str(length)
+        for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
         if self.command == "HEAD":
             return
-        self._send_body(path, name, start, end)
+        if fault == "long_chunked":
+            data = _read_range(path, start, end + extra)
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+            return
+        if faults.take("drip_next"):
+            self._drip(_read_range(path, start, end + extra), faults.drip_interval_s)
+            return
+        if faults.take("stall_next"):
+            self.wfile.write(_read_range(path, start, start + (end - start) // 2))
+            self._hold()
+            return
+        self._send_body(path, name, start, end, extra)
 
-    def _send_body(self, path: Path, name: str, start: int, end: int) -> None:
+    def _index(self, repo: _Repo, prefix: str) -> None:
+        """An HTML page linking every file under ``prefix`` (what fsspec's HTTP listing reads)."""
+        names = [n for n in repo.files() if not prefix or n.startswith(prefix + "/")]
+        rel = [n[len(prefix) + 1 :] if prefix else n for n in names]
+        links = "".join(f'<a href="{html.escape(n)}">{html.escape(n)}</a>\n' for n in rel)
+        self._send(200, f"<html><body>\n{links}</body></html>".encode(), {"Content-Type": "text/html"})
+
+    def _drip(self, body: bytes, interval_s: float | None = None) -> None:
+        """Send ``body`` one byte at a time, ``interval_s`` apart, until done or the client leaves."""
+        interval_s = self.server.hub.faults.drip_interval_s if interval_s is None else interval_s
+        self.close_connection = True
+        try:
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                if self._client_gone(interval_s):
+                    return
+        except OSError:  # the client gave up: what the test wanted
+            return
+
+    def _hold(self) -> None:
+        """Keep the connection open and silent until the client leaves (or STALL_HOLD_S passes)."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.wfile.flush()
+        deadline = time.monotonic() + STALL_HOLD_S
+        while time.monotonic() < deadline and self.server.hub.running:
+            if self._client_gone(0.05):
+                return
+
+    def _client_gone(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s``; True if the client closed its end meanwhile."""
+        readable, _, _ = select.select([self.request], [], [], wait_s)
+        if not readable:
+            return False
+        try:
+            return self.request.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _send_body(self, path: Path, name: str, start: int, end: int, extra: int = 0) -> None:
         faults = self.server.hub.faults
+        if extra:
+            self.wfile.write(_read_range(path, start, end + extra))
+            return
         middle = start + (end - start) // 2
         reset, truncate = faults.take("reset_next"), faults.take("truncate_next")
         stop = middle if reset or truncate else end
@@ -296,6 +463,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.request.close()
         elif truncate:  # FIN before Content-Length bytes: a short body
             self.request.shutdown(socket.SHUT_WR)
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``path``, zero-padded past its end."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    return data + bytes(end - start - len(data))
 
 
 def _parse_range(spec: str, size: int) -> tuple[int, int] | None:

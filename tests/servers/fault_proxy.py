@@ -1,0 +1,220 @@
+"""A real HTTP reverse proxy on 127.0.0.1 that misbehaves on purpose, for servers we do not own.
+
+Put it in front of the real fake-gcs-server (or any HTTP server) and point the client at
+:attr:`FaultProxy.url`: every request is forwarded upstream over a real connection and the answer
+relayed, except that requests whose path and query contain :attr:`ProxyFaults.match` may be
+dripped (headers, then one byte every ``drip_interval_s``), stalled (half the body, then silence
+with the connection open), failed with a 5xx, or have their ``Range`` shifted or dropped before
+forwarding (so the upstream's own answer names other bytes, or is a ``200`` with the whole file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
+UPSTREAM_TIMEOUT_S = 30.0  # the upstream is a local test server: it answers in milliseconds
+# Headers that describe one hop, not the message: never relayed (RFC 9110 section 7.6.1).
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"}
+)
+
+
+class ProxiedRequest(NamedTuple):
+    """One request as the proxy saw it; ``fault`` is the fault applied, or ""."""
+
+    method: str
+    target: str
+    range: str | None
+    fault: str
+
+
+@dataclass
+class ProxyFaults:
+    """Fault knobs; counters are consumed one per matching request."""
+
+    match: str = "alt=media"  # apply faults only to requests whose target contains this (GCS object reads)
+    drip_next: int = 0  # headers, then one body byte every ``drip_interval_s``
+    drip_interval_s: float = 1.0
+    stall_next: int = 0  # half the body, then silence with the connection kept open
+    fail_next: int = 0  # answer ``fail_status`` without asking upstream
+    fail_status: int = 503
+    shift_range_next: int = 0  # forward ``Range`` one byte later: upstream answers for other bytes
+    drop_range_next: int = 0  # forward without ``Range``: upstream answers 200 with the whole object
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self, knob: str) -> bool:
+        """Consume one unit of counter ``knob`` if any is left."""
+        with self.lock:
+            left = getattr(self, knob)
+            if left > 0:
+                setattr(self, knob, left - 1)
+            return left > 0
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    proxy: FaultProxy
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - silence stderr access log
+        pass
+
+    def do_GET(self) -> None:
+        self._relay()
+
+    def do_HEAD(self) -> None:
+        self._relay()
+
+    def do_POST(self) -> None:
+        self._relay()
+
+    def do_PUT(self) -> None:
+        self._relay()
+
+    def do_DELETE(self) -> None:
+        self._relay()
+
+    def do_PATCH(self) -> None:
+        self._relay()
+
+    def _relay(self) -> None:
+        proxy = self.server.proxy
+        faults = proxy.faults
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "host"}
+        fault = ""
+        if faults.match in self.path and self.command == "GET":
+            for knob in ("fail_next", "drip_next", "stall_next", "shift_range_next", "drop_range_next"):
+                if faults.take(knob):
+                    fault = knob.removesuffix("_next")
+                    break
+        proxy.log.append(ProxiedRequest(self.command, self.path, self.headers.get("Range"), fault))
+        if fault == "fail":
+            self._answer(faults.fail_status, {"Content-Type": "text/plain"}, b"injected failure")
+            return
+        if fault == "shift_range" and "Range" in headers:
+            first, _, last = headers["Range"].removeprefix("bytes=").partition("-")
+            headers["Range"] = f"bytes={int(first) + 1}-{int(last) + 1 if last else ''}"
+        if fault == "drop_range":
+            headers.pop("Range", None)
+        status, reply_headers, data = proxy.forward(self.command, self.path, headers, body)
+        if fault == "drip":
+            self._answer(status, reply_headers, data, drip=faults.drip_interval_s)
+        elif fault == "stall":
+            self._answer(status, reply_headers, data, stall=True)
+        else:
+            self._answer(status, reply_headers, data)
+
+    def _answer(
+        self, status: int, headers: dict[str, str], data: bytes, drip: float | None = None, stall: bool = False
+    ) -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        try:
+            if drip is not None:
+                self.close_connection = True
+                for i in range(len(data)):
+                    self.wfile.write(data[i : i + 1])
+                    self.wfile.flush()
+                    if self._client_gone(drip):
+                        return
+            elif stall:
+                self.close_connection = True
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                deadline = time.monotonic() + STALL_HOLD_S
+                while time.monotonic() < deadline and self.server.proxy.running:
+                    if self._client_gone(0.05):
+                        return
+            else:
+                self.wfile.write(data)
+        except OSError:  # the client gave up: what a drip or stall test wants
+            self.close_connection = True
+
+    def _client_gone(self, wait_s: float) -> bool:
+        readable, _, _ = select.select([self.request], [], [], wait_s)
+        if not readable:
+            return False
+        try:
+            return self.request.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+
+class FaultProxy:
+    """A fault-injecting HTTP reverse proxy for ``upstream`` (``http://host:port``); a context manager."""
+
+    def __init__(self, upstream: str):
+        parts = urlsplit(upstream)
+        self.upstream_host, self.upstream_port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.faults = ProxyFaults()
+        self.log: list[ProxiedRequest] = []
+        self.port = 0
+        self._httpd: _Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._httpd is not None
+
+    def forward(self, method: str, target: str, headers: dict[str, str], body: bytes) -> tuple[int, dict, bytes]:
+        """Send one request upstream on a fresh connection; (status, relayable headers, body)."""
+        conn = http.client.HTTPConnection(self.upstream_host, self.upstream_port, timeout=UPSTREAM_TIMEOUT_S)
+        try:
+            conn.request(method, target, body=body or None, headers=headers)
+            r = conn.getresponse()
+            data = r.read()
+            relayed = {k: v for k, v in r.getheaders() if k.lower() not in HOP_BY_HOP}
+            return r.status, relayed, data
+        finally:
+            conn.close()
+
+    def requests(self, contains: str = "") -> list[ProxiedRequest]:
+        return [r for r in self.log if contains in r.target]
+
+    def reset(self) -> None:
+        self.log.clear()
+        self.faults = ProxyFaults()
+
+    def start(self) -> FaultProxy:
+        self._httpd = _Server(("127.0.0.1", self.port), _Handler)
+        self._httpd.proxy = self
+        self.port = self._httpd.server_address[1]
+        threading.Thread(target=self._httpd.serve_forever, name="fault-proxy", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is None:
+            return
+        httpd, self._httpd = self._httpd, None
+        httpd.shutdown()
+        with contextlib.suppress(OSError):
+            httpd.server_close()
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
