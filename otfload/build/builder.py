@@ -66,6 +66,12 @@ class ByteBudget:
             self._held -= nbytes
             self._cond.notify_all()
 
+    @property
+    def held(self) -> int:
+        """Bytes acquired and not yet released (0 once every build has ended, failed or not)."""
+        with self._cond:
+            return self._held
+
 
 def _chunks(combos: list[tuple[int, ...]], per_combo: int, limit: int | None) -> list[list[tuple[int, ...]]]:
     """Consecutive runs of stack slices whose source bytes fit ``limit`` (at least one slice each)."""
@@ -95,18 +101,20 @@ def build_boxes(
         try:
             indices = {c: sum(k * s for k, s in zip(c, strides, strict=True)) for c in chunk}
             parts = {
-                c: reader.read_source(plan.sources[i], plan.scale_of(i), union, plan.quant_block, arena)
+                c: reader.read_box(plan.sources[i], union, arena)
                 for c, i in indices.items()
             }
             for box in boxes:
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
         finally:
             parts = None
-            for i in indices.values():
-                reader.release(plan.sources[i], union)
-            arena.reset()
-            arena.trim(budget.share)
-            budget.release(held)
+            try:
+                for i in indices.values():
+                    reader.release(plan.sources[i], union)
+            finally:  # whatever failed (any exception type), scratch and budget go back: no waiter hangs
+                arena.reset()
+                arena.trim(budget.share)
+                budget.release(held)
     return results
 
 

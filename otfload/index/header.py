@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from otfload.errors import HeaderError, TruncatedFileError, UnknownDtypeError
+from otfload.errors import CorruptFileError, HeaderError, TruncatedFileError, UnknownDtypeError
 from otfload.index.dtypes import SAFETENSORS_DTYPES
 
 # The reference implementation refuses headers above 100 MB; a legitimate header of a 5 GB shard
@@ -52,6 +52,8 @@ class FileHeader(NamedTuple):
 
 def header_length(prefix: bytes, file: str, file_size: int) -> int:
     """The JSON header length from the first 8 bytes, checked against the cap and file size."""
+    if file_size == 0:
+        raise CorruptFileError(file, "empty file (0 bytes): not a safetensors file")
     if file_size < _LENGTH.size or len(prefix) < _LENGTH.size:
         raise TruncatedFileError(file, f"file is {file_size} bytes, too short for a safetensors header")
     (n,) = _LENGTH.unpack_from(prefix)

@@ -69,3 +69,39 @@ def test_arena_trims_after_an_oversized_tensor():
     assert arena.capacity >= 1000  # within its share: kept for reuse
     arena.trim(500)
     assert arena.capacity == 0  # beyond its share: freed
+
+
+class _CleanupFails(LocalSource):
+    """A source whose cleanup itself fails with a non-OSError, as a mapping's madvise once could."""
+
+    def release(self, file: str, offset: int, length: int) -> None:
+        raise ValueError("madvise length invalid")
+
+
+@pytest.mark.parametrize("fault", ["truncated", "cleanup"])
+def test_a_failed_build_gives_back_its_budget_and_scratch(tmp_path, mesh_2x4, fault):
+    import os
+    import threading
+
+    from otfload.errors import TruncatedFileError
+
+    rng = np.random.default_rng(0)
+    tensors = {f"l.{i}.o": rng.standard_normal((16, 32), dtype=np.float32) for i in range(6)}
+    root = write_checkpoint(tmp_path / "c", tensors, files=1)
+    source = LocalSource(root, mmap=False) if fault == "truncated" else _CleanupFails(root)
+    index = open_index(source, require_config=False)
+    leaf = jax.ShapeDtypeStruct((6, 4, 8, 16), np.float32, sharding=NamedSharding(mesh_2x4, P()))
+    leaves, _ = abstract_from_pytree({"layers": {"o": leaf}})
+    plan = build_plan(index, leaves, TABLE).leaves["layers.o"]
+    if fault == "truncated":
+        os.truncate(root / "model-00001-of-00001.safetensors", 1000)
+    budget, arena = ByteBudget(plan.source_bytes, workers=2), Arena()
+    with pytest.raises(TruncatedFileError if fault == "truncated" else ValueError):
+        build_leaf(plan, TensorReader(source), arena, budget)
+    assert budget.held == 0
+    arena.trim(0)
+    assert arena.capacity == 0  # reset: nothing handed out is still counted as in use
+    # a builder waiting for the whole budget is admitted at once
+    admitted = threading.Event()
+    threading.Thread(target=lambda: (budget.acquire(plan.source_bytes), admitted.set()), daemon=True).start()
+    assert admitted.wait(5)

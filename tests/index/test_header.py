@@ -15,7 +15,8 @@ import pytest
 import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 
-from otfload.errors import HeaderError, TruncatedFileError, UnknownDtypeError
+from otfload.errors import CorruptFileError, HeaderError, TruncatedFileError, UnknownDtypeError
+from otfload.index.checkpoint import open_index
 from otfload.index.dtypes import SAFETENSORS_DTYPES
 from otfload.index.header import HEADER_PREFETCH_BYTES, MAX_HEADER_BYTES, header_length, read_header
 from otfload.sources import LocalSource
@@ -181,6 +182,16 @@ def test_accepts_iff_reference_accepts(blob: bytes):
         assert known_divergence(blob), f"rejected a file the reference accepts: {ours}"
     else:
         assert_same_as_reference(ours, theirs, source)
+
+
+def test_empty_file_says_so(tmp_path):
+    """A 0-byte file is reported as empty, naming it (not as a header length or JSON problem)."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CorruptFileError, match=r"^model.safetensors: empty file \(0 bytes\)") as caught:
+        read_header(LocalSource(tmp_path), "model.safetensors")
+    assert caught.value.file == "model.safetensors"
+    with pytest.raises(CorruptFileError, match="empty file"):
+        open_index(LocalSource(tmp_path), require_config=False)
 
 
 def test_header_length_limits():
