@@ -58,6 +58,9 @@ MAX_FILE_BYTES = 1 << 44
 HTTP_CHUNK_BYTES = 1 << 20
 
 
+# Listing fields holding an object's published checksums, by algorithm (GCS JSON API names).
+PUBLISHED_DIGESTS = {"md5": "md5Hash", "crc32c": "crc32c"}
+
 class FsspecSource(RetriedCalls):
     """The safetensors and JSON files under ``url``; ``storage_options`` go to the fsspec filesystem.
 
@@ -93,6 +96,13 @@ class FsspecSource(RetriedCalls):
             raise SourceNotFoundError(f"{self.description}: no files there (missing bucket, prefix or directory?)")
         check_safe_format(sizes, self.description)
         self._sizes = {name: self._checked_size(name, size) for name, size in sizes.items() if is_checkpoint_file(name)}
+        # Object stores publish checksums in the listing (GCS ``md5Hash`` / ``crc32c``, base64): kept so
+        # the shard cache can verify copies against the source's current object at no extra request.
+        self._digests = {
+            path[len(self._root) + 1 :]: {alg: info[key] for alg, key in PUBLISHED_DIGESTS.items()
+                                          if isinstance(info.get(key), str)}
+            for path, info in found.items() if path != self._root
+        }
 
     @property
     def description(self) -> str:
@@ -106,6 +116,10 @@ class FsspecSource(RetriedCalls):
         if size is None:
             raise SourceNotFoundError(f"{file!r} not found in {self.description}")
         return size
+
+    def digests(self, file: str) -> dict[str, str]:
+        """Checksums the store published for ``file`` in its listing (``md5``/``crc32c``, base64)."""
+        return dict(self._digests.get(file, {}))
 
     def read_into(self, file: str, offset: int, out: memoryview) -> None:
         want, size = len(out), self.size(file)

@@ -88,3 +88,17 @@ def test_credentials_in_url_are_not_shown():
 def test_pickle_only_prefix_is_refused(pickle_checkpoint):
     with pytest.raises(UnsafeFormatError, match="pytorch_model.bin"):
         FsspecSource(memory_copy(pickle_checkpoint))
+
+
+def test_gcs_publishes_each_objects_md5_and_crc32c_from_the_listing(gs_url, gcs_server, checkpoint, fast_retry):
+    import base64
+    import hashlib
+
+    import google_crc32c
+
+    src = FsspecSource(gs_url, gcs_server.storage_options, retry=fast_retry)
+    data = (checkpoint / SHARD).read_bytes()
+    digests = src.digests(SHARD)
+    assert digests["md5"] == base64.b64encode(hashlib.md5(data).digest()).decode()
+    assert digests["crc32c"] == base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+    assert FsspecSource(memory_copy(checkpoint)).digests(SHARD) == {}  # memory:// publishes none
