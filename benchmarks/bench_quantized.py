@@ -1,0 +1,453 @@
+"""Quantized-load benchmark: otfload dequantising FP8 and W4A16 checkpoints on the fly, against its
+bf16 load of the same model and each checkpoint's raw read floor.
+
+    python -m benchmarks.bench_quantized --size-gib 0.5 [--repeat 3] [--dir bench_data/llama-0.5g]
+        [--methods otfload-bf16,otfload-fp8,...] [--devices 8] [--cold] [--no-breakdown]
+
+One bf16 Llama-shaped checkpoint (``benchmarks.make_checkpoint``; ``--dir`` reuses one) and two copies
+of it with every ``*proj.weight`` quantized (``benchmarks.make_quantized``, written next to it as
+``<dir>-fp8`` and ``<dir>-w4a16``). Methods, each run in a fresh process on ``--devices`` simulated
+CPU devices (the 2×4 mesh of bench_load), interleaved over ``--repeat`` rounds, median reported:
+
+- ``otfload-<variant>``: ``otfload.from_pretrained(dir, mesh=..., dtype="bfloat16")`` — quantized
+  weights are dequantised to bf16 per device box;
+- ``floor-<variant>``: ``np.fromfile`` of every file of that checkpoint, one thread (the raw read floor).
+
+Each run records wall and CPU seconds, the bytes placed on devices (``LoadReport.bytes_placed``), the
+bytes read as otfload counts them (``LoadReport.bytes_read``) and as the kernel does (``/proc/self/io``
+``rchar``: read()-family syscalls, which a memory-mapped read does not make; ``read_bytes``: storage
+I/O, ~0 on a warm page cache), and the peak RSS (``ru_maxrss`` or a 10 ms sampler, the larger).
+Unless ``--cold``, every run first reads its checkpoint once, untimed (as bench_load does).
+
+``--breakdown`` (default) also times the decode alone, one thread, every quantized tensor whole:
+reading the parts (page faults of the mapped file), widening the codes, applying the scales, and
+the cast to bf16 — in ns per output element, next to a plain bf16 copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.bench_load import child_env, drop_caches, machine_line, warm
+
+RESULT_PREFIX = "BENCH_RESULT "
+VARIANTS = ("bf16", "fp8", "w4a16")
+QUANTIZED = VARIANTS[1:]
+DEFAULT_METHODS = ",".join(f"{kind}-{v}" for v in VARIANTS for kind in ("floor", "otfload"))
+GIB = 2**30
+BF16_BYTES = 2
+# What the loader does per quantized tensor, timed one by one in the decode breakdown.
+OTFLOAD_STAGES = ("read parts", "widen codes", "apply scales", "cast to bf16")
+
+
+# --- child: one method, one load, in this process ---------------------------------------------------
+
+
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters (all threads): rchar, read_bytes, syscr, ... ({} if unavailable)."""
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v) for k, v in (line.split(": ") for line in lines)}
+
+
+def _faults() -> tuple[int, int]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_majflt
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def disk_bytes(directory: Path) -> int:
+    """Bytes of every file of the checkpoint (shards, index, config)."""
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+def plan_figures(plan) -> dict[str, int]:
+    """Bytes computed from the load plan (not measured).
+
+    ``stored``: ``LoadPlan.source_bytes`` (codes + scales of quantized weights); ``logical``: every
+    leaf once in its target dtype; ``placed``: what the shardings put on all devices (replicated
+    leaves count once per copy; equals ``LoadReport.bytes_placed``); ``keep_placed``: the stored
+    bytes with each leaf's replication — what a ``quantized="keep"`` load would place.
+    ``quantized_*``: the same over the leaves read from quantized tensors only (bf16 for logical).
+    """
+    from otfload.index.quant import QuantizedTensor
+
+    out = dict.fromkeys(("stored", "logical", "placed", "keep_placed", "quantized_stored", "quantized_logical"), 0)
+    for lp in plan.leaves.values():
+        leaf = lp.leaf
+        logical = math.prod(leaf.shape) * leaf.dtype.itemsize
+        placed = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize * len(leaf.sharding.device_set)
+        out["stored"] += lp.source_bytes
+        out["logical"] += logical
+        out["placed"] += placed
+        out["keep_placed"] += round(lp.source_bytes * placed / logical) if logical else 0
+        if lp.sources and isinstance(lp.sources[0], QuantizedTensor):
+            out["quantized_stored"] += lp.source_bytes
+            out["quantized_logical"] += math.prod(leaf.shape) * BF16_BYTES
+    return out
+
+
+def _prepare(method: str, directory: Path, devices: int):
+    """(untimed set-up figures, timed ``run() -> (kept alive, extra figures)``) of ``method``."""
+    import numpy as np
+
+    kind = method.split("-", 1)[0]
+    if kind == "floor":
+        paths = sorted(p for p in directory.iterdir() if p.is_file())
+
+        def run_floor():
+            arrays = [np.fromfile(p, np.uint8) for p in paths]
+            return arrays, {"placed_bytes": sum(a.nbytes for a in arrays)}
+
+        return {}, run_floor
+    if kind != "otfload":
+        raise SystemExit(f"unknown method {method!r}")
+    import otfload
+    from benchmarks.common import bench_mesh
+
+    mesh = bench_mesh(devices)
+    _, plan, src = otfload.plan_model(directory, mesh=mesh, dtype="bfloat16")
+    src.close()
+    figures = {f"plan_{k}": v for k, v in plan_figures(plan).items()}
+
+    def run_otfload():
+        model, report = otfload.from_pretrained(directory, mesh=mesh, dtype="bfloat16", progress=False,
+                                                return_report=True)
+        extra = {"placed_bytes": report.bytes_placed, "report_bytes_read": report.bytes_read,
+                 "report_seconds": report.seconds, "requests": report.requests}
+        return model, extra
+
+    return figures, run_otfload
+
+
+def child(method: str, directory: Path, devices: int, cold: bool) -> dict:
+    """Run ``method`` once on ``directory`` and measure it (in a fresh process)."""
+    import jax
+
+    from benchmarks.common import RssSampler, current_rss, peak_rss
+
+    if len(jax.devices()) != devices:
+        raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
+    figures, run = _prepare(method, directory, devices)
+    if not cold:
+        warm(directory)
+    gc.collect()
+    rss_before = current_rss()
+    io_before, faults_before = proc_io(), _faults()
+    with RssSampler() as sampler:
+        start, cpu_start = time.perf_counter(), _cpu_seconds()
+        loaded, extra = run()
+        jax.block_until_ready(jax.tree.leaves(loaded))
+        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
+    io_after, faults_after = proc_io(), _faults()
+    peak = max(peak_rss(), sampler.peak)
+    del loaded
+    return {
+        "method": method,
+        "directory": str(directory),
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "disk_bytes": disk_bytes(directory),
+        **{k: io_after[k] - io_before[k] for k in ("rchar", "read_bytes", "syscr") if k in io_after},
+        "minor_faults": faults_after[0] - faults_before[0],
+        "major_faults": faults_after[1] - faults_before[1],
+        "rss_before": rss_before,
+        "peak_rss": peak,
+        "loadavg": os.getloadavg()[0],
+        **figures,
+        **extra,
+    }
+
+
+# --- child: the decode alone -----------------------------------------------------------------------
+
+
+def decode_breakdown(directory: Path, cold: bool = False) -> dict:
+    """Time each stage of decoding every quantized tensor of ``directory`` whole, one thread.
+
+    Same calls as the loader (``TensorReader.read_box`` of each part, ``codes.decode``,
+    ``scales.apply``) plus the ``astype(bfloat16)`` the builder's copy does; for comparison, a plain
+    bf16 copy of an array of the same size and, for FP8 codes, a widening through a 256-entry table.
+    """
+    import ml_dtypes
+    import numpy as np
+
+    from otfload.index.checkpoint import open_index
+    from otfload.index.quant import QuantizedTensor
+    from otfload.read.arena import Arena
+    from otfload.read.reader import TensorReader
+    from otfload.sources import open_source
+
+    if not cold:
+        warm(directory)
+    source = open_source(directory)
+    reader, arena = TensorReader(source), Arena()
+    stages = dict.fromkeys((*OTFLOAD_STAGES, "bf16 copy (reference)"), 0.0)
+    lut = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    elements, lut_seconds = 0, 0.0
+    tensors = [t for t in open_index(source).tensors.values() if isinstance(t, QuantizedTensor)]
+    for tensor in tensors:
+        box = tuple((0, d) for d in tensor.shape)
+        t0 = time.perf_counter()
+        arrays = {}
+        for role, (part, pbox) in tensor.part_boxes(box).items():
+            view = reader.read_box(part, pbox, arena)
+            arrays[role] = view
+            np.add.reduce(view.view(np.uint8).reshape(-1)[:: 4096])  # touch every page: faults counted here
+        t1 = time.perf_counter()
+        values = tensor.codes.decode(arrays, box)
+        t2 = time.perf_counter()
+        if tensor.scales is not None:
+            values = tensor.scales.apply(values, arrays, box)
+        t3 = time.perf_counter()
+        out = values.astype(ml_dtypes.bfloat16)
+        t4 = time.perf_counter()
+        out.copy()
+        t5 = time.perf_counter()
+        if arrays["codes"].dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+            lut[arrays["codes"].view(np.uint8)]
+            lut_seconds += time.perf_counter() - t5
+        for stage, seconds in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+            stages[stage] += seconds
+        elements += math.prod(tensor.shape)
+        arena.reset()
+        for part, pbox in tensor.part_boxes(box).values():
+            reader.release(part, pbox)
+    source.close()
+    if lut_seconds:
+        stages["widen FP8 via 256-entry table (not otfload; comparison)"] = lut_seconds
+    return {"directory": str(directory), "tensors": len(tensors), "elements": elements, "stages": stages}
+
+
+# --- parent: orchestration --------------------------------------------------------------------------
+
+
+def _spawn(args: list[str], devices: int) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.bench_quantized", *args, "--devices", str(devices)]
+    proc = subprocess.run(cmd, env=child_env(devices), capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    raise RuntimeError(f"{' '.join(args)} failed (exit {proc.returncode}):\n{tail}")
+
+
+def run_child(method: str, directory: Path, devices: int, cold: bool) -> dict:
+    if cold:
+        drop_caches()
+    return _spawn(["--child", method, "--dir", str(directory), *(["--cold"] if cold else [])], devices)
+
+
+def variant_of(method: str) -> str:
+    return method.split("-", 1)[1]
+
+
+def measure(methods: list[str], dirs: dict[str, Path], devices: int, repeat: int, cold: bool) -> dict[str, dict]:
+    """Median figures of each method over ``repeat`` interleaved rounds of fresh processes."""
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for r in range(repeat):
+        for method in methods:
+            result = run_child(method, dirs[variant_of(method)], devices, cold)
+            runs[method].append(result)
+            print(
+                f"  round {r + 1}/{repeat} {method:14s} {result['seconds']:7.2f} s  "
+                f"cpu {result['cpu_seconds']:6.2f} s  "
+                f"peak {result['peak_rss'] / GIB:5.2f} GiB  load avg {result['loadavg']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return {m: summarize(rs) for m, rs in runs.items()}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The run of median time, with the median of the time and memory figures and all the times."""
+    out = dict(sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2])
+    for key in ("seconds", "cpu_seconds", "peak_rss", "rss_before"):
+        out[key] = statistics.median(r[key] for r in runs)
+    out["peak_above_start"] = statistics.median(r["peak_rss"] - r["rss_before"] for r in runs)
+    out["all_seconds"] = [round(r["seconds"], 3) for r in runs]
+    return out
+
+
+# --- reporting --------------------------------------------------------------------------------------
+
+
+def _gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / GIB:.3f}"
+
+
+def results_table(results: dict[str, dict]) -> str:
+    rows = [
+        "| method | checkpoint on disk GiB | seconds (median) | runs (s) | CPU s | output GB/s | placed GiB | "
+        "read, LoadReport GiB | rchar GiB | read_bytes GiB | minor faults | peak RSS GiB | peak − start GiB |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method, r in results.items():
+        runs = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+        rows.append(
+            f"| {method} | {_gib(r['disk_bytes'])} | {r['seconds']:.2f} | {runs} | {r['cpu_seconds']:.2f} | "
+            f"{r['placed_bytes'] / r['seconds'] / 1e9:.2f} | {_gib(r['placed_bytes'])} | "
+            f"{_gib(r.get('report_bytes_read'))} | {_gib(r.get('rchar'))} | {_gib(r.get('read_bytes'))} | "
+            f"{r['minor_faults']} | {r['peak_rss'] / GIB:.2f} | {r['peak_above_start'] / GIB:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return "—" if num is None or not den else f"{num / den:.2f}"
+
+
+def ratios_table(results: dict[str, dict]) -> str:
+    """Each dequantising load against the bf16 load (same run) and against its own floor."""
+    base, base_floor = results.get("otfload-bf16"), results.get("floor-bf16")
+    present = [v for v in VARIANTS if f"otfload-{v}" in results]
+    if not present:
+        return "(no otfload method measured: no ratios)"
+    rows = ["| figure | " + " | ".join(present) + " |", "|---" + "|---:" * len(present) + "|"]
+
+    def row(label: str, cell) -> None:
+        rows.append(f"| {label} | " + " | ".join(cell(v, results[f"otfload-{v}"]) for v in present) + " |")
+
+    row("load time / otfload-bf16 load time", lambda v, r: _ratio(r["seconds"], base and base["seconds"]))
+    row("CPU time / otfload-bf16 CPU time", lambda v, r: _ratio(r["cpu_seconds"], base and base["cpu_seconds"]))
+    row("output GB/s / otfload-bf16 output GB/s", lambda v, r: _ratio(
+        r["placed_bytes"] / r["seconds"], base and base["placed_bytes"] / base["seconds"]))
+    bf16_disk = (base or base_floor or {}).get("disk_bytes")
+    row("bytes read (LoadReport) / bf16 checkpoint on disk", lambda v, r: _ratio(r.get("report_bytes_read"), bf16_disk))
+    row("checkpoint on disk / bf16 checkpoint on disk", lambda v, r: _ratio(r["disk_bytes"], bf16_disk))
+    row("quantized weights only: stored / bf16 (computed)", lambda v, r: _ratio(
+        r.get("plan_quantized_stored"), r.get("plan_quantized_logical")))
+    row("load time / own floor time", lambda v, r: _ratio(r["seconds"], _get(results, f"floor-{v}", "seconds")))
+    row("floor time / floor-bf16 time", lambda v, r: _ratio(
+        _get(results, f"floor-{v}", "seconds"), base_floor and base_floor["seconds"]))
+    row("peak − start / otfload-bf16 peak − start", lambda v, r: _ratio(
+        r["peak_above_start"], base and base["peak_above_start"]))
+    return "\n".join(rows)
+
+
+def _get(results: dict[str, dict], method: str, key: str) -> float | None:
+    return results[method][key] if method in results else None
+
+
+def device_bytes_lines(results: dict[str, dict]) -> str:
+    """What a ``quantized="keep"`` mode would place, computed from the plan (not measured)."""
+    lines = ["device bytes — COMPUTED from the load plan, not measured (quantized=\"keep\" is not built):"]
+    for v in QUANTIZED:
+        r = results.get(f"otfload-{v}")
+        if r is None or "plan_stored" not in r:
+            continue
+        placed, keep = r["placed_bytes"], r["plan_keep_placed"]
+        lines.append(
+            f"  {v}: placed {_gib(placed)} GiB as bf16 (measured, LoadReport.bytes_placed; plan says "
+            f"{_gib(r['plan_placed'])}); LoadPlan.source_bytes {_gib(r['plan_stored'])} GiB vs "
+            f"{_gib(r['plan_logical'])} GiB of bf16 leaves; keeping codes + scales with each leaf's "
+            f"replication would place ≈ {_gib(keep)} GiB = {keep / placed:.2f}× (saves {_gib(placed - keep)} GiB)"
+        )
+    return "\n".join(lines)
+
+
+def breakdown_table(breakdowns: dict[str, dict]) -> str:
+    stages = list(dict.fromkeys(s for b in breakdowns.values() for s in b["stages"]))
+    names = list(breakdowns)
+    rows = [
+        "| stage (one thread, whole tensors; ns per output element) | " + " | ".join(names) + " |",
+        "|---" + "|---:" * len(names) + "|",
+    ]
+    for stage in stages:
+        cells = []
+        for v in names:
+            b = breakdowns[v]
+            seconds = b["stages"].get(stage)
+            cells.append("—" if seconds is None else f"{seconds * 1e9 / b['elements']:.2f}")
+        rows.append(f"| {stage} | " + " | ".join(cells) + " |")
+    totals = []
+    for v in names:
+        b = breakdowns[v]
+        otf = sum(s for k, s in b["stages"].items() if k in OTFLOAD_STAGES)
+        totals.append(f"{otf * 1e9 / b['elements']:.2f} ({BF16_BYTES * b['elements'] / otf / 1e9:.2f} GB/s bf16)")
+    rows.append("| total of otfload's stages | " + " | ".join(totals) + " |")
+    counts = ", ".join(f"{v}: {b['tensors']} tensors, {b['elements'] / 1e6:.1f} M elements"
+                       for v, b in breakdowns.items())
+    return "\n".join(rows) + f"\n\n({counts})"
+
+
+def checkpoint_line(variant: str, directory: Path) -> str:
+    config = json.loads((directory / "config.json").read_text())
+    files = sorted(directory.glob("*.safetensors"))
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    shape = ", ".join(f"{k}={config[k]}" for k in keys if k in config)
+    return f"{variant:6s} {directory}: {disk_bytes(directory) / GIB:.3f} GiB in {len(files)} files ({shape})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gib", type=float, default=0.5)
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="the bf16 checkpoint, written first if missing (default: bench_data/llama-<size>g)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--methods", default=None, help=f"comma-separated (default {DEFAULT_METHODS})")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before every run (root)")
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip timing the decode alone")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--decode-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.decode_child:
+        print(RESULT_PREFIX + json.dumps(decode_breakdown(args.dir, args.cold)), flush=True)
+        return
+    if args.child:
+        print(RESULT_PREFIX + json.dumps(child(args.child, args.dir, args.devices, args.cold)), flush=True)
+        return
+    from benchmarks.make_checkpoint import ensure_checkpoint
+    from benchmarks.make_quantized import ensure_quantized
+
+    methods = (args.methods or DEFAULT_METHODS).split(",")
+    unknown = [m for m in methods if "-" not in m or m.split("-", 1)[0] not in ("floor", "otfload")
+               or variant_of(m) not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown methods {unknown} (known: {DEFAULT_METHODS})")
+    print(machine_line())
+    base = args.dir or ensure_checkpoint(args.size_gib)
+    if args.dir is not None and not (base / "config.json").exists():
+        ensure_checkpoint(args.size_gib, out=base)
+    dirs = {"bf16": base, **{v: ensure_quantized(base, v) for v in QUANTIZED}}
+    for v, d in dirs.items():
+        print(checkpoint_line(v, d))
+    mode = "cold (page cache dropped before each run)" if args.cold else "warm page cache"
+    print(f"{args.devices} devices, {mode}, median of {args.repeat} interleaved fresh-process runs\n")
+    results = measure(methods, dirs, args.devices, args.repeat, args.cold)
+    breakdowns = {}
+    if args.breakdown:
+        for v in QUANTIZED:
+            if args.cold:
+                drop_caches()
+            cold = ["--cold"] if args.cold else []
+            breakdowns[v] = _spawn(["--decode-child", "--dir", str(dirs[v]), *cold], args.devices)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "breakdown": breakdowns}, indent=1))
+    print(results_table(results) + "\n\n" + ratios_table(results) + "\n\n" + device_bytes_lines(results))
+    if breakdowns:
+        print("\ndecode alone:\n\n" + breakdown_table(breakdowns))
+    print(machine_line())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The quantized-load benchmark still runs end to end (a tiny checkpoint; the figures themselves are
+measured by hand and recorded in docs/benchmarks.md, never asserted by a timed test)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.make_quantized import w4a16_dequantize, w4a16_quantize
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_quantized_runs_every_method_and_prints_the_tables(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.bench_quantized", "--size-gib", "0.02", "--repeat", "1",
+           "--dir", str(tmp_path / "c")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [f"| {kind}-{v} |" for v in ("bf16", "fp8", "w4a16") for kind in ("floor", "otfload")]
+    rows += ["load time / otfload-bf16 load time", "bytes read (LoadReport) / bf16 checkpoint on disk",
+             "load time / own floor time", "device bytes — COMPUTED", "| widen codes |"]
+    for row in rows:
+        assert row in out.stdout, row
+    assert (tmp_path / "c-fp8" / "config.json").exists() and (tmp_path / "c-w4a16" / "config.json").exists()
+
+
+def test_w4a16_packing_follows_the_documented_bit_layout():
+    # Codes 0..7, -7..0 repeated over one row of 128, scale 0.25 (bf16-exact): element i must sit at
+    # bits [4i, 4i+4) of the row's little-endian bit stream, stored + 8.
+    codes = np.tile(np.r_[0:8, -7:1], 8)
+    packed, scale, shape = w4a16_quantize((codes * 0.25).astype(np.float32)[None, :])
+    assert packed.dtype == np.int32 and packed.shape == (1, 16) and shape.tolist() == [1, 128]
+    assert scale.astype(np.float32).tolist() == [[0.25]]
+    stream = int.from_bytes(packed.astype("<i4").tobytes(), "little")
+    assert [(stream >> (4 * i)) & 0xF for i in range(128)] == (codes + 8).tolist()
+    np.testing.assert_array_equal(w4a16_dequantize(packed, scale)[0], codes * 0.25)
