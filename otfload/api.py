@@ -15,14 +15,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from otfload.adapters import AdaptedTensor, CombinedSource, check_adapted_are_mapped, open_adapted
+from otfload.adapters.load import AdapterSpec
 from otfload.build.loader import DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
 from otfload.build.report import LoadReport
 from otfload.cache import wrap_with_cache
+from otfload.errors import CheckpointMismatchError, mismatch_error
 from otfload.families.registry import family_for
-from otfload.index.checkpoint import CheckpointIndex, open_index
+from otfload.index.checkpoint import CheckpointIndex, open_index, read_values
+from otfload.index.derived import is_derived
 from otfload.index.dtypes import to_numpy_dtype
-from otfload.index.quant import QuantizedTensor
-from otfload.plan.abstract import abstract_from_nnx, abstract_from_pytree, dotted
+from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, make_mesh
@@ -32,14 +35,22 @@ ShardCacheSpec = str | os.PathLike | bool | None
 
 
 def open_cached(
-    source: str | os.PathLike | Source, shard_cache: ShardCacheSpec, shard_cache_options: dict | None, **options
+    source: str | os.PathLike | Source,
+    shard_cache: ShardCacheSpec,
+    shard_cache_options: dict | None,
+    verify: str = "record",
+    **options,
 ) -> Source:
     """Open ``source`` and, when asked, put the distributed shard cache in front of it."""
-    return wrap_with_cache(open_source(source, **options), shard_cache, storage_options=shard_cache_options)
+    return wrap_with_cache(
+        open_source(source, **options), shard_cache, storage_options=shard_cache_options, verify=verify
+    )
 
 
 def default_workers(source: Source) -> int:
     """Builder threads: few for local files (CPU-bound), more for remote ones (latency-bound)."""
+    if isinstance(source, CombinedSource):  # a base with adapters: the base's bytes dominate
+        source = source.base
     return DEFAULT_WORKERS if isinstance(source, LocalSource) else REMOTE_WORKERS
 
 
@@ -49,10 +60,13 @@ def run_plan(
 ) -> tuple[dict[str, jax.Array], LoadReport]:
     """Execute ``plan``; a source this call opened itself (``owned``) is closed afterwards."""
     try:
-        return execute_plan(
+        arrays, report = execute_plan(
             plan, src, workers=workers or default_workers(src), host_memory_budget=host_memory_budget,
             progress=progress,
         )
+        infos = list(plan.activation.values())
+        report.activation_scales = dict(zip(plan.activation, read_values(src, infos), strict=True))
+        return arrays, report
     finally:
         if owned:
             src.close()
@@ -60,10 +74,12 @@ def run_plan(
 
 def storage_dtype(index: CheckpointIndex) -> np.dtype:
     """The dtype holding most of the checkpoint's floating-point bytes; quantized weights count as
-    bf16, the dtype they were trained in."""
+    bf16, the dtype they were trained in, and a weight with adapters merged in as its base."""
     weights = Counter()
     for info in index.tensors.values():
-        if isinstance(info, QuantizedTensor):
+        if isinstance(info, AdaptedTensor):
+            info = info.base
+        if is_derived(info):
             weights[np.dtype(ml_dtypes.bfloat16)] += 2 * math.prod(info.shape)
         elif np.issubdtype(info.dtype, np.floating) or info.dtype.kind == "V":
             weights[info.dtype] += info.nbytes
@@ -76,6 +92,8 @@ def storage_dtype(index: CheckpointIndex) -> np.dtype:
 def plan_model(
     source: str | os.PathLike | Source,
     *,
+    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
+    merge_adapter: bool = True,
     mesh: Mesh | None = None,
     rules: LogicalRules | None = None,
     scan_layers: bool = True,
@@ -83,23 +101,30 @@ def plan_model(
     strict: bool = False,
     shard_cache: ShardCacheSpec = None,
     shard_cache_options: dict | None = None,
+    verify: str = "record",
     **source_options,
 ) -> tuple[nnx.Module, LoadPlan, Source]:
     """Everything :func:`from_pretrained` does before reading a tensor byte: the abstract model
     (no weights allocated), the load plan and the opened source (close it when done, unless you
-    passed it in). ``otfload inspect`` prints this plan."""
-    src = open_cached(source, shard_cache, shard_cache_options, **source_options)
+    passed it in). ``otfload inspect`` prints this plan. ``source_options`` (``timeout=``,
+    ``retry=``, ...) go to :func:`~otfload.sources.open_source`; the ``timeout`` deadline starts now.
+    ``adapter`` (PEFT LoRA adapters, merged in order) is described in :func:`from_pretrained`."""
+    src, index, owned = open_adapted(
+        source, adapter, lambda location, **options: open_cached(
+            location, shard_cache, shard_cache_options, verify, **options),
+        merge_adapter=merge_adapter, **source_options,
+    )
     try:
-        index = open_index(src)
         family = family_for(index.config)
-        cfg = family.parse_config(index.config)
+        cfg = family.config_for(index.config, index.tensors)  # typed, bounded, matched to the tensors
         dtype = storage_dtype(index) if dtype is None else to_numpy_dtype(dtype)
         mesh = make_mesh() if mesh is None else mesh
         model = nnx.eval_shape(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=nnx.Rngs(0)))
         leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if rules is None else rules)
         plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
+        check_adapted_are_mapped(plan, index)
     except BaseException:
-        if not isinstance(source, Source):
+        if owned:
             src.close()
         raise
     return model, plan, src
@@ -108,6 +133,8 @@ def plan_model(
 def from_pretrained(
     source: str | os.PathLike | Source,
     *,
+    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
+    merge_adapter: bool = True,
     mesh: Mesh | None = None,
     rules: LogicalRules | None = None,
     scan_layers: bool = True,
@@ -115,6 +142,7 @@ def from_pretrained(
     strict: bool = False,
     shard_cache: ShardCacheSpec = None,
     shard_cache_options: dict | None = None,
+    verify: str = "record",
     workers: int | None = None,
     host_memory_budget: int | None = None,
     progress: bool | None = None,
@@ -124,20 +152,37 @@ def from_pretrained(
     """Load an HF safetensors checkpoint into a ready, sharded Flax NNX model.
 
     ``source`` is a local directory, a Hub repo id (``revision=``, ``token=``, ``endpoint=``,
-    ``cache_dir=``, ``local_files_only=`` go to the source) or a ``gs://``/fsspec URL. ``mesh``
+    ``cache_dir=``, ``local_files_only=`` go to the source) or a ``gs://``/fsspec URL
+    (``storage_options=``). Remote sources take ``retry=`` (a ``RetryPolicy``: attempts, backoff, the
+    idle and per-attempt time bounds) and ``timeout=``: the total deadline of the load in seconds,
+    from opening the source to the last byte (default: the ``OTFLOAD_TIMEOUT`` environment variable,
+    else no limit); past it the load fails with ``SourceTimeoutError`` naming the URL and the bytes
+    received. The first read that fails for good cancels the rest of the load. ``mesh``
     defaults to every device on one ``fsdp`` axis; ``rules`` map logical axes to mesh axes;
     ``dtype=None`` keeps the storage dtype. With ``strict=True`` tensors no leaf uses are an
     error. ``shard_cache`` (a shared directory or ``gs://`` prefix; ``True`` for a single-host local
-    cache) fetches each file once across all processes before reading ranges from the cache.
+    cache) fetches each file once across all processes before reading ranges from the cache;
+    ``verify`` is how it checks the copies it reuses: ``"record"`` (size and the hash record made
+    when the copy was filled; re-hashed only when the file changed on disk) or ``"full"``
+    (re-hashed on every load). A copy that fails is fetched again (``CacheIntegrityError`` if the
+    source cannot be reached).
     ``host_memory_budget`` caps scratch bytes in flight (default: the largest leaf); ``workers``
     builder threads run at once (default 2 locally, 8 remote). ``return_report=True`` returns
     ``(model, LoadReport)``.
+
+    ``adapter`` is a PEFT LoRA adapter (any location a checkpoint can be, ``"org/name@revision"``, or
+    a ``Source``) or a list of them, merged into the base weights in order, per device box, in
+    float32; its bytes count in the report. A ``source`` that holds an adapter and no model loads
+    its ``base_model_name_or_path``. ``merge_adapter=False`` (LoRA kept separate) is not supported
+    yet (``AdapterError``); docs/adapters.md lists what is merged.
     """
     model, plan, src = plan_model(
-        source, mesh=mesh, rules=rules, scan_layers=scan_layers, dtype=dtype, strict=strict,
-        shard_cache=shard_cache, shard_cache_options=shard_cache_options, **source_options,
+        source, adapter=adapter, merge_adapter=merge_adapter, mesh=mesh, rules=rules, scan_layers=scan_layers,
+        dtype=dtype, strict=strict, shard_cache=shard_cache, shard_cache_options=shard_cache_options,
+        verify=verify, **source_options,
     )
-    arrays, report = run_plan(plan, src, not isinstance(source, Source), workers, host_memory_budget, progress)
+    owned = not isinstance(source, Source) or isinstance(src, CombinedSource)
+    arrays, report = run_plan(plan, src, owned, workers, host_memory_budget, progress)
     state = nnx.state(model, nnx.Param)
     loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
     nnx.update(model, nnx.from_flat_state(loaded))
@@ -149,33 +194,86 @@ def load_params(
     abstract: Any,
     mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
     *,
+    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
+    merge_adapter: bool = True,
     config: Mapping | None = None,
     mesh: Mesh | None = None,
+    rules: LogicalRules | None = None,
     strict: bool = False,
     shard_cache: ShardCacheSpec = None,
     shard_cache_options: dict | None = None,
+    verify: str = "record",
     workers: int | None = None,
     host_memory_budget: int | None = None,
     progress: bool | None = None,
     return_report: bool = False,
     **source_options,
 ) -> Any:
-    """Fill a pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) from a checkpoint.
+    """Fill a model the user brings from a checkpoint, and give it back in the kind it came.
 
-    ``mapping`` matches dotted leaf paths (``params.layers.attn.q.kernel``) to HF key templates;
-    ``config`` (default: the checkpoint's ``config.json``) resolves config names in hooks. Returns
-    the same tree structure with ``jax.Array`` leaves (and the report if asked). Other options are
-    those of :func:`from_pretrained`.
+    ``abstract`` is an abstract ``nnx.Module`` (``nnx.eval_shape``; the module comes back with its
+    ``nnx.Param`` s loaded), an ``nnx.State`` (a loaded ``nnx.State`` comes back) or a pytree of
+    ``jax.ShapeDtypeStruct`` (the same tree of ``jax.Array`` s). Shardings come from the leaves
+    (an abstract mesh made concrete on ``mesh``) or their ``out_sharding``/``sharding_names``
+    metadata (logical names through ``rules``); see :mod:`otfload.plan.abstract`. ``mapping``
+    matches dotted leaf paths (``layers.attn.q.kernel``) to HF key templates (``otfload.mappings``
+    ships tables); ``config`` (default: the checkpoint's ``config.json``) resolves config names in
+    hooks. Other options are those of :func:`from_pretrained`; the report comes too if asked.
     """
-    src = open_cached(source, shard_cache, shard_cache_options, **source_options)
+    src, index, owned = open_adapted(
+        source, adapter, lambda location, **options: open_cached(
+            location, shard_cache, shard_cache_options, verify, **options),
+        merge_adapter=merge_adapter, require_config=False, **source_options,
+    )
     try:
-        index = open_index(src, require_config=False)
-        leaves, treedef = abstract_from_pytree(abstract, mesh)
-        plan = build_plan(index, leaves, as_table(mapping), index.config if config is None else config, strict=strict)
+        target, plan = plan_target(index, abstract, mapping, index.config if config is None else config, mesh, rules,
+                                   strict)
     except BaseException:
-        if not isinstance(source, Source):
+        if owned:
             src.close()
         raise
-    arrays, report = run_plan(plan, src, not isinstance(source, Source), workers, host_memory_budget, progress)
-    tree = jax.tree_util.tree_unflatten(treedef, [arrays[path] for path in leaves])
+    arrays, report = run_plan(plan, src, owned, workers, host_memory_budget, progress)
+    tree = target.rebuild(arrays)
     return (tree, report) if return_report else tree
+
+
+def plan_target(
+    index: CheckpointIndex, abstract: Any, mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
+    config: Mapping, mesh: Mesh | None, rules: LogicalRules | None, strict: bool,
+) -> tuple[Target, LoadPlan]:
+    """The target's leaves and their plan; unmapped leaves and checkpoint problems raise together."""
+    table = as_table(mapping)
+    target = abstract_target(abstract, mesh, rules)
+    unmapped = unmapped_problems(target.leaves, table)
+    names = {p.leaf for p in unmapped}
+    try:
+        plan = build_plan(index, {k: v for k, v in target.leaves.items() if k not in names}, table, config,
+                          strict=strict)
+    except CheckpointMismatchError as e:
+        raise mismatch_error([*unmapped, *e.problems]) from None
+    if unmapped:
+        raise mismatch_error(unmapped)
+    return target, plan
+
+
+def plan_params(
+    source: str | os.PathLike | Source,
+    abstract: Any,
+    mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
+    *,
+    config: Mapping | None = None,
+    mesh: Mesh | None = None,
+    rules: LogicalRules | None = None,
+    strict: bool = False,
+    **source_options,
+) -> LoadPlan:
+    """What :func:`load_params` would do, from headers and ``config.json`` alone: the plan of every
+    leaf (HF keys, hooks, shardings), no tensor byte read. Raises the errors the load would."""
+    src = open_source(source, **source_options)
+    try:
+        index = open_index(src, require_config=False)
+        return plan_target(index, abstract, mapping, index.config if config is None else config, mesh, rules,
+                           strict)[1]
+    finally:
+        if not isinstance(source, Source):
+            src.close()

@@ -8,14 +8,19 @@ its contiguous rows: ``kv_a_proj_with_mqa`` → ``kv_a`` (latent) + ``k_rope``; 
 ``[k_nope | v]``) → ``k_b`` + ``v_b``. Routed experts are per-expert HF keys stacked on the
 ``experts`` axis by the ``{expert}`` placeholder. The MTP layer of V3 checkpoints (HF index
 ``num_hidden_layers``) matches no rule: it is listed as unused and never read.
+
+``lm_head.weight`` has no fallback: tied configs build no ``lm_head`` leaf, and an untied one whose
+checkpoint lacks it is a missing tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 
+from otfload.config import Count, Dim
 from otfload.families.registry import Family, register
-from otfload.models.deepseek import DeepseekConfig, DeepseekForCausalLM
+from otfload.models.deepseek import EXPERT_FIELDS, DeepseekConfig, DeepseekForCausalLM
 from otfload.plan.hooks import Reshape, Slice
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -63,12 +68,29 @@ DEEPSEEK_TABLE = MappingTable(
     rules=(
         Rule("embed.embedding", "model.embed_tokens.weight"),
         Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight", fallbacks=("model.embed_tokens.weight",)),
+        Rule("lm_head.kernel", "lm_head.weight"),
         *layer_rules("dense_layers", moe=False),
         *layer_rules("moe_layers", moe=True),
     ),
     ignore=(r".*\.rotary_emb\.inv_freq",),
 )
+
+
+
+def deepseek_checks(cfg: DeepseekConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+    """Layer (plus MTP) and expert counts, vocabulary, width, heads and router rows against the tensors."""
+    experts = next((k for k in EXPERT_FIELDS if config.get(k) is not None), EXPERT_FIELDS[0])
+    # Without MoE layers (every layer dense) no expert tensor is read, so none is counted.
+    moe = (Count(experts, cfg.n_routed_experts, "expert"),) if cfg.num_moe_layers else ()
+    return (
+        Count("num_hidden_layers", cfg.num_layers, "layer", extra=cfg.mtp_layers),
+        *moe,
+        Dim("vocab_size", cfg.vocab_size, "model.embed_tokens.weight", 0),
+        Dim("hidden_size", cfg.hidden_size, "model.embed_tokens.weight", 1),
+        Dim("num_attention_heads", cfg.num_heads, f"{ATTN}.o_proj.weight", 1, ("v_head_dim", cfg.v_head_dim)),
+        Dim(experts, cfg.n_routed_experts, f"{HF}.mlp.gate.weight", 0),
+    )
+
 
 DEEPSEEK = register(
     Family(
@@ -77,5 +99,6 @@ DEEPSEEK = register(
         parse_config=DeepseekConfig.from_hf,
         build=DeepseekForCausalLM,
         mapping=lambda cfg: DEEPSEEK_TABLE,
+        checks=deepseek_checks,
     )
 )

@@ -7,10 +7,13 @@ stored, so no tensor is transposed."""
 
 from __future__ import annotations
 
-from otfload.families.llama import LLAMA_TABLE
+from collections.abc import Mapping
+
+from otfload.config import Count, Dim
+from otfload.families.llama import LLAMA_TABLE, attention_checks
 from otfload.families.registry import Family, register
 from otfload.models.gpt_oss import gpt_oss_config
-from otfload.models.moe import MoeForCausalLM
+from otfload.models.moe import MoeConfig, MoeForCausalLM
 from otfload.plan.hooks import Slice
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -32,6 +35,17 @@ GPT_OSS_TABLE = MappingTable(
     ),
 ) + LLAMA_TABLE
 
+
+
+def gpt_oss_checks(cfg: MoeConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+    """The Llama checks plus the expert count against the router's and fused experts' leading axis."""
+    return (
+        *attention_checks(cfg),
+        Dim("num_local_experts", cfg.num_experts, f"{L}.mlp.router.weight", 0),
+        Dim("num_local_experts", cfg.num_experts, f"{X}.gate_up_proj", 0),
+    )
+
+
 GPT_OSS = register(
     Family(
         name="gpt_oss",
@@ -39,5 +53,6 @@ GPT_OSS = register(
         parse_config=gpt_oss_config,
         build=MoeForCausalLM,
         mapping=lambda cfg: GPT_OSS_TABLE,
+        checks=gpt_oss_checks,
     )
 )

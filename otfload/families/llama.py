@@ -1,7 +1,14 @@
-"""Mapping table for the Llama family (Llama 3, Mistral, Qwen2, Qwen3)."""
+"""Mapping table for the Llama family (Llama 3, Mistral, Qwen2, Qwen3).
+
+``lm_head.weight`` has no fallback: a tied model has no ``lm_head`` leaf, so an untied config
+(``tie_word_embeddings`` false, transformers' default for these families) whose checkpoint lacks
+``lm_head.weight`` is a missing tensor, never a silent copy of the embeddings."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from otfload.config import Count, Dim
 from otfload.families.registry import Family, register
 from otfload.models.llama import LlamaConfig, LlamaForCausalLM
 from otfload.plan.hooks import Reshape
@@ -13,7 +20,7 @@ LLAMA_TABLE = MappingTable(
     rules=(
         Rule("embed.embedding", "model.embed_tokens.weight"),
         Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight", fallbacks=("model.embed_tokens.weight",)),
+        Rule("lm_head.kernel", "lm_head.weight"),
         Rule("layers.{layer}.input_norm.scale", f"{L}.input_layernorm.weight"),
         Rule("layers.{layer}.post_attn_norm.scale", f"{L}.post_attention_layernorm.weight"),
         Rule("layers.{layer}.attn.q.kernel", f"{L}.self_attn.q_proj.weight",
@@ -40,6 +47,25 @@ LLAMA_TABLE = MappingTable(
     ignore=(r".*\.rotary_emb\.inv_freq",),
 )
 
+
+def attention_checks(cfg: LlamaConfig, prefix: str = "model.") -> tuple[Count | Dim, ...]:
+    """Layer count, vocabulary, width and (kv) heads of a Llama-style config against the tensors
+    under ``prefix``."""
+    embed, attn = f"{prefix}embed_tokens.weight", f"{prefix}layers.{{layer}}.self_attn"
+    per_head = ("head_dim", cfg.head_dim)
+    return (
+        Count("num_hidden_layers", cfg.num_layers, "layer"),
+        Dim("vocab_size", cfg.vocab_size, embed, 0),
+        Dim("hidden_size", cfg.hidden_size, embed, 1),
+        Dim("num_attention_heads", cfg.num_heads, f"{attn}.q_proj.weight", 0, per_head),
+        Dim("num_key_value_heads", cfg.num_kv_heads, f"{attn}.k_proj.weight", 0, per_head),
+    )
+
+
+def llama_checks(cfg: LlamaConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+    return attention_checks(cfg)
+
+
 LLAMA = register(
     Family(
         name="llama",
@@ -47,5 +73,6 @@ LLAMA = register(
         parse_config=LlamaConfig.from_hf,
         build=LlamaForCausalLM,
         mapping=lambda cfg: LLAMA_TABLE,
+        checks=llama_checks,
     )
 )

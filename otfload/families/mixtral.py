@@ -3,10 +3,13 @@ per-expert ``w1`` (gate), ``w3`` (up), ``w2`` (down) keys, each stacked on the e
 
 from __future__ import annotations
 
-from otfload.families.llama import LLAMA_TABLE
+from collections.abc import Mapping
+
+from otfload.config import Count, Dim
+from otfload.families.llama import LLAMA_TABLE, attention_checks
 from otfload.families.registry import Family, register
 from otfload.models.mixtral import mixtral_config
-from otfload.models.moe import MoeForCausalLM
+from otfload.models.moe import MoeConfig, MoeForCausalLM
 from otfload.plan.mapping import MappingTable, Rule
 
 MOE = "model.layers.{layer}.block_sparse_moe"
@@ -20,6 +23,17 @@ MIXTRAL_TABLE = MappingTable(
     ),
 ) + LLAMA_TABLE
 
+
+
+def mixtral_checks(cfg: MoeConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+    """The Llama checks plus the expert count against expert indices and router rows."""
+    return (
+        *attention_checks(cfg),
+        Count("num_local_experts", cfg.num_experts, "expert"),
+        Dim("num_local_experts", cfg.num_experts, f"{MOE}.gate.weight", 0),
+    )
+
+
 MIXTRAL = register(
     Family(
         name="mixtral",
@@ -27,5 +41,6 @@ MIXTRAL = register(
         parse_config=mixtral_config,
         build=MoeForCausalLM,
         mapping=lambda cfg: MIXTRAL_TABLE,
+        checks=mixtral_checks,
     )
 )

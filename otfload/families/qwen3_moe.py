@@ -6,11 +6,13 @@ either group may be stacked even when the two interleave."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
-from otfload.families.llama import LLAMA_TABLE
+from otfload.config import Count, Dim
+from otfload.families.llama import LLAMA_TABLE, attention_checks
 from otfload.families.registry import Family, register
-from otfload.models.moe import MoeForCausalLM
-from otfload.models.qwen3_moe import qwen3_moe_config
+from otfload.models.moe import MoeConfig, MoeForCausalLM
+from otfload.models.qwen3_moe import EXPERT_FIELDS, qwen3_moe_config
 from otfload.plan.mapping import MappingTable, Rule
 
 MOE = "model.layers.{layer}.mlp"
@@ -49,6 +51,20 @@ QWEN3_MOE_TABLE = (
     + GLOBAL_RULES
 )
 
+
+
+def qwen3_moe_checks(cfg: MoeConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+    """The Llama checks plus the expert count against expert indices and router rows."""
+    field = next((k for k in EXPERT_FIELDS if config.get(k) is not None), EXPERT_FIELDS[0])
+    # Without MoE layers (no experts, or every layer dense) no expert tensor is read, so none is counted.
+    moe = (Count(field, cfg.num_experts, "expert"),) if cfg.moe_layers else ()
+    return (
+        *attention_checks(cfg),
+        *moe,
+        Dim(field, cfg.num_experts, f"{MOE}.gate.weight", 0),
+    )
+
+
 QWEN3_MOE = register(
     Family(
         name="qwen3_moe",
@@ -56,5 +72,6 @@ QWEN3_MOE = register(
         parse_config=qwen3_moe_config,
         build=MoeForCausalLM,
         mapping=lambda cfg: QWEN3_MOE_TABLE,
+        checks=qwen3_moe_checks,
     )
 )

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from otfload.errors import UnsupportedModelError
+from otfload.config.tensors import TensorCheck, check_tensors
+from otfload.errors import ConfigError, UnsupportedModelError
 from otfload.plan.mapping import MappingTable
+
+
+def no_checks(cfg: object, config: Mapping) -> Sequence[TensorCheck]:
+    return ()
 
 
 @dataclass(frozen=True)
@@ -20,8 +25,10 @@ class Family:
     """What otfload needs to build and fill one model family.
 
     ``parse_config`` turns ``config.json`` into the model's config object (with a ``to_dict()``
-    whose fields the mapping's hooks may name); ``build(cfg, scan_layers=, dtype=, rngs=)``
-    constructs the NNX model; ``mapping(cfg)`` returns the table for that config.
+    whose fields the mapping's hooks may name), raising :class:`~otfload.errors.ConfigError` for any
+    field of the wrong type, out of range or inconsistent; ``build(cfg, scan_layers=, dtype=, rngs=)``
+    constructs the NNX model; ``mapping(cfg)`` returns the table for that config; ``checks(cfg,
+    config)`` lists what the checkpoint's tensors must agree with (layer and expert counts, sizes).
     """
 
     name: str
@@ -29,6 +36,14 @@ class Family:
     parse_config: Callable[[dict], object]
     build: Callable[..., object]
     mapping: Callable[[object], MappingTable]
+    checks: Callable[[object, Mapping], Sequence[TensorCheck]] = no_checks
+
+    def config_for(self, config: dict, tensors: Mapping[str, object]) -> object:
+        """The parsed config, checked against the checkpoint's ``tensors`` (name → info with ``.shape``)
+        before anything is built or planned; a violation is a ConfigError."""
+        cfg = self.parse_config(config)
+        check_tensors(self.checks(cfg, config), self.mapping(cfg), tensors)
+        return cfg
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -43,7 +58,11 @@ def register(family: Family) -> Family:
 def family_for(config: dict) -> Family:
     """The registered family of ``config["model_type"]``; a typed error names unknown ones."""
     _load_builtin_families()
+    if not isinstance(config, Mapping):
+        raise ConfigError("config", config, "must be a JSON object")
     model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError("model_type", model_type, "is required: a string naming the model family")
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"

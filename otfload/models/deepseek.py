@@ -25,7 +25,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from otfload.errors import UnsupportedModelError
+from otfload.config import (
+    BOOL,
+    EPS,
+    EXPERTS,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    LAYERS,
+    NAME,
+    POSITIVE,
+    VOCAB,
+    Choice,
+    Fields,
+    Int,
+    Str,
+    require,
+)
+from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
+from otfload.errors import ConfigError
 from otfload.models.layers import (
     Dense,
     Embed,
@@ -49,6 +68,17 @@ from otfload.models.moe import ExpertDense
 # transformers builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+ACTIVATIONS = Choice("silu", "swish")
+# transformers reads ``n_routed_experts``; the other names are accepted as before.
+EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
+# Shared experts and dense layers may be none.
+COUNT = Int(0, MAX_EXPERTS)
+DENSE_LAYERS = Int(0, MAX_LAYERS)
+# transformers' V3 config defaults to one multi-token-prediction layer, stored after the last layer
+# (``model.layers.{num_hidden_layers}``) and never loaded; V2 has none.
+V3_MTP_LAYERS = 1
+# Only every layer after the dense ones being MoE is implemented (the published models' layout).
+MOE_LAYER_FREQ = Int(1, 1)
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,7 @@ class DeepseekConfig:
     rope_scaling: dict | None
     rope_interleave: bool
     tie_word_embeddings: bool
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (never loaded)
 
     @property
     def qk_head_dim(self) -> int:
@@ -93,46 +124,61 @@ class DeepseekConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> DeepseekConfig:
-        model_type = hf["model_type"]
+        """Parse and check ``config.json`` (absent fields take transformers' defaults)."""
+        f = Fields(hf)
+        model_type = f.get("model_type", NAME)
         v3 = model_type == "deepseek_v3"
         for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag):
-                raise UnsupportedModelError(f"{model_type} with {flag}=true is not supported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"{model_type} with hidden_act={hf['hidden_act']!r} is not supported")
-        topk_method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-        if not v3 and topk_method not in V2_TOPK_METHODS:
-            raise UnsupportedModelError(f"deepseek_v2 topk_method {topk_method!r}; supported: {V2_TOPK_METHODS}")
-        theta, scaling = rope_params(hf)
-        experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts")
+            if f.get(flag, BOOL, False):
+                raise ConfigError(flag, True, f"{model_type} with {flag}=true is not supported")
+        f.get("hidden_act", ACTIVATIONS, "silu")
+        f.get("moe_layer_freq", MOE_LAYER_FREQ, 1)
+        methods = Str() if v3 else Choice(*V2_TOPK_METHODS)  # V3 always routes by groups (as transformers)
+        topk_method = f.get("topk_method", methods, "noaux_tc" if v3 else "greedy")
+        theta, scaling = rope_params(f)
+        num_layers = f.get("num_hidden_layers", LAYERS)
+        experts_field, experts = f.first(EXPERT_FIELDS, EXPERTS)
+        top_k = f.get("num_experts_per_tok", EXPERTS)
+        require(top_k <= experts, "num_experts_per_tok", top_k, f"must be at most {experts_field} ({experts})")
+        n_group = f.get("n_group", EXPERTS, 1)
+        require(experts % n_group == 0, "n_group", n_group,
+                f"must divide {experts_field} ({experts}) into equal groups")
+        if v3:  # V3 scores each group by the sum of its top 2 experts
+            require(experts // n_group >= 2, "n_group", n_group,
+                    f"must leave at least 2 experts per group ({experts_field} = {experts})")
+        topk_group = f.get("topk_group", EXPERTS, 1)
+        require(topk_group <= n_group, "topk_group", topk_group, f"must be at most n_group ({n_group})")
+        rope_dim = f.get("qk_rope_head_dim", HEAD_DIM)
+        require(rope_dim % 2 == 0, "qk_rope_head_dim", rope_dim, "must be even: RoPE rotates pairs of dimensions")
         return cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            moe_intermediate_size=hf["moe_intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            first_k_dense_replace=min(int(hf.get("first_k_dense_replace") or 0), hf["num_hidden_layers"]),
-            num_heads=hf["num_attention_heads"],
-            q_lora_rank=hf.get("q_lora_rank"),
-            kv_lora_rank=hf["kv_lora_rank"],
-            qk_nope_head_dim=hf["qk_nope_head_dim"],
-            qk_rope_head_dim=hf["qk_rope_head_dim"],
-            v_head_dim=hf["v_head_dim"],
+            vocab_size=f.get("vocab_size", VOCAB),
+            hidden_size=f.get("hidden_size", HIDDEN),
+            intermediate_size=f.get("intermediate_size", INTERMEDIATE),
+            moe_intermediate_size=f.get("moe_intermediate_size", INTERMEDIATE),
+            num_layers=num_layers,
+            first_k_dense_replace=min(f.get("first_k_dense_replace", DENSE_LAYERS, 0), num_layers),
+            num_heads=f.get("num_attention_heads", HEADS),
+            q_lora_rank=f.get("q_lora_rank", HEAD_DIM, None),
+            kv_lora_rank=f.get("kv_lora_rank", HEAD_DIM),
+            qk_nope_head_dim=f.get("qk_nope_head_dim", HEAD_DIM),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=f.get("v_head_dim", HEAD_DIM),
             n_routed_experts=experts,
-            num_experts_per_tok=hf["num_experts_per_tok"],
-            n_shared_experts=hf.get("n_shared_experts") or 0,
-            n_group=hf.get("n_group") or 1,
-            topk_group=hf.get("topk_group") or 1,
+            num_experts_per_tok=top_k,
+            n_shared_experts=f.get("n_shared_experts", COUNT, 0),
+            n_group=n_group,
+            topk_group=topk_group,
             topk_method=topk_method,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            norm_topk_prob=f.get("norm_topk_prob", BOOL, False),
+            routed_scaling_factor=f.get("routed_scaling_factor", POSITIVE, 1.0),
+            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             # V2 always rotates interleaved pairs (complex multiplication); V3 makes it a flag.
-            rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_interleave=f.get("rope_interleave", BOOL, True) if v3 else True,
+            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
+            mtp_layers=f.get("num_nextn_predict_layers", DENSE_LAYERS, V3_MTP_LAYERS) if v3 else 0,
         )
 
     def to_dict(self) -> dict:

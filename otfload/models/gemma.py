@@ -17,7 +17,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from otfload.errors import UnsupportedModelError
+from otfload.config import (
+    BOOL,
+    EPS,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    LAYERS,
+    NAME,
+    POSITIVE,
+    VOCAB,
+    WINDOW,
+    Choice,
+    Fields,
+    Float,
+    List,
+    require,
+    rope_kind,
+)
+from otfload.config.fields import MAX_FACTOR
+from otfload.config.rope import THETA
+from otfload.errors import ConfigError
 from otfload.models.layers import (
     Dense,
     Embed,
@@ -36,37 +57,44 @@ from otfload.models.llama import Attention, Mlp, rope_params
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' activation name -> whether GELU uses the tanh approximation.
 _GELU_APPROXIMATE = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu_fast": True, "gelu": False}
+ACTIVATIONS = Choice(*_GELU_APPROXIMATE)
+LAYER_TYPES = List(Choice(SLIDING, FULL))
+SOFTCAP = Float(0.0, MAX_FACTOR, exclusive_min=True)
 
 Rope = tuple[float, dict | None]  # (theta, scaling)
 
 
-def _rope_of(params: dict | None, default_theta: float) -> Rope:
-    params = params or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    return float(params.get("rope_theta", default_theta)), (params if kind != "default" else None)
+def _rope_of(params: Fields | None, default_theta: float) -> Rope:
+    if params is None:
+        return default_theta, None
+    kind = rope_kind(params)
+    theta = params.get("rope_theta", THETA, default_theta)
+    return theta, (dict(params.data) if kind != "default" else None)
 
 
-def _gemma3_ropes(hf: dict) -> tuple[Rope, Rope]:
+def _gemma3_ropes(f: Fields) -> tuple[Rope, Rope]:
     """``(global, local)`` RoPE of Gemma 3: per layer type in transformers 5 configs, else the
     older ``rope_theta`` / ``rope_scaling`` (global) and ``rope_local_base_freq`` (local) fields."""
-    params = hf.get("rope_parameters") or {}
-    if FULL in params or SLIDING in params:
-        return _rope_of(params.get(FULL), 1e6), _rope_of(params.get(SLIDING), 1e4)
-    full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)}
-    return _rope_of(full, 1e6), _rope_of({"rope_theta": hf.get("rope_local_base_freq", 1e4)}, 1e4)
+    params = f.object("rope_parameters")
+    if params is not None and (FULL in params.data or SLIDING in params.data):
+        return _rope_of(params.object(FULL), 1e6), _rope_of(params.object(SLIDING), 1e4)
+    scaling = f.object("rope_scaling")
+    theta = f.get("rope_theta", THETA, 1e6)
+    full = Fields({**(scaling.data if scaling else {}), "rope_theta": theta}, f.name("rope_scaling"))
+    local = f.get("rope_local_base_freq", THETA, 1e4)
+    return _rope_of(full, 1e6), (local, None)
 
 
-def _layer_types(hf: dict) -> tuple[str, ...]:
+def _layer_types(f: Fields, model_type: str, num_layers: int) -> tuple[str, ...]:
     """Each layer's attention type; without ``layer_types``, every ``pattern``-th layer is global."""
-    types = hf.get("layer_types")
+    types = f.get("layer_types", LAYER_TYPES, None)
     if types is None:
-        default = 2 if hf["model_type"] == "gemma2" else 6
-        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or default
-        types = [SLIDING if (i + 1) % pattern else FULL for i in range(hf["num_hidden_layers"])]
-    unknown = sorted(set(types) - {SLIDING, FULL})
-    if unknown:
-        raise UnsupportedModelError(f"{hf['model_type']}: unsupported layer types {unknown}")
-    return tuple(types)
+        default = 2 if model_type == "gemma2" else 6
+        _, pattern = f.first(("sliding_window_pattern", "_sliding_window_pattern"), LAYERS, default)
+        types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+    require(len(types) == num_layers, f.name("layer_types"), list(types),
+            f"must list one type per layer (num_hidden_layers = {num_layers})")
+    return types
 
 
 @dataclass(frozen=True)
@@ -98,41 +126,47 @@ class GemmaConfig:
     mlp_bias: bool = False
 
     @classmethod
-    def from_hf(cls, hf: dict) -> GemmaConfig:
-        """Parse ``config.json``; absent fields take transformers' Gemma defaults."""
-        model_type = hf["model_type"]
-        if hf.get("use_bidirectional_attention"):
-            raise UnsupportedModelError(f"{model_type}: use_bidirectional_attention is not supported")
-        activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        if activation not in _GELU_APPROXIMATE:
-            raise UnsupportedModelError(f"{model_type}: unsupported hidden_activation {activation!r}")
+    def from_hf(cls, hf: dict, path: str = "") -> GemmaConfig:
+        """Parse and check ``config.json`` (``path`` names a nested text config in errors); absent
+        fields take transformers' Gemma defaults."""
+        f = Fields(hf, path)
+        model_type = f.get("model_type", NAME)
+        if f.get("use_bidirectional_attention", BOOL, False):
+            raise ConfigError(f.name("use_bidirectional_attention"), True, "bidirectional attention is not supported")
+        _, activation = f.first(("hidden_activation", "hidden_act"), ACTIVATIONS, "gelu_pytorch_tanh")
         gemma2 = model_type == "gemma2"
         if gemma2:
-            rope_global = rope_local = rope_params(hf)
+            rope_global = rope_local = rope_params(f)
         else:
-            rope_global, rope_local = _gemma3_ropes(hf)
-        heads = hf["num_attention_heads"]
-        bias = bool(hf.get("attention_bias", False))
+            rope_global, rope_local = _gemma3_ropes(f)
+        heads = f.get("num_attention_heads", HEADS)
+        kv_heads = f.get("num_key_value_heads", HEADS, heads)
+        require(heads % kv_heads == 0, f.name("num_key_value_heads"), kv_heads,
+                f"must divide num_attention_heads ({heads}): each key/value head serves a whole group of query heads")
+        head_dim = f.get("head_dim", HEAD_DIM, 256)
+        require(head_dim % 2 == 0, f.name("head_dim"), head_dim, "must be even: RoPE rotates pairs of dimensions")
+        num_layers = f.get("num_hidden_layers", LAYERS)
+        bias = f.get("attention_bias", BOOL, False)
         return cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=f.get("vocab_size", VOCAB),
+            hidden_size=f.get("hidden_size", HIDDEN),
+            intermediate_size=f.get("intermediate_size", INTERMEDIATE),
+            num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim", 256),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-            sliding_window=hf.get("sliding_window", 4096),
-            layer_types=_layer_types(hf),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-6),
+            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, True),
+            query_pre_attn_scalar=f.get("query_pre_attn_scalar", POSITIVE, 256.0),
+            sliding_window=f.nullable("sliding_window", WINDOW, 4096),
+            layer_types=_layer_types(f, model_type, num_layers),
             rope_global=rope_global,
             rope_local=rope_local,
             gelu_approximate=_GELU_APPROXIMATE[activation],
             # transformers' Gemma 3 attention never soft-caps its logits, whatever the config says.
-            attn_softcap=hf.get("attn_logit_softcapping", 50.0) if gemma2 else None,
-            final_softcap=hf.get("final_logit_softcapping", 30.0 if gemma2 else None),
+            attn_softcap=f.nullable("attn_logit_softcapping", SOFTCAP, 50.0) if gemma2 else None,
+            final_softcap=f.nullable("final_logit_softcapping", SOFTCAP, 30.0 if gemma2 else None),
             qk_norm=not gemma2,
             qkv_bias=bias,
             o_bias=bias,

@@ -5,34 +5,43 @@ checkpoint's ``[E, in, out]`` orientation (``experts_in_first``), so loading the
 
 from __future__ import annotations
 
-from otfload.errors import UnsupportedModelError
+from otfload.config import EXPERTS, POSITIVE, WINDOW, Choice, Fields, List, require
 from otfload.models.llama import LlamaConfig
+from otfload.models.mixtral import top_k
 from otfload.models.moe import CLAMPED_SWIGLU, TOPK_SOFTMAX, MoeConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = List(Choice(SLIDING, FULL))
+
+
+def layer_types(f: Fields, num_layers: int, default: list[str]) -> tuple[str, ...]:
+    """``layer_types`` (one per layer) or ``default``."""
+    types = f.get("layer_types", LAYER_TYPES, tuple(default))
+    require(len(types) == num_layers, f.name("layer_types"), list(types),
+            f"must list one type per layer (num_hidden_layers = {num_layers})")
+    return types
 
 
 def gpt_oss_config(hf: dict) -> MoeConfig:
     """The :class:`MoeConfig` of a GPT-OSS ``config.json``."""
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
-    unknown = sorted(set(types) - {SLIDING, FULL})
-    if unknown:
-        raise UnsupportedModelError(f"gpt_oss: unsupported layer types {unknown}")
+    base, f = LlamaConfig.from_hf(hf), Fields(hf)
+    n = base.num_layers
+    types = layer_types(f, n, [SLIDING if (i + 1) % 2 else FULL for i in range(n)])
+    experts = f.get("num_local_experts", EXPERTS)
     return MoeConfig.extend(
-        LlamaConfig.from_hf(hf),
-        sliding_window=hf.get("sliding_window"),
+        base,
+        sliding_window=f.nullable("sliding_window", WINDOW, None),
         sliding_layers=tuple(i for i, t in enumerate(types) if t == SLIDING),
         attention_sinks=True,
-        num_experts=hf["num_local_experts"],
-        experts_per_token=hf["num_experts_per_tok"],
-        expert_intermediate_size=hf["intermediate_size"],
+        num_experts=experts,
+        experts_per_token=top_k(f, experts, "num_local_experts"),
+        expert_intermediate_size=base.intermediate_size,
         routing=TOPK_SOFTMAX,
         router_bias=True,
         expert_bias=True,
         activation=CLAMPED_SWIGLU,
-        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        swiglu_alpha=f.get("swiglu_alpha", POSITIVE, 1.702),
+        swiglu_limit=f.get("swiglu_limit", POSITIVE, 7.0),
         moe_layers=tuple(range(n)),
         experts_in_first=True,  # the fused expert tensors are stored [E, in, out]
     )

@@ -14,6 +14,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from otfload.config import (
+    BOOL,
+    EPS,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    LAYERS,
+    NAME,
+    VOCAB,
+    WINDOW,
+    Choice,
+    Fields,
+    require,
+)
+from otfload.config import rope_params as config_rope_params
 from otfload.models.layers import (
     Dense,
     Embed,
@@ -30,13 +46,28 @@ from otfload.models.layers import (
     run_layers,
 )
 
+# transformers' names of the activation Llama-family MLPs apply (SiLU; "swish" is the same function).
+ACTIVATIONS = Choice("silu", "swish")
 
-def rope_params(hf: dict) -> tuple[float, dict | None]:
+
+def rope_params(hf: dict | Fields) -> tuple[float, dict | None]:
     """``(theta, scaling)`` from either the transformers 5 ``rope_parameters`` or older fields."""
-    params = hf.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return theta, scaling
+    return config_rope_params(hf if isinstance(hf, Fields) else Fields(hf))
+
+
+def attention_shape(f: Fields) -> tuple[int, int, int, int]:
+    """``(hidden_size, heads, kv_heads, head_dim)`` of a GQA config, checked for consistency."""
+    hidden, heads = f.get("hidden_size", HIDDEN), f.get("num_attention_heads", HEADS)
+    kv_heads = f.get("num_key_value_heads", HEADS, heads)
+    require(heads % kv_heads == 0, f.name("num_key_value_heads"), kv_heads,
+            f"must divide num_attention_heads ({heads}): each key/value head serves a whole group of query heads")
+    head_dim = f.get("head_dim", HEAD_DIM, None)
+    if head_dim is None:
+        require(hidden % heads == 0, f.name("hidden_size"), hidden,
+                f"must be divisible by num_attention_heads ({heads}) when head_dim is not given")
+        head_dim = hidden // heads
+    require(head_dim % 2 == 0, f.name("head_dim"), head_dim, "must be even: RoPE rotates pairs of dimensions")
+    return hidden, heads, kv_heads, head_dim
 
 
 @dataclass(frozen=True)
@@ -61,29 +92,32 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
-        model_type = hf["model_type"]
-        heads = hf["num_attention_heads"]
-        theta, scaling = rope_params(hf)
-        attention_bias = bool(hf.get("attention_bias", False))
-        use_window = hf.get("use_sliding_window", model_type == "mistral")
+        """Parse and check ``config.json`` (absent fields take transformers' defaults)."""
+        f = Fields(hf)
+        model_type = f.get("model_type", NAME)
+        hidden, heads, kv_heads, head_dim = attention_shape(f)
+        f.get("hidden_act", ACTIVATIONS, "silu")
+        theta, scaling = rope_params(f)
+        attention_bias = f.get("attention_bias", BOOL, False)
+        use_window = f.get("use_sliding_window", BOOL, model_type == "mistral")
         return cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=f.get("vocab_size", VOCAB),
+            hidden_size=hidden,
+            intermediate_size=f.get("intermediate_size", INTERMEDIATE),
+            num_layers=f.get("num_hidden_layers", LAYERS),
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=f.get("mlp_bias", BOOL, False),
             qk_norm=model_type == "qwen3",
-            sliding_window=hf.get("sliding_window") if use_window else None,
+            sliding_window=f.nullable("sliding_window", WINDOW, None) if use_window else None,
         )
 
     def to_dict(self) -> dict:

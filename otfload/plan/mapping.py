@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingABC
@@ -29,6 +30,9 @@ from otfload.errors import MappingError
 from otfload.plan.hooks import Hook
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
+# Most HF tensors one leaf may stack: DeepSeek-V3's experts are 58 layers x 256 = 14,848; 70x room.
+# A larger stack comes from a hostile config or abstract tree, and enumerating it would not end.
+MAX_STACK_SLICES = 1 << 20
 
 
 def placeholders(template: str) -> list[str]:
@@ -56,8 +60,8 @@ def _target_regex(template: str) -> re.Pattern:
 class Rule:
     """One target-leaf template, the HF key template(s) feeding it, and the hooks between them.
 
-    ``fallbacks`` are HF templates tried in order when ``source`` is absent (tied embeddings:
-    ``lm_head.weight`` falls back to ``model.embed_tokens.weight``). ``offsets`` shift placeholder
+    ``fallbacks`` are HF templates tried in order when ``source`` is absent (a key some checkpoints
+    store under another name; never a stand-in for a tensor the config says exists). ``offsets`` shift placeholder
     values on the HF side (``{"layer": "first_k_dense_replace"}`` for a group of layers that
     starts after the dense ones); values may be config field names. ``indices`` give a group whose
     layers are not contiguous its HF values explicitly: ``{"layer": "moe_layers"}`` makes position
@@ -178,6 +182,12 @@ def slice_values(
 ) -> Iterator[tuple[tuple[int, ...], dict[str, int]]]:
     """For every stack slice of a leaf (row-major), its index and the HF placeholder values that
     name its tensor: leaf positions shifted by ``offsets`` or looked up in ``indices``."""
+    count = math.prod(stack_shape)
+    if count > MAX_STACK_SLICES:
+        raise MappingError(
+            f"rule {rule.target!r}: the leaf stacks {count} tensors (shape {tuple(stack_shape)}), more than the "
+            f"{MAX_STACK_SLICES} any checkpoint holds"
+        )
     offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
     indices = {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
     for combo in itertools.product(*(range(n) for n in stack_shape)):

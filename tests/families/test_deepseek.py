@@ -197,6 +197,7 @@ V2_LITE = {"model_type": "deepseek_v2", "q_lora_rank": None, "topk_method": "gre
            "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
                             "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}}
 V3_671B = {"model_type": "deepseek_v3", "q_lora_rank": 1536, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+           "n_routed_experts": 256,  # 8 groups need more than DEEPSEEK_BASE's 4 experts
            "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                             "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}}
 
