@@ -161,3 +161,14 @@ def test_activation_scales_go_to_the_report_not_the_weights(quantized, tmp_path)
     np.testing.assert_array_equal(report.activation_scales[key], [0.25])
     ids = token_ids()
     assert max_rel_diff(np.asarray(model(jnp.asarray(ids))), torch_logits(reference_model, ids)) <= 1e-4
+
+
+def test_export_of_a_dequantised_model_drops_the_quantization_config(quantized, tmp_path, mesh_2x4):
+    from otfload.export import export_hf
+
+    path, _, _, reference = quantized("ct_w4a16")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, dtype="float32")
+    out = export_hf(model, tmp_path / "out")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    key = "model.layers.2.self_attn.o_proj.weight"
+    np.testing.assert_array_equal(hf_tensors(out)[key], reference[key])

@@ -13,6 +13,7 @@ from otfload.export.gather import leaf_arrays
 from otfload.export.job import ExportJob
 from otfload.families.registry import Family
 from otfload.index.checkpoint import CONFIG_FILE, open_index, read_json
+from otfload.models.origin import origin_of
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.sources import Source, open_source
 
@@ -51,8 +52,10 @@ def export_hf(
     ``model_or_params`` is an NNX model (its ``nnx.Param`` s) or a pytree of arrays, scanned or
     not, sharded or not. ``config`` is the HF ``config.json`` (a dict, or a path to the file or
     its directory); ``reference`` — the checkpoint the model was loaded from, anything
-    ``from_pretrained`` accepts — supplies it by default and gives the exact HF tensor shapes
-    (otherwise inferred from the mapping). The family's table (from ``config["model_type"]``, or
+    ``from_pretrained`` accepts — supplies it and gives the exact HF tensor shapes (otherwise
+    inferred from the mapping). A model ``from_pretrained`` returned needs neither: it remembers
+    the config and family it was built from. A quantized source's ``quantization_config`` is
+    dropped: what is written is the dequantised weights. The family's table (from ``config["model_type"]``, or
     ``family=``) or ``mapping=`` is inverted. ``dtype`` ``None`` keeps each leaf's dtype; ``"bf16"``,
     ``"f32"`` or a numpy dtype casts. Shards hold at most ``max_shard_size`` (``"5GB"``, ``"500MiB"``,
     bytes). The write is atomic; an existing ``out_dir`` is replaced only with ``overwrite=True``.
@@ -60,9 +63,13 @@ def export_hf(
     shared ``out_dir`` (see :mod:`otfload.export.distributed`).
     """
     ref_config, hf_shapes = _reference(reference)
-    if config is None and ref_config is None:
-        raise MappingError("export_hf needs the HF config: pass config= (dict or config.json path) or reference=")
-    hf_config = load_config(config) if config is not None else ref_config
+    origin = origin_of(model_or_params)
+    if config is None and ref_config is None and origin is None:
+        raise MappingError("export_hf needs the HF config for a model otfload did not build: "
+                           "pass config= (dict or config.json path) or reference=")
+    hf_config = load_config(config) if config is not None else ref_config or origin.config
+    if family is None and mapping is None and origin is not None:
+        family = origin.family
     arrays = leaf_arrays(model_or_params)
     job = ExportJob.build(arrays, hf_config, family=family, mapping=mapping, hf_shapes=hf_shapes, dtype=dtype)
     write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite)

@@ -57,6 +57,8 @@ class ExportJob:
         ``dtype`` ``None`` keeps each leaf's dtype, otherwise every tensor (and ``config.json``'s
         dtype field) is cast; a dtype safetensors cannot store fails here, before anything is written.
         """
+        # The weights written are dequantised: a source's quantization_config no longer applies.
+        hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
         table, hook_config = _table(hf_config, family, mapping)
         shapes = {path: tuple(leaf.shape) for path, leaf in leaves.items()}
         plan = plan_export(shapes, table, hook_config, hf_shapes, tied=bool(hf_config.get("tie_word_embeddings")))

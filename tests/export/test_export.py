@@ -128,11 +128,20 @@ def test_failure_mid_export_leaves_no_output(tiny_checkpoints, mesh_2x4, tmp_pat
     assert list(tmp_path.iterdir()) == []  # the shards already written went with the temp dir
 
 
-def test_model_without_config_or_reference_is_refused(tiny_checkpoints, mesh_2x4, tmp_path):
+def test_a_loaded_model_exports_with_no_config_or_reference(tiny_checkpoints, mesh_2x4, tmp_path):
+    """from_pretrained's model remembers its config and family: the bare call round-trips exactly."""
+    src, _ = tiny_checkpoints("qwen3")
+    model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=False)
+    out = export_hf(model, tmp_path / "out")
+    assert_bit_exact(read_tensors(out), read_tensors(src))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_params_without_config_or_reference_are_refused(tiny_checkpoints, mesh_2x4, tmp_path):
     src, _ = tiny_checkpoints("llama")
-    model = otfload.from_pretrained(src, mesh=mesh_2x4)
+    params = nnx.state(otfload.from_pretrained(src, mesh=mesh_2x4), nnx.Param)  # a tree: no origin
     with pytest.raises(MappingError, match="config"):
-        export_hf(model, tmp_path / "out")
+        export_hf(params, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
