@@ -34,11 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-import fsspec
-
 from otfload.errors import CacheError, CacheUnsafeNameError
 from otfload.sources.base import Source
-from otfload.sources.fsspec_source import FsspecSource
+from otfload.sources.fsspec_source import FsspecSource, open_filesystem
 from otfload.sources.local import LocalSource
 from otfload.sources.names import check_member_name
 
@@ -426,7 +424,7 @@ class FsspecStore:
         self.key = check_cache_name(key, "shard cache key")
         self.url = f"{base_url.rstrip('/')}/{key}"
         self.storage_options = storage_options
-        self._fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self._fs, root = open_filesystem(self.url, **(storage_options or {}))
         self._root = root.rstrip("/")
 
     @property

@@ -9,24 +9,18 @@ range answer itself is checked (``Content-Range``, lengths, encoding) before a b
 
 from __future__ import annotations
 
-import os
+import asyncio
+import concurrent.futures
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
-# gcsfs 2026.x otherwise makes a gRPC storage-control call per bucket at first use (retried for
-# ~60 s against emulators and private endpoints); it reads this variable when it is imported.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+import fsspec
+from fsspec.asyn import AsyncFileSystem
 
-import asyncio  # noqa: E402
-import concurrent.futures  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Awaitable, Callable, Iterator, Sequence  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from typing import Any, TypeVar  # noqa: E402
-
-import fsspec  # noqa: E402
-from fsspec.asyn import AsyncFileSystem  # noqa: E402
-
-from otfload.errors import (  # noqa: E402
+from otfload.errors import (
     OtfloadError,
     SourceError,
     SourceNotFoundError,
@@ -34,10 +28,10 @@ from otfload.errors import (  # noqa: E402
     SourceProtocolError,
     TruncatedFileError,
 )
-from otfload.sources.base import RangeRead  # noqa: E402
-from otfload.sources.formats import check_safe_format, is_checkpoint_file  # noqa: E402
-from otfload.sources.ranges import RangeSink, check_range_answer, coalesce, read_runs  # noqa: E402
-from otfload.sources.retry import (  # noqa: E402
+from otfload.sources.base import RangeRead
+from otfload.sources.formats import check_safe_format, is_checkpoint_file
+from otfload.sources.ranges import RangeSink, check_range_answer, coalesce, read_runs
+from otfload.sources.retry import (
     Deadline,
     LoadCancelled,
     RetriedCalls,
@@ -56,6 +50,22 @@ _USERINFO = re.compile(r"(?<=://)[^/@]*@")  # "s3://key:secret@bucket" -> "s3://
 MAX_FILE_BYTES = 1 << 44
 # Body chunks of an HTTP range answer: large enough for GB/s, small enough to notice a long body early.
 HTTP_CHUNK_BYTES = 1 << 20
+
+
+def open_filesystem(url: str, **options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of ``url`` and the path inside it.
+
+    ``gs://`` gets gcsfs's core ``GCSFileSystem``: the experimental zonal/HNS class that ``import
+    gcsfs`` registers by default makes a gRPC storage-control call per bucket at first use (retried
+    for ~60 s against emulators and private endpoints), and switching it off through
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` would mean changing the process environment on import.
+    """
+    if url.split("://", 1)[0] in ("gs", "gcs"):
+        from gcsfs.core import GCSFileSystem
+
+        fs = GCSFileSystem(**options)
+        return fs, fs._strip_protocol(url)
+    return fsspec.core.url_to_fs(url, **options)
 
 
 # Listing fields holding an object's published checksums, by algorithm (GCS JSON API names).
@@ -83,7 +93,7 @@ class FsspecSource(RetriedCalls):
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         options = _with_idle_timeouts(protocol, dict(storage_options or {}), self._retry.read_timeout_s)
         try:
-            self._fs, root = fsspec.core.url_to_fs(self.url, **options)
+            self._fs, root = open_filesystem(self.url, **options)
         except (ImportError, ValueError, TypeError) as e:
             raise SourceError(f"{self.description}: cannot open ({type(e).__name__}: {e})") from e
         self._root = root.rstrip("/")
