@@ -7,14 +7,17 @@ hold) → ``plan`` (target leaf ← HF keys, hooks, stacking, sharding, byte run
 ranges into scratch) → ``build`` (hooks, one ``np.stack``, placement) → this API.
 """
 
-from otfload.api import from_pretrained, load_params, plan_model
+from otfload.api import from_pretrained, load_params, plan_model, plan_params
 from otfload.build.report import LoadReport
 from otfload.errors import (
+    AdapterError,
     CheckpointIndexError,
     CheckpointMismatchError,
     CorruptFileError,
     HeaderError,
+    IndivisibleShardingError,
     MappingError,
+    MeshRequiredError,
     MissingTensorError,
     OtfloadError,
     OutputExistsError,
@@ -24,6 +27,7 @@ from otfload.errors import (
     TruncatedFileError,
     UnexpectedTensorError,
     UnknownDtypeError,
+    UnmappedLeafError,
     UnsafeFormatError,
     UnsupportedModelError,
 )
@@ -36,14 +40,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_RULES",
+    "AdapterError",
     "CheckpointIndexError",
     "CheckpointMismatchError",
     "CorruptFileError",
     "HeaderError",
     "Hook",
+    "IndivisibleShardingError",
     "LoadReport",
     "MappingError",
     "MappingTable",
+    "MeshRequiredError",
     "MissingTensorError",
     "OtfloadError",
     "OutputExistsError",
@@ -58,6 +65,7 @@ __all__ = [
     "TruncatedFileError",
     "UnexpectedTensorError",
     "UnknownDtypeError",
+    "UnmappedLeafError",
     "UnsafeFormatError",
     "UnsupportedModelError",
     "export_checkpoint",
@@ -68,4 +76,5 @@ __all__ = [
     "logical_to_sharding",
     "make_mesh",
     "plan_model",
+    "plan_params",
 ]

@@ -94,6 +94,13 @@ class UnsupportedQuantizationError(QuantizationError):
     """The checkpoint uses a known quantization method that otfload does not decode yet."""
 
 
+class AdapterError(OtfloadError):
+    """A PEFT adapter cannot be merged faithfully: a method or ``adapter_config.json`` field otfload
+    does not merge (DoRA, ``fan_in_fan_out``, ...), a rank that disagrees with the tensors, A/B factors
+    that do not fit the base module, or a module the base checkpoint or family does not have. The
+    message names the adapter, the module and the field."""
+
+
 class MappingError(OtfloadError):
     """A mapping table or hook is inconsistent with the model or checkpoint it is used on."""
 
@@ -107,7 +114,7 @@ class UnfaithfulCastError(MappingError):
 class TensorProblem:
     """One missing, unexpected or mis-shaped tensor found while planning a load."""
 
-    kind: str  # "missing" | "unexpected" | "shape"
+    kind: str  # "missing" | "unexpected" | "shape" | "unmapped" (no rule; ``actual`` = nearest rules)
     hf_key: str | None
     leaf: str | None
     expected: object = None
@@ -118,6 +125,9 @@ class TensorProblem:
         where = f" in {self.file}" if self.file else ""
         if self.kind == "missing":
             return f"missing tensor {self.hf_key!r} needed by leaf {self.leaf!r} (expected shape {self.expected})"
+        if self.kind == "unmapped":
+            nearest = ", ".join(repr(r) for r in self.actual or ()) or "none alike"
+            return f"no mapping rule matches leaf {self.leaf!r} (shape {self.expected}); nearest rules: {nearest}"
         if self.kind == "unexpected":
             return f"unexpected tensor {self.hf_key!r}{where} (shape {self.actual}) is used by no leaf"
         return (
@@ -147,6 +157,10 @@ class CheckpointMismatchError(OtfloadError):
     def mismatched(self) -> list[TensorProblem]:
         return [p for p in self.problems if p.kind == "shape"]
 
+    @property
+    def unmapped(self) -> list[TensorProblem]:
+        return [p for p in self.problems if p.kind == "unmapped"]
+
 
 class MissingTensorError(CheckpointMismatchError):
     """Raised when every problem found is a missing tensor."""
@@ -160,6 +174,31 @@ class ShapeMismatchError(CheckpointMismatchError):
     """Raised when every problem found is a tensor of the wrong shape."""
 
 
+class UnmappedLeafError(CheckpointMismatchError):
+    """Raised when every problem found is a target leaf that no rule of the mapping table matches;
+    each problem names the leaf and the nearest rules."""
+
+
+class MeshRequiredError(MappingError):
+    """A target leaf's sharding is on an abstract mesh, or is only names (or absent), and no concrete
+    ``mesh=`` was given to make it real."""
+
+
+class IndivisibleShardingError(MappingError):
+    """A target leaf's sharding splits a dimension over mesh axes whose size does not divide it.
+
+    ``leaf``, ``axis`` (the dimension), ``size`` (its length), ``mesh_axes`` and ``mesh_size`` (their
+    product) say which."""
+
+    def __init__(self, leaf: str, axis: int, size: int, mesh_axes: Sequence[str], mesh_size: int):
+        self.leaf, self.axis, self.size = leaf, axis, size
+        self.mesh_axes, self.mesh_size = tuple(mesh_axes), mesh_size
+        super().__init__(
+            f"leaf {leaf!r}: dimension {axis} of size {size} is sharded over mesh axes {self.mesh_axes} "
+            f"of {mesh_size} devices, which does not divide it"
+        )
+
+
 def mismatch_error(problems: Sequence[TensorProblem]) -> CheckpointMismatchError:
     """The most specific :class:`CheckpointMismatchError` subclass for ``problems``."""
     kinds = {p.kind for p in problems}
@@ -167,6 +206,7 @@ def mismatch_error(problems: Sequence[TensorProblem]) -> CheckpointMismatchError
         frozenset({"missing"}): MissingTensorError,
         frozenset({"unexpected"}): UnexpectedTensorError,
         frozenset({"shape"}): ShapeMismatchError,
+        frozenset({"unmapped"}): UnmappedLeafError,
     }.get(frozenset(kinds), CheckpointMismatchError)
     return cls(problems)
 

@@ -20,7 +20,7 @@ from otfload.families.registry import supported_model_types
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = ["index.md", "quickstart.md", "concepts.md", "families.md", "adding_a_family.md", "troubleshooting.md",
-         "sources.md", "export.md"]
+         "sources.md", "export.md", "byo_model.md"]
 
 RUNNER = r"""
 import contextlib, re, subprocess, sys, traceback
