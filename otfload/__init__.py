@@ -32,6 +32,7 @@ from otfload.errors import (
     UnsupportedModelError,
 )
 from otfload.export import export_checkpoint, export_hf, export_native
+from otfload.generate import generate
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.plan.sharding import DEFAULT_RULES, logical_to_sharding, make_mesh
@@ -72,6 +73,7 @@ __all__ = [
     "export_hf",
     "export_native",
     "from_pretrained",
+    "generate",
     "load_params",
     "logical_to_sharding",
     "make_mesh",
