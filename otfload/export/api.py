@@ -68,8 +68,6 @@ def export_hf(
         raise MappingError("export_hf needs the HF config for a model otfload did not build: "
                            "pass config= (dict or config.json path) or reference=")
     hf_config = load_config(config) if config is not None else ref_config or origin.config
-    if family is None and mapping is None and origin is not None:
-        family = origin.family
     arrays = leaf_arrays(model_or_params)
     job = ExportJob.build(arrays, hf_config, family=family, mapping=mapping, hf_shapes=hf_shapes, dtype=dtype)
     write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite)
