@@ -28,8 +28,9 @@ from collections import defaultdict
 import jax
 import numpy as np
 
-from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop
-from otfload.plan.hooks import chain_apply, chain_needed
+from otfload.build.transpose import copy_into, transposed_axis
+from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop, selection_union
+from otfload.plan.hooks import chain_apply, chain_needed, chain_selection
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
 from otfload.read.reader import TensorReader
@@ -90,6 +91,8 @@ def build_boxes(
     strides = [int(np.prod(plan.stack_shape[d + 1 :], dtype=np.int64)) for d in range(n_stack)]
     need = {box: chain_needed(plan.hooks, plan.shapes, box[n_stack:]) for box in boxes}
     union = bounding_box(list(need.values()))
+    # What the boxes really need inside ``union``: widening hooks (kv_b heads, strided slices) leave holes.
+    selection = selection_union([chain_selection(plan.hooks, plan.shapes, box[n_stack:]) for box in boxes])
     combos_of = {box: list(itertools.product(*(range(a, b) for a, b in box[:n_stack]))) for box in boxes}
     all_combos = sorted(set().union(*combos_of.values()))
     results = {box: aligned_empty(box_shape(box), plan.leaf.dtype) for box in boxes}
@@ -101,7 +104,7 @@ def build_boxes(
         try:
             indices = {c: sum(k * s for k, s in zip(c, strides, strict=True)) for c in chunk}
             parts = {
-                c: reader.read_box(plan.sources[i], union, arena)
+                c: reader.read_box(plan.sources[i], union, arena, selection)
                 for c, i in indices.items()
             }
             for box in boxes:
@@ -129,9 +132,13 @@ def _stack_into(plan: LeafPlan, box: Box, need: Box, union: Box, combos, parts, 
         out, have = chain_apply(plan.hooks, plan.shapes, crop(parts[combos[i]], union, need), need)
         pieces.append(crop(out, have, inner))
     if not plan.stack_axes:
-        np.copyto(result, pieces[0], casting="unsafe")
+        copy_into(result, pieces[0])
         return
     flat = result.reshape((-1, *box_shape(inner)))
+    if transposed_axis(pieces[0]) is not None:  # a transposing hook: tile by tile, not one strided copy
+        for row, piece in zip(rows, pieces, strict=True):
+            copy_into(flat[row], piece)
+        return
     np.stack(pieces, axis=0, out=flat[rows[0] : rows[-1] + 1], casting="unsafe")
 
 

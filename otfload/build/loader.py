@@ -7,6 +7,7 @@ ones stop at their next read (retries end, requests in flight are cut; see
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -17,11 +18,14 @@ import jax
 from tqdm.auto import tqdm
 
 from otfload.build.builder import ByteBudget, build_leaf
-from otfload.build.report import LoadReport, current_rss, peak_rss
+from otfload.build.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
+from otfload.build.reshard import choose_read_shardings, with_sharding
+from otfload.build.reshard import reshard as reshard_array
 from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
+from otfload.sources.ranges import FetchMeter, metering
 from otfload.sources.retry import CancelToken, LoadCancelled, cancel_scope
 
 # Two builders keep one core reading while the other copies; more only adds scratch memory on a
@@ -30,6 +34,8 @@ DEFAULT_WORKERS = 2
 # Remote reads spend their time waiting on the network: 8 keep a bucket or the Hub busy (measured:
 # 0.70x of gcsfs whole-file `cat` with 2 workers, 0.98x with 8, docs/benchmarks_remote.md).
 REMOTE_WORKERS = 8
+# Environment variable holding the default ``reshard`` policy of a load.
+RESHARD_ENV = "OTFLOAD_RESHARD"
 
 
 def execute_plan(
@@ -39,32 +45,44 @@ def execute_plan(
     workers: int = DEFAULT_WORKERS,
     host_memory_budget: int | None = None,
     progress: bool | None = None,
+    reshard: str | None = None,
 ) -> tuple[dict[str, jax.Array], LoadReport]:
     """Build every leaf of ``plan`` from ``source``; returns ``{leaf path: array}`` and the report.
 
     ``host_memory_budget`` caps the scratch bytes (source data read but not yet placed) held by all
     builder threads together; the default, the largest leaf's source bytes, keeps transient host
     memory within one leaf. A smaller budget makes large stacked leaves build in several chunks.
+    ``reshard`` says when a leaf may be read in its storage layout and moved to its sharding by a
+    collective (see :mod:`otfload.build.reshard`): ``"auto"`` (where the cost model says it is
+    faster), ``"always"`` (wherever it fetches fewer bytes) or ``"never"``; default: the
+    ``OTFLOAD_RESHARD`` environment variable, else ``"auto"``.
     """
     largest = max((p.source_bytes for p in plan.leaves.values()), default=0)
     budget = ByteBudget(host_memory_budget or largest, workers)
     report = LoadReport(source=source.description, leaves=len(plan.leaves), rss_before=current_rss())
     reader = TensorReader(source)
+    policy = reshard or os.environ.get(RESHARD_ENV, "auto")
+    bands = choose_read_shardings(plan.leaves, reader, policy)  # the same choices on every process
     local = threading.local()
     show = sys.stderr.isatty() if progress is None else progress
-    bar = tqdm(total=plan.source_bytes, unit="B", unit_scale=True, desc="otfload", disable=not show)
+    total = sum(p.source_bytes for p in plan.leaves.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="otfload", disable=not show)
     start = time.perf_counter()
 
     token = CancelToken()
+    meter = FetchMeter()  # what the source really fetches, counted where it fetches
 
     def build(path: str) -> jax.Array:
         if token.cancelled:  # queued before the first failure, picked up after it
             raise LoadCancelled(f"leaf {path!r}: cancelled, another leaf failed")
         try:
-            with cancel_scope(token):
+            with cancel_scope(token), metering(meter):
                 if not hasattr(local, "arena"):
                     local.arena = Arena()
-                array = build_leaf(plan.leaves[path], reader, local.arena, budget)
+                leaf_plan = plan.leaves[path]
+                if path in bands:
+                    leaf_plan = with_sharding(leaf_plan, bands[path].sharding)
+                array = build_leaf(leaf_plan, reader, local.arena, budget)
         except BaseException:
             token.cancel()  # at once, before this worker picks up a queued leaf
             raise
@@ -81,17 +99,23 @@ def execute_plan(
             pool.shutdown(wait=True)
             raise failure
         arrays = {path: f.result() for path, f in futures.items()}
+        resharding = time.perf_counter()
+        for path in bands:  # collectives: every process runs them, in the plan's order
+            arrays[path] = reshard_array(arrays[path], plan.leaves[path].leaf.sharding)
         jax.block_until_ready(list(arrays.values()))
+        report.reshard_seconds = time.perf_counter() - resharding
     finally:
         token.cancel()  # a no-op after success; after an interrupt, stops what still runs
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     report.seconds = time.perf_counter() - start
     stats = reader.stats
-    report.tensors_read, report.bytes_read, report.requests = stats.pieces, stats.bytes_read, stats.requests
-    report.bytes_needed = stats.bytes_needed
+    report.tensors_read, report.bytes_needed = stats.pieces, stats.bytes_needed
+    report.bytes_read, report.requests = meter.bytes, meter.requests
     report.files = sorted(stats.files)
-    report.bytes_planned = plan.source_bytes
+    report.bytes_planned = planned_bytes(plan, reader, {p: c.sharding for p, c in bands.items()})
+    report.resharded = list(bands)
+    report.bytes_ideal = ideal_bytes(plan)
     report.bytes_placed = sum(s.data.nbytes for a in arrays.values() for s in a.addressable_shards)
     report.unused_tensors = list(plan.unused)
     report.peak_rss = peak_rss()

@@ -1,21 +1,22 @@
 """``otfload inspect``: print the load plan — computed from headers and config alone.
 
 For every target leaf: the HF keys it is built from, the hooks, shape, dtype, sharding, and the
-bytes this process reads for it. ``process_bytes`` follows the builder exactly: the local devices'
-shard boxes are carried back through the hooks (:func:`~otfload.plan.hooks.chain_needed`), the
-bounding box of those source boxes is read once from each HF tensor a local shard stacks, so the
-count is ``stacked tensors needed × bytes of that box`` (gaps the reader coalesces are not counted).
+bytes one process reads for it (this one, or ``--process-index`` of ``--process-count`` processes
+sharing the mesh's devices in order — planned without ``jax.distributed``). Three counts follow the
+builder exactly (:mod:`otfload.build.report`): ``process_bytes``, the source bytes its devices' boxes
+need, each HF tensor once (boxes carried back through the hooks, holes of widening hooks skipped);
+``fetch_bytes``, what the reader fetches for them (whole pages of local files, gaps merged to save
+requests, in the layout :mod:`otfload.build.reshard` chooses: a band read resharded on the devices);
+and ``ideal_bytes``, the source bytes of the elements the devices hold.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import sys
 from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from otfload.cli import options
 
@@ -26,6 +27,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     options.add_source_args(p)
     options.add_layout_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--process-index", type=int, default=None, metavar="I",
+                   help="plan for process I of --process-count processes (default: this process)")
+    p.add_argument("--process-count", type=int, default=None, metavar="P",
+                   help="processes sharing the mesh's devices, each a contiguous block in mesh order")
+    p.add_argument("--reshard", choices=("auto", "always", "never"), default="auto",
+                   help="when a leaf is read as a band in the storage layout and resharded (default: auto)")
+    p.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default=None,
+                   help="the devices' platform, for the reshard cost model's interconnect (default: this one's)")
+    p.add_argument("--mapping", metavar="MODULE:TABLE",
+                   help="a mapping table (or a function of config.json returning one) for a model you bring, "
+                        "e.g. otfload.mappings.maxtext_llama:TABLE; needs --target")
+    p.add_argument("--target", metavar="MODULE:FACTORY",
+                   help="a function (config.json dict, mesh) -> abstract nnx.Module, nnx.State or pytree of "
+                        "ShapeDtypeStruct, called under jax.set_mesh; "
+                        "e.g. otfload.mappings.maxtext_llama:abstract_params")
     p.set_defaults(run=run)
 
 
@@ -40,23 +56,52 @@ def leaf_boxes(plan, devices: Iterable | None = None) -> set:
 
 
 def process_bytes(plan, devices: Iterable | None = None) -> int:
-    """Source bytes the builder reads for the shards of ``devices`` (default: this process's),
+    """Source bytes the shards of ``devices`` (default: this process's) need, each HF tensor once,
     every stored part of quantized tensors (codes, scales, zero points) included."""
-    from otfload.build.builder import bounding_box
-    from otfload.plan.hooks import chain_needed
-    from otfload.read.reader import stored_box_bytes
+    from otfload.build.report import leaf_needed, process_boxes
 
-    boxes = leaf_boxes(plan, devices)
-    if not boxes or not plan.sources:
-        return 0
-    n = len(plan.stack_axes)
-    union = bounding_box([chain_needed(plan.hooks, plan.shapes, box[n:]) for box in boxes])
-    stacked = set().union(*(itertools.product(*(range(a, b) for a, b in box[:n])) for box in boxes))
-    total = 0
-    for combo in stacked:
-        i = int(np.ravel_multi_index(combo, plan.stack_shape)) if n else 0
-        total += stored_box_bytes(plan.sources[i], union)
-    return total
+    return leaf_needed(plan, process_boxes(plan.leaf, None, None if devices is None else list(devices)))
+
+
+def process_devices(mesh, process_index: int | None, process_count: int | None):
+    """``(devices, process_of)`` of one process: this one's (``process_of`` None), or block
+    ``process_index`` of ``process_count`` equal blocks of the mesh's devices in mesh order."""
+    from otfload.errors import OtfloadError
+
+    if process_count is None and process_index is None:
+        import jax
+
+        return [d for d in mesh.devices.flat if d.process_index == jax.process_index()], None
+    count, index = process_count or 1, process_index or 0
+    flat = list(mesh.devices.flat)
+    if count < 1 or len(flat) % count or not 0 <= index < count:
+        raise OtfloadError(f"--process-index {index} of --process-count {count}: the count must divide the "
+                           f"{len(flat)} devices and the index be below it")
+    per = len(flat) // count
+    position = {d: i for i, d in enumerate(flat)}
+    return flat[index * per : (index + 1) * per], lambda d: position[d] // per
+
+
+def process_leaves(plan, reader, devices, process_of, policy: str, platform: str | None = None) -> dict[str, dict]:
+    """Per leaf of ``plan``: the bytes one process needs, fetches (and in how many requests, in
+    which layout) and ideally holds; leaves that read alike (unscanned layers) are counted once."""
+    from otfload.build.report import leaf_ideal, leaf_needed, leaf_planned, process_boxes
+    from otfload.build.reshard import choose_read_shardings, leaf_signature
+
+    choices = choose_read_shardings(plan.leaves, reader, policy, process_of=process_of, platform=platform)
+    out, memo = {}, {}
+    for path, p in plan.leaves.items():
+        choice = choices.get(path)
+        key = (leaf_signature(p), None if choice is None else str(choice.sharding.spec))
+        if key not in memo:
+            boxes = process_boxes(p.leaf, None, devices)
+            read = process_boxes(p.leaf, choice.sharding, devices) if choice else boxes
+            fetched, requests = leaf_planned(p, read, reader)
+            memo[key] = {"process_bytes": leaf_needed(p, boxes), "fetch_bytes": fetched, "requests": requests,
+                         "ideal_bytes": leaf_ideal(p, devices),
+                         "read_as": None if choice is None else str(choice.sharding.spec)}
+        out[path] = memo[key]
+    return out
 
 
 def shard_bytes(plan) -> int:
@@ -65,38 +110,122 @@ def shard_bytes(plan) -> int:
 
     leaf = plan.leaf
     return max(box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
-               for index in leaf.sharding.devices_indices_map(leaf.shape).values())
+               for index in _index_map(leaf.shape, leaf.sharding).values())
 
 
-def inspect_source(source: Any, **kwargs) -> dict:
+_INDEX_MAPS: dict = {}
+
+
+def _index_map(shape, sharding) -> dict:
+    """``sharding.devices_indices_map(shape)``, computed once per shape and sharding."""
+    key = (tuple(shape), sharding)
+    if key not in _INDEX_MAPS:
+        _INDEX_MAPS[key] = sharding.devices_indices_map(tuple(shape))
+    return _INDEX_MAPS[key]
+
+
+def inspect_source(
+    source: Any, *, process_index: int | None = None, process_count: int | None = None, reshard: str = "auto",
+    platform: str | None = None, **kwargs,
+) -> dict:
     """The plan of ``source`` as a JSON-able dict; ``kwargs`` go to :func:`otfload.plan_model`.
 
     Reads headers and ``config.json`` only; a checkpoint that does not fit the model raises
     :class:`~otfload.errors.CheckpointMismatchError`.
     """
-    import jax
 
     from otfload.api import plan_model
     from otfload.families.registry import family_for
     from otfload.index.checkpoint import CONFIG_FILE, read_json
+    from otfload.read.reader import TensorReader
 
     _, plan, src = plan_model(source, **kwargs)
     try:
         config = read_json(src, CONFIG_FILE)
         description = src.description
+        info = describe_plan(plan, description, config.get("model_type"), family_for(config).name,
+                             kwargs.get("scan_layers", True), reader=TensorReader(src),
+                             process=(process_index, process_count), reshard=reshard, platform=platform)
     finally:
         src.close()
+    return info
+
+
+def load_object(spec: str) -> Any:
+    """The object ``MODULE:NAME`` names (``NAME`` may be dotted)."""
+    import importlib
+
+    from otfload.errors import MappingError
+
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise MappingError(f"{spec!r}: expected MODULE:NAME, e.g. otfload.mappings.maxtext_llama:TABLE")
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise MappingError(f"cannot load {spec!r}: {e}") from e
+    return obj
+
+
+def inspect_custom(source: Any, mapping: str, target: str, mesh: Any, **source_options) -> dict:
+    """The plan of ``source`` for a model brought by the user (:func:`otfload.plan_params`): ``mapping``
+    and ``target`` are ``MODULE:NAME`` specs; the target factory gets ``(config, mesh)`` (or as many
+    leading ones as it takes) under ``jax.set_mesh(mesh)``."""
+    import inspect as pyinspect
+
+    import jax
+
+    from otfload.api import plan_params
+    from otfload.index.checkpoint import open_index
+    from otfload.sources import open_source
+
+    src = open_source(source, **source_options)
+    try:
+        config, description = open_index(src, require_config=False).config, src.description
+        table = load_object(mapping)
+        table = table(config) if callable(table) else table
+        factory = load_object(target)
+        takes = len(pyinspect.signature(factory).parameters)
+        with jax.set_mesh(mesh):
+            abstract = factory(*(config, mesh)[:takes])
+        plan = plan_params(src, abstract, table, mesh=mesh)
+    finally:
+        src.close()
+    return describe_plan(plan, description, config.get("model_type"), f"custom mapping {mapping}", None)
+
+
+def describe_plan(
+    plan, description: str, model_type: str | None, family: str, scan_layers: bool | None, *, reader=None,
+    process: tuple[int | None, int | None] = (None, None), reshard: str = "auto", platform: str | None = None,
+) -> dict:
+    """A plan as the JSON-able dict ``otfload inspect`` prints; with ``reader`` (of the plan's
+    source), what one process (``process``: index and count, see :func:`process_devices`) fetches."""
+    import jax
+
     mesh = next(iter(plan.leaves.values())).leaf.sharding.mesh if plan.leaves else None
-    leaves = [{**p.describe(), "process_bytes": process_bytes(p), "shard_bytes": shard_bytes(p)}
-              for p in plan.leaves.values()]
+    devices, process_of = process_devices(mesh, *process) if mesh is not None else ([], None)
+    if reader is not None:
+        counts = process_leaves(plan, reader, devices, process_of, reshard, platform)
+    else:
+        counts = {path: {"process_bytes": process_bytes(p, devices)} for path, p in plan.leaves.items()}
+    shards: dict = {}
+    leaves = []
+    for path, p in plan.leaves.items():
+        key = (p.leaf.shape, p.leaf.dtype, p.leaf.sharding)
+        if key not in shards:
+            shards[key] = shard_bytes(p)
+        leaves.append({**p.describe(), **counts[path], "shard_bytes": shards[key]})
     return {
         "source": description,
-        "model_type": config.get("model_type"),
-        "family": family_for(config).name,
+        "model_type": model_type,
+        "family": family,
         "mesh": {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else {},
         "devices": mesh.size if mesh is not None else 0,
-        "processes": jax.process_count(),
-        "scan_layers": kwargs.get("scan_layers", True),
+        "processes": jax.process_count() if process[1] is None else process[1],
+        "process_index": jax.process_index() if process[0] is None else process[0],
+        "scan_layers": scan_layers,
         "leaves": leaves,
         "unused": list(plan.unused),
         "totals": {
@@ -104,6 +233,9 @@ def inspect_source(source: Any, **kwargs) -> dict:
             "hf_tensors": sum(leaf["num_hf_keys"] for leaf in leaves),
             "source_bytes": plan.source_bytes,
             "process_bytes": sum(leaf["process_bytes"] for leaf in leaves),
+            **{k: sum(leaf[k] for leaf in leaves) for k in ("fetch_bytes", "requests", "ideal_bytes") if
+               leaves and k in leaves[0]},
+            "resharded_leaves": sum(1 for leaf in leaves if leaf.get("read_as")),
             "device_bytes": sum(leaf["shard_bytes"] for leaf in leaves),
         },
     }
@@ -122,7 +254,8 @@ def format_plan(info: dict) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in info["mesh"].items())
     lines = [
         f"source       {info['source']}",
-        f"model        {info['model_type']} (family {info['family']}), scan_layers={info['scan_layers']}",
+        f"model        {info['model_type']} (family {info['family']})"
+        + ("" if info["scan_layers"] is None else f", scan_layers={info['scan_layers']}"),
         f"mesh         {mesh} ({info['devices']} devices, {info['processes']} process(es))",
         "",
     ]
@@ -130,8 +263,10 @@ def format_plan(info: dict) -> str:
         keys = " … ".join(k for k in leaf["hf_keys"] if not k.startswith("... "))
         stacked = f" ({leaf['num_hf_keys']} keys, stacked on {', '.join(leaf['stack_axes'])})" \
             if leaf["stack_axes"] else ""
+        read = f", fetches {human_bytes(leaf['fetch_bytes'])}" if "fetch_bytes" in leaf else ""
+        read += f" as {leaf['read_as']} + reshard" if leaf.get("read_as") else ""
         lines.append(f"{leaf['leaf']}  {tuple(leaf['shape'])} {leaf['dtype']}  {leaf['sharding']}  "
-                     f"{human_bytes(leaf['process_bytes'])}/process")
+                     f"{human_bytes(leaf['process_bytes'])}/process{read}")
         lines.append(f"    ← {keys}{stacked}  [{leaf['storage']}]")
         if leaf["hooks"]:
             lines.append(f"    hooks: {', '.join(leaf['hooks'])}")
@@ -139,16 +274,56 @@ def format_plan(info: dict) -> str:
     lines += [
         "",
         f"{t['leaves']} leaves from {t['hf_tensors']} HF tensors ({human_bytes(t['source_bytes'])}); "
-        f"this process reads {human_bytes(t['process_bytes'])}; "
-        f"largest device shard total {human_bytes(t['device_bytes'])}",
-        f"unused tensors ({len(info['unused'])}): {', '.join(info['unused']) or 'none'}",
+        f"process {info.get('process_index', 0)} needs {human_bytes(t['process_bytes'])}"
+        + (f", fetches {human_bytes(t['fetch_bytes'])} in {t['requests']} requests "
+           f"({t['fetch_bytes'] / max(1, t['ideal_bytes']):.2f}x its ideal {human_bytes(t['ideal_bytes'])}; "
+           f"{t['resharded_leaves']} leaves read as bands and resharded)" if "fetch_bytes" in t else "")
+        + f"; largest device shard total {human_bytes(t['device_bytes'])}",
+        f"unused tensors ({len(info['unused'])}):" + (" none" if not info["unused"] else ""),
+        *(f"    {line}" for line in summarize_names(info["unused"])),
     ]
     return "\n".join(lines)
 
 
+# Unused-tensor lines printed at most; the rest is counted.
+MAX_UNUSED_LINES = 40
+
+
+def summarize_names(names: list[str], limit: int = MAX_UNUSED_LINES) -> list[str]:
+    """Tensor names grouped by their pattern, numbers collapsed into ranges:
+    ``model.layers.61.mlp.experts.{0..255}.down_proj.weight (256)``; at most ``limit`` lines."""
+    import re
+
+    groups: dict[str, list[tuple[int, ...]]] = {}
+    for name in names:
+        numbers = tuple(int(n) for n in re.findall(r"(?<=\.)\d+(?=\.|$)", name))
+        template = re.sub(r"(?<=\.)\d+(?=\.|$)", "{}", name)
+        groups.setdefault(template, []).append(numbers)
+    lines = []
+    for template, values in groups.items():
+        fields = [_ranges(sorted({v[i] for v in values})) for i in range(template.count("{}"))]
+        text = template.format(*fields) if fields else template
+        lines.append(f"{text} ({len(values)})" if len(values) > 1 else text)
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"... and {len(lines) - limit} more patterns"]
+    return lines
+
+
+def _ranges(values: list[int]) -> str:
+    """``3`` or ``{0..255}`` or ``{1,3,5..9}``."""
+    if len(values) == 1:
+        return str(values[0])
+    parts, start = [], values[0]
+    for prev, cur in zip(values, [*values[1:], None], strict=True):
+        if cur is None or cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}..{prev}")
+            start = cur
+    return "{" + ",".join(parts) + "}"
+
+
 def format_problems(error) -> str:
     lines = [f"the checkpoint does not fit the model: {len(error.problems)} problem(s)"]
-    for kind in ("missing", "shape", "unexpected"):
+    for kind in ("unmapped", "missing", "shape", "unexpected"):
         lines += [f"  {p.describe()}" for p in error.problems if p.kind == kind]
     return "\n".join(lines)
 
@@ -168,7 +343,16 @@ def run(args: argparse.Namespace) -> int:
     from otfload.errors import CheckpointMismatchError
 
     try:
-        info = inspect_source(args.source, **options.layout_kwargs(args), **options.source_options(args))
+        if (args.mapping is None) != (args.target is None):
+            print("otfload inspect: error: --mapping and --target go together", file=sys.stderr)
+            return 2
+        if args.mapping is not None:
+            info = inspect_custom(args.source, args.mapping, args.target, options.mesh_of(args),
+                                  **options.source_options(args))
+        else:
+            info = inspect_source(args.source, process_index=args.process_index, process_count=args.process_count,
+                                  reshard=args.reshard, platform=args.platform, **options.layout_kwargs(args),
+                                  **options.source_options(args))
     except CheckpointMismatchError as e:
         print(json.dumps(problems_json(e), indent=1) if args.json else format_problems(e))
         return 1

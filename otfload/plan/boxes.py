@@ -9,7 +9,11 @@ device shard needs. These pure functions answer three questions the loader asks:
   dimensions the box covers fully form one block, so a box is ``prod(leading extents)`` runs of
   ``extent * block`` bytes, and adjacent runs are merged;
 * how a flat row-major range maps to the smallest box covering it (:func:`cover_range`) — the
-  step reshape hooks use to carry boxes across a reshape.
+  step reshape hooks use to carry boxes across a reshape;
+* which bytes a *selection* holds (:func:`selection_pieces`): a product of per-dimension interval
+  lists, what a hook that widens a box (a head-interleaved reshape, a strided slice) really needs
+  inside it — read exactly, into the layout of its bounding box;
+* which ranges a reader fetches for those bytes (:func:`merge_runs`, :func:`page_runs`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import NamedTuple
 import numpy as np
 
 Box = tuple[tuple[int, int], ...]
+# Per dimension, sorted disjoint half-open intervals; the selected elements are their product.
+Selection = tuple[tuple[tuple[int, int], ...], ...]
 
 
 class ByteRun(NamedTuple):
@@ -134,3 +140,157 @@ def represents_range(box: Box, shape: Sequence[int]) -> bool:
     """Whether ``box`` holds exactly the elements of its flat range (no holes)."""
     lo, hi = flat_range(box, shape)
     return box_size(box) == hi - lo
+
+
+# --- selections ------------------------------------------------------------------------------------
+
+
+def box_selection(box: Box) -> Selection:
+    """The selection of every element of ``box``."""
+    return tuple((span,) for span in box)
+
+
+def merge_intervals(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted, non-empty, with overlapping or touching intervals merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def selection_bounds(selection: Selection) -> Box:
+    """The bounding box of ``selection`` (``(0, 0)`` on a dimension that selects nothing)."""
+    return tuple((spans[0][0], spans[-1][1]) if spans else (0, 0) for spans in selection)
+
+
+def selection_size(selection: Selection) -> int:
+    return math.prod(sum(b - a for a, b in spans) for spans in selection)
+
+
+def selection_union(selections: Sequence[Selection]) -> Selection:
+    """Per dimension, the union of the intervals: a selection covering every one of ``selections``."""
+    return tuple(merge_intervals([s for spans in dims for s in spans]) for dims in zip(*selections, strict=True))
+
+
+def selection_boxes(selection: Selection) -> list[Box]:
+    """The boxes whose union is ``selection`` (one per combination of intervals)."""
+    return [tuple(combo) for combo in itertools.product(*selection)]
+
+
+def _contiguous_from(selection: Selection, shape: Sequence[int]) -> int:
+    """The outermost dimension from which on ``selection`` is whole (so each run spans those dims)."""
+    split = len(shape)
+    while split > 0 and selection[split - 1] == ((0, shape[split - 1]),):
+        split -= 1
+    return split
+
+
+def selection_run_count(selection: Selection, shape: Sequence[int]) -> int:
+    """How many contiguous byte runs :func:`selection_pieces` returns at most (before merging)."""
+    split = _contiguous_from(selection, shape)
+    if split == 0:
+        return 1 if selection_size(selection) else 0
+    leading = math.prod(sum(b - a for a, b in spans) for spans in selection[: split - 1])
+    return leading * len(selection[split - 1])
+
+
+def selection_piece_arrays(
+    shape: Sequence[int], itemsize: int, selection: Selection, box: Box
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`selection_pieces` as three int64 arrays (source offsets, box offsets, lengths)."""
+    empty = np.zeros(0, np.int64)
+    if selection_size(selection) == 0:
+        return empty, empty, empty
+    ndim = len(shape)
+    split = _contiguous_from(selection, shape)
+    if split == 0:
+        return np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([math.prod(shape) * itemsize], np.int64)
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(ndim)]
+    bshape = box_shape(box)
+    bstrides = [math.prod(bshape[d + 1 :]) * itemsize for d in range(ndim)]
+    src, dst = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    for d in range(split - 1):  # every index of the leading dims, row-major
+        idx = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in selection[d]])
+        src = (src[:, None] + idx[None, :] * strides[d]).ravel()
+        dst = (dst[:, None] + (idx[None, :] - box[d][0]) * bstrides[d]).ravel()
+    spans = np.array(selection[split - 1], np.int64)
+    src = (src[:, None] + spans[None, :, 0] * strides[split - 1]).ravel()
+    dst = (dst[:, None] + (spans[None, :, 0] - box[split - 1][0]) * bstrides[split - 1]).ravel()
+    length = np.broadcast_to((spans[:, 1] - spans[:, 0]) * strides[split - 1], (len(src) // len(spans), len(spans)))
+    length = length.ravel().astype(np.int64)
+    joins = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:])
+    first = np.concatenate([[0], np.flatnonzero(~joins) + 1])
+    return src[first], dst[first], np.add.reduceat(length, first)
+
+
+def selection_pieces(shape: Sequence[int], itemsize: int, selection: Selection, box: Box) -> list[tuple[int, int, int]]:
+    """``(source offset, offset in box, length)`` in bytes of the contiguous runs holding ``selection``.
+
+    Source offsets are relative to the tensor's first byte; box offsets to a dense row-major buffer
+    of ``box`` (which must contain the selection). Runs adjacent on both sides are merged.
+    """
+    src, dst, length = selection_piece_arrays(shape, itemsize, selection, box)
+    return list(zip(src.tolist(), dst.tolist(), length.tolist(), strict=True))
+
+
+# --- what a reader fetches -------------------------------------------------------------------------
+
+
+def _group(starts: np.ndarray, ends: np.ndarray, join: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ranges ``[starts, ends)`` (sorted) with range ``k`` joined to ``k + 1`` where ``join[k]``."""
+    first = np.concatenate([[0], np.flatnonzero(~join) + 1]).astype(np.int64)
+    return starts[first], np.maximum.reduceat(ends, first)
+
+
+def merge_run_arrays(
+    starts: np.ndarray, lengths: np.ndarray, max_gap: int, max_extra: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`merge_runs` on arrays of sorted, disjoint runs; returns ``(starts, lengths)``."""
+    if len(starts) < 2:
+        return starts, lengths
+    ends = starts + lengths
+    gaps = starts[1:] - ends[:-1]
+    order = np.argsort(gaps, kind="stable")
+    spent = np.cumsum(gaps[order])
+    take = int(np.searchsorted((gaps[order] > max_gap) | (spent > max_extra), True))  # a prefix: gaps ascend
+    join = np.zeros(len(gaps), bool)
+    join[order[:take]] = True
+    s, e = _group(starts, ends, join)
+    return s, e - s
+
+
+def page_run_arrays(
+    starts: np.ndarray, lengths: np.ndarray, base: int, limit: int, page: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`page_runs` on arrays of sorted runs; returns ``(starts, lengths)``."""
+    if len(starts) == 0:
+        return starts, lengths
+    s = np.maximum(0, (base + starts) // page * page - base)
+    e = np.minimum(limit, -(-(base + starts + lengths) // page) * page - base)
+    reach = np.maximum.accumulate(e)
+    s, e = _group(s, e, s[1:] <= reach[:-1])
+    return s, e - s
+
+
+def _as_runs(starts: np.ndarray, lengths: np.ndarray) -> list[ByteRun]:
+    return [ByteRun(a, n) for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+
+
+def _arrays(runs: Sequence[ByteRun]) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([r.offset for r in runs], np.int64), np.array([r.length for r in runs], np.int64)
+
+
+def merge_runs(runs: Sequence[ByteRun], max_gap: int, max_extra: int) -> list[ByteRun]:
+    """``runs`` (sorted, disjoint) merged across their smallest gaps first: each gap read is at most
+    ``max_gap`` bytes and all of them together at most ``max_extra`` — fewer requests for a bounded
+    number of bytes nobody asked for."""
+    return _as_runs(*merge_run_arrays(*_arrays(runs), max_gap, max_extra))
+
+
+def page_runs(runs: Sequence[ByteRun], base: int, limit: int, page: int) -> list[ByteRun]:
+    """``runs`` (relative to ``base``, a file offset) grown to whole pages of the file, clipped to
+    ``[0, limit)`` and merged where they meet: the pages a mapped read faults in."""
+    return _as_runs(*page_run_arrays(*_arrays(runs), base, limit, page))

@@ -7,7 +7,10 @@ shard needs:
 * :meth:`Hook.needed` — given the box of the output a shard needs, the box of the input that
   covers it (a hook that cannot tell asks for the whole input);
 * :meth:`Hook.apply` — transform the part of the input that was read (a box of it) and say which
-  box of the output the result holds (a superset of what was asked; the builder crops).
+  box of the output the result holds (a superset of what was asked; the builder crops);
+* :meth:`Hook.selection` — the exact elements of the input that a selection of the output needs,
+  inside the box :meth:`Hook.needed` gives: a head-interleaved reshape (DeepSeek ``kv_b_proj``) or
+  a strided slice (GPT-OSS ``gate_up_proj``) needs a box with holes, which the reader skips.
 
 Hooks may name config fields instead of numbers (``Reshape(("num_attention_heads", -1))``);
 :meth:`Hook.resolve` substitutes them once per load. :meth:`Hook.inverse` gives the hook that
@@ -24,9 +27,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from otfload.errors import MappingError
-from otfload.plan.boxes import Box, cover_range, flat_range, full_box, is_full
+from otfload.plan.boxes import (
+    Box,
+    Selection,
+    box_selection,
+    cover_range,
+    flat_range,
+    full_box,
+    is_full,
+    merge_intervals,
+    selection_bounds,
+)
 
 Shape = tuple[int, ...]
+# A reshape carries at most this many flat intervals exactly; beyond, it selects its whole box
+# (a selection is for a few hundred heads or rows, not for per-element patterns).
+MAX_RESHAPE_INTERVALS = 1 << 16
 
 
 def _config_value(config: Mapping, name: str) -> object:
@@ -51,6 +67,10 @@ class Hook:
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
         return full_box(in_shape)
+
+    def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        """The input elements ``out_sel`` needs (inside :meth:`needed` of its bounds); default: all of them."""
+        return box_selection(self.needed(selection_bounds(out_sel), in_shape))
 
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         if not is_full(in_box, in_shape):
@@ -82,6 +102,9 @@ class Transpose(Hook):
         for out_dim, in_dim in enumerate(perm):
             box[in_dim] = out_box[out_dim]
         return tuple(box)
+
+    def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        return self.needed(out_sel, in_shape)  # a permutation of the dims, whatever they hold
 
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         perm = self._perm(len(in_shape))
@@ -159,6 +182,18 @@ class Reshape(Hook):
                 box[d] = span
         return tuple(box)
 
+    def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        out_shape = self.out_shape(in_shape)
+        box = self.needed(selection_bounds(out_sel), in_shape)
+        sel: list = [(span,) for span in box]
+        for gi, gj in reshape_groups(in_shape, out_shape):
+            if len(gi) != 1:  # several input dims: a flat pattern is not a product of their intervals
+                continue
+            flat = _flat_intervals([out_sel[d] for d in gj], [out_shape[d] for d in gj])
+            if flat is not None:
+                sel[gi[0]] = flat
+        return tuple(sel)
+
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         out_shape = self.out_shape(in_shape)
         out_box: list = [None] * len(out_shape)
@@ -194,6 +229,9 @@ class Scale(Hook):
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
         return out_box
+
+    def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        return out_sel
 
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         return self.forward(x), in_box
@@ -242,6 +280,20 @@ class Slice(Hook):
         box[axis] = (kept[lo], kept[hi - 1] + 1) if hi > lo else (0, 0)
         return tuple(box)
 
+    def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        axis = self.axis % len(in_shape)
+        kept = self._range(in_shape[axis])
+        spans: list[tuple[int, int]] = []
+        for lo, hi in out_sel[axis]:
+            picked = kept[lo:hi]
+            if abs(picked.step) == 1 and len(picked):
+                spans.append((min(picked[0], picked[-1]), max(picked[0], picked[-1]) + 1))
+            else:  # a strided slice needs every step-th element: one interval each
+                spans.extend((p, p + 1) for p in picked)
+        sel = list(out_sel)
+        sel[axis] = merge_intervals(spans)
+        return tuple(sel)
+
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         axis = self.axis % len(in_shape)
         kept = self._range(in_shape[axis])
@@ -253,6 +305,24 @@ class Slice(Hook):
         box = list(in_box)
         box[axis] = (lo, hi)
         return x[tuple(index)], tuple(box)
+
+
+def _flat_intervals(spans: Sequence[tuple[tuple[int, int], ...]], dims: Sequence[int]) -> tuple | None:
+    """The row-major flat intervals of the product of ``spans`` over ``dims`` (merged), or None
+    when there would be more than :data:`MAX_RESHAPE_INTERVALS`."""
+    if not dims:
+        return ((0, 1),)
+    inner = math.prod(dims[1:])
+    sub = _flat_intervals(spans[1:], dims[1:])
+    if sub is None:
+        return None
+    if sub == ((0, inner),):
+        return merge_intervals([(a * inner, b * inner) for a, b in spans[0]])
+    count = sum(b - a for a, b in spans[0]) * len(sub)
+    if count > MAX_RESHAPE_INTERVALS:
+        return None
+    rows = (i * inner for a, b in spans[0] for i in range(a, b))
+    return merge_intervals([(row + lo, row + hi) for row in rows for lo, hi in sub])
 
 
 def run_forward(hooks: Sequence[Hook], x: np.ndarray) -> np.ndarray:
@@ -276,6 +346,15 @@ def chain_needed(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box) -
     for hook, in_shape in zip(reversed(hooks), reversed(shapes[:-1]), strict=True):
         box = hook.needed(box, in_shape)
     return box
+
+
+def chain_selection(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box) -> Selection:
+    """The elements of the source tensor ``out_box`` of the chain's output needs: inside
+    :func:`chain_needed`'s box, without the holes widening hooks leave."""
+    sel = box_selection(out_box)
+    for hook, in_shape in zip(reversed(hooks), reversed(shapes[:-1]), strict=True):
+        sel = hook.selection(sel, in_shape)
+    return sel
 
 
 def chain_apply(hooks: Sequence[Hook], shapes: Sequence[Shape], x: np.ndarray, box: Box) -> tuple[np.ndarray, Box]:

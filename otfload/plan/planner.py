@@ -9,8 +9,9 @@ shape. All problems — missing, mis-shaped and (with ``strict``) unexpected ten
 and raised together as one :class:`~otfload.errors.CheckpointMismatchError`. A tensor whose values
 the leaf cannot hold faithfully (integers or booleans into floats, FP8 codes without their scales)
 is an :class:`~otfload.errors.UnfaithfulCastError` unless its rule says ``cast=True``. Quantized
-weights arrive from the index already as :class:`~otfload.index.quant.QuantizedTensor` (float32
-values decoded on read), so they plan like any float tensor.
+weights (and weights with LoRA adapters merged in) arrive from the index already as a
+:class:`~otfload.index.derived.DerivedTensor` (float32 values decoded on read), so they plan like
+any float tensor.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 
 from otfload.errors import MappingError, TensorProblem, UnfaithfulCastError, mismatch_error
 from otfload.index.checkpoint import CheckpointIndex
+from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
-from otfload.index.quant import QuantizedTensor
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.hooks import Hook, Shape, chain_shapes
 from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values
@@ -37,7 +38,7 @@ class LeafPlan:
     leaf: AbstractLeaf
     rule: Rule
     stack_axes: tuple[str, ...]
-    sources: tuple[TensorInfo | QuantizedTensor, ...]
+    sources: tuple[TensorInfo | DerivedTensor, ...]
     hooks: tuple[Hook, ...]
     shapes: tuple[Shape, ...]  # the source shape, then the output shape of each hook
 
@@ -59,11 +60,11 @@ class LeafPlan:
 
     @property
     def storage(self) -> str:
-        """How the leaf's HF tensors are stored: their dtype, or the quantized layout."""
+        """How the leaf's HF tensors are stored: their dtype, or the derived layout (quantized, adapted)."""
         if not self.sources:
             return ""
         first = self.sources[0]
-        return first.storage if isinstance(first, QuantizedTensor) else str(first.dtype)
+        return first.storage if is_derived(first) else str(first.dtype)
 
     def describe(self) -> dict:
         """A JSON-able summary (what ``otfload inspect`` prints)."""
@@ -93,7 +94,9 @@ class LoadPlan:
 
     @property
     def source_bytes(self) -> int:
-        return sum(p.source_bytes for p in self.leaves.values())
+        """Checkpoint bytes the plan uses, each tensor once (DeepSeek's ``kv_b_proj`` feeds two leaves)."""
+        unique = {(info.file, info.name): info.nbytes for p in self.leaves.values() for info in p.sources}
+        return sum(unique.values())
 
 
 def _lookup(index: CheckpointIndex, rule: Rule, values: dict[str, int]) -> tuple[str, TensorInfo | None]:
@@ -147,7 +150,7 @@ def unfaithful_cast(plan: LeafPlan) -> str | None:
     if plan.rule.cast or not plan.sources or target.kind not in "fcV":
         return None
     for info in plan.sources:
-        if isinstance(info, QuantizedTensor):
+        if is_derived(info):
             continue
         if info.dtype.kind in "iub":
             return f"{info.dtype} values of {info.name!r} into {target} leaf {plan.path!r}"

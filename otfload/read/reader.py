@@ -7,24 +7,43 @@ tensor; the builder then copies each byte once, from the page cache into its fin
 column block of a matrix) are read as one span and viewed with the tensor's strides: one request
 instead of thousands, at the price of reading the gaps.
 
-A quantized tensor (:class:`~otfload.index.quant.QuantizedTensor`) is read as the boxes of its
-stored parts that cover the box (codes, scales, zero points), decoded into one float32 array of
-the box's shape: no part is read beyond what the box needs, and nothing larger than the box exists.
+A derived tensor (:class:`~otfload.index.derived.DerivedTensor`: a quantized weight, a weight with
+LoRA adapters merged in) is read as the boxes of its stored parts that cover the box (codes, scales,
+zero points; base and low-rank factors), decoded into one float32 array of the box's shape: no part
+is read beyond what the box needs, and nothing larger than the box exists.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
-from otfload.index.quant import QuantizedTensor
-from otfload.plan.boxes import Box, box_nbytes, box_shape, box_to_slices, byte_runs
+from otfload.plan.boxes import (
+    Box,
+    ByteRun,
+    Selection,
+    box_nbytes,
+    box_selection,
+    box_shape,
+    box_to_slices,
+    byte_runs,
+    merge_run_arrays,
+    page_run_arrays,
+    selection_boxes,
+    selection_piece_arrays,
+    selection_run_count,
+    selection_size,
+    selection_union,
+)
 from otfload.read.arena import Arena
 from otfload.sources.base import RangeRead, Source
+from otfload.sources.ranges import coalesced_extents, expected_fetch, gap_policy
 
 # Reading a gap costs gap / ~10 GB/s; a separate request costs ~2 µs locally (a preadv) and far
 # more remotely, so gaps up to this size per run are cheaper to read than to skip.
@@ -32,6 +51,20 @@ COALESCE_GAP_BYTES = 32 * 1024
 # ... but never more than this fraction of the box's own bytes: when a process needs a column block,
 # the gaps are the other processes' columns, which it must not read (bytes per process ≈ its share).
 MAX_OVERREAD_FRACTION = 0.1
+# The kernel reads a mapped file in pages; a range's first and last pages are fetched whole.
+PAGE_BYTES = mmap.PAGESIZE
+# A mapped read merges ranges across gaps up to this size (within MAX_OVERREAD_FRACTION): one
+# madvise call costs ~2 µs, about what 16 KiB of page cache or NVMe read-in costs.
+MAPPED_GAP_BYTES = 16 * 1024
+# A selection (a box with holes, see Hook.selection) of more runs than this is read as its bounding
+# box: per-element patterns (a stride-2 slice of the innermost axis) are cheaper read whole.
+MAX_SELECTION_RUNS = 1 << 16
+# ... and so is one whose runs average fewer bytes than this: each run costs a request (a preadv of
+# ~1 µs, a range entry remotely), more than reading a hole this small (~0.03 µs at 10 GB/s) — below it
+# only reading the box once and sharing it would help (a stride-2 slice of bf16 pairs: 2-byte runs).
+MIN_SELECTION_RUN_BYTES = 256
+# A derived tensor's selection is carried to its parts box by box, up to this many boxes.
+MAX_DERIVED_SELECTION_BOXES = 4096
 
 
 @dataclass
@@ -54,15 +87,94 @@ class ReadStats:
             self.files.add(file)
 
 
-def stored_box_bytes(info: TensorInfo | QuantizedTensor, box: Box) -> int:
-    """Stored bytes a read of ``box`` of ``info`` needs (for a quantized tensor: every part's box)."""
-    if isinstance(info, QuantizedTensor):
+def needed_bytes(info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None) -> int:
+    """Stored bytes :meth:`TensorReader.read_box` needs for ``box`` (``selection`` in it) of ``info``:
+    the selected elements (a selection too fragmented to read apart counts whole), every part of a
+    derived tensor — without the pages or gaps a source fetches around them."""
+    selection = _useful_selection(info, box, selection)
+    if is_derived(info):
+        if selection is None:
+            return stored_box_bytes(info, box)
+        parts = _part_selections(info, box, selection).values()
+        return sum(needed_bytes(part, pbox, psel) for part, pbox, psel in parts)
+    return (selection_size(selection) if selection is not None else math.prod(box_shape(box))) * info.dtype.itemsize
+
+
+def stored_box_bytes(info: TensorInfo | DerivedTensor, box: Box) -> int:
+    """Stored bytes a read of ``box`` of ``info`` needs (for a derived tensor: every part's box)."""
+    if is_derived(info):
         return sum(stored_box_bytes(part, pbox) for part, pbox in info.part_boxes(box).values())
     return box_nbytes(box, info.dtype.itemsize)
 
 
 def element_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape)))
+
+
+def _useful_selection(info, box: Box, selection: Selection | None) -> Selection | None:
+    """``selection`` unless it is the whole box or too fragmented to read piece by piece."""
+    if selection is None or selection == box_selection(box):
+        return None
+    if is_derived(info):
+        return selection if len(selection_boxes(selection)) <= MAX_DERIVED_SELECTION_BOXES else None
+    runs = selection_run_count(selection, info.shape)
+    if runs > MAX_SELECTION_RUNS or selection_size(selection) * info.dtype.itemsize < MIN_SELECTION_RUN_BYTES * runs:
+        return None
+    return selection
+
+
+def _sum_pairs(pairs) -> tuple[int, int]:
+    pairs = list(pairs)
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+def _part_selections(info: DerivedTensor, box: Box, selection: Selection) -> dict:
+    """``{role: (part, part box, part selection)}``: each part's selection is the union of the part
+    boxes of the selection's boxes."""
+    boxes = [info.part_boxes(b) for b in selection_boxes(selection)]
+    return {
+        role: (part, pbox, selection_union([box_selection(parts[role][1]) for parts in boxes]))
+        for role, (part, pbox) in info.part_boxes(box).items()
+    }
+
+
+def _scatter(pieces, fetch: list[ByteRun], buffers: list, dense: np.ndarray) -> None:
+    """Copy each piece from the fetched range holding it into its place in ``dense``."""
+    k = 0
+    for src, dst, n in sorted(pieces):
+        while fetch[k].offset + fetch[k].length < src + n:
+            k += 1
+        at = src - fetch[k].offset
+        dense[dst : dst + n] = np.frombuffer(buffers[k], np.uint8)[at : at + n]
+
+
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # source offsets, box offsets, lengths (bytes)
+
+
+def page_fetch_runs(info: TensorInfo, pieces: Pieces) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` (relative to the tensor) a local read fetches for ``pieces``: exactly
+    their pages (clipped to the tensor), merged across gaps of at most MAPPED_GAP_BYTES while the
+    extra stays within MAX_OVERREAD_FRACTION — never the whole span between a box's first and last bytes."""
+    src, _, length = pieces
+    order = np.argsort(src, kind="stable")
+    starts, lengths = page_run_arrays(src[order], length[order], info.offset, info.nbytes, PAGE_BYTES)
+    return merge_run_arrays(starts, lengths, MAPPED_GAP_BYTES, int(MAX_OVERREAD_FRACTION * int(length.sum())))
+
+
+def _span(info: TensorInfo, box: Box, pieces: Pieces) -> tuple[int, int] | None:
+    """``(start, length)`` of one read from the box's first element to its last selected byte, when
+    the gaps it reads are small enough to save the requests; else None."""
+    src, _, length = pieces
+    if len(src) < 2:
+        return None
+    itemsize = info.dtype.itemsize
+    start = sum(b[0] * s for b, s in zip(box, element_strides(info.shape, itemsize), strict=True))
+    end = int((src + length).max())
+    needed = int(length.sum())
+    extra = end - start - needed
+    if extra <= min(COALESCE_GAP_BYTES * (len(src) - 1), MAX_OVERREAD_FRACTION * needed):
+        return start, end - start
+    return None
 
 
 class TensorReader:
@@ -72,49 +184,136 @@ class TensorReader:
         self.source = source
         self.stats = stats or ReadStats()
 
-    def read_box(self, info: TensorInfo | QuantizedTensor, box: Box, arena: Arena) -> np.ndarray:
-        """The elements of ``info`` inside ``box``, as an array of the box's shape (in scratch)."""
-        if isinstance(info, QuantizedTensor):
+    @property
+    def maps(self) -> bool:
+        """Whether this reader's source maps files (reads become page-cache views, fetched by page)."""
+        return getattr(self.source, "mapped", None) is not None and getattr(self.source, "use_mmap", True)
+
+    @property
+    def pages(self) -> bool:
+        """Whether the source reads local files, which the kernel fetches in whole pages."""
+        return bool(getattr(self.source, "page_granular", False))
+
+    def read_box(
+        self, info: TensorInfo | DerivedTensor, box: Box, arena: Arena, selection: Selection | None = None
+    ) -> np.ndarray:
+        """The elements of ``info`` inside ``box``, as an array of the box's shape (in scratch).
+
+        With ``selection`` (inside ``box``), only the selected elements are fetched; the others hold
+        arbitrary values (zeros or neighbouring bytes) and must not be used.
+        """
+        selection = _useful_selection(info, box, selection)
+        if is_derived(info):
+            if selection is not None:
+                return self._read_derived_selection(info, box, arena, selection)
             parts = info.part_boxes(box)
             return info.decode({role: self.read_box(part, pbox, arena) for role, (part, pbox) in parts.items()}, box)
-        runs = byte_runs(info.shape, info.dtype.itemsize, box)
-        needed = sum(r.length for r in runs)
-        mapped = self._mapped(info)
+        return self._read_plain(info, box, arena, selection, view_ok=True)
+
+    def _fetch_plan(
+        self, info: TensorInfo, box: Box, pieces: Pieces, view_ok: bool
+    ) -> tuple[str, np.ndarray, np.ndarray]:
+        """How :meth:`read_box` fetches ``pieces`` (see :func:`selection_piece_arrays`): the mode and
+        the ranges (``starts, lengths`` relative to the tensor) it asks the source for."""
+        if (view_ok and self.maps) or self.pages:
+            return ("mapped" if view_ok and self.maps else "pages"), *page_fetch_runs(info, pieces)
+        span = _span(info, box, pieces)
+        if span is not None:
+            return "span", np.array([span[0]], np.int64), np.array([span[1]], np.int64)
+        return "pieces", pieces[0], pieces[2]
+
+    def _source_fetches(self, starts: np.ndarray, lengths: np.ndarray, mode: str) -> tuple[int, int]:
+        """``(bytes, requests)`` the source fetches for the ranges the reader asks in ``mode``: a
+        remote source merges the pieces of one ``read_many`` (:func:`~otfload.sources.ranges.coalesce`)."""
+        if mode != "pieces" or self.pages or len(starts) < 2:
+            return int(lengths.sum()), len(lengths)
+        order = np.argsort(starts, kind="stable")
+        _, merged, requests = coalesced_extents(starts[order], lengths[order], MAX_OVERREAD_FRACTION, 0)
+        return int(merged.sum()), requests
+
+    def _read_plain(
+        self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool
+    ) -> np.ndarray:
+        arrays = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
+        needed = int(arrays[2].sum())
+        mode, *ranges = self._fetch_plan(info, box, arrays, view_ok)
+        mapped = self._mapped(info) if mode == "mapped" else None
+        if mode == "mapped" and mapped is None:  # every mapping slot in use: read it instead
+            mode, *ranges = self._fetch_plan(info, box, arrays, view_ok=False)
+        fetch = [ByteRun(s, n) for s, n in zip(ranges[0].tolist(), ranges[1].tolist(), strict=True)]
+        pieces = list(zip(*(a.tolist() for a in arrays), strict=True))
+        fetched = sum(r.length for r in fetch)
+        self.stats.add(info.file, fetched, needed, len(fetch))
+        strides = element_strides(info.shape, info.dtype.itemsize)
         if mapped is not None:
-            if runs:
-                start, end = runs[0].offset, runs[-1].offset + runs[-1].length
-                self.source.prefetch(info.file, info.offset + start, end - start)
-            self.stats.add(info.file, needed, needed, 1 if runs else 0)
+            if fetch:
+                ranges = [(info.offset + run.offset, run.length) for run in fetch]
+                with expected_fetch(fetched, len(fetch)):
+                    prefetch_ranges = getattr(self.source, "prefetch_ranges", None)
+                    if prefetch_ranges is not None:
+                        prefetch_ranges(info.file, ranges)
+                    else:
+                        for offset, length in ranges:
+                            self.source.prefetch(info.file, offset, length)
             whole = np.frombuffer(mapped, info.dtype, math.prod(info.shape), info.offset).reshape(info.shape)
             return whole[box_to_slices(box)]
-        span = runs[-1].offset + runs[-1].length - runs[0].offset if runs else 0
-        if len(runs) > 1 and span - needed <= min(COALESCE_GAP_BYTES * (len(runs) - 1), MAX_OVERREAD_FRACTION * needed):
-            buffer = arena.take(span)
-            self.source.read_into(info.file, info.offset + runs[0].offset, memoryview(buffer))
-            self.stats.add(info.file, span, needed, 1)
-            return np.lib.stride_tricks.as_strided(
-                buffer.view(info.dtype),
-                shape=box_shape(box),
-                strides=element_strides(info.shape, info.dtype.itemsize),
-                writeable=False,
+        origin = sum(b[0] * st for b, st in zip(box, strides, strict=True))
+        if len(fetch) == 1 and fetch[0].offset <= origin and mode != "pieces":
+            # One range from the box's first byte to its last: the box is a strided view of it.
+            run = fetch[0]
+            buffer = arena.take(run.length)
+            with expected_fetch(run.length):
+                self.source.read_into(info.file, info.offset + run.offset, memoryview(buffer))
+            return np.ndarray(box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides)
+        dense = arena.take(box_nbytes(box, info.dtype.itemsize))
+        if selection is not None:
+            dense[:] = 0  # the holes: defined values for hooks and decoders that touch the whole box
+        if mode == "pieces":
+            targets = [memoryview(dense[dst : dst + n]) for _, dst, n in pieces]
+        else:  # page ranges hold the pieces and more: read them apart, then copy the pieces out
+            targets = [memoryview(arena.take(run.length)) for run in fetch]
+        reads = [RangeRead(info.file, info.offset + run.offset, t) for run, t in zip(fetch, targets, strict=True)]
+        with expected_fetch(fetched, len(reads)), gap_policy(MAX_OVERREAD_FRACTION):  # the gaps are others' bytes
+            self.source.read_many(reads)
+        if mode != "pieces":
+            _scatter(pieces, fetch, targets, dense)
+        return dense.view(info.dtype).reshape(box_shape(box))
+
+    def _read_derived_selection(self, info: DerivedTensor, box: Box, arena: Arena, selection: Selection) -> np.ndarray:
+        # Each part is read with the union of the part boxes of the selection's boxes; never as a
+        # mapped view (decoding touches the whole box: the holes' pages would be faulted in).
+        arrays = {}
+        for role, (part, pbox, psel) in _part_selections(info, box, selection).items():
+            if is_derived(part) or (psel := _useful_selection(part, pbox, psel)) is None:
+                arrays[role] = self.read_box(part, pbox, arena, psel)
+            else:
+                arrays[role] = self._read_plain(part, pbox, arena, psel, view_ok=False)
+        return info.decode(arrays, box)
+
+    def planned(
+        self, info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None, view_ok: bool = True
+    ) -> tuple[int, int]:
+        """``(bytes, requests)`` :meth:`read_box` asks the source for, computed without reading."""
+        selection = _useful_selection(info, box, selection)
+        if is_derived(info):
+            if selection is None:
+                return _sum_pairs(self.planned(part, pbox) for part, pbox in info.part_boxes(box).values())
+            return _sum_pairs(
+                self.planned(part, pbox, psel, view_ok=is_derived(part) or _useful_selection(part, pbox, psel) is None)
+                for part, pbox, psel in _part_selections(info, box, selection).values()
             )
-        buffer = arena.take(needed)
-        reads, pos = [], 0
-        for run in runs:
-            reads.append(RangeRead(info.file, info.offset + run.offset, memoryview(buffer[pos : pos + run.length])))
-            pos += run.length
-        self.source.read_many(reads)
-        self.stats.add(info.file, needed, needed, len(reads))
-        return buffer.view(info.dtype).reshape(box_shape(box))
+        pieces = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
+        mode, starts, lengths = self._fetch_plan(info, box, pieces, view_ok)
+        return self._source_fetches(starts, lengths, mode)
 
     def _mapped(self, info: TensorInfo):
         # The source checks that the file still holds the whole tensor before anything touches it.
         mapped = getattr(self.source, "mapped", None)
         return mapped(info.file, info.offset, info.nbytes) if mapped is not None else None
 
-    def release(self, info: TensorInfo | QuantizedTensor, box: Box) -> None:
+    def release(self, info: TensorInfo | DerivedTensor, box: Box) -> None:
         """Done with ``box`` of ``info``: let a mapping source drop its pages from our memory."""
-        if isinstance(info, QuantizedTensor):
+        if is_derived(info):
             for part, pbox in info.part_boxes(box).values():
                 self.release(part, pbox)
             return

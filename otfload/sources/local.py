@@ -44,7 +44,13 @@ from otfload.errors import (
     TruncatedFileError,
 )
 from otfload.sources.base import RangeRead
+from otfload.sources.ranges import fetching
 
+# Ranges about to be read are announced with posix_fadvise(WILLNEED) in pieces of at most this size:
+# the kernel then reads those pages and no more. Measured on this VM (read_ahead_kb 8192): a 1 MiB
+# MADV_POPULATE_READ alone fetched 8 MiB from disk (read-around), one 32 MiB advice then a read 40-44
+# MiB, 8 MiB pieces exactly 32 MiB, as fast (28 ms populate, 41 ms preadv per 32 MiB cold).
+ADVISE_CHUNK_BYTES = 8 << 20
 # Linux 5.14+: populate page tables for a range, reading pages in as needed (not in Python's mmap).
 # Unlike touching the pages, it reports a range beyond the end of the file as EFAULT instead of SIGBUS.
 MADV_POPULATE_READ = 22
@@ -87,6 +93,8 @@ class _Open:
 
 class LocalSource:
     """Files under a local directory, read through a bounded pool of descriptors shared by threads."""
+
+    page_granular = True  # the kernel reads these files in whole pages: readers plan their ranges so
 
     def __init__(self, root: str | os.PathLike, *, mmap: bool = True, max_open_files: int | None = None):
         self.root = Path(root).expanduser().resolve()
@@ -274,24 +282,45 @@ class LocalSource:
         """Map a byte range's pages in one call (reading any the page cache lacks in large requests)
         instead of one page fault at a time while copying; a range the file no longer holds raises
         :class:`TruncatedFileError` here instead of SIGBUS later."""
+        self.prefetch_ranges(file, [(offset, length)])
+
+    def prefetch_ranges(self, file: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """:meth:`prefetch` of several ``(offset, length)`` ranges: the kernel is told every range
+        first (read exactly those pages, in parallel), then each is mapped — no read-around."""
         region = self._region(file)
-        if region is None or length <= 0:
+        ranges = [(offset, length) for offset, length in ranges if length > 0]
+        if region is None or not ranges:
             return
+        self._advise(file, ranges)
+        for offset, length in ranges:
+            self._populate_range(file, region, offset, length)
+
+    def _advise(self, file: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """``posix_fadvise(WILLNEED)`` on exactly ``ranges``, in pieces of at most ADVISE_CHUNK_BYTES.
+        Advisory: a failure only loses the head start."""
+        with self._use(file) as entry, contextlib.suppress(OSError):
+            for offset, length in ranges:
+                for at in range(offset, offset + length, ADVISE_CHUNK_BYTES):
+                    piece = min(ADVISE_CHUNK_BYTES, offset + length - at)
+                    os.posix_fadvise(entry.fd, at, piece, os.POSIX_FADV_WILLNEED)
+
+    def _populate_range(self, file: str, region: mmap.mmap, offset: int, length: int) -> None:
         start = offset - offset % mmap.PAGESIZE
         try:
             if offset + length > len(region):
                 raise TruncatedFileError(
                     file, f"needs bytes [{offset}, {offset + length}) beyond its {len(region)}-byte mapping"
                 )
-            if self._populate:
-                try:
-                    region.madvise(MADV_POPULATE_READ, start, offset + length - start)
-                    return
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    self._populate = False  # kernels before 5.14: ask for readahead instead
-            region.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+            with fetching(length):
+                if self._populate:
+                    try:
+                        region.madvise(MADV_POPULATE_READ, start, offset + length - start)
+                        return
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        self._populate = False  # kernels before 5.14: ask for readahead instead
+                region.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
         except ValueError as e:
             if region.closed:  # unmapped meanwhile (evicted; views keep their own): nothing to do
                 return
@@ -322,8 +351,12 @@ class LocalSource:
             return os.fstat(entry.fd).st_size
 
     def read_into(self, file: str, offset: int, out: memoryview) -> None:
+        self._advise(file, [(offset, len(out))])  # exactly these pages: no read-ahead past them
+        self._read_into(file, offset, out)
+
+    def _read_into(self, file: str, offset: int, out: memoryview) -> None:
         done, want = 0, len(out)
-        with self._use(file) as entry:
+        with self._use(file) as entry, fetching(want):
             while done < want:
                 try:
                     n = os.preadv(entry.fd, [out[done:]], offset + done)
@@ -337,8 +370,10 @@ class LocalSource:
                 done += n
 
     def read_many(self, reads: Sequence[RangeRead]) -> None:
+        for r in reads:  # every range advised first: the kernel reads them while we copy
+            self._advise(r.file, [(r.offset, len(r.out))])
         for r in reads:
-            self.read_into(r.file, r.offset, r.out)
+            self._read_into(r.file, r.offset, r.out)
 
     def close(self) -> None:
         """Close every file and mapping; waits for reads in progress in other threads. A mapping that

@@ -4,6 +4,9 @@
 and thrown away, cheaper than another round trip) and splits big reads so that no request exceeds
 ``max_run`` bytes. :func:`read_runs` fetches the runs with bounded concurrency and scatters the
 bytes into the callers' buffers; the first failure cancels the rest.
+:class:`FetchMeter` counts what a load really asks of its storage (bytes and requests, gaps read to
+save requests and pages prefetched included): sources record their own fetches with
+:func:`fetching`, and :func:`expected_fetch` counts a read as asked when the source records nothing.
 :func:`check_range_answer` and :class:`RangeSink` check an HTTP answer to a ``Range`` request
 (status, ``Content-Range``, lengths, encoding) so that no wrong byte is ever taken for a right one.
 """
@@ -11,10 +14,14 @@ bytes into the callers' buffers; the first failure cancels the rest.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 from otfload.errors import SourceProtocolError
 from otfload.sources.base import RangeRead
@@ -22,6 +29,12 @@ from otfload.sources.retry import CancelToken, LoadCancelled, TransientError, ca
 
 # A gap this small costs ~1 ms to read at 1 GB/s, less than one request round trip (5-50 ms).
 COALESCE_GAP_BYTES = 1 << 20
+# ... but the gaps of one batch together stay within this fraction of the bytes asked for, or one
+# gap's worth per file (at most one round trip's time), whichever is more: when a process needs a
+# column block, the gaps are the other processes' columns (merging every gap below 1 MiB fetched 64
+# MiB for 2 MiB needed, issue 17).
+MAX_GAP_FRACTION = 0.1
+GAP_ALLOWANCE_BYTES = COALESCE_GAP_BYTES
 # Cap on one request: bounds the temporary buffer of a coalesced run and splits huge tensors into
 # pieces that can be fetched in parallel and retried cheaply.
 MAX_RUN_BYTES = 64 << 20
@@ -29,6 +42,16 @@ MAX_RUN_BYTES = 64 << 20
 # runs, few enough to stay under per-host connection limits and bound in-flight bytes
 # (MAX_CONCURRENT_READS x MAX_RUN_BYTES).
 MAX_CONCURRENT_READS = 16
+# Remote sources (hub.py, fsspec_source.py; issue 20): a large range is fetched as concurrent chunks of
+# this size straight into the caller's buffer. At a 50 MB/s stream with a 20 ms round trip a chunk takes
+# ~170 ms, so latency costs <= 11% per stream, while a 64 MiB leaf still spreads over 8 streams;
+# measured on the shaped test Hub (docs/benchmarks_remote.md), 8 MiB fills the link as 16 and 32 MiB do.
+REMOTE_CHUNK_BYTES = 8 << 20
+# Requests one remote source has in flight at once, over all its threads: 16 streams of >= 50 MB/s
+# fill 800 MB/s; fewer than huggingface_hub's 20 kept-alive connections (more are closed after each
+# request and re-opened: a TCP + TLS handshake, 2-3 round trips, on a real network); in-flight bytes
+# stay <= 16 x 8 MiB for sources that stage a chunk (gcsfs returns each body as one bytes object).
+MAX_REQUESTS_IN_FLIGHT = 16
 
 # A server ignoring Range answers 200 with the whole file: discarding up to this many leading bytes
 # (one MAX_RUN_BYTES run) is cheaper than failing; beyond it the read is refused, typed.
@@ -36,6 +59,81 @@ MAX_SKIP_BYTES = MAX_RUN_BYTES
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 FetchInto = Callable[[str, int, memoryview], None]
+
+
+class FetchMeter:
+    """Bytes and requests a load really fetched from its storage; shared by the load's threads.
+
+    A child meter (``parent=``) adds everything it records to its parent as well.
+    """
+
+    def __init__(self, parent: FetchMeter | None = None):
+        self.bytes = 0
+        self.requests = 0
+        self.parent = parent
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int, requests: int = 1) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.requests += requests
+        if self.parent is not None:
+            self.parent.add(nbytes, requests)
+
+
+_metering = threading.local()  # .meter: this thread's FetchMeter; .inside: within a recorded fetch
+
+
+def current_meter() -> FetchMeter | None:
+    """The meter of the load this thread works for, if any."""
+    return getattr(_metering, "meter", None)
+
+
+@contextmanager
+def metering(meter: FetchMeter | None) -> Iterator[FetchMeter | None]:
+    """Make ``meter`` this thread's :func:`current_meter` for the duration of the block."""
+    previous, inside = current_meter(), getattr(_metering, "inside", False)
+    _metering.meter, _metering.inside = meter, False
+    try:
+        yield meter
+    finally:
+        _metering.meter, _metering.inside = previous, inside
+
+
+@contextmanager
+def fetching(nbytes: int, requests: int = 1) -> Iterator[None]:
+    """Record one fetch of ``nbytes`` from storage (a request, a ``preadv``, a prefetched range).
+
+    Fetches made inside it (a remote source reading its own local copy) are not counted again.
+    """
+    meter = current_meter()
+    if meter is None or getattr(_metering, "inside", False):
+        yield
+        return
+    meter.add(nbytes, requests)
+    _metering.inside = True
+    try:
+        yield
+    finally:
+        _metering.inside = False
+
+
+@contextmanager
+def expected_fetch(nbytes: int, requests: int = 1) -> Iterator[None]:
+    """A read about to be asked of a source: counted as ``nbytes`` in ``requests`` requests unless
+    the source records its own fetches (then those count: coalesced runs, retries' requests)."""
+    meter = current_meter()
+    if meter is None or getattr(_metering, "inside", False):
+        yield
+        return
+    child = FetchMeter(parent=meter)
+    _metering.meter = child
+    try:
+        yield
+    finally:
+        _metering.meter = meter
+    if child.requests == 0:
+        meter.add(nbytes, requests)
 
 
 @dataclass(frozen=True)
@@ -66,19 +164,82 @@ def _split(read: RangeRead, max_run: int) -> list[tuple[int, memoryview]]:
     return [(read.offset + i, out[i : i + max_run]) for i in range(0, len(out), max_run)]
 
 
-def coalesce(reads: Sequence[RangeRead], gap: int = COALESCE_GAP_BYTES, max_run: int = MAX_RUN_BYTES) -> list[Run]:
+_gaps = threading.local()  # .policy: (fraction, allowance per file) of this thread's coalesce calls
+
+
+@contextmanager
+def gap_policy(fraction: float, allowance: int = 0) -> Iterator[None]:
+    """Within the block, :func:`coalesce` (every remote source's ``read_many``) reads gaps of at most
+    ``fraction`` of the bytes asked, or ``allowance`` per file: a reader that planned its pieces says
+    how much it may fetch beyond them."""
+    previous = getattr(_gaps, "policy", None)
+    _gaps.policy = (fraction, allowance)
+    try:
+        yield
+    finally:
+        _gaps.policy = previous
+
+
+def _gap_budget(asked: int, files: int, fraction: float | None = None) -> int:
+    policy_fraction, allowance = getattr(_gaps, "policy", None) or (MAX_GAP_FRACTION, GAP_ALLOWANCE_BYTES)
+    return max(allowance * files, int((policy_fraction if fraction is None else fraction) * asked))
+
+
+def coalesced_extents(
+    starts: np.ndarray, lengths: np.ndarray, fraction: float = MAX_GAP_FRACTION, allowance: int = GAP_ALLOWANCE_BYTES
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """What :func:`coalesce` fetches under ``gap_policy(fraction, allowance)`` for sorted, disjoint
+    reads of one file: ``(starts, lengths, requests)`` — to plan what a remote source will fetch."""
+    from otfload.plan.boxes import merge_run_arrays
+
+    asked = int(lengths.sum())
+    budget = max(allowance, int(fraction * asked))
+    starts, lengths = merge_run_arrays(starts, lengths, COALESCE_GAP_BYTES, budget)
+    return starts, lengths, int((-(-lengths // REMOTE_CHUNK_BYTES)).sum())  # remote sources' request size
+
+
+def _joinable(segments: list[tuple[str, int, memoryview]], gap: int, budget: int) -> set[int]:
+    """Indices ``i`` whose hole to segment ``i + 1`` is read: the smallest holes first, each at most
+    ``gap``, all together at most ``budget`` (overlaps and touching segments always join)."""
+    holes, ends = [], {}
+    for i in range(len(segments) - 1):
+        file, start, out = segments[i]
+        ends[file] = max(ends.get(file, start), start + len(out))
+        nxt = segments[i + 1]
+        if nxt[0] == file:
+            holes.append((max(0, nxt[1] - ends[file]), i))
+    joined, spent = set(), 0
+    for hole, i in sorted(holes):
+        if hole > gap or spent + hole > budget:
+            break
+        joined.add(i)
+        spent += hole
+    return joined
+
+
+def coalesce(
+    reads: Sequence[RangeRead],
+    gap: int = COALESCE_GAP_BYTES,
+    max_run: int = MAX_RUN_BYTES,
+    max_gap_fraction: float | None = None,
+) -> list[Run]:
     """Group ``reads`` into runs: same file, holes of at most ``gap`` bytes, at most ``max_run`` bytes each.
 
-    Reads longer than ``max_run`` are split first; overlapping reads share a run. Empty reads vanish.
+    Holes are read smallest first, together at most ``max_gap_fraction`` of the bytes asked for (or
+    GAP_ALLOWANCE_BYTES per file; both as :func:`gap_policy` says, if a caller set one). Reads longer
+    than ``max_run`` are split first; overlapping reads share a run. Empty reads vanish.
     """
     segments = sorted(
         ((r.file, start, out) for r in reads for start, out in _split(r, max_run)), key=lambda s: (s[0], s[1])
     )
+    asked = sum(len(out) for _, _, out in segments)
+    joined = _joinable(segments, gap, _gap_budget(asked, len({f for f, _, _ in segments}), max_gap_fraction))
     runs: list[Run] = []
     file, start, end, pieces = None, 0, 0, []
-    for seg_file, seg_start, out in segments:
+    for k, (seg_file, seg_start, out) in enumerate(segments):
         seg_end = seg_start + len(out)
-        if seg_file == file and seg_start - end <= gap and max(end, seg_end) - start <= max_run:
+        near = seg_start <= end or (k - 1) in joined
+        if seg_file == file and near and max(end, seg_end) - start <= max_run:
             end = max(end, seg_end)
         else:
             if file is not None:
@@ -92,10 +253,12 @@ def coalesce(reads: Sequence[RangeRead], gap: int = COALESCE_GAP_BYTES, max_run:
 
 def _fetch_run(run: Run, fetch_into: FetchInto) -> None:
     if run.direct:
-        fetch_into(run.file, run.start, run.pieces[0].out)
+        with fetching(run.end - run.start):
+            fetch_into(run.file, run.start, run.pieces[0].out)
         return
     buf = memoryview(bytearray(run.end - run.start))
-    fetch_into(run.file, run.start, buf)
+    with fetching(run.end - run.start):
+        fetch_into(run.file, run.start, buf)
     for p in run.pieces:
         p.out[:] = buf[p.at : p.at + len(p.out)]
 
@@ -113,12 +276,13 @@ def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX
             _fetch_run(run, fetch_into)
         return
     token = CancelToken(current_token())
+    meter = current_meter()  # the pool's threads count for the caller's load
 
     def fetch(run: Run) -> None:
         if token.cancelled:  # queued before the failure, picked up after it
             raise LoadCancelled(f"{run.file}: cancelled, another read of this batch failed")
         try:
-            with cancel_scope(token):
+            with cancel_scope(token), metering(meter):
                 _fetch_run(run, fetch_into)
         except BaseException:
             token.cancel()  # at once, before this worker picks up a queued run

@@ -1,0 +1,146 @@
+"""Bytes each process really fetches, against its ideal share (issue 17).
+
+    python -m benchmarks.bench_fetch [--size-gib 0.71] [--policies never,auto,always] [--out FILE]
+
+Real 4-process × 2-device CPU jobs (``jax.distributed`` on 127.0.0.1, :mod:`tests.multihost.fetch_worker`)
+load one synthetic bf16 Llama on ``fsdp=8`` and on ``fsdp=2, tp=4``, from
+
+* **local files, cold**: each process reads its own copy (separate hosts share no page cache), evicted
+  from the page cache first (``posix_fadvise(DONTNEED)``); the kernel's ``/proc/self/io`` ``read_bytes``
+  says what was fetched from disk;
+* **the Hub**: the test Hub server (tests/servers/hub_server.py) counts the body bytes it sends.
+
+For each reshard policy (``never``: read each shard's box in place; ``auto``: the cost model of
+otfload/build/reshard.py; ``always``: read every leaf it can as a band in the storage layout and
+reshard on the devices) it records, per process: the report's fetched bytes and requests, the kernel's
+(local) or the server's (Hub, all processes together) count, the ideal share and the load's seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the planned rows
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from benchmarks.make_checkpoint import choose_dims, write_checkpoint  # noqa: E402
+from tests.multihost.fetch import run_fetch_workers  # noqa: E402
+from tests.multihost.fetch_worker import evict  # noqa: E402
+from tests.servers.hub_server import HubServer  # noqa: E402
+
+PROCESSES, LOCAL_DEVICES = 4, 2
+MESHES = {"fsdp=8": {"fsdp": 8}, "fsdp=2, tp=4": {"fsdp": 2, "tp": 4}}
+
+
+def run(spec: dict, out: Path) -> list[dict]:
+    return run_fetch_workers({"local_devices": LOCAL_DEVICES, **spec}, PROCESSES, out, timeout_s=1800)
+
+
+def measure(ckpt: Path, work: Path, policies: list[str]) -> list[dict]:
+    rows = []
+    copies = []
+    for i in range(PROCESSES):
+        copies.append(work / f"copy{i}")
+        if not copies[-1].exists():
+            shutil.copytree(ckpt, copies[-1])
+    os.sync()  # only clean pages can be evicted
+    with HubServer(work / "hub") as hub:
+        repo = hub.add_repo("org/bench-fetch", ckpt)
+        for mesh_name, mesh in MESHES.items():
+            for policy in policies:
+                for copy in copies:
+                    evict(copy)
+                out = work / f"local-{len(rows)}"
+                for r in run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy, "evict": True}, out):
+                    rows.append({"source": "local, cold", "mesh": mesh_name, "policy": policy, **r})
+                if policy == "never":  # a request per row: too slow for the test server, planned instead
+                    rows += planned_rows(repo, hub.url, mesh, mesh_name, work)
+                    continue
+                hub.reset()
+                out = work / f"hub-{len(rows)}"
+                results = run({"mesh": mesh, "source": repo, "endpoint": hub.url, "reshard": policy}, out)
+                served = hub.body_bytes
+                for r in results:
+                    rows.append({"source": "Hub", "mesh": mesh_name, "policy": policy, "served_all": served, **r})
+                print(f"{mesh_name} {policy}: done", flush=True)
+    return rows
+
+
+def planned_rows(repo: str, endpoint: str, mesh: dict, mesh_name: str, work: Path) -> list[dict]:
+    """What each process would fetch reading every leaf in place from the Hub (``reshard="never"``),
+    from the plan: the report's fetched bytes equal these (tests/build/test_report.py)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import otfload
+    from otfload.build.report import leaf_ideal, leaf_planned, process_boxes
+    from otfload.read.reader import TensorReader
+    from otfload.sources import open_source
+
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    grid = Mesh(np.array(devices).reshape(tuple(mesh.values())), tuple(mesh))
+    source = open_source(repo, endpoint=endpoint, cache_dir=str(work / "hf-planned"))
+    _, plan, _ = otfload.plan_model(source, mesh=grid)
+    reader = TensorReader(source)
+    rows = []
+    for p in range(PROCESSES):
+        mine = devices[p * LOCAL_DEVICES : (p + 1) * LOCAL_DEVICES]
+        fetched = [leaf_planned(lp, process_boxes(lp.leaf, None, mine), reader) for lp in plan.leaves.values()]
+        rows.append({"source": "Hub (planned)", "mesh": mesh_name, "policy": "never", "process": p,
+                     "bytes_read": sum(f[0] for f in fetched), "requests": sum(f[1] for f in fetched),
+                     "bytes_ideal": sum(leaf_ideal(lp, mine) for lp in plan.leaves.values()),
+                     "resharded": [], "seconds": float("nan")})  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| source | mesh | policy | process | fetched (report, MB) | kernel / server (MB) | ideal (MB) | "
+        "fetched / ideal | requests | leaves resharded | seconds |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["source"] == "Hub":
+            real = f"{r['served_all'] / 1e6:.1f} (all)" if r["process"] == 0 else ""
+        elif "kernel_read_bytes" in r:
+            real = f"{r['kernel_read_bytes'] / 1e6:.1f}"
+        else:
+            real = "—"
+        lines.append(
+            f"| {r['source']} | {r['mesh']} | {r['policy']} | {r['process']} | {r['bytes_read'] / 1e6:.1f} | {real} | "
+            f"{r['bytes_ideal'] / 1e6:.1f} | {r['bytes_read'] / r['bytes_ideal']:.2f} | {r['requests']} | "
+            f"{len(r['resharded'])} | {r['seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gib", type=float, default=0.71, help="checkpoint size (0.71 GiB: 766 MB)")
+    parser.add_argument("--policies", default="never,auto,always")
+    parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    args = parser.parse_args(argv)
+    dims = choose_dims(int(args.size_gib * 2**30))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        ckpt = work / "ckpt"
+        if not (ckpt / "config.json").exists():
+            write_checkpoint(ckpt, dims)
+        rows = measure(ckpt, work, args.policies.split(","))
+    size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) if ckpt.exists() else 0
+    text = f"Checkpoint: synthetic bf16 Llama, hidden {dims.hidden}, {dims.layers} layers ({size / 1e6:.0f} MB).\n\n"
+    text += table(rows)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

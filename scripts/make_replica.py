@@ -1,0 +1,296 @@
+"""Sparse replicas of real checkpoints: the real safetensors headers, holes for the tensor bytes.
+
+    python scripts/make_replica.py deepseek-v3 /tmp/replicas/deepseek-v3
+    python scripts/make_replica.py --list
+
+A replica has the published model's ``config.json``, its tensor names, dtypes and shapes, split over
+as many shard files as the published checkpoint (with ``model.safetensors.index.json``); each shard
+is a real safetensors header followed by a hole made with ``truncate`` — a 671B model costs a few MB
+of disk. Planning and ``otfload inspect`` read headers and config only, so they run at real size; any
+tensor read returns zeros.
+
+Models (from their published ``config.json`` and tensor layout):
+
+* ``deepseek-v3``: DeepSeek-V3 671B, FP8 e4m3 weights with 128×128 ``weight_scale_inv`` blocks,
+  61 layers (3 dense) + the MTP layer 61, 256 routed experts, 163 shards;
+* ``llama-3.1-405b``: Llama-3.1-405B, bf16, 126 layers, 191 shards;
+* ``qwen3-235b-a22b``: Qwen3-235B-A22B, bf16, 94 layers × 128 experts, 118 shards;
+* ``gpt-oss-120b``: GPT-OSS-120B, MXFP4 experts (``_blocks``/``_scales``), bf16 elsewhere, 15 shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+Tensor = tuple[str, str, tuple[int, ...]]  # name, safetensors dtype, shape
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1}
+# safetensors pads its JSON header with spaces to a multiple of this many bytes.
+HEADER_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A published model: its config, a generator of its tensors in file order, its shard count."""
+
+    config: dict
+    tensors: Callable[[dict], Iterator[Tensor]]
+    shards: int
+
+
+# --- DeepSeek-V3 (deepseek-ai/DeepSeek-V3) ----------------------------------------------------------
+
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}  # fmt: skip
+FP8_BLOCK = 128
+
+
+def _fp8(name: str, shape: tuple[int, int]) -> Iterator[Tensor]:
+    yield f"{name}.weight", "F8_E4M3", shape
+    yield f"{name}.weight_scale_inv", "F32", (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+
+
+def deepseek_v3_tensors(c: dict) -> Iterator[Tensor]:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    yield "model.embed_tokens.weight", "BF16", (c["vocab_size"], h)
+    for n in range(c["num_hidden_layers"] + c["num_nextn_predict_layers"]):
+        p = f"model.layers.{n}"
+        yield f"{p}.input_layernorm.weight", "BF16", (h,)
+        yield f"{p}.post_attention_layernorm.weight", "BF16", (h,)
+        a = f"{p}.self_attn"
+        yield from _fp8(f"{a}.q_a_proj", (c["q_lora_rank"], h))
+        yield f"{a}.q_a_layernorm.weight", "BF16", (c["q_lora_rank"],)
+        yield from _fp8(f"{a}.q_b_proj", (heads * qk, c["q_lora_rank"]))
+        yield from _fp8(f"{a}.kv_a_proj_with_mqa", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h))
+        yield f"{a}.kv_a_layernorm.weight", "BF16", (c["kv_lora_rank"],)
+        yield from _fp8(f"{a}.kv_b_proj", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]))
+        yield from _fp8(f"{a}.o_proj", (h, heads * c["v_head_dim"]))
+        if n < c["first_k_dense_replace"]:
+            i = c["intermediate_size"]
+            yield from _fp8(f"{p}.mlp.gate_proj", (i, h))
+            yield from _fp8(f"{p}.mlp.up_proj", (i, h))
+            yield from _fp8(f"{p}.mlp.down_proj", (h, i))
+        else:
+            i, e = c["moe_intermediate_size"], c["n_routed_experts"]
+            yield f"{p}.mlp.gate.weight", "BF16", (e, h)
+            yield f"{p}.mlp.gate.e_score_correction_bias", "F32", (e,)
+            for x in range(e):
+                yield from _fp8(f"{p}.mlp.experts.{x}.gate_proj", (i, h))
+                yield from _fp8(f"{p}.mlp.experts.{x}.up_proj", (i, h))
+                yield from _fp8(f"{p}.mlp.experts.{x}.down_proj", (h, i))
+            shared = i * c["n_shared_experts"]
+            yield from _fp8(f"{p}.mlp.shared_experts.gate_proj", (shared, h))
+            yield from _fp8(f"{p}.mlp.shared_experts.up_proj", (shared, h))
+            yield from _fp8(f"{p}.mlp.shared_experts.down_proj", (h, shared))
+        if n >= c["num_hidden_layers"]:  # the MTP layer's own modules
+            yield f"{p}.embed_tokens.weight", "BF16", (c["vocab_size"], h)
+            yield f"{p}.enorm.weight", "BF16", (h,)
+            yield f"{p}.hnorm.weight", "BF16", (h,)
+            yield f"{p}.eh_proj.weight", "BF16", (h, 2 * h)
+            yield f"{p}.shared_head.norm.weight", "BF16", (h,)
+            yield f"{p}.shared_head.head.weight", "BF16", (c["vocab_size"], h)
+    yield "model.norm.weight", "BF16", (h,)
+    yield "lm_head.weight", "BF16", (c["vocab_size"], h)
+
+
+# --- Llama-3.1-405B (meta-llama/Llama-3.1-405B) ------------------------------------------------------
+
+LLAMA_405B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 16384,
+    "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}  # fmt: skip
+
+
+def llama_tensors(c: dict) -> Iterator[Tensor]:
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    yield "model.embed_tokens.weight", "BF16", (c["vocab_size"], h)
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        yield f"{p}.input_layernorm.weight", "BF16", (h,)
+        yield f"{p}.self_attn.q_proj.weight", "BF16", (q, h)
+        yield f"{p}.self_attn.k_proj.weight", "BF16", (kv, h)
+        yield f"{p}.self_attn.v_proj.weight", "BF16", (kv, h)
+        yield f"{p}.self_attn.o_proj.weight", "BF16", (h, q)
+        yield f"{p}.post_attention_layernorm.weight", "BF16", (h,)
+        yield f"{p}.mlp.gate_proj.weight", "BF16", (i, h)
+        yield f"{p}.mlp.up_proj.weight", "BF16", (i, h)
+        yield f"{p}.mlp.down_proj.weight", "BF16", (h, i)
+    yield "model.norm.weight", "BF16", (h,)
+    yield "lm_head.weight", "BF16", (c["vocab_size"], h)
+
+
+# --- Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B) ----------------------------------------------------------
+
+QWEN3_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "attention_bias": False,
+    "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def qwen3_moe_tensors(c: dict) -> Iterator[Tensor]:
+    h, d = c["hidden_size"], c["head_dim"]
+    q, kv, i = c["num_attention_heads"] * d, c["num_key_value_heads"] * d, c["moe_intermediate_size"]
+    yield "model.embed_tokens.weight", "BF16", (c["vocab_size"], h)
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        yield f"{p}.input_layernorm.weight", "BF16", (h,)
+        yield f"{p}.self_attn.q_proj.weight", "BF16", (q, h)
+        yield f"{p}.self_attn.k_proj.weight", "BF16", (kv, h)
+        yield f"{p}.self_attn.v_proj.weight", "BF16", (kv, h)
+        yield f"{p}.self_attn.o_proj.weight", "BF16", (h, q)
+        yield f"{p}.self_attn.q_norm.weight", "BF16", (d,)
+        yield f"{p}.self_attn.k_norm.weight", "BF16", (d,)
+        yield f"{p}.post_attention_layernorm.weight", "BF16", (h,)
+        yield f"{p}.mlp.gate.weight", "BF16", (c["num_experts"], h)
+        for x in range(c["num_experts"]):
+            yield f"{p}.mlp.experts.{x}.gate_proj.weight", "BF16", (i, h)
+            yield f"{p}.mlp.experts.{x}.up_proj.weight", "BF16", (i, h)
+            yield f"{p}.mlp.experts.{x}.down_proj.weight", "BF16", (h, i)
+    yield "model.norm.weight", "BF16", (h,)
+    yield "lm_head.weight", "BF16", (c["vocab_size"], h)
+
+
+# --- GPT-OSS-120B (openai/gpt-oss-120b) --------------------------------------------------------------
+
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "experts_per_token": 4,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18, "hidden_act": "silu",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 150000, "attention_bias": True,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}  # fmt: skip
+MXFP4_BLOCK = 32  # values per scale; two 4-bit codes per byte
+
+
+def gpt_oss_tensors(c: dict) -> Iterator[Tensor]:
+    h, d, e, i = c["hidden_size"], c["head_dim"], c["num_local_experts"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    yield "model.embed_tokens.weight", "BF16", (c["vocab_size"], h)
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        yield f"{p}.input_layernorm.weight", "BF16", (h,)
+        yield f"{p}.post_attention_layernorm.weight", "BF16", (h,)
+        a = f"{p}.self_attn"
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield f"{a}.{name}.weight", "BF16", (rows, h)
+            yield f"{a}.{name}.bias", "BF16", (rows,)
+        yield f"{a}.o_proj.weight", "BF16", (h, q)
+        yield f"{a}.o_proj.bias", "BF16", (h,)
+        yield f"{a}.sinks", "BF16", (c["num_attention_heads"],)
+        yield f"{p}.mlp.router.weight", "BF16", (e, h)
+        yield f"{p}.mlp.router.bias", "BF16", (e,)
+        x = f"{p}.mlp.experts"
+        for name, out, inner in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            yield f"{x}.{name}_blocks", "U8", (e, out, inner // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+            yield f"{x}.{name}_scales", "U8", (e, out, inner // MXFP4_BLOCK)
+            yield f"{x}.{name}_bias", "BF16", (e, out)
+    yield "model.norm.weight", "BF16", (h,)
+    yield "lm_head.weight", "BF16", (c["vocab_size"], h)
+
+
+REPLICAS = {
+    "deepseek-v3": Replica(DEEPSEEK_V3, deepseek_v3_tensors, 163),
+    "llama-3.1-405b": Replica(LLAMA_405B, llama_tensors, 191),
+    "qwen3-235b-a22b": Replica(QWEN3_235B, qwen3_moe_tensors, 118),
+    "gpt-oss-120b": Replica(GPT_OSS_120B, gpt_oss_tensors, 15),
+}
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return ITEMSIZE[dtype] * math.prod(shape)
+
+
+def write_shard(path: Path, tensors: list[Tensor]) -> None:
+    """A safetensors file: the real header, then a hole of the tensors' size (no data written)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in tensors:
+        size = nbytes(dtype, shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % HEADER_ALIGN)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        f.truncate(8 + len(text) + offset)  # a hole: reads give zeros, the disk holds nothing
+
+
+def make_replica(name: str, out: Path) -> dict:
+    """Write replica ``name`` into ``out``; returns a summary (tensors, bytes, files)."""
+    replica = REPLICAS[name]
+    tensors = list(replica.tensors(replica.config))
+    total = sum(nbytes(d, s) for _, d, s in tensors)
+    target = total / replica.shards
+    shards: list[list[Tensor]] = [[]]
+    filled = 0.0
+    for tensor in tensors:  # consecutive tensors, each shard up to its share of the bytes
+        if filled >= target * len(shards) and len(shards) < replica.shards:
+            shards.append([])
+        shards[-1].append(tensor)
+        filled += nbytes(tensor[1], tensor[2])
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for k, group in enumerate(shards):
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_shard(out / file, group)
+        weight_map.update(dict.fromkeys((t[0] for t in group), file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps(replica.config, indent=1))
+    return {"model": name, "tensors": len(tensors), "bytes": total, "files": len(shards)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", choices=sorted(REPLICAS))
+    parser.add_argument("out", nargs="?", type=Path)
+    parser.add_argument("--list", action="store_true", help="list the models")
+    args = parser.parse_args(argv)
+    if args.list or args.model is None or args.out is None:
+        print("\n".join(sorted(REPLICAS)))
+        return 0 if args.list else 2
+    info = make_replica(args.model, args.out)
+    disk = sum(os.stat(p).st_blocks * 512 for p in args.out.iterdir())
+    print(f"{args.out}: {info['tensors']} tensors, {info['bytes'] / 1e9:.1f} GB in {info['files']} files "
+          f"({disk / 1e6:.1f} MB on disk)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""One JAX process of a multi-process load that measures what it fetched (issue 17).
+
+    python -m tests.multihost.fetch_worker SPEC_JSON PROCESS_ID
+
+``SPEC_JSON`` (a file) says: ``processes``, ``local_devices``, ``port``, ``mesh`` (``{"fsdp": 8}`` or
+``{"fsdp": 2, "tp": 4}``; devices in process order), ``source`` (a directory; ``{i}`` is replaced by
+the process id, so each process can read its own copy — separate hosts do not share a page cache) or
+a Hub repo with ``endpoint``, ``reshard`` (the policy), ``evict`` (drop the files from the page cache
+first: a cold read), ``gather`` (write every parameter from process 0 to ``params.npz``) and ``out``.
+Writes ``proc<i>.json``: the report's counts (read, requests, planned, ideal, resharded leaves), the
+kernel's ``/proc/self/io`` ``read_bytes`` during the load and the seconds it took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def disk_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def evict(directory: Path) -> None:
+    """Drop ``directory``'s safetensors files from the page cache (clean pages only)."""
+    for path in directory.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def load(spec: dict, pid: int, out: Path) -> None:
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.experimental.multihost_utils import process_allgather, sync_global_devices
+    from jax.sharding import Mesh
+
+    import otfload
+    from otfload.sources import open_source
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(tuple(spec["mesh"].values())), tuple(spec["mesh"]))
+    if "endpoint" in spec:
+        source = open_source(spec["source"], endpoint=spec["endpoint"], cache_dir=str(out / f"hf{pid}"))
+    else:
+        directory = Path(spec["source"].format(i=pid))
+        if spec.get("evict"):
+            evict(directory)
+        source = open_source(directory)
+    os.environ["OTFLOAD_RESHARD"] = spec.get("reshard", "auto")
+    sync_global_devices("otfload-fetch-start")  # every process evicted before any reads
+    before, start = disk_read_bytes(), time.perf_counter()
+    model, report = otfload.from_pretrained(source, mesh=mesh, return_report=True, progress=False)
+    seconds = time.perf_counter() - start
+    result = {
+        "process": pid,
+        "bytes_read": report.bytes_read,
+        "requests": report.requests,
+        "bytes_planned": report.bytes_planned,
+        "bytes_ideal": report.bytes_ideal,
+        "bytes_needed": report.bytes_needed,
+        "kernel_read_bytes": disk_read_bytes() - before,
+        "resharded": report.resharded,
+        "reshard_seconds": report.reshard_seconds,
+        "seconds": seconds,
+        "summary": report.summary(),
+    }
+    (out / f"proc{pid}.json").write_text(json.dumps(result))
+    if spec.get("gather", False):
+        params = {
+            ".".join(map(str, path)): process_allgather(var[...], tiled=True)
+            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        }
+        if pid == 0:
+            np.savez(out / "params.npz", **params)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    pid = int(sys.argv[2])
+    out = Path(spec["out"])
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", spec["local_devices"])
+    n = spec["processes"]
+    if n > 1:
+        jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=n, process_id=pid,
+                                   initialization_timeout=60)  # fmt: skip
+    try:
+        load(spec, pid, out)
+    except BaseException:
+        (out / f"proc{pid}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        if n > 1:
+            jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
