@@ -25,6 +25,7 @@ from otfload.families.registry import family_for
 from otfload.index.checkpoint import CheckpointIndex, open_index, read_values
 from otfload.index.derived import is_derived
 from otfload.index.dtypes import to_numpy_dtype
+from otfload.models.origin import remember_origin
 from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
@@ -119,7 +120,8 @@ def plan_model(
         cfg = family.config_for(index.config, index.tensors)  # typed, bounded, matched to the tensors
         dtype = storage_dtype(index) if dtype is None else to_numpy_dtype(dtype)
         mesh = make_mesh() if mesh is None else mesh
-        model = nnx.eval_shape(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=None))
+        remember_origin(model, index.config, family.name)
         leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if rules is None else rules)
         plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
         check_adapted_are_mapped(plan, index)

@@ -3,13 +3,16 @@
 * Multi-head latent attention (MLA): queries from ``q`` (or the low-rank ``q_a`` → norm → ``q_b``);
   keys and values from a compressed latent (``kv_a`` → norm → ``k_b``/``v_b`` per head) plus one
   shared RoPE key (``k_rope``). The RoPE part uses DeepSeek's interleaved pair layout (V2 always,
-  V3 when ``rope_interleave``); YaRN scaling and its softmax ``mscale`` are supported.
+  V3 when ``rope_interleave``); YaRN scaling and its softmax ``mscale`` are supported. Attention
+  runs in the absorbed form (``k_b`` folded into the queries, ``v_b`` applied after attending), so
+  the KV cache holds the latent and the rotated key per token.
 * The first ``first_k_dense_replace`` layers have a dense MLP, the rest a routed MoE with shared
   experts. The two kinds of layer are two homogeneous groups (``dense_layers``, ``moe_layers``),
   each scanned separately with ``scan_layers``.
 * Routing: V2 softmax scores with greedy or group-limited greedy top-k; V3 sigmoid scores with
   ``e_score_correction_bias``, group selection by the sum of each group's top-2 and optional
-  ``norm_topk_prob``. Both scale the chosen weights by ``routed_scaling_factor``.
+  ``norm_topk_prob``. Both scale the chosen weights by ``routed_scaling_factor``. Each token runs
+  through its chosen experts only (:mod:`otfload.models.experts`).
 
 Kernels keep HF's ``[out, in]`` orientation (output dims first, e.g. ``q`` is ``(heads, head_dim,
 hidden)``), so loading needs only slices and reshapes. Experts are stacked on an ``experts`` axis
@@ -45,13 +48,14 @@ from otfload.config import (
 )
 from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
 from otfload.errors import ConfigError
+from otfload.models.attention import Context, attention, write_cache
+from otfload.models.base import CacheLayout, CausalLM, group_cache
+from otfload.models.experts import expert_ffn
 from otfload.models.layers import (
     Dense,
     Embed,
     Norm,
     apply_rope,
-    attention,
-    causal_mask,
     dense,
     make_param,
     pure,
@@ -293,7 +297,13 @@ class DecoderLayer(nnx.Module):
 # --- layer math ----------------------------------------------------------------------------------
 
 
-def mla_forward(a: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, mask: jax.Array) -> jax.Array:
+def mla_forward(
+    a: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, ctx: Context, cache: dict | None
+) -> tuple[jax.Array, dict | None]:
+    """Multi-head latent attention in its absorbed form: ``k_b`` is folded into the queries and
+    ``v_b`` applied after attending, so keys and values are the compressed latent itself (one shared
+    "head" of ``kv_lora_rank + qk_rope_head_dim`` dims, the latent doubling as the value) and the
+    cache holds ``[latent, rotated key]`` per token instead of per-head keys and values."""
     cos, sin, scale = rope
     if cfg.q_lora_rank is None:
         q = dense(a["q"], x, "bsh,ndh->bsnd")
@@ -301,16 +311,17 @@ def mla_forward(a: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, mask: j
         q_latent = rms_norm(dense(a["q_a"], x, "bsh,rh->bsr"), a["q_a_norm"]["scale"], LATENT_NORM_EPS)
         q = dense(a["q_b"], q_latent, "bsr,ndr->bsnd")
     q_nope, q_rot = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-    kv = rms_norm(dense(a["kv_a"], x, "bsh,rh->bsr"), a["kv_a_norm"]["scale"], LATENT_NORM_EPS)
-    k_rot = dense(a["k_rope"], x, "bsh,dh->bsd")[:, :, None, :]
+    latent = rms_norm(dense(a["kv_a"], x, "bsh,rh->bsr"), a["kv_a_norm"]["scale"], LATENT_NORM_EPS)
+    k_rot = apply_pair_rope(dense(a["k_rope"], x, "bsh,dh->bsd")[:, :, None, :], cos, sin, cfg.rope_interleave)
     q_rot = apply_pair_rope(q_rot, cos, sin, cfg.rope_interleave)
-    k_rot = apply_pair_rope(k_rot, cos, sin, cfg.rope_interleave)
-    k_nope = dense(a["k_b"], kv, "bsr,ndr->bsnd")
-    v = dense(a["v_b"], kv, "bsr,ndr->bsnd")
-    q = jnp.concatenate([q_nope, q_rot], axis=-1)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (*k_nope.shape[:3], cfg.qk_rope_head_dim))], axis=-1)
-    out = attention(q, k, v, mask, scale)
-    return dense(a["o"], out, "bsnd,hnd->bsh")
+    q = jnp.concatenate([jnp.einsum("bsnd,ndr->bsnr", q_nope, a["k_b"]["kernel"]), q_rot], axis=-1)
+    k = jnp.concatenate([latent[:, :, None, :], k_rot.astype(latent.dtype)], axis=-1)
+    if cache is not None:
+        cache = {"k": write_cache(cache, "k", k, ctx)}
+        k = cache["k"]
+    out = attention(q, k, k[..., : cfg.kv_lora_rank], ctx, scale=scale)
+    out = jnp.einsum("bsnr,ndr->bsnd", out, a["v_b"]["kernel"])
+    return dense(a["o"], out, "bsnd,hnd->bsh"), cache
 
 
 def mlp_forward(m: dict, x: jax.Array) -> jax.Array:
@@ -326,8 +337,8 @@ def _keep_top_groups(choice: jax.Array, group_scores: jax.Array, cfg: DeepseekCo
     return jnp.where(kept, choice, fill)
 
 
-def route(router: dict, x: jax.Array, cfg: DeepseekConfig) -> jax.Array:
-    """Dense routing weights ``[tokens, experts]`` (zero for unchosen experts), computed in float32."""
+def route(router: dict, x: jax.Array, cfg: DeepseekConfig) -> tuple[jax.Array, jax.Array]:
+    """Each token's top-k experts ``(weights, idx)`` (``[tokens, k]``, float32, routed scaling applied)."""
     logits = jnp.einsum("th,eh->te", x.astype(jnp.float32), router["kernel"].astype(jnp.float32))
     tokens, experts = logits.shape
     if cfg.model_type == "deepseek_v3":
@@ -345,26 +356,27 @@ def route(router: dict, x: jax.Array, cfg: DeepseekConfig) -> jax.Array:
             group_max = scores.reshape(tokens, cfg.n_group, experts // cfg.n_group).max(-1)
             scores = _keep_top_groups(scores, group_max, cfg, 0.0)
         weights, idx = jax.lax.top_k(scores, cfg.num_experts_per_tok)
-    weights = weights * cfg.routed_scaling_factor
-    return (jax.nn.one_hot(idx, experts, dtype=jnp.float32) * weights[..., None]).sum(-2)
+    return weights * cfg.routed_scaling_factor, idx
 
 
-def moe_forward(p: dict, x: jax.Array, cfg: DeepseekConfig) -> jax.Array:
-    """Routed experts (every expert evaluated, weighted by the dense routing weights) plus shared."""
+def moe_forward(p: dict, x: jax.Array, cfg: DeepseekConfig, impl: str | None = None) -> jax.Array:
+    """Routed experts (each token through its top-k only, :func:`~otfload.models.experts.expert_ffn`)
+    plus the shared experts."""
     flat = x.reshape(-1, x.shape[-1])
-    weights = route(p["router"], flat, cfg).astype(x.dtype)
-    e = p["experts"]
-    gate = jnp.einsum("th,emh->tem", flat, e["gate"]["kernel"])
-    up = jnp.einsum("th,emh->tem", flat, e["up"]["kernel"])
-    out = jnp.einsum("tem,ehm,te->th", jax.nn.silu(gate) * up, e["down"]["kernel"], weights).reshape(x.shape)
+    weights, idx = route(p["router"], flat, cfg)
+    out = expert_ffn(flat, idx, weights, p["experts"], in_first=False,
+                     activation=lambda g, u: jax.nn.silu(g) * u, impl=impl).reshape(x.shape)
     return out + mlp_forward(p["shared"], x) if "shared" in p else out
 
 
-def layer_forward(p: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, mask: jax.Array) -> jax.Array:
-    """One decoder layer (dense or MoE, by which parameters ``p`` holds) as a pure function."""
-    x = x + mla_forward(p["attn"], rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps), cfg, rope, mask)
+def layer_forward(
+    p: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, ctx: Context, cache: dict | None
+) -> tuple[jax.Array, dict | None]:
+    """One decoder layer (dense or MoE, by which parameters ``p`` holds): ``(x, updated cache)``."""
+    out, cache = mla_forward(p["attn"], rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps), cfg, rope, ctx, cache)
+    x = x + out
     h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
-    return x + (moe_forward(p["moe"], h, cfg) if "moe" in p else mlp_forward(p["mlp"], h))
+    return x + (moe_forward(p["moe"], h, cfg, ctx.moe_impl) if "moe" in p else mlp_forward(p["mlp"], h)), cache
 
 
 # --- model ---------------------------------------------------------------------------------------
@@ -378,7 +390,7 @@ def _layer_group(cfg: DeepseekConfig, count: int, moe: bool, scan: bool, dtype, 
     return nnx.List([DecoderLayer(cfg, moe=moe, dtype=dtype, rngs=rngs) for _ in range(count)])
 
 
-class DeepseekForCausalLM(nnx.Module):
+class DeepseekForCausalLM(CausalLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for DeepSeek-V2/V3.
 
     ``dense_layers`` holds HF layers ``0 .. first_k_dense_replace - 1`` and ``moe_layers`` the rest;
@@ -395,22 +407,29 @@ class DeepseekForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
-    def _run_group(self, group, x: jax.Array, rope: tuple, mask: jax.Array) -> jax.Array:
-        if group is None:
-            return x
-        params = pure(group) if self.scan_layers else [pure(layer) for layer in group]
-        return run_layers(params, x, lambda p, h, _: layer_forward(p, h, self.cfg, rope, mask))
+    def cache_layout(self) -> dict[str, CacheLayout]:
+        cfg = self.cfg
+        latent = (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0)  # one shared latent "head"; values read from it
+        counts = {"dense_layers": cfg.first_k_dense_replace, "moe_layers": cfg.num_moe_layers}
+        return {group: (n, *latent) for group, n in counts.items() if n}
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
+    def _run_group(self, name: str, x: jax.Array, rope: tuple, ctx: Context, caches: dict | None):
+        group = getattr(self, name)
+        if group is None:
+            return x, None
+        params = pure(group) if self.scan_layers else [pure(layer) for layer in group]
+        return run_layers(params, x, lambda p, h, c: layer_forward(p, h, self.cfg, rope, ctx, c),
+                          group_cache(caches, name))
+
+    def forward(self, input_ids: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
         x = embedding[input_ids]
-        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_tables(positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
+        cos, sin = rope_tables(ctx.positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
         rope = (cos, sin, softmax_scale(cfg))
-        mask = causal_mask(input_ids.shape[1])
-        x = self._run_group(self.dense_layers, x, rope, mask)
-        x = self._run_group(self.moe_layers, x, rope, mask)
+        new = {}
+        for name in ("dense_layers", "moe_layers"):
+            x, new[name] = self._run_group(name, x, rope, ctx, caches)
         x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
-        return jnp.einsum("bsh,vh->bsv", x, embedding if cfg.tie_word_embeddings else self.lm_head.kernel[...])
+        return x, None if caches is None else {k: v for k, v in new.items() if v is not None}

@@ -39,18 +39,19 @@ from otfload.config import (
 from otfload.config.fields import MAX_FACTOR
 from otfload.config.rope import THETA
 from otfload.errors import ConfigError
+from otfload.models.attention import Context, self_attention
+from otfload.models.base import CacheLayout, CausalLM, group_cache
 from otfload.models.layers import (
     Dense,
     Embed,
     Norm,
     apply_rope,
-    attention,
-    causal_mask,
     dense,
     pure,
     rms_norm,
     rope_inv_freq,
     rope_tables,
+    run_layers,
 )
 from otfload.models.llama import Attention, Mlp, rope_params
 
@@ -199,9 +200,12 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def layer_forward(p: dict, x: jax.Array, cfg: GemmaConfig, rope: tuple, mask: jax.Array) -> jax.Array:
-    """One decoder layer as a pure function of its parameter dict ``p``; ``rope`` is ``(cos, sin)``
-    and ``mask`` the ``[seq, seq]`` attention mask of this layer's attention type."""
+def layer_forward(
+    p: dict, x: jax.Array, cfg: GemmaConfig, rope: tuple, ctx: Context, cache: dict | None,
+    window: int | jax.Array,
+) -> tuple[jax.Array, dict | None]:
+    """One decoder layer as a pure function of its parameter dict ``p``: ``(x, updated cache)``;
+    ``rope`` is ``(cos, sin)`` and ``window`` the sliding window (0: global) of this layer's type."""
     a, m, eps = p["attn"], p["mlp"], cfg.rms_norm_eps
     h = gemma_norm(x, p["input_norm"]["scale"], eps)
     q = dense(a["q"], h, "bsh,ndh->bsnd")
@@ -211,15 +215,16 @@ def layer_forward(p: dict, x: jax.Array, cfg: GemmaConfig, rope: tuple, mask: ja
         q = gemma_norm(q, a["q_norm"]["scale"], eps)
         k = gemma_norm(k, a["k_norm"]["scale"], eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    out = attention(q, k, v, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_softcap)
+    out, cache = self_attention(q, k, v, ctx, cache, scale=cfg.query_pre_attn_scalar**-0.5, window=window,
+                                softcap=cfg.attn_softcap)
     x = x + gemma_norm(dense(a["o"], out, "bsnd,hnd->bsh"), p["post_attn_norm"]["scale"], eps)
     h = gemma_norm(x, p["pre_ffw_norm"]["scale"], eps)
     gate = jax.nn.gelu(dense(m["gate"], h, "bsh,mh->bsm"), approximate=cfg.gelu_approximate)
     out = dense(m["down"], gate * dense(m["up"], h, "bsh,mh->bsm"), "bsm,hm->bsh")
-    return x + gemma_norm(out, p["post_ffw_norm"]["scale"], eps)
+    return x + gemma_norm(out, p["post_ffw_norm"]["scale"], eps), cache
 
 
-class GemmaForCausalLM(nnx.Module):
+class GemmaForCausalLM(CausalLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for Gemma 2 and Gemma 3 text."""
 
     def __init__(self, cfg: GemmaConfig, *, scan_layers: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
@@ -234,28 +239,30 @@ class GemmaForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
+    def cache_layout(self) -> dict[str, CacheLayout]:
+        cfg = self.cfg
+        return {"layers": (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)}
+
+    def forward(self, input_ids: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
         # transformers multiplies by √hidden rounded to the activation dtype.
         x = embedding[input_ids] * jnp.asarray(cfg.hidden_size**0.5, embedding.dtype)
-        seq = input_ids.shape[1]
-        positions = jnp.broadcast_to(jnp.arange(seq), input_ids.shape)
-        # (rope, mask) of each attention type; a layer picks one with its sliding flag.
-        sliding = (rope_tables(positions, rope_inv_freq(cfg.head_dim, *cfg.rope_local)),
-                   causal_mask(seq, cfg.sliding_window))
-        full = (rope_tables(positions, rope_inv_freq(cfg.head_dim, *cfg.rope_global)), causal_mask(seq))
+        # (rope, window) of each attention type; a layer picks one with its sliding flag.
+        sliding = rope_tables(ctx.positions, rope_inv_freq(cfg.head_dim, *cfg.rope_local))
+        full = rope_tables(ctx.positions, rope_inv_freq(cfg.head_dim, *cfg.rope_global))
         flags = np.array([t == SLIDING for t in cfg.layer_types])
+        windows = np.where(flags, cfg.sliding_window or 0, 0).astype(np.int32)
 
-        def run_layer(h, p, is_sliding):
-            rope, mask = jax.tree.map(lambda s, f: jnp.where(is_sliding, s, f), sliding, full)
-            return layer_forward(p, h, cfg, rope, mask)
+        def run_layer(p: dict, h: jax.Array, xs: tuple) -> tuple[jax.Array, dict | None]:
+            is_sliding, window, cache = xs
+            rope = jax.tree.map(lambda s, f: jnp.where(is_sliding, s, f), sliding, full)
+            return layer_forward(p, h, cfg, rope, ctx, cache, window)
 
-        if self.scan_layers:
-            x, _ = jax.lax.scan(lambda h, xs: (run_layer(h, *xs), None), x, (pure(self.layers), jnp.asarray(flags)))
-        else:
-            for layer, is_sliding in zip(self.layers, flags, strict=True):
-                x = run_layer(x, pure(layer), is_sliding)
+        params = pure(self.layers) if self.scan_layers else [pure(layer) for layer in self.layers]
+        x, cache = run_layers(params, x, run_layer, (flags, windows, group_cache(caches, "layers")))
         x = gemma_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
-        logits = jnp.einsum("bsh,vh->bsv", x, embedding if cfg.tie_word_embeddings else self.lm_head.kernel[...])
-        return softcap(logits, cfg.final_softcap)
+        return x, None if caches is None else {"layers": cache}
+
+    def head(self, x: jax.Array) -> jax.Array:
+        return softcap(super().head(x), self.cfg.final_softcap)

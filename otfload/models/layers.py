@@ -17,13 +17,17 @@ Params = Mapping[str, object]
 
 
 def make_param(
-    rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, stack: int | None = None
+    rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype, stack: int | None = None
 ) -> nnx.Param:
     """A normally initialised ``nnx.Param`` annotated with ``logical_axes``; ``stack`` prepends a
-    ``layers`` axis (scanned models)."""
+    ``layers`` axis (scanned models). ``rngs=None`` gives zeros: an abstract model (built under
+    ``nnx.eval_shape`` to be planned, then loaded) draws no random numbers, whose traced key splits
+    made planning quadratic in the number of parameters (DeepSeek-V3 unscanned: minutes)."""
     shape, axes = tuple(shape), tuple(axes)
     if stack is not None:
         shape, axes = (stack, *shape), ("layers", *axes)
+    if rngs is None:
+        return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
     value = jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02
     return nnx.Param(value.astype(dtype), logical_axes=axes)
 
@@ -63,17 +67,21 @@ def pure(module: nnx.Module) -> dict:
 def run_layers(
     params: Mapping | Sequence[Mapping],
     x: jax.Array,
-    forward: Callable[[Mapping, jax.Array, object], jax.Array],
+    forward: Callable[[Mapping, jax.Array, object], tuple[jax.Array, object]],
     xs: object = None,
-) -> jax.Array:
-    """``x`` through every layer: ``forward(p, x, xs_i)`` scanned (``jax.lax.scan``) over stacked
-    parameters (a dict whose leaves have a leading ``layers`` axis) or looped over a list of
-    per-layer dicts; ``xs`` (a pytree with a leading layer axis, or None) gives each layer its slice."""
+) -> tuple[jax.Array, object]:
+    """``x`` through every layer: ``forward(p, x, xs_i) -> (x, y_i)`` scanned (``jax.lax.scan``)
+    over stacked parameters (a dict whose leaves have a leading ``layers`` axis) or looped over a
+    list of per-layer dicts; ``xs`` (a pytree with a leading layer axis, or None) gives each layer
+    its slice (a layer's cache, its attention type). Returns ``(x, ys)``, the ``y_i`` stacked on a
+    leading layer axis (None when every ``y_i`` is None)."""
     if isinstance(params, Mapping):
-        return jax.lax.scan(lambda h, p_xs: (forward(p_xs[0], h, p_xs[1]), None), x, (params, xs))[0]
+        return jax.lax.scan(lambda h, p_xs: forward(p_xs[0], h, p_xs[1]), x, (params, xs))
+    ys = []
     for i, p in enumerate(params):
-        x = forward(p, x, jax.tree.map(lambda a, i=i: a[i], xs))
-    return x
+        x, y = forward(p, x, jax.tree.map(lambda a, i=i: a[i], xs))
+        ys.append(y)
+    return x, (None if all(y is None for y in ys) else jax.tree.map(lambda *a: jnp.stack(a), *ys))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -157,28 +165,3 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
     return x * cos + rotated * sin
-
-
-def causal_mask(seq: int, window: int | None = None) -> jax.Array:
-    """``[seq, seq]`` boolean mask: causal, and within ``window`` tokens when given."""
-    i = jnp.arange(seq)[:, None]
-    j = jnp.arange(seq)[None, :]
-    mask = j <= i
-    return mask & (i - j < window) if window else mask
-
-
-def attention(q, k, v, mask, scale: float, softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
-    """Grouped-query attention; ``q [b, s, h, d]``, ``k, v [b, s, kv, d]``; softmax in float32.
-    ``sinks [h]`` (GPT-OSS) are per-head logits of a virtual key that takes probability but adds no value."""
-    groups = q.shape[2] // k.shape[2]
-    k = jnp.repeat(k, groups, axis=2)
-    v = jnp.repeat(v, groups, axis=2)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
-    if softcap:
-        logits = jnp.tanh(logits / softcap) * softcap
-    logits = jnp.where(mask[None, None], logits, jnp.finfo(jnp.float32).min)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
-        logits = jnp.concatenate([logits, sink], axis=-1)
-    probs = jax.nn.softmax(logits, axis=-1)[..., : k.shape[1]].astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

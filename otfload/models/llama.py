@@ -30,13 +30,13 @@ from otfload.config import (
     require,
 )
 from otfload.config import rope_params as config_rope_params
+from otfload.models.attention import Context, self_attention
+from otfload.models.base import CacheLayout, CausalLM, group_cache
 from otfload.models.layers import (
     Dense,
     Embed,
     Norm,
     apply_rope,
-    attention,
-    causal_mask,
     dense,
     pure,
     rms_norm,
@@ -46,6 +46,7 @@ from otfload.models.layers import (
     run_layers,
 )
 
+Rope = tuple[jax.Array, jax.Array]
 # transformers' names of the activation Llama-family MLPs apply (SiLU; "swish" is the same function).
 ACTIVATIONS = Choice("silu", "swish")
 
@@ -161,17 +162,21 @@ class DecoderLayer(nnx.Module):
         self.mlp = Mlp(cfg, dtype=dtype, rngs=rngs, stack=stack)
 
 
-def attention_block(a: dict, h: jax.Array, cfg: LlamaConfig, cos, sin, mask) -> jax.Array:
-    """Self-attention of the normed input ``h``: GQA, optional q/k norm, RoPE, optional ``sinks``."""
+def attention_block(
+    a: dict, h: jax.Array, cfg: LlamaConfig, rope: Rope, ctx: Context, cache: dict | None,
+    window: int | jax.Array | None = None,
+) -> tuple[jax.Array, dict | None]:
+    """Self-attention of the normed input ``h``: GQA, optional q/k norm, RoPE, optional ``sinks``;
+    returns the output and the layer's updated cache."""
     q = dense(a["q"], h, "bsh,ndh->bsnd")
     k = dense(a["k"], h, "bsh,ndh->bsnd")
     v = dense(a["v"], h, "bsh,ndh->bsnd")
     if cfg.qk_norm:
         q = rms_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
         k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = attention(q, k, v, mask, cfg.head_dim**-0.5, sinks=a.get("sinks"))
-    return dense(a["o"], out, "bsnd,hnd->bsh")
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    out, cache = self_attention(q, k, v, ctx, cache, scale=cfg.head_dim**-0.5, window=window, sinks=a.get("sinks"))
+    return dense(a["o"], out, "bsnd,hnd->bsh"), cache
 
 
 def swiglu(m: dict, h: jax.Array) -> jax.Array:
@@ -181,18 +186,27 @@ def swiglu(m: dict, h: jax.Array) -> jax.Array:
 
 
 def layer_forward(
-    p: dict, x: jax.Array, cfg: LlamaConfig, cos, sin, mask, ffn: Callable[[dict, jax.Array], jax.Array] | None = None
-) -> jax.Array:
-    """One decoder layer as a pure function of its parameter dict ``p``; ``ffn(p, h)`` replaces the
-    SwiGLU MLP of ``p["mlp"]`` (MoE layers)."""
+    p: dict,
+    x: jax.Array,
+    cfg: LlamaConfig,
+    rope: Rope,
+    ctx: Context,
+    cache: dict | None = None,
+    window: int | jax.Array | None = None,
+    ffn: Callable[[dict, jax.Array], jax.Array] | None = None,
+) -> tuple[jax.Array, dict | None]:
+    """One decoder layer as a pure function of its parameter dict ``p``: ``(x, updated cache)``;
+    ``ffn(p, h)`` replaces the SwiGLU MLP of ``p["mlp"]`` (MoE layers)."""
     h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
-    x = x + attention_block(p["attn"], h, cfg, cos, sin, mask)
+    out, cache = attention_block(p["attn"], h, cfg, rope, ctx, cache, window)
+    x = x + out
     h = rms_norm(x, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
-    return x + (swiglu(p["mlp"], h) if ffn is None else ffn(p, h))
+    return x + (swiglu(p["mlp"], h) if ffn is None else ffn(p, h)), cache
 
 
-class LlamaForCausalLM(nnx.Module):
-    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]``.
+class LlamaForCausalLM(CausalLM):
+    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` (masks, positions and a KV
+    cache as :class:`~otfload.models.base.CausalLM` describes).
 
     Subclasses with other kinds of layers override :meth:`init_layers` and :meth:`decode`.
     """
@@ -214,24 +228,27 @@ class LlamaForCausalLM(nnx.Module):
         else:
             self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
 
-    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def rope(self, positions: jax.Array) -> Rope:
         """RoPE ``(cos, sin)`` tables for ``positions`` (YaRN's attention factor folded in)."""
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return rope_tables(positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
 
-    def decode(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def decode(self, x: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
         """Run every decoder layer on the embedded tokens ``x [batch, seq, hidden]``."""
         cfg = self.cfg
-        cos, sin = self.rope(positions)
-        mask = causal_mask(x.shape[1], cfg.sliding_window)
+        rope = self.rope(ctx.positions)
         params = pure(self.layers) if self.scan_layers else [pure(layer) for layer in self.layers]
-        return run_layers(params, x, lambda p, h, _: layer_forward(p, h, cfg, cos, sin, mask))
+        x, cache = run_layers(params, x, lambda p, h, c: layer_forward(p, h, cfg, rope, ctx, c, cfg.sliding_window),
+                              group_cache(caches, "layers"))
+        return x, None if caches is None else {"layers": cache}
 
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
+    def cache_layout(self) -> dict[str, CacheLayout]:
+        cfg = self.cfg
+        return {"layers": (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)}
+
+    def forward(self, input_ids: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
-        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-        x = self.decode(embedding[input_ids], positions)
-        x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
-        return jnp.einsum("bsh,vh->bsv", x, embedding if cfg.tie_word_embeddings else self.lm_head.kernel[...])
+        x, caches = self.decode(embedding[input_ids], ctx, caches)
+        return rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps), caches

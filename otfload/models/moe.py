@@ -6,9 +6,9 @@ never transposes: ``gate``/``up`` kernels ``[E, inter, hidden]`` and ``down`` ``
 (per-expert HF ``[out, in]`` weights: Mixtral, Qwen3-MoE), or ``[E, hidden, inter]`` and
 ``[E, inter, hidden]`` with ``experts_in_first`` (GPT-OSS's fused ``[E, in, out]`` tensors).
 
-The router picks each token's top-k experts; the experts are computed densely (every expert on
-every token) and combined with routing weights that are zero outside the top k, which is exact and
-simple at reference-model sizes.
+The router picks each token's top-k experts and only those run on the token: tokens are grouped by
+expert for grouped matmuls (:mod:`otfload.models.experts`; exact, no capacity limit), with the
+experts split over an ``ep`` mesh axis when there is one.
 
 Layers whose feed-forward is an MoE (``cfg.moe_layers``) and dense SwiGLU layers
 (``cfg.dense_layers``) form two groups, ``layers`` and ``dense_layers``; with ``scan_layers`` each
@@ -23,9 +23,13 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from otfload.models.layers import Dense, Norm, causal_mask, dense, make_param, pure, run_layers
+from otfload.models.attention import Context
+from otfload.models.base import CacheLayout
+from otfload.models.experts import expert_ffn
+from otfload.models.layers import Dense, Norm, dense, make_param, pure, run_layers
 from otfload.models.llama import Attention, DecoderLayer, LlamaConfig, LlamaForCausalLM, layer_forward
 
 SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
@@ -106,17 +110,16 @@ class MoeDecoderLayer(nnx.Module):
         self.moe = SparseMoe(cfg, dtype=dtype, rngs=rngs, stack=stack)
 
 
-def routing_weights(logits: jax.Array, cfg: MoeConfig) -> jax.Array:
-    """``[..., E]`` float32 weights of each token's top-k experts (zero for the others)."""
+def route(logits: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """Each token's top-k experts: ``(weights, idx)``, both ``[..., k]``, weights in float32."""
     logits = logits.astype(jnp.float32)
     if cfg.routing == TOPK_SOFTMAX:
         top, idx = jax.lax.top_k(logits, cfg.experts_per_token)
-        top = jax.nn.softmax(top, axis=-1)
-    else:
-        top, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
-        if cfg.norm_topk_prob:
-            top = top / top.sum(axis=-1, keepdims=True)
-    return jnp.sum(jax.nn.one_hot(idx, cfg.num_experts, dtype=top.dtype) * top[..., None], axis=-2)
+        return jax.nn.softmax(top, axis=-1), idx
+    top, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(axis=-1, keepdims=True)
+    return top, idx
 
 
 def expert_activation(gate: jax.Array, up: jax.Array, cfg: MoeConfig) -> jax.Array:
@@ -128,16 +131,15 @@ def expert_activation(gate: jax.Array, up: jax.Array, cfg: MoeConfig) -> jax.Arr
     return jax.nn.silu(gate) * up
 
 
-def moe_forward(p: dict, h: jax.Array, cfg: MoeConfig) -> jax.Array:
-    """The MoE feed-forward of ``h [batch, seq, hidden]`` from a :class:`SparseMoe` param dict."""
-    weights = routing_weights(dense(p["router"], h, "bsh,eh->bse"), cfg)
-    if cfg.experts_in_first:
-        up_spec, down_spec = "bsh,ehm->bsem", "bsem,emh->bseh"
-    else:
-        up_spec, down_spec = "bsh,emh->bsem", "bsem,ehm->bseh"
-    act = expert_activation(dense(p["gate"], h, up_spec), dense(p["up"], h, up_spec), cfg)
-    out = dense(p["down"], act, down_spec)
-    return jnp.einsum("bseh,bse->bsh", out, weights.astype(out.dtype))
+def moe_forward(p: dict, h: jax.Array, cfg: MoeConfig, impl: str | None = None) -> jax.Array:
+    """The MoE feed-forward of ``h [batch, seq, hidden]`` from a :class:`SparseMoe` param dict:
+    each token through its top-k experts only (:func:`~otfload.models.experts.expert_ffn`)."""
+    flat = h.reshape(-1, h.shape[-1])
+    weights, idx = route(dense(p["router"], flat, "th,eh->te"), cfg)
+    experts = {name: p[name] for name in ("gate", "up", "down")}
+    out = expert_ffn(flat, idx, weights, experts, in_first=cfg.experts_in_first,
+                     activation=lambda g, u: expert_activation(g, u, cfg), impl=impl)
+    return out.reshape(h.shape)
 
 
 def layer_runs(cfg: MoeConfig) -> list[tuple[str, int, int, int]]:
@@ -174,17 +176,34 @@ class MoeForCausalLM(LlamaForCausalLM):
             return jax.tree.map(lambda a: a[start:stop], pure(layers))
         return [pure(layers[i]) for i in range(start, stop)]
 
-    def decode(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg
-        cos, sin = self.rope(positions)
+        shape = (cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+        layout = {"layers": (len(cfg.moe_layers), *shape)}
+        if cfg.dense_layers:
+            layout["dense_layers"] = (len(cfg.dense_layers), *shape)
+        return layout
+
+    def decode(self, x: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
+        cfg = self.cfg
+        rope = self.rope(ctx.positions)
         sliding = range(cfg.num_layers) if cfg.sliding_layers is None else cfg.sliding_layers
-        masks = jnp.stack([causal_mask(x.shape[1], cfg.sliding_window if i in sliding else None)
-                           for i in range(cfg.num_layers)])
+        # Each layer's window (0: full attention): a static int when all layers share it, else one
+        # per layer (numpy, so unscanned layers still see a static window).
+        windows = np.array([(cfg.sliding_window or 0) if i in sliding else 0 for i in range(cfg.num_layers)], np.int32)
+        shared = int(windows[0]) if (windows == windows[0]).all() else None
 
-        def forward(p: dict, h: jax.Array, mask: jax.Array) -> jax.Array:
-            ffn = (lambda q, y: moe_forward(q["moe"], y, cfg)) if "moe" in p else None
-            return layer_forward(p, h, cfg, cos, sin, mask, ffn)
+        def forward(p: dict, h: jax.Array, xs: tuple) -> tuple[jax.Array, dict | None]:
+            window, cache = xs
+            ffn = (lambda q, y: moe_forward(q["moe"], y, cfg, ctx.moe_impl)) if "moe" in p else None
+            return layer_forward(p, h, cfg, rope, ctx, cache, window if shared is None else shared, ffn)
 
+        pieces: dict[str, list] = {}
         for group, start, stop, first in layer_runs(cfg):
-            x = run_layers(self._params(group, start, stop), x, forward, masks[first : first + stop - start])
-        return x
+            cache = None if caches is None else jax.tree.map(lambda a, i=start, j=stop: a[i:j], caches[group])
+            xs = (windows[first : first + stop - start], cache)
+            x, new = run_layers(self._params(group, start, stop), x, forward, xs)
+            pieces.setdefault(group, []).append(new)
+        if caches is None:
+            return x, None
+        return x, {group: jax.tree.map(lambda *a: jnp.concatenate(a), *parts) for group, parts in pieces.items()}

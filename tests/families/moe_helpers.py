@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -39,12 +40,16 @@ def check_parity(tiny_checkpoints, kind: str, mesh_name: str, scan_layers: bool)
     the max relative logits difference to transformers."""
     path, torch_model = tiny_checkpoints(kind)
     assert len(list(path.glob("*.safetensors"))) > 1
-    model = otfload.from_pretrained(path, mesh=make_mesh(MESHES[mesh_name]), scan_layers=scan_layers)
+    mesh = make_mesh(MESHES[mesh_name])
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
     spec = expert_kernel(model, scan_layers).sharding.spec
     experts_dim = 1 if scan_layers else 0
     assert (spec[experts_dim] == "ep") == ("ep" in MESHES[mesh_name]), spec
     ids = token_ids(seq=12)
-    return max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    with jax.set_mesh(mesh):  # the sparse experts run expert-parallel (shard_map over "ep") when it has one
+        jaxpr = str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))
+        assert ("shard_map" in jaxpr) == ("ep" in MESHES[mesh_name])
+        return max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
 
 
 def replace_tensor(src: Path, dst: Path, key: str, value: np.ndarray) -> None:

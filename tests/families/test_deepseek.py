@@ -10,6 +10,7 @@ attention of these small random weights, so RoPE details show in the logits).
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -96,7 +97,9 @@ def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh
     assert dense.mlp.up.kernel[...].shape == ((1,) if scan_layers else ()) + (128, 64)
     assert hasattr(moe.attn, "q_a") == (kind == "deepseek_v3")
     ids = token_ids(seq=12)
-    diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    with jax.set_mesh(mesh):  # experts run expert-parallel (shard_map over "ep") on the ep mesh
+        assert ("shard_map" in str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))) == ("ep" in MESHES[mesh_name])
+        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
     assert diff <= 1e-4, diff
 
 

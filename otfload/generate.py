@@ -1,0 +1,133 @@
+"""Greedy decoding with a KV cache, as transformers' ``generate(..., do_sample=False)`` does it.
+
+    ids = otfload.generate(model, input_ids, max_new_tokens=32, attention_mask=mask)
+
+The prompt is run once (prefill) into a cache of ``s + max_new_tokens`` slots per row, then one
+jit-compiled step per new token reads the cache and appends its keys and values, so a step's cost
+does not grow with recomputing the context. The cache is sharded on the model's mesh (batch on the
+batch axes, kv heads on ``tp``) and the steps run under that mesh (``jax.set_mesh``), so MoE
+experts run expert-parallel on an ``ep`` axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from otfload.models.attention import CACHE_AXES
+from otfload.models.base import CausalLM
+from otfload.models.origin import origin_of
+from otfload.plan.sharding import logical_to_sharding
+
+
+def generate(
+    model: CausalLM,
+    input_ids: jax.Array | np.ndarray,
+    max_new_tokens: int,
+    attention_mask: jax.Array | np.ndarray | None = None,
+    *,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+) -> jax.Array:
+    """Greedy continuation of ``input_ids [b, s]``: ``[b, s + max_new_tokens]`` ids.
+
+    ``attention_mask [b, s]`` (1 = token, 0 = padding; int or bool, numpy or jax) marks padding;
+    batches are padded on the left, as for transformers. The prompt part, pad slots included, is
+    returned unchanged. A row that emits an EOS token continues with ``pad_token_id``; once every
+    row has, decoding stops and the rest is ``pad_token_id`` (transformers returns a shorter array
+    there). ``eos_token_id``/``pad_token_id`` default to the checkpoint's ``config.json`` (pad: its
+    ``pad_token_id``, else the first EOS id, as transformers does); without EOS ids every row runs
+    ``max_new_tokens`` steps. Positions follow transformers: each real token's index among its
+    row's real tokens, new tokens counting on from the last prompt position.
+    """
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq]; got shape {ids.shape}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be at least 0; got {max_new_tokens}")
+    batch, seq = ids.shape
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {mask.shape}; expected {ids.shape} like input_ids")
+    eos, pad = special_tokens(model, eos_token_id, pad_token_id)
+    if max_new_tokens == 0:
+        return jnp.asarray(ids)
+    positions = np.where(mask, np.cumsum(mask, axis=-1) - 1, 0).astype(np.int32)
+    mesh = model_mesh(model)
+    run = functools.partial(_step, eos=eos, pad=pad, mesh=mesh)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        cache = model.init_cache(batch, seq + max_new_tokens)
+        if mesh is not None:
+            cache = jax.device_put(cache, cache_shardings(cache, mesh))
+        token, cache, unfinished = run(model, ids, mask, positions, cache, jnp.ones((batch,), bool))
+        new = [token]
+        last = positions[:, -1:]
+        for t in range(1, max_new_tokens):
+            if eos and not bool(unfinished.any()):
+                break
+            token, cache, unfinished = run(model, token[:, None], np.ones((batch, 1), bool), last + t, cache,
+                                           unfinished)
+            new.append(token)
+    out = np.full((batch, max_new_tokens), 0 if pad is None else pad, np.int32)
+    out[:, : len(new)] = np.stack([np.asarray(t) for t in new], axis=1)
+    return jnp.asarray(np.concatenate([ids.astype(np.int32), out], axis=1))
+
+
+@functools.partial(jax.jit, static_argnames=("eos", "pad", "mesh"), donate_argnames=("cache",))
+def _step(model, tokens, step_mask, step_positions, cache, unfinished, *, eos: tuple[int, ...], pad: int | None,
+          mesh: Mesh | None):
+    """One decoding step (prefill or decode: two shapes, two compilations): the next token of every
+    row and the updated cache. Compiled once per model structure, special tokens and mesh."""
+    logits, cache = model.run(tokens, step_mask, step_positions, cache, last_only=True)
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    nxt = jnp.argmax(logits[:, -1].astype(jnp.float32), axis=-1).astype(jnp.int32)
+    if eos:
+        nxt = jnp.where(unfinished, nxt, pad)
+        unfinished = unfinished & ~jnp.isin(nxt, jnp.asarray(eos, jnp.int32))
+    return nxt, cache, unfinished
+
+
+def special_tokens(
+    model: CausalLM, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None
+) -> tuple[tuple[int, ...], int | None]:
+    """``(eos ids, pad id)``: the arguments, else the model's ``config.json`` (its ``text_config``
+    for multimodal checkpoints); pad falls back to the first EOS id, as in transformers."""
+    origin = origin_of(model)
+    config = origin.config if origin is not None else {}
+    if "eos_token_id" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    if eos_token_id is None:
+        eos_token_id = config.get("eos_token_id")
+    eos = () if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).astype(int).tolist())
+    if pad_token_id is None:
+        pad_token_id = config.get("pad_token_id")
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]
+    return eos, pad_token_id
+
+
+def model_mesh(model: nnx.Module) -> Mesh | None:
+    """The mesh the model's parameters are sharded on (None for single-device arrays)."""
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    return None
+
+
+def cache_shardings(cache: dict, mesh: Mesh) -> dict:
+    """Each cache leaf's ``NamedSharding``: batch on the batch axes, kv heads on ``tp`` (by the
+    default logical-axis rules; a dimension the mesh does not divide stays replicated)."""
+    def sharding(path, leaf):
+        name = getattr(path[-1], "key", None)
+        return logical_to_sharding(CACHE_AXES[name], leaf.shape, mesh)
+
+    return jax.tree_util.tree_map_with_path(sharding, cache)

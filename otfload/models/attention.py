@@ -1,0 +1,195 @@
+"""Attention for the bundled models: grouped KV heads without repeats, float32 softmax, padding
+masks, positions and a KV cache; memory linear in the sequence length.
+
+Masks follow transformers: a query at key slot ``i`` sees slot ``j`` when ``j <= i`` (causal, by
+slot index), ``i - j < window`` (sliding layers) and slot ``j`` holds a real token (the padding
+mask). Positions only feed RoPE. Slots are the sequence indices, or the cache slots when decoding.
+
+Implementations (``impl``):
+
+* ``"chunked"``: queries in chunks of :data:`Q_CHUNK`; each chunk's float32 logits against all keys
+  (``[b, heads, chunk, keys]``), so memory grows linearly with the sequence. Sliding-window layers
+  with a static window read only the keys a chunk can see (compute linear in the sequence too).
+  Handles soft-capping and sinks (GPT-OSS's per-head virtual key). The default.
+* ``"dpa"``: ``jax.nn.dot_product_attention`` where it fits (no soft-cap, no sinks, equal key and
+  value head dims; else ``"chunked"``). Its default XLA implementation, the one jax picks on every
+  backend unless told ``implementation="cudnn"``, materialises the ``[b, h, s, slots]`` logits, so
+  it is opt-in (``model.attention_impl = "dpa"``); wiring cuDNN's fused kernel awaits a GPU to
+  validate it on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CHUNKED, DPA = "chunked", "dpa"
+IMPLS = (CHUNKED, DPA)
+# Queries per chunk: one chunk's f32 logits are [batch, heads, Q_CHUNK, keys] (e.g. 16 MiB per head
+# and batch row at 8192 keys), so peak memory is linear in the keys; large enough that the
+# [chunk, head_dim] x [head_dim, keys] matmuls stay efficient.
+Q_CHUNK = 512
+# Logit of masked slots: the float32 minimum, not -inf, so a row with no visible slot (a padding
+# query) gets finite, ignored values instead of NaNs that 0 * NaN would spread.
+MASKED = float(np.finfo(np.float32).min)
+# Logical axes of the cache leaves, for sharding on the model's mesh (see otfload.generate).
+CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
+              "v": ("layers", "batch", None, "kv_heads", "head_dim"),
+              "mask": ("batch", None), "index": ()}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every layer of one forward call shares besides its parameters.
+
+    ``positions [b, s]`` feed RoPE; ``q_index [s]`` is each query's key slot; ``kv_mask [b, slots]``
+    marks slots holding real tokens (None: all do); ``cache_index`` is the first cache slot this call
+    writes (None without a cache); ``attention_impl``/``moe_impl`` pick implementations (None: the
+    backend's default).
+    """
+
+    positions: jax.Array
+    q_index: jax.Array
+    kv_mask: jax.Array | None
+    cache_index: jax.Array | None = None
+    attention_impl: str | None = None
+    moe_impl: str | None = None
+
+
+def make_context(
+    input_ids: jax.Array,
+    attention_mask: jax.Array | np.ndarray | None,
+    positions: jax.Array | np.ndarray | None,
+    cache: Mapping | None,
+    attention_impl: str | None = None,
+    moe_impl: str | None = None,
+) -> Context:
+    """The :class:`Context` of ``model(input_ids, attention_mask, positions, cache)``.
+
+    ``positions=None`` gives each real token its index among the real tokens of its row (after the
+    ones in ``cache``), as transformers' ``generate`` does; padding slots get 0."""
+    b, s = input_ids.shape
+    mask = None if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
+    if mask is not None and mask.shape != (b, s):
+        raise ValueError(f"attention_mask has shape {mask.shape}; expected {(b, s)} like input_ids")
+    if positions is None:
+        ones = jnp.ones((b, s), bool) if mask is None else mask
+        before = 0 if cache is None else cache["mask"].sum(-1, keepdims=True)
+        positions = jnp.where(ones, before + jnp.cumsum(ones, axis=-1) - 1, 0)
+    positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, s))
+    if cache is None:
+        return Context(positions, jnp.arange(s), mask, None, attention_impl, moe_impl)
+    index = jnp.asarray(cache["index"], jnp.int32)
+    new = jnp.ones((b, s), bool) if mask is None else mask
+    kv_mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
+    return Context(positions, index + jnp.arange(s), kv_mask, index, attention_impl, moe_impl)
+
+
+def write_cache(layer_cache: Mapping[str, jax.Array], name: str, value: jax.Array, ctx: Context) -> jax.Array:
+    """``layer_cache[name] [b, slots, ...]`` with ``value [b, s, ...]`` written at the call's slots."""
+    start = (0, ctx.cache_index) + (0,) * (value.ndim - 2)
+    return jax.lax.dynamic_update_slice(layer_cache[name], value.astype(layer_cache[name].dtype), start)
+
+
+def self_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, ctx: Context, layer_cache: Mapping | None, **kw
+) -> tuple[jax.Array, dict | None]:
+    """:func:`attention` of this call's ``q, k, v`` (``[b, s, heads, dim]``), through the cache
+    when there is one: returns ``(out, updated layer cache or None)``."""
+    if layer_cache is None:
+        return attention(q, k, v, ctx, **kw), None
+    new = {"k": write_cache(layer_cache, "k", k, ctx), "v": write_cache(layer_cache, "v", v, ctx)}
+    return attention(q, new["k"], new["v"], ctx, **kw), new
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ctx: Context,
+    *,
+    scale: float,
+    window: int | jax.Array | None = None,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    q_chunk: int = Q_CHUNK,
+) -> jax.Array:
+    """Grouped-query attention ``q [b, s, heads, dk]`` over ``k [b, slots, kv_heads, dk]`` and
+    ``v [b, slots, kv_heads, dv]`` → ``[b, s, heads, dv]``, masked as the module docstring says.
+    ``window`` may be a traced scalar (a scanned per-layer value; 0 or less: no window); ``q_chunk``
+    is the number of queries attended at once (``"chunked"``)."""
+    impl = ctx.attention_impl or CHUNKED
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLS}")
+    if isinstance(window, (int, np.integer)):  # a static window; 0 or less: none
+        window = int(window) if window > 0 else None
+    fits_dpa = softcap is None and sinks is None and k.shape[-1] == v.shape[-1]
+    if impl == DPA and fits_dpa:
+        return _dpa(q, k, v, ctx, scale, window)
+    b, s, heads, dk = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    # [b, kv, group, s, dk]: each KV head's queries form one matrix of group * chunk rows.
+    qg = q.reshape(b, s, kv_heads, groups, dk).transpose(0, 2, 3, 1, 4)
+    sinks = None if sinks is None else sinks.reshape(kv_heads, groups)
+    static_window = window if isinstance(window, int) else None
+    attend = lambda qc, qi: _attend(qc, qi, k, v, ctx.kv_mask, scale, window, static_window, softcap, sinks)  # noqa: E731
+    if s <= q_chunk:
+        out = attend(qg, ctx.q_index)
+    else:
+        chunks = -(-s // q_chunk)
+        pad = chunks * q_chunk - s
+        qc = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
+        qc = jnp.moveaxis(qc.reshape(b, kv_heads, groups, chunks, q_chunk, dk), 3, 0)
+        qi = jnp.pad(ctx.q_index, (0, pad), mode="edge").reshape(chunks, q_chunk)
+        out = jax.lax.map(lambda c: attend(*c), (qc, qi))
+        out = jnp.moveaxis(out, 0, 3).reshape(b, kv_heads, groups, chunks * q_chunk, -1)[:, :, :, :s]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, heads, v.shape[-1])
+
+
+def _attend(qg, q_index, k, v, mask, scale, window, static_window, softcap, sinks) -> jax.Array:
+    """One query chunk ``qg [b, kv, g, c, dk]`` (slots ``q_index [c]``) against the keys
+    ``[b, slots, kv, d]`` → ``[b, kv, g, c, dv]``."""
+    b, kv_heads, groups, c, dk = qg.shape
+    k_index = jnp.arange(k.shape[1])
+    if static_window is not None and static_window + c - 1 < k.shape[1]:
+        # Only slots [first query - window + 1, last query] are visible: slice them (start clamped).
+        span = static_window + c - 1
+        start = jnp.clip(q_index[0] - static_window + 1, 0, k.shape[1] - span)
+        k, v = (jax.lax.dynamic_slice_in_dim(t, start, span, axis=1) for t in (k, v))
+        mask = None if mask is None else jax.lax.dynamic_slice_in_dim(mask, start, span, axis=1)
+        k_index = start + jnp.arange(span)
+    rows = qg.reshape(b, kv_heads, groups * c, dk)
+    logits = jnp.einsum("bkmd,bskd->bkms", rows, k, preferred_element_type=jnp.float32)
+    logits = logits.reshape(b, kv_heads, groups, c, -1) * scale
+    if softcap:
+        logits = jnp.tanh(logits / softcap) * softcap
+    visible = k_index[None, :] <= q_index[:, None]
+    if window is not None:
+        visible &= (q_index[:, None] - k_index[None, :] < window) | (jnp.asarray(window) <= 0)
+    visible = visible[None, None, None] if mask is None else visible[None, None, None] & mask[:, None, None, None, :]
+    logits = jnp.where(visible, logits, MASKED)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:  # a softmax over the slots plus one virtual slot per head whose logit is the sink
+        sink = sinks.astype(jnp.float32)[None, :, :, None, None]
+        top = jnp.maximum(logits.max(axis=-1, keepdims=True), sink)
+        weights = jnp.exp(logits - top)
+        probs = weights / (weights.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
+    probs = probs.astype(v.dtype)
+    out = jnp.einsum("bkms,bskd->bkmd", probs.reshape(b, kv_heads, groups * c, -1), v)
+    return out.reshape(b, kv_heads, groups, c, v.shape[-1])
+
+
+def _dpa(q, k, v, ctx: Context, scale: float, window) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with the same mask (a boolean ``[b, 1, s, slots]``)."""
+    k_index = jnp.arange(k.shape[1])
+    visible = k_index[None, :] <= ctx.q_index[:, None]
+    if window is not None:
+        visible &= (ctx.q_index[:, None] - k_index[None, :] < window) | (jnp.asarray(window) <= 0)
+    visible = visible[None] if ctx.kv_mask is None else visible[None] & ctx.kv_mask[:, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], scale=scale)

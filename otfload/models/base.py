@@ -1,0 +1,96 @@
+"""The call interface every bundled causal LM shares: padding masks, positions and a KV cache.
+
+``model(input_ids)`` → logits ``[b, s, vocab]``;
+``model(input_ids, attention_mask=mask, positions=pos)`` the same for a padded batch (``mask [b, s]``,
+1 = token, 0 = padding, left or right; ``positions`` are HF ``position_ids``, by default each real
+token's index among its row's real tokens); with ``cache=model.init_cache(b, slots)`` the call
+returns ``(logits, cache)`` with this call's keys and values written after the cached ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from otfload.models.attention import Context, make_context
+
+Cache = dict
+# A layer group's cache: (layers, kv heads, key dim, value dim; 0 = values are read from the keys).
+CacheLayout = tuple[int, int, int, int]
+
+
+class CausalLM(nnx.Module):
+    """Base of the bundled models. Subclasses implement :meth:`forward` and :meth:`cache_layout`.
+
+    ``attention_impl`` (``"chunked"``/``"dpa"``) and ``moe_impl`` (``"blocks"``/``"ragged"``/
+    ``"dense"``) pick implementations; None takes the backend's default. Set them on a model
+    (``model.moe_impl = "dense"``) to compare; they are static, so a change retraces.
+    """
+
+    attention_impl: str | None = None
+    moe_impl: str | None = None
+
+    def __call__(
+        self,
+        input_ids: jax.Array | np.ndarray,
+        attention_mask: jax.Array | np.ndarray | None = None,
+        positions: jax.Array | np.ndarray | None = None,
+        cache: Cache | None = None,
+    ) -> jax.Array | tuple[jax.Array, Cache]:
+        """Logits ``[b, s, vocab]``; ``(logits, cache)`` when a ``cache`` is given. ``input_ids``,
+        ``attention_mask`` (int or bool) and ``positions`` may be numpy or jax arrays."""
+        logits, new_cache = self.run(input_ids, attention_mask, positions, cache)
+        return logits if cache is None else (logits, new_cache)
+
+    def run(
+        self,
+        input_ids: jax.Array | np.ndarray,
+        attention_mask: jax.Array | np.ndarray | None = None,
+        positions: jax.Array | np.ndarray | None = None,
+        cache: Cache | None = None,
+        last_only: bool = False,
+    ) -> tuple[jax.Array, Cache | None]:
+        """``(logits, updated cache or None)``; ``last_only`` computes the logits of the last
+        position only (``[b, 1, vocab]``: what a decoding step needs, without a ``[b, s, vocab]`` array)."""
+        ids = jnp.asarray(input_ids)
+        ctx = make_context(ids, attention_mask, positions, cache, self.attention_impl, self.moe_impl)
+        x, layers = self.forward(ids, ctx, None if cache is None else cache["layers"])
+        logits = self.head(x[:, -1:] if last_only else x)
+        if cache is None:
+            return logits, None
+        return logits, {"index": ctx.cache_index + ids.shape[1], "mask": ctx.kv_mask, "layers": layers}
+
+    def forward(self, input_ids: jax.Array, ctx: Context, caches: Mapping | None) -> tuple[jax.Array, dict | None]:
+        """The final-normed hidden states of ``input_ids`` and the updated per-group layer caches
+        (None without a cache)."""
+        raise NotImplementedError
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Logits of final-normed hidden states ``x [b, s, hidden]`` (tied or untied ``lm_head``)."""
+        embedding = self.embed.embedding[...]
+        weight = embedding if self.cfg.tie_word_embeddings else self.lm_head.kernel[...]
+        return jnp.einsum("bsh,vh->bsv", x, weight)
+
+    def cache_layout(self) -> dict[str, CacheLayout]:
+        """Each layer group's cache shape (see :data:`CacheLayout`)."""
+        raise NotImplementedError
+
+    def init_cache(self, batch: int, slots: int, dtype=None) -> Cache:
+        """An empty cache of ``slots`` key/value slots per row (prompt plus new tokens), in the
+        embedding's dtype unless ``dtype`` is given."""
+        dtype = self.embed.embedding.get_value().dtype if dtype is None else dtype
+        layers = {}
+        for group, (n, kv_heads, k_dim, v_dim) in self.cache_layout().items():
+            layers[group] = {"k": jnp.zeros((n, batch, slots, kv_heads, k_dim), dtype)}
+            if v_dim:
+                layers[group]["v"] = jnp.zeros((n, batch, slots, kv_heads, v_dim), dtype)
+        return {"index": jnp.zeros((), jnp.int32), "mask": jnp.zeros((batch, slots), bool), "layers": layers}
+
+
+def group_cache(caches: Mapping | None, group: str) -> Mapping | None:
+    """One group's cache (None without a cache)."""
+    return None if caches is None else caches[group]
