@@ -93,11 +93,13 @@ def execute_plan(
     try:
         futures = {path: pool.submit(build, path) for path in plan.leaves}
         wait(futures.values(), return_when=FIRST_EXCEPTION)
-        if failure := first_failure(futures.values()):
+        if first_failure(futures.values()):
             pool.shutdown(wait=False, cancel_futures=True)  # leaves not started never start
             token.cancel()  # running ones stop at their next read, or mid-request
             pool.shutdown(wait=True)
-            raise failure
+            # Asked again once all stopped: the failing leaf cancels before it raises, so a leaf
+            # cancelled by it can finish first; the real error is then known.
+            raise first_failure(futures.values())  # type: ignore[misc]
         arrays = {path: f.result() for path, f in futures.items()}
         resharding = time.perf_counter()
         for path in bands:  # collectives: every process runs them, in the plan's order

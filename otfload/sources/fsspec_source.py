@@ -5,6 +5,10 @@ each under the shared retry policy and time bounds. On asynchronous filesystems 
 HTTP) every call runs on fsspec's event loop with its own deadline and is cancelled at it (or when
 the load is cancelled); idle timeouts go to gcsfs and aiohttp. For ``gs://`` and ``http(s)://`` the
 range answer itself is checked (``Content-Range``, lengths, encoding) before a byte is taken.
+A large range is fetched as concurrent chunks of :data:`~otfload.sources.ranges.REMOTE_CHUNK_BYTES`
+into the caller's buffer, never staged whole; at most
+:data:`~otfload.sources.ranges.MAX_REQUESTS_IN_FLIGHT` requests of a source are in flight at once,
+over all its threads. The first chunk that fails for good cancels its siblings and is raised, typed.
 """
 
 from __future__ import annotations
@@ -30,10 +34,19 @@ from otfload.errors import (
 )
 from otfload.sources.base import RangeRead
 from otfload.sources.formats import check_safe_format, is_checkpoint_file
-from otfload.sources.ranges import RangeSink, check_range_answer, coalesce, read_runs
+from otfload.sources.ranges import (
+    MAX_REQUESTS_IN_FLIGHT,
+    REMOTE_CHUNK_BYTES,
+    RangeSink,
+    check_range_answer,
+    coalesce,
+    read_runs,
+    remote_chunk_bytes,
+)
 from otfload.sources.retry import (
     Deadline,
     LoadCancelled,
+    RequestSlots,
     RetriedCalls,
     RetryPolicy,
     StallError,
@@ -71,6 +84,7 @@ def open_filesystem(url: str, **options: Any) -> tuple[fsspec.AbstractFileSystem
 # Listing fields holding an object's published checksums, by algorithm (GCS JSON API names).
 PUBLISHED_DIGESTS = {"md5": "md5Hash", "crc32c": "crc32c"}
 
+
 class FsspecSource(RetriedCalls):
     """The safetensors and JSON files under ``url``; ``storage_options`` go to the fsspec filesystem.
 
@@ -79,6 +93,12 @@ class FsspecSource(RetriedCalls):
     ``OTFLOAD_TIMEOUT``, else none) is the total deadline of everything read through this source,
     counted from now: past it reads raise :class:`~otfload.errors.SourceTimeoutError`.
     """
+
+    # A range is fetched as concurrent chunks of at most this many bytes (smaller ones in up to
+    # READ_SPLIT pieces); at most this many requests are in flight at once (a subclass may choose
+    # others; see otfload/sources/ranges.py).
+    chunk_bytes: int = REMOTE_CHUNK_BYTES
+    max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT
 
     def __init__(
         self,
@@ -97,6 +117,7 @@ class FsspecSource(RetriedCalls):
         except (ImportError, ValueError, TypeError) as e:
             raise SourceError(f"{self.description}: cannot open ({type(e).__name__}: {e})") from e
         self._root = root.rstrip("/")
+        self._slots = RequestSlots(self.max_requests_in_flight)
         self._async = isinstance(self._fs, AsyncFileSystem)
         self._http = protocol in ("http", "https")
         self._gcs = protocol in ("gs", "gcs") and hasattr(self._fs, "_call") and hasattr(self._fs, "url")
@@ -109,9 +130,11 @@ class FsspecSource(RetriedCalls):
         # Object stores publish checksums in the listing (GCS ``md5Hash`` / ``crc32c``, base64): kept so
         # the shard cache can verify copies against the source's current object at no extra request.
         self._digests = {
-            path[len(self._root) + 1 :]: {alg: info[key] for alg, key in PUBLISHED_DIGESTS.items()
-                                          if isinstance(info.get(key), str)}
-            for path, info in found.items() if path != self._root
+            path[len(self._root) + 1 :]: {
+                alg: info[key] for alg, key in PUBLISHED_DIGESTS.items() if isinstance(info.get(key), str)
+            }
+            for path, info in found.items()
+            if path != self._root
         }
 
     @property
@@ -135,30 +158,14 @@ class FsspecSource(RetriedCalls):
         want, size = len(out), self.size(file)
         if offset + want > size:
             raise TruncatedFileError(file, f"wanted {want} bytes at offset {offset}, file has {size}")
-        if want == 0:
-            return
-        out = out.cast("B")
-        path = f"{self._root}/{file}"
-        url = f"{self.description}/{file}"
-
-        def attempt() -> None:
-            if self._http:
-                self._run(lambda: self._http_range(path, url, offset, out, size), None, want)
-            elif self._gcs:
-                self._run(lambda: self._gcs_range(path, url, offset, out, size), None, want)
-            else:
-                fetch = lambda: self._fs._cat_file(path, start=offset, end=offset + want)  # noqa: E731
-                data = self._run(fetch, lambda: self._fs.cat_file(path, start=offset, end=offset + want), want)
-                if len(data) > want:
-                    raise SourceProtocolError(f"{url}: asked for {want} bytes at {offset}, got {len(data)}")
-                if len(data) < want:
-                    raise TransientError(f"got {len(data)} of {want} bytes")
-                out[:] = data
-
-        self._call(attempt, file, url=url)
+        # READ_SPLIT chunks or more (at most chunk_bytes each) in flight together, into ``out``
+        chunk = remote_chunk_bytes(len(out), self.chunk_bytes)
+        runs = coalesce([RangeRead(file, offset, out)], max_run=chunk)
+        read_runs(runs, self._read_range, max_workers=self.max_requests_in_flight)
 
     def read_many(self, reads: Sequence[RangeRead]) -> None:
-        read_runs(coalesce(reads), self.read_into)
+        chunk = remote_chunk_bytes(sum(r.out.nbytes for r in reads), self.chunk_bytes)
+        read_runs(coalesce(reads, max_run=chunk), self._read_range, max_workers=self.max_requests_in_flight)
 
     def close(self) -> None:
         """Nothing to release: fsspec shares filesystem instances (and their sessions) process-wide."""
@@ -167,6 +174,37 @@ class FsspecSource(RetriedCalls):
         return f"FsspecSource({self.description!r})"
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _read_range(self, file: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``file`` at ``offset``: one request (and its retries), in a request slot."""
+        want, size = len(out), self.size(file)
+        if offset + want > size:
+            raise TruncatedFileError(file, f"wanted {want} bytes at offset {offset}, file has {size}")
+        if want == 0:
+            return
+        out = out.cast("B")
+        path = f"{self._root}/{file}"
+        url = f"{self.description}/{file}"
+
+        def attempt() -> None:
+            with self._slots.hold(f"{self.description}: {file}"):
+                fetch()
+
+        def fetch() -> None:
+            if self._http:
+                self._run(lambda: self._http_range(path, url, offset, out, size), None, want)
+            elif self._gcs:
+                self._run(lambda: self._gcs_range(path, url, offset, out, size), None, want)
+            else:
+                cat = lambda: self._fs._cat_file(path, start=offset, end=offset + want)  # noqa: E731
+                data = self._run(cat, lambda: self._fs.cat_file(path, start=offset, end=offset + want), want)
+                if len(data) > want:
+                    raise SourceProtocolError(f"{url}: asked for {want} bytes at {offset}, got {len(data)}")
+                if len(data) < want:
+                    raise TransientError(f"got {len(data)} of {want} bytes")
+                out[:] = data
+
+        self._call(attempt, file, url=url)
 
     def _checked_size(self, name: str, size: object) -> int:
         """A listed size, asked for separately when the listing has none (HTTP directory pages)."""

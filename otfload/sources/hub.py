@@ -6,6 +6,11 @@ answer is checked field by field), so every later read sees the same files. File
 cache for that commit are read from disk; the rest by ``Range`` requests on ``resolve`` URLs, each
 answer checked (``Content-Range``, lengths, encoding) before a byte is taken, and every request
 bounded by the idle, attempt and total time limits of :mod:`otfload.sources.retry`.
+A large range (a 500 MB embedding read whole) is fetched as concurrent chunks of
+:data:`~otfload.sources.ranges.REMOTE_CHUNK_BYTES` straight into the caller's buffer, never staged
+whole; every request of the source, whichever thread sends it, takes one of
+:data:`~otfload.sources.ranges.MAX_REQUESTS_IN_FLIGHT` slots. The first chunk that fails for good
+cancels its siblings (their requests are cut) and its own typed error is raised.
 Offline (``local_files_only`` or ``HF_HUB_OFFLINE``), only the cached snapshot is used.
 """
 
@@ -50,9 +55,18 @@ from otfload.sources.base import RangeRead
 from otfload.sources.formats import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
 from otfload.sources.local import LocalSource
 from otfload.sources.names import check_member_name
-from otfload.sources.ranges import RangeSink, check_range_answer, coalesce, read_runs
+from otfload.sources.ranges import (
+    MAX_REQUESTS_IN_FLIGHT,
+    REMOTE_CHUNK_BYTES,
+    RangeSink,
+    check_range_answer,
+    coalesce,
+    read_runs,
+    remote_chunk_bytes,
+)
 from otfload.sources.retry import (
     Deadline,
+    RequestSlots,
     RetriedCalls,
     RetryPolicy,
     StallError,
@@ -62,10 +76,10 @@ from otfload.sources.retry import (
 )
 
 PUBLIC_HUB = "https://huggingface.co"  # descriptions name the endpoint only when it is another one
-# Whole-file downloads go through this much memory at a time, fetched as parallel pieces: 64 MiB
-# keeps 4 requests of 16 MiB in flight (enough to fill a fast link) with bounded host memory.
-DOWNLOAD_WINDOW_BYTES = 64 << 20
-DOWNLOAD_PIECE_BYTES = 16 << 20
+# Whole-file downloads go through this much memory at a time, fetched as parallel pieces: every
+# request slot busy with one chunk (16 x 8 MiB = 128 MiB of host memory), as a load's reads are.
+DOWNLOAD_PIECE_BYTES = REMOTE_CHUNK_BYTES
+DOWNLOAD_WINDOW_BYTES = MAX_REQUESTS_IN_FLIGHT * DOWNLOAD_PIECE_BYTES
 # Revision metadata accepted: model_info with blobs for a 100k-file repo is ~20 MB; more is not JSON
 # the Hub would send, and must not be buffered without end.
 MAX_METADATA_BYTES = 64 << 20
@@ -92,6 +106,12 @@ class HubSource(RetriedCalls):
     counted from now: past it reads raise :class:`~otfload.errors.SourceTimeoutError`.
     """
 
+    # A range is fetched as concurrent chunks of at most this many bytes (smaller ones in up to
+    # READ_SPLIT pieces); at most this many requests are in flight at once (a subclass may choose
+    # others; see otfload/sources/ranges.py).
+    chunk_bytes: int = REMOTE_CHUNK_BYTES
+    max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT
+
     def __init__(
         self,
         repo_id: str,
@@ -113,6 +133,7 @@ class HubSource(RetriedCalls):
         self._retry = retry or RetryPolicy()
         self._storage = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
         self._cache: LocalSource | None = None
+        self._slots = RequestSlots(self.max_requests_in_flight)
         self.commit, self._files, names = self._open_cached() if self.local_files_only else self._open_remote()
         check_safe_format(names, self.description)
         self._cached = {f for f in self._files if self._snapshot_path(f).is_file()}
@@ -167,18 +188,18 @@ class HubSource(RetriedCalls):
         return self._entry(file).sha256
 
     def read_into(self, file: str, offset: int, out: memoryview) -> None:
-        want = len(out)
-        if offset + want > self.size(file):
-            raise TruncatedFileError(file, f"wanted {want} bytes at offset {offset}, file has {self.size(file)}")
-        if want == 0:
+        if not self._check_range(file, offset, len(out)):
             return
         if file in self._cached:
             self._local().read_into(self._snapshot_relpath(file), offset, out)
-        else:
-            self._read_remote(file, offset, out.cast("B"))
+        else:  # READ_SPLIT chunks or more (at most chunk_bytes each) in flight together, into ``out``
+            chunk = remote_chunk_bytes(len(out), self.chunk_bytes)
+            runs = coalesce([RangeRead(file, offset, out)], max_run=chunk)
+            read_runs(runs, self._read_remote_into, max_workers=self.max_requests_in_flight)
 
     def read_many(self, reads: Sequence[RangeRead]) -> None:
-        read_runs(coalesce(reads), self.read_into)
+        chunk = remote_chunk_bytes(sum(r.out.nbytes for r in reads), self.chunk_bytes)
+        read_runs(coalesce(reads, max_run=chunk), self._read_run, max_workers=self.max_requests_in_flight)
 
     def close(self) -> None:
         if self._cache is not None:
@@ -242,6 +263,15 @@ class HubSource(RetriedCalls):
     def _read_remote_into(self, file: str, offset: int, out: memoryview) -> None:
         self._read_remote(file, offset, out.cast("B"))
 
+    def _read_run(self, file: str, offset: int, out: memoryview) -> None:
+        """One run of :meth:`read_many` (at most a chunk): from the cached copy if there is one."""
+        if not self._check_range(file, offset, len(out)):
+            return
+        if file in self._cached:
+            self._local().read_into(self._snapshot_relpath(file), offset, out)
+        else:
+            self._read_remote(file, offset, out.cast("B"))
+
     def _record_ref(self) -> None:
         """Map the revision name to the pinned commit in the cache, so offline opens find the snapshot."""
         ref = self._storage / "refs" / self.revision
@@ -250,6 +280,12 @@ class HubSource(RetriedCalls):
             ref.write_text(self.commit)
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _check_range(self, file: str, offset: int, want: int) -> bool:
+        """Whether there is anything to read; a range past the end is :class:`TruncatedFileError`."""
+        if offset + want > self.size(file):
+            raise TruncatedFileError(file, f"wanted {want} bytes at offset {offset}, file has {self.size(file)}")
+        return want > 0
 
     def _entry(self, file: str) -> _Entry:
         entry = self._files.get(file)
@@ -358,12 +394,13 @@ class HubSource(RetriedCalls):
                 raise
 
         def attempt() -> None:
-            until = self._retry.attempt_until(want - done, self._deadline)
-            while done < want:  # more than one request only when a server sends a shorter range
-                before = done
-                one_request(until)
-                if done == before:
-                    raise TransientError(f"no progress at byte {offset + done}")
+            with self._slots.hold(f"{self.description}: {file}"):
+                until = self._retry.attempt_until(want - done, self._deadline)
+                while done < want:  # more than one request only when a server sends a shorter range
+                    before = done
+                    one_request(until)
+                    if done == before:
+                        raise TransientError(f"no progress at byte {offset + done}")
 
         self._call(attempt, file, url=url, progress=lambda: done)
 

@@ -47,6 +47,13 @@ MAX_CONCURRENT_READS = 16
 # ~170 ms, so latency costs <= 11% per stream, while a 64 MiB leaf still spreads over 8 streams;
 # measured on the shaped test Hub (docs/benchmarks_remote.md), 8 MiB fills the link as 16 and 32 MiB do.
 REMOTE_CHUNK_BYTES = 8 << 20
+# ... and a smaller read is still split in up to this many pieces of at least MIN_CHUNK_BYTES: a
+# stacked leaf reads its layers one after another, so one layer's 6 MB read as one stream at 50 MB/s
+# held a whole leaf to ~30 MB/s; in 4 pieces a 0.55 GB load from the shaped Hub took 2.8 s, not
+# 3.9 s (8 pieces: 3.0 s, more requests for nothing; docs/benchmarks_remote.md).
+READ_SPLIT = 4
+# Below this a piece is worth less than its round trip (1 MiB takes 21 ms at 50 MB/s, a 20 ms RTT).
+MIN_CHUNK_BYTES = 1 << 20
 # Requests one remote source has in flight at once, over all its threads: 16 streams of >= 50 MB/s
 # fill 800 MB/s; fewer than huggingface_hub's 20 kept-alive connections (more are closed after each
 # request and re-opened: a TCP + TLS handshake, 2-3 round trips, on a real network); in-flight bytes
@@ -59,6 +66,12 @@ MAX_SKIP_BYTES = MAX_RUN_BYTES
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 FetchInto = Callable[[str, int, memoryview], None]
+
+
+def remote_chunk_bytes(nbytes: int, largest: int = REMOTE_CHUNK_BYTES) -> int:
+    """The request size for a remote read of ``nbytes``: READ_SPLIT pieces of at least
+    MIN_CHUNK_BYTES, at most ``largest`` each."""
+    return min(largest, max(MIN_CHUNK_BYTES, -(-nbytes // READ_SPLIT)))
 
 
 class FetchMeter:
@@ -195,7 +208,7 @@ def coalesced_extents(
     asked = int(lengths.sum())
     budget = max(allowance, int(fraction * asked))
     starts, lengths = merge_run_arrays(starts, lengths, COALESCE_GAP_BYTES, budget)
-    return starts, lengths, int((-(-lengths // REMOTE_CHUNK_BYTES)).sum())  # remote sources' request size
+    return starts, lengths, int((-(-lengths // remote_chunk_bytes(asked))).sum())  # remote sources' request size
 
 
 def _joinable(segments: list[tuple[str, int, memoryview]], gap: int, budget: int) -> set[int]:
@@ -292,12 +305,13 @@ def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX
     try:
         futures = [pool.submit(fetch, run) for run in runs]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in futures if f in done and f.exception() is not None]
-        failed.sort(key=lambda f: isinstance(f.exception(), LoadCancelled))  # a real failure first
-        if failed:
+        if any(f.exception() is not None for f in done):
             pool.shutdown(wait=False, cancel_futures=True)  # queued runs never start
             token.cancel()  # running ones stop
             pool.shutdown(wait=True)
+            # Only now: a sibling it cancelled can end (LoadCancelled) before the failing run has.
+            failed = [f for f in futures if not f.cancelled() and f.exception() is not None]
+            failed.sort(key=lambda f: isinstance(f.exception(), LoadCancelled))  # a real failure first
             raise failed[0].exception()
     finally:
         token.cancel()  # nothing is left running; detaches the token from its parent's work

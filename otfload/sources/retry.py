@@ -20,6 +20,8 @@ Three clocks bound every network read:
 
 A load also carries a :class:`CancelToken` (set per thread with :func:`cancel_scope`): once one part
 of a load fails for good, the rest stop between attempts, in their backoff sleep, or mid-request.
+:class:`RequestSlots` bounds the requests a source has in flight across all its threads; waiting for a
+slot ends as soon as the load is cancelled.
 """
 
 from __future__ import annotations
@@ -181,6 +183,37 @@ def cancel_scope(token: CancelToken | None) -> Iterator[CancelToken | None]:
         yield token
     finally:
         _scope.token = previous
+
+
+class RequestSlots:
+    """At most ``limit`` requests of one source in flight at once, whatever the threads asking.
+
+    :meth:`hold` is taken per attempt (never across a backoff sleep, never nested), so a slot is
+    always given back within one attempt's time bound; waiting for one ends with
+    :class:`LoadCancelled` once the thread's load is cancelled.
+    """
+
+    # How often a waiting thread looks at its cancel token: a cancelled load stops waiting this fast.
+    POLL_S = 0.05
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"RequestSlots limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._free = threading.Semaphore(limit)
+
+    @contextmanager
+    def hold(self, where: str) -> Iterator[None]:
+        token = current_token()
+        while not self._free.acquire(timeout=self.POLL_S):
+            if token is not None and token.cancelled:
+                raise LoadCancelled(f"{where}: cancelled while waiting for a request slot")
+        try:
+            if token is not None and token.cancelled:
+                raise LoadCancelled(f"{where}: cancelled, another read of this load failed")
+            yield
+        finally:
+            self._free.release()
 
 
 # --- alarms --------------------------------------------------------------------------------------

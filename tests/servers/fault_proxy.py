@@ -6,6 +6,14 @@ relayed, except that requests whose path and query contain :attr:`ProxyFaults.ma
 dripped (headers, then one byte every ``drip_interval_s``), stalled (half the body, then silence
 with the connection open), failed with a 5xx, or have their ``Range`` shifted or dropped before
 forwarding (so the upstream's own answer names other bytes, or is a ``200`` with the whole file).
+
+It can also shape the network (issue 20) for every request: ``delay_s`` is a round trip paid before
+each answer, ``rate_bytes_s`` caps each answer's body and ``link_bytes_s`` all bodies together (see
+:mod:`tests.servers.throttle`); answers without a fault are streamed as they arrive from upstream, so
+a capped answer is not held back whole. For matching requests (object reads) the proxy counts what
+clients really fetched (:attr:`FaultProxy.body_bytes`), how many were in flight at once, and dripping
+or stalled answers the client hung up on (:attr:`FaultProxy.abandoned`); ``gather`` holds them until
+that many are in flight at once, a proof that a client sends them concurrently.
 """
 
 from __future__ import annotations
@@ -16,13 +24,20 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
+from .throttle import Link, send_paced
+
 STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
 UPSTREAM_TIMEOUT_S = 30.0  # the upstream is a local test server: it answers in milliseconds
+RELAY_CHUNK_BYTES = 1 << 20  # bytes read from upstream per step of a streamed answer
+# ProxyFaults.gather: a matching GET waits at most this long for the others; a loaded 2-core machine
+# starts a client's requests within milliseconds, so only one sending them one by one waits it out.
+GATHER_TIMEOUT_S = 10.0
 # Headers that describe one hop, not the message: never relayed (RFC 9110 section 7.6.1).
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"}
@@ -50,7 +65,15 @@ class ProxyFaults:
     fail_status: int = 503
     shift_range_next: int = 0  # forward ``Range`` one byte later: upstream answers for other bytes
     drop_range_next: int = 0  # forward without ``Range``: upstream answers 200 with the whole object
+    # network shaping, for every request (not only matching ones):
+    delay_s: float = 0.0  # sleep before answering (a round trip's latency)
+    rate_bytes_s: float = 0.0  # cap on each answer's body (one TCP stream's share); 0: none
+    link_bytes_s: float = 0.0  # cap on all answers' bodies together (the host's link); 0: none
+    # matching GETs wait until this many have been in flight at once (FaultProxy.peak_in_flight); one
+    # that waits GATHER_TIMEOUT_S in vain is relayed anyway and counted in FaultProxy.gather_missed
+    gather: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _link: Link = field(default_factory=Link, repr=False)
 
     def take(self, knob: str) -> bool:
         """Consume one unit of counter ``knob`` if any is left."""
@@ -59,6 +82,11 @@ class ProxyFaults:
             if left > 0:
                 setattr(self, knob, left - 1)
             return left > 0
+
+    def link(self) -> Link:
+        """The link every answer shares, capped at the current ``link_bytes_s``."""
+        self._link.rate_bytes_s = self.link_bytes_s
+        return self._link
 
 
 class _Server(ThreadingHTTPServer):
@@ -69,12 +97,16 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    # Ends the current GET's time in flight; called before its last body bytes are written, so a
+    # client's next request (sent once it has them all) never overlaps it in FaultProxy.in_flight.
+    _answered: Callable[[], None] = staticmethod(lambda: None)
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - silence stderr access log
         pass
 
     def do_GET(self) -> None:
-        self._relay()
+        with self.server.proxy.answering(self.server.proxy.faults.match in self.path) as self._answered:
+            self._relay()
 
     def do_HEAD(self) -> None:
         self._relay()
@@ -103,6 +135,8 @@ class _Handler(BaseHTTPRequestHandler):
                     fault = knob.removesuffix("_next")
                     break
         proxy.log.append(ProxiedRequest(self.command, self.path, self.headers.get("Range"), fault))
+        if faults.delay_s:
+            time.sleep(faults.delay_s)
         if fault == "fail":
             self._answer(faults.fail_status, {"Content-Type": "text/plain"}, b"injected failure")
             return
@@ -111,16 +145,60 @@ class _Handler(BaseHTTPRequestHandler):
             headers["Range"] = f"bytes={int(first) + 1}-{int(last) + 1 if last else ''}"
         if fault == "drop_range":
             headers.pop("Range", None)
+        if fault not in ("drip", "stall"):
+            self._stream(headers, body, counted=faults.match in self.path)
+            return
         status, reply_headers, data = proxy.forward(self.command, self.path, headers, body)
         if fault == "drip":
             self._answer(status, reply_headers, data, drip=faults.drip_interval_s)
-        elif fault == "stall":
-            self._answer(status, reply_headers, data, stall=True)
         else:
-            self._answer(status, reply_headers, data)
+            self._answer(status, reply_headers, data, stall=True)
+
+    def _stream(self, headers: dict[str, str], body: bytes, counted: bool) -> None:
+        """Relay upstream's answer as it arrives, within the rate caps; ``counted``: add its body to
+        :attr:`FaultProxy.body_bytes`."""
+        proxy, faults = self.server.proxy, self.server.proxy.faults
+        conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=UPSTREAM_TIMEOUT_S)
+        try:
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            r = conn.getresponse()
+            length = r.getheader("Content-Length")
+            if length is None or not length.isdigit():  # chunked upstream: relay it whole, with a length
+                data = r.read()
+                relayed = {k: v for k, v in r.getheaders() if k.lower() not in HOP_BY_HOP}
+                self._answer(r.status, relayed, data, paced=True, counted=counted)
+                return
+            self.send_response(r.status)
+            for k, v in r.getheaders():
+                if k.lower() not in HOP_BY_HOP:
+                    self.send_header(k, v)
+            self.send_header("Content-Length", length)
+            self.end_headers()
+            if self.command == "HEAD":
+                return
+            left = int(length)
+            try:
+                while chunk := r.read(RELAY_CHUNK_BYTES):
+                    left -= len(chunk)
+                    if left <= 0:
+                        self._answered()
+                    send_paced(self.wfile.write, chunk, faults.rate_bytes_s, faults.link())
+                    if counted:
+                        proxy.count_body(len(chunk))
+            except OSError:  # the client gave up
+                self.close_connection = True
+        finally:
+            conn.close()
 
     def _answer(
-        self, status: int, headers: dict[str, str], data: bytes, drip: float | None = None, stall: bool = False
+        self,
+        status: int,
+        headers: dict[str, str],
+        data: bytes,
+        drip: float | None = None,
+        stall: bool = False,
+        paced: bool = False,
+        counted: bool = False,
     ) -> None:
         self.send_response(status)
         for k, v in headers.items():
@@ -136,6 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(data[i : i + 1])
                     self.wfile.flush()
                     if self._client_gone(drip):
+                        self.server.proxy.count_abandoned()
                         return
             elif stall:
                 self.close_connection = True
@@ -144,11 +223,20 @@ class _Handler(BaseHTTPRequestHandler):
                 deadline = time.monotonic() + STALL_HOLD_S
                 while time.monotonic() < deadline and self.server.proxy.running:
                     if self._client_gone(0.05):
+                        self.server.proxy.count_abandoned()
                         return
+            elif paced:
+                self._answered()
+                faults = self.server.proxy.faults
+                send_paced(self.wfile.write, data, faults.rate_bytes_s, faults.link())
+                if counted:
+                    self.server.proxy.count_body(len(data))
             else:
                 self.wfile.write(data)
         except OSError:  # the client gave up: what a drip or stall test wants
             self.close_connection = True
+            if drip is not None or stall:
+                self.server.proxy.count_abandoned()
 
     def _client_gone(self, wait_s: float) -> bool:
         readable, _, _ = select.select([self.request], [], [], wait_s)
@@ -168,6 +256,13 @@ class FaultProxy:
         self.upstream_host, self.upstream_port = parts.hostname or "127.0.0.1", parts.port or 80
         self.faults = ProxyFaults()
         self.log: list[ProxiedRequest] = []
+        self.body_bytes = 0  # body bytes relayed for requests matching ``faults.match``
+        self._body_lock = threading.Lock()
+        self.in_flight = 0  # matching GETs being answered now
+        self.peak_in_flight = 0  # most matching GETs answered at once since the last reset
+        self.gather_missed = 0  # matching GETs that waited for ProxyFaults.gather in vain
+        self.abandoned = 0  # dripping or stalled answers whose client hung up before the proxy gave up
+        self._flight = threading.Condition()
         self.port = 0
         self._httpd: _Server | None = None
 
@@ -194,8 +289,49 @@ class FaultProxy:
     def requests(self, contains: str = "") -> list[ProxiedRequest]:
         return [r for r in self.log if contains in r.target]
 
+    def count_body(self, nbytes: int) -> None:
+        with self._body_lock:
+            self.body_bytes += nbytes
+
+    def count_abandoned(self) -> None:
+        with self._body_lock:
+            self.abandoned += 1
+
+    @contextlib.contextmanager
+    def answering(self, counted: bool) -> Iterator[Callable[[], None]]:
+        """Count a GET in flight while it is answered (``counted``: a matching one), after holding it
+        until ``faults.gather`` of them have been in flight at once. Yields the function ending its
+        time in flight (idempotent; called at the latest when the block ends)."""
+        if not counted:
+            yield lambda: None
+            return
+        with self._flight:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self._flight.notify_all()
+            gather = self.faults.gather
+            if gather and not self._flight.wait_for(lambda: self.peak_in_flight >= gather, GATHER_TIMEOUT_S):
+                self.gather_missed += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            with self._flight:
+                if not ended:
+                    ended = True
+                    self.in_flight -= 1
+
+        try:
+            yield end
+        finally:
+            end()
+
     def reset(self) -> None:
+        """Clear the log, the counters and every knob."""
         self.log.clear()
+        self.body_bytes = self.abandoned = 0
+        with self._flight:
+            self.peak_in_flight, self.gather_missed = self.in_flight, 0
         self.faults = ProxyFaults()
 
     def start(self) -> FaultProxy:

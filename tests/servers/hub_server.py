@@ -7,8 +7,14 @@ for ``huggingface_hub`` 2.x: repo info, tree listing, paths-info, and HEAD/GET `
 enforced, and :class:`Faults` injects 5xx bursts, connection resets, truncated bodies, corrupted
 bytes and delays, and the hostile answers of issue 13: dripping and stalled bodies, range answers
 for other bytes (shifted ``Content-Range``, ``200`` with the whole file, long bodies, a wrong total,
-a lying ``Content-Encoding``), broken revision metadata and redirect loops. A directory URL under
-``resolve`` answers an HTML index of its files, so ``http://`` fsspec URLs work against it too.
+a lying ``Content-Encoding``), broken revision metadata and redirect loops. A network can be shaped
+(issue 20): ``delay_s`` is a round trip paid by every request, ``rate_bytes_s`` caps each file
+answer and ``link_bytes_s`` all of them together (see :mod:`tests.servers.throttle`); ``gather``
+holds file answers until that many are in flight at once, a proof that a client sends them
+concurrently. The server counts what clients really asked: requests (:attr:`HubServer.log`), file
+body bytes, connections, file GETs in flight at once, and hostile answers the client hung up on
+(:attr:`HubServer.abandoned`: a client cancelling its reads leaves them early). A directory URL
+under ``resolve`` answers an HTML index of its files, so ``http://`` fsspec URLs work against it too.
 """
 
 from __future__ import annotations
@@ -26,14 +32,20 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .throttle import Link, send_paced
+
 CHUNK_BYTES = 1 << 20  # body write size: large enough for GB/s over loopback
 STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
+# Faults.gather: a file GET waits at most this long for the others; a loaded 2-core machine starts a
+# client's threads within milliseconds, so only a client sending its requests one by one waits it out.
+GATHER_TIMEOUT_S = 10.0
 CAP_RANGE_BYTES = 4096  # range_fault "cap": honest answers of at most this many bytes (as some CDNs do)
 LONG_EXTRA_BYTES = 16  # range_fault "long"/"long_chunked": bytes sent beyond the range asked
 # range_fault values: how a ranged file GET lies (see Faults)
@@ -64,7 +76,12 @@ class Faults:
     reset_next: int = 0  # next N file GETs: send half the body, then reset the connection (RST)
     truncate_next: int = 0  # next N file GETs: send half the body, then close cleanly (short body)
     corrupt: set[str] = field(default_factory=set)  # file paths served with one byte flipped
-    delay_s: float = 0.0  # sleep before answering every request
+    delay_s: float = 0.0  # sleep before answering every request (a round trip's latency)
+    rate_bytes_s: float = 0.0  # cap on each file answer's body (one TCP stream's share); 0: none
+    link_bytes_s: float = 0.0  # cap on all file answers' bodies together (the host's link); 0: none
+    # file GETs wait until this many have been in flight at once (HubServer.peak_in_flight); one that
+    # waits GATHER_TIMEOUT_S in vain is answered anyway and counted in HubServer.gather_missed
+    gather: int = 0
     drip_next: int = 0  # next N file GETs: headers, then one body byte every ``drip_interval_s``
     drip_interval_s: float = 1.0
     stall_next: int = 0  # next N file GETs: half the body, then silence with the connection kept open
@@ -79,6 +96,7 @@ class Faults:
     metadata_fault: str = ""
     redirect_loop: bool = False  # resolve GETs answer 302 to themselves
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _link: Link = field(default_factory=Link, repr=False)
 
     def take(self, knob: str) -> bool:
         """Consume one unit of counter ``knob`` if any is left."""
@@ -87,6 +105,11 @@ class Faults:
             if left > 0:
                 setattr(self, knob, left - 1)
             return left > 0
+
+    def link(self) -> Link:
+        """The link every file answer shares, capped at the current ``link_bytes_s``."""
+        self._link.rate_bytes_s = self.link_bytes_s
+        return self._link
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -170,6 +193,9 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the real Hub
     server: _Server
+    # Ends the current resolve GET's time in flight; called before its last body bytes are written, so
+    # a client's next request (sent once it has them all) never overlaps it in HubServer.in_flight.
+    _answered: Callable[[], None] = staticmethod(lambda: None)
 
     def setup(self) -> None:
         super().setup()
@@ -243,7 +269,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.command == "POST" and (m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/paths-info/([^/]+)", path)):
             self._paths_info(m[1], m[2], parse_qs(body.decode()).get("paths", []))
         elif m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/?(.*)", path):
-            self._resolve(m[1], m[2], m[3])
+            with hub.answering(self.command == "GET") as self._answered:
+                self._resolve(m[1], m[2], m[3])
         else:
             self._error(404, None, f"no route for {self.command} {path}")
 
@@ -297,8 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
             if fault == "drip":
                 self._drip(body)
             else:
-                self.wfile.write(body[: len(body) // 2])
-                self._hold()
+                self._hold(body[: len(body) // 2])
             return
         edits = {
             "negative_size": lambda: lfs_sib.update(size=-1),
@@ -394,8 +420,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._drip(_read_range(path, start, end + extra), faults.drip_interval_s)
             return
         if faults.take("stall_next"):
-            self.wfile.write(_read_range(path, start, start + (end - start) // 2))
-            self._hold()
+            self._hold(_read_range(path, start, start + (end - start) // 2))
             return
         self._send_body(path, name, start, end, extra)
 
@@ -415,18 +440,26 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(body[i : i + 1])
                 self.wfile.flush()
                 if self._client_gone(interval_s):
+                    self.server.hub.count_abandoned()
                     return
         except OSError:  # the client gave up: what the test wanted
+            self.server.hub.count_abandoned()
             return
 
-    def _hold(self) -> None:
-        """Keep the connection open and silent until the client leaves (or STALL_HOLD_S passes)."""
+    def _hold(self, head: bytes = b"") -> None:
+        """Send ``head``, then keep the connection open and silent until the client leaves (or
+        STALL_HOLD_S passes). A client gone before or meanwhile counts in ``HubServer.abandoned``."""
         self.close_connection = True
-        with contextlib.suppress(OSError):
+        try:
+            self.wfile.write(head)
             self.wfile.flush()
+        except OSError:  # the client left before the stall began
+            self.server.hub.count_abandoned()
+            return
         deadline = time.monotonic() + STALL_HOLD_S
         while time.monotonic() < deadline and self.server.hub.running:
             if self._client_gone(0.05):
+                self.server.hub.count_abandoned()
                 return
 
     def _client_gone(self, wait_s: float) -> bool:
@@ -454,7 +487,10 @@ class _Handler(BaseHTTPRequestHandler):
                 chunk = bytearray(f.read(min(CHUNK_BYTES, stop - pos)))
                 if name in faults.corrupt and pos <= middle < pos + len(chunk):
                     chunk[middle - pos] ^= 0xFF
-                self.wfile.write(chunk)
+                if pos + len(chunk) >= stop:
+                    self._answered()
+                send_paced(self.wfile.write, chunk, faults.rate_bytes_s, faults.link())
+                self.server.hub.count_body(len(chunk))
                 pos += len(chunk)
         if reset or truncate:
             self.close_connection = True
@@ -497,11 +533,20 @@ class HubServer:
         self.token = token
         self.faults = Faults()
         self.log: list[LoggedRequest] = []
+        self.body_bytes = 0  # file bytes sent in answers to file GETs (what clients really fetched)
+        self._body_lock = threading.Lock()
         self.port = 0
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self.connections = 0  # connections accepted since the last reset (keep-alive reuse shows here)
+        self.peak_connections = 0  # most connections open at once since the last reset
+        self.in_flight = 0  # resolve GETs being answered now
+        self.peak_in_flight = 0  # most resolve GETs answered at once since the last reset
+        self.gather_missed = 0  # resolve GETs that waited for Faults.gather in vain
+        self.abandoned = 0  # dripping or stalled answers whose client hung up before the server gave up
+        self._flight = threading.Condition()
         self._repos: dict[str, _Repo] = {}
 
     @property
@@ -531,9 +576,51 @@ class HubServer:
         """Logged requests, optionally only those with ``method`` whose path contains ``contains``."""
         return [r for r in self.log if (method is None or r.method == method) and contains in r.path]
 
+    def count_body(self, nbytes: int) -> None:
+        with self._body_lock:
+            self.body_bytes += nbytes
+
+    def count_abandoned(self) -> None:
+        with self._body_lock:
+            self.abandoned += 1
+
+    @contextlib.contextmanager
+    def answering(self, counted: bool) -> Iterator[Callable[[], None]]:
+        """Count a resolve request in flight while it is answered (``counted``: a GET), after holding
+        it until ``faults.gather`` of them have been in flight at once. Yields the function ending its
+        time in flight (idempotent; called at the latest when the block ends)."""
+        if not counted:
+            yield lambda: None
+            return
+        with self._flight:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self._flight.notify_all()
+            gather = self.faults.gather
+            if gather and not self._flight.wait_for(lambda: self.peak_in_flight >= gather, GATHER_TIMEOUT_S):
+                self.gather_missed += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            with self._flight:
+                if not ended:
+                    ended = True
+                    self.in_flight -= 1
+
+        try:
+            yield end
+        finally:
+            end()
+
     def reset(self) -> None:
-        """Clear the log and every fault knob (the token is kept)."""
+        """Clear the log, the byte count and every fault knob (the token is kept)."""
         self.log.clear()
+        self.body_bytes = self.abandoned = 0
+        with self._conns_lock:
+            self.connections, self.peak_connections = 0, len(self._conns)
+        with self._flight:
+            self.peak_in_flight, self.gather_missed = self.in_flight, 0
         self.faults = Faults()
 
     @property
@@ -543,6 +630,8 @@ class HubServer:
     def _track(self, conn: socket.socket, add: bool) -> None:
         with self._conns_lock:
             (self._conns.add if add else self._conns.discard)(conn)
+            self.connections += add
+            self.peak_connections = max(self.peak_connections, len(self._conns))
 
     def start(self) -> HubServer:
         """Listen (on the previous port after a :meth:`stop`) and serve in a background thread."""
