@@ -10,6 +10,7 @@ on the matching shardings).
 from __future__ import annotations
 
 import math
+import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -68,6 +69,39 @@ def floor(target: Target, threads: int = 2) -> Run:
 def floor_1thread(target: Target) -> Run:
     """The raw floor with one reader thread."""
     return floor(target, threads=1)
+
+
+def fromfile(target: Target) -> Run:
+    """``np.fromfile`` of every checkpoint file, one after another, into fresh memory."""
+    paths = [str(target.directory / f) for f in _files(target)]
+
+    def run():
+        return [np.fromfile(path, np.uint8) for path in paths], {}
+
+    return run
+
+
+def _command(argv_of: Callable[[list[str]], list[list[str]]]) -> Callable[[Target], Run]:
+    """A floor that runs shell commands over the checkpoint files (their bytes go to /dev/null)."""
+
+    def prepare(target: Target) -> Run:
+        paths = [str(target.directory / f) for f in _files(target)]
+
+        def run():
+            for argv in argv_of(paths):
+                subprocess.run(argv, stdout=subprocess.DEVNULL, check=True)
+            return None, {}
+
+        return run
+
+    return prepare
+
+
+# ``cat`` of every file: the kernel's sequential read-ahead at its best, nothing kept.
+cat = _command(lambda paths: [["cat", *paths]])
+# ``dd`` of each file in DD_BLOCK-sized reads (16 MiB: larger blocks measured no faster here).
+DD_BLOCK = "16M"
+dd = _command(lambda paths: [["dd", f"if={p}", "of=/dev/null", f"bs={DD_BLOCK}", "status=none"] for p in paths])
 
 
 def _load_all(target: Target) -> dict[str, np.ndarray]:
@@ -194,13 +228,27 @@ def otfload_load(target: Target) -> Run:
     return run
 
 
+def otfload_no_read_ahead(target: Target) -> Run:
+    """otfload with its cold-cache read-ahead thread off (``OTFLOAD_READ_AHEAD=0``): what it adds."""
+    import os
+
+    from otfload.read.readahead import READ_AHEAD_ENV
+
+    os.environ[READ_AHEAD_ENV] = "0"  # this process runs this one method only
+    return otfload_load(target)
+
+
 METHODS: dict[str, Callable[[Target], Run]] = {
     "floor": floor,
     "floor1": floor_1thread,
+    "fromfile": fromfile,
+    "cat": cat,
+    "dd": dd,
     "naive": naive,
     "loop": loop,
     "orbax": orbax,
     "otfload": otfload_load,
+    "otfload-noahead": otfload_no_read_ahead,
 }
 
 

@@ -1,9 +1,11 @@
 """Bytes each process really fetches, against its ideal share (issue 17).
 
-    python -m benchmarks.bench_fetch [--size-gib 0.71] [--policies never,auto,always] [--out FILE]
+    python -m benchmarks.bench_fetch [--size-gib 0.71] [--policies never,auto,always]
+        [--meshes fsdp=8,fsdp=2:tp=4] [--sources local,hub] [--out FILE]
 
 Real 4-process × 2-device CPU jobs (``jax.distributed`` on 127.0.0.1, :mod:`tests.multihost.fetch_worker`)
-load one synthetic bf16 Llama on ``fsdp=8`` and on ``fsdp=2, tp=4``, from
+load one synthetic bf16 Llama on each mesh of ``--meshes`` (default ``fsdp=8`` and ``fsdp=2, tp=4``;
+also ``tp=8``, ``fsdp=4, tp=2``), from
 
 * **local files, cold**: each process reads its own copy (separate hosts share no page cache), evicted
   from the page cache first (``posix_fadvise(DONTNEED)``); the kernel's ``/proc/self/io`` ``read_bytes``
@@ -13,7 +15,9 @@ load one synthetic bf16 Llama on ``fsdp=8`` and on ``fsdp=2, tp=4``, from
 For each reshard policy (``never``: read each shard's box in place; ``auto``: the cost model of
 otfload/build/reshard.py; ``always``: read every leaf it can as a band in the storage layout and
 reshard on the devices) it records, per process: the report's fetched bytes and requests, the kernel's
-(local) or the server's (Hub, all processes together) count, the ideal share and the load's seconds.
+(local) or the server's (Hub, all processes together) count, the ideal share and the load's seconds;
+and per job the bytes all processes read together over the checkpoint's bytes (the kernel's counts for
+local files, the server's for the Hub): 1.00 is each byte from the source once, cluster-wide.
 """
 
 from __future__ import annotations
@@ -34,14 +38,26 @@ from tests.multihost.fetch_worker import evict  # noqa: E402
 from tests.servers.hub_server import HubServer  # noqa: E402
 
 PROCESSES, LOCAL_DEVICES = 4, 2
-MESHES = {"fsdp=8": {"fsdp": 8}, "fsdp=2, tp=4": {"fsdp": 2, "tp": 4}}
+MESHES = {"fsdp=8": {"fsdp": 8}, "fsdp=2, tp=4": {"fsdp": 2, "tp": 4}, "fsdp=4, tp=2": {"fsdp": 4, "tp": 2},
+          "tp=8": {"tp": 8}}
+DEFAULT_MESHES = "fsdp=8,fsdp=2:tp=4"
+
+
+def parse_meshes(text: str) -> dict[str, dict[str, int]]:
+    """``"fsdp=8,fsdp=2:tp=4"`` → the named meshes (``:`` joins the axes of one mesh)."""
+    names = [m.replace(":", ", ") for m in text.split(",")]
+    unknown = [n for n in names if n not in MESHES]
+    if unknown:
+        raise SystemExit(f"unknown mesh(es) {unknown}: expected some of {list(MESHES)} (axes joined by ':')")
+    return {n: MESHES[n] for n in names}
 
 
 def run(spec: dict, out: Path) -> list[dict]:
     return run_fetch_workers({"local_devices": LOCAL_DEVICES, **spec}, PROCESSES, out, timeout_s=1800)
 
 
-def measure(ckpt: Path, work: Path, policies: list[str]) -> list[dict]:
+def measure(ckpt: Path, work: Path, policies: list[str], meshes: dict | None = None,
+            sources: tuple[str, ...] = ("local", "hub")) -> list[dict]:
     rows = []
     copies = []
     for i in range(PROCESSES):
@@ -49,24 +65,32 @@ def measure(ckpt: Path, work: Path, policies: list[str]) -> list[dict]:
         if not copies[-1].exists():
             shutil.copytree(ckpt, copies[-1])
     os.sync()  # only clean pages can be evicted
+    size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     with HubServer(work / "hub") as hub:
         repo = hub.add_repo("org/bench-fetch", ckpt)
-        for mesh_name, mesh in MESHES.items():
+        for mesh_name, mesh in (meshes or parse_meshes(DEFAULT_MESHES)).items():
             for policy in policies:
                 for copy in copies:
                     evict(copy)
                 out = work / f"local-{len(rows)}"
-                for r in run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy, "evict": True}, out):
-                    rows.append({"source": "local, cold", "mesh": mesh_name, "policy": policy, **r})
+                if "local" in sources:
+                    job = run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy, "evict": True}, out)
+                    cluster = sum(r["kernel_read_bytes"] for r in job) / size
+                    rows += [{"source": "local, cold", "mesh": mesh_name, "policy": policy, "cluster": cluster, **r}
+                             for r in job]  # fmt: skip
+                if "hub" not in sources:
+                    continue
                 if policy == "never":  # a request per row: too slow for the test server, planned instead
-                    rows += planned_rows(repo, hub.url, mesh, mesh_name, work)
+                    planned = planned_rows(repo, hub.url, mesh, mesh_name, work)
+                    rows += [{**r, "cluster": sum(q["bytes_read"] for q in planned) / size} for r in planned]
                     continue
                 hub.reset()
                 out = work / f"hub-{len(rows)}"
                 results = run({"mesh": mesh, "source": repo, "endpoint": hub.url, "reshard": policy}, out)
                 served = hub.body_bytes
                 for r in results:
-                    rows.append({"source": "Hub", "mesh": mesh_name, "policy": policy, "served_all": served, **r})
+                    rows.append({"source": "Hub", "mesh": mesh_name, "policy": policy, "served_all": served,
+                                 "cluster": served / size, **r})  # fmt: skip
                 print(f"{mesh_name} {policy}: done", flush=True)
     return rows
 
@@ -102,8 +126,8 @@ def planned_rows(repo: str, endpoint: str, mesh: dict, mesh_name: str, work: Pat
 def table(rows: list[dict]) -> str:
     lines = [
         "| source | mesh | policy | process | fetched (report, MB) | kernel / server (MB) | ideal (MB) | "
-        "fetched / ideal | requests | leaves resharded | seconds |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "fetched / ideal | all processes / checkpoint | requests | leaves resharded | seconds | reshard s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r["source"] == "Hub":
@@ -114,8 +138,9 @@ def table(rows: list[dict]) -> str:
             real = "—"
         lines.append(
             f"| {r['source']} | {r['mesh']} | {r['policy']} | {r['process']} | {r['bytes_read'] / 1e6:.1f} | {real} | "
-            f"{r['bytes_ideal'] / 1e6:.1f} | {r['bytes_read'] / r['bytes_ideal']:.2f} | {r['requests']} | "
-            f"{len(r['resharded'])} | {r['seconds']:.1f} |"
+            f"{r['bytes_ideal'] / 1e6:.1f} | {r['bytes_read'] / r['bytes_ideal']:.2f} | "
+            f"{r['cluster']:.3f} | {r['requests']} | {len(r['resharded'])} | {r['seconds']:.1f} | "
+            f"{r.get('reshard_seconds', float('nan')):.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -124,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gib", type=float, default=0.71, help="checkpoint size (0.71 GiB: 766 MB)")
     parser.add_argument("--policies", default="never,auto,always")
+    parser.add_argument("--meshes", default=DEFAULT_MESHES, help=f"some of {list(MESHES)}, ',' between meshes, "
+                        "':' between one mesh's axes")
+    parser.add_argument("--sources", default="local,hub", help="local (cold files), hub, or both")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
@@ -133,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = work / "ckpt"
         if not (ckpt / "config.json").exists():
             write_checkpoint(ckpt, dims)
-        rows = measure(ckpt, work, args.policies.split(","))
+        rows = measure(ckpt, work, args.policies.split(","), parse_meshes(args.meshes),
+                       tuple(args.sources.split(",")))
     size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) if ckpt.exists() else 0
     text = f"Checkpoint: synthetic bf16 Llama, hidden {dims.hidden}, {dims.layers} layers ({size / 1e6:.0f} MB).\n\n"
     text += table(rows)

@@ -11,6 +11,8 @@ CPU devices (the 2×4 mesh of bench_load), interleaved over ``--repeat`` rounds,
 
 - ``otfload-<variant>``: ``otfload.from_pretrained(dir, mesh=..., dtype="bfloat16")`` — quantized
   weights are dequantised to bf16 per device box;
+- ``keep-<variant>`` (quantized variants): the same with ``quantized="keep"`` — the layers' quantized
+  kernels placed packed (codes + scales as stored), for the keep vs dequantize device-bytes table;
 - ``floor-<variant>``: ``np.fromfile`` of every file of that checkpoint, one thread (the raw read floor).
 
 Each run records wall and CPU seconds, the bytes placed on devices (``LoadReport.bytes_placed``), the
@@ -43,7 +45,8 @@ from benchmarks.bench_load import child_env, drop_caches, machine_line, warm
 RESULT_PREFIX = "BENCH_RESULT "
 VARIANTS = ("bf16", "fp8", "w4a16")
 QUANTIZED = VARIANTS[1:]
-DEFAULT_METHODS = ",".join(f"{kind}-{v}" for v in VARIANTS for kind in ("floor", "otfload"))
+DEFAULT_METHODS = ",".join([*(f"{kind}-{v}" for v in VARIANTS for kind in ("floor", "otfload")),
+                            *(f"keep-{v}" for v in QUANTIZED)])
 GIB = 2**30
 BF16_BYTES = 2
 # What the loader does per quantized tensor, timed one by one in the decode breakdown.
@@ -116,19 +119,20 @@ def _prepare(method: str, directory: Path, devices: int):
             return arrays, {"placed_bytes": sum(a.nbytes for a in arrays)}
 
         return {}, run_floor
-    if kind != "otfload":
+    if kind not in ("otfload", "keep"):
         raise SystemExit(f"unknown method {method!r}")
+    quantized = "keep" if kind == "keep" else "dequantize"
     import otfload
     from benchmarks.common import bench_mesh
 
     mesh = bench_mesh(devices)
-    _, plan, src = otfload.plan_model(directory, mesh=mesh, dtype="bfloat16")
+    _, plan, src = otfload.plan_model(directory, mesh=mesh, dtype="bfloat16", quantized=quantized)
     src.close()
     figures = {f"plan_{k}": v for k, v in plan_figures(plan).items()}
 
     def run_otfload():
         model, report = otfload.from_pretrained(directory, mesh=mesh, dtype="bfloat16", progress=False,
-                                                return_report=True)
+                                                return_report=True, quantized=quantized)
         extra = {"placed_bytes": report.bytes_placed, "report_bytes_read": report.bytes_read,
                  "report_seconds": report.seconds, "requests": report.requests}
         return model, extra
@@ -346,20 +350,19 @@ def _get(results: dict[str, dict], method: str, key: str) -> float | None:
 
 
 def device_bytes_lines(results: dict[str, dict]) -> str:
-    """What a ``quantized="keep"`` mode would place, computed from the plan (not measured)."""
-    lines = ["device bytes — COMPUTED from the load plan, not measured (quantized=\"keep\" is not built):"]
+    """Bytes placed on the devices, measured (``LoadReport.bytes_placed``): ``quantized="keep"`` vs
+    ``"dequantize"`` (bf16), with what the plan of the dequantising load estimated for keep."""
+    lines = ["| variant | dequantize: placed GiB | keep: placed GiB | keep / dequantize | "
+             "keep, estimated from the dequantize plan GiB |", "|---|---:|---:|---:|---:|"]
     for v in QUANTIZED:
-        r = results.get(f"otfload-{v}")
-        if r is None or "plan_stored" not in r:
+        dense, kept = results.get(f"otfload-{v}"), results.get(f"keep-{v}")
+        if dense is None and kept is None:
             continue
-        placed, keep = r["placed_bytes"], r["plan_keep_placed"]
-        lines.append(
-            f"  {v}: placed {_gib(placed)} GiB as bf16 (measured, LoadReport.bytes_placed; plan says "
-            f"{_gib(r['plan_placed'])}); LoadPlan.source_bytes {_gib(r['plan_stored'])} GiB vs "
-            f"{_gib(r['plan_logical'])} GiB of bf16 leaves; keeping codes + scales with each leaf's "
-            f"replication would place ≈ {_gib(keep)} GiB = {keep / placed:.2f}× (saves {_gib(placed - keep)} GiB)"
-        )
-    return "\n".join(lines)
+        placed = dense and dense["placed_bytes"]
+        keep = kept and kept["placed_bytes"]
+        lines.append(f"| {v} | {_gib(placed)} | {_gib(keep)} | {_ratio(keep, placed)} | "
+                     f"{_gib(dense and dense.get('plan_keep_placed'))} |")
+    return "device bytes (all leaves, all devices; measured):\n\n" + "\n".join(lines)
 
 
 def breakdown_table(breakdowns: dict[str, dict]) -> str:
@@ -420,8 +423,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.make_quantized import ensure_quantized
 
     methods = (args.methods or DEFAULT_METHODS).split(",")
-    unknown = [m for m in methods if "-" not in m or m.split("-", 1)[0] not in ("floor", "otfload")
-               or variant_of(m) not in VARIANTS]
+    unknown = [m for m in methods if "-" not in m or m.split("-", 1)[0] not in ("floor", "otfload", "keep")
+               or variant_of(m) not in (QUANTIZED if m.startswith("keep-") else VARIANTS)]
     if unknown:
         parser.error(f"unknown methods {unknown} (known: {DEFAULT_METHODS})")
     print(machine_line())

@@ -142,6 +142,46 @@ def open_target(directory: Path, mesh: Mesh) -> Target:
     return Target(directory, mesh, plan, index.total_bytes, "from_pretrained", load)
 
 
+def disk_read_bytes() -> int:
+    """Bytes this process really read from storage (not the page cache): ``read_bytes`` of
+    ``/proc/self/io``, which includes its waited-for children (``cat``, ``dd``); 0 where unknown."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:  # not Linux, or /proc hidden
+        pass
+    return 0
+
+
+def disk_busy_ms() -> int:
+    """Milliseconds the machine's disks have spent with I/O in flight (``io_ticks`` of
+    ``/proc/diskstats``, whole disks only, summed): over a run, busy / wall says whether the disk
+    or the CPU was the bottleneck (machine-wide: other processes' I/O counts too)."""
+    try:
+        disks = {p.name for p in Path("/sys/block").iterdir() if not p.name.startswith(("loop", "ram", "zram"))}
+        total = 0
+        for line in Path("/proc/diskstats").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 12 and fields[2] in disks:
+                total += int(fields[12])
+        return total
+    except OSError:
+        return 0
+
+
+def resident_fraction(directory: Path) -> float | None:
+    """The fraction of the checkpoint's safetensors pages in the page cache (``mincore``)."""
+    from otfload.sources.residency import file_resident_fraction
+
+    files = sorted(directory.glob("*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    fractions = [file_resident_fraction(f) for f in files]
+    if not files or any(x is None for x in fractions):
+        return None
+    return sum(x * n for x, n in zip(fractions, sizes, strict=True)) / max(1, sum(sizes))
+
+
 def current_rss() -> int:
     return psutil.Process().memory_info().rss
 

@@ -1,6 +1,6 @@
 """Where one otfload load spends its time: py-spy samples every thread of a fresh load process.
 
-    python -m benchmarks.profile_load [--size-gib 1.0] [--moe] [--method otfload] [--top 20]
+    python -m benchmarks.profile_load [--size-gib 1.0] [--moe] [--method otfload] [--top 20] [--cold]
 
 Prints the functions with the most samples, inclusive (the function or anything it calls) and
 self (the innermost Python frame; time in C — memcpy, page faults, XLA — counts for the Python
@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.bench_load import child_env
+from benchmarks.bench_load import child_env, drop_caches
 from benchmarks.make_checkpoint import ensure_checkpoint
 
 # Stacks of the load itself: a frame in otfload or the baselines, not the benchmark's own planning.
@@ -66,11 +66,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=int, default=250, help="samples per second")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--raw", type=Path, default=Path("/tmp/otfload_profile.txt"))
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: bench_data/...)")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache first (see bench_load --cold)")
     args = parser.parse_args(argv)
-    directory = ensure_checkpoint(args.size_gib, args.moe)
+    directory = args.dir or ensure_checkpoint(args.size_gib, args.moe)
+    if args.cold:
+        print(f"cold: {drop_caches(directory)}")
     py_spy = Path(sys.executable).with_name("py-spy")
     cmd = [str(py_spy), "record", "--format", "raw", "--threads", "--rate", str(args.rate), "-o", str(args.raw)]
     load = [sys.executable, "-m", "benchmarks.bench_load", "--child", args.method, "--dir", str(directory)]
+    load += ["--cold"] if args.cold else []
     subprocess.run([*cmd, "--", *load, "--devices", str(args.devices)], env=child_env(args.devices), check=True)
     print(f"{args.method} on {directory}, {args.devices} devices, load average {os.getloadavg()[0]:.2f}")
     print(summarize(args.raw.read_text(), args.top))

@@ -7,6 +7,8 @@ hold) → ``plan`` (target leaf ← HF keys, hooks, stacking, sharding, byte run
 ranges into scratch) → ``build`` (hooks, one ``np.stack``, placement) → this API.
 """
 
+from otfload.adapters.export import export_adapter
+from otfload.adapters.kept import load_adapter
 from otfload.api import from_pretrained, load_params, plan_model, plan_params
 from otfload.build.report import LoadReport
 from otfload.errors import (
@@ -31,11 +33,13 @@ from otfload.errors import (
     UnsafeFormatError,
     UnsupportedModelError,
 )
+from otfload.evaluate import EvalResult, evaluate
 from otfload.export import export_checkpoint, export_hf, export_native
 from otfload.generate import generate
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.plan.sharding import DEFAULT_RULES, logical_to_sharding, make_mesh
+from otfload.quantized import QuantizedArray, dequantize
 
 __version__ = "0.1.0"
 
@@ -45,6 +49,7 @@ __all__ = [
     "CheckpointIndexError",
     "CheckpointMismatchError",
     "CorruptFileError",
+    "EvalResult",
     "HeaderError",
     "Hook",
     "IndivisibleShardingError",
@@ -55,6 +60,7 @@ __all__ = [
     "MissingTensorError",
     "OtfloadError",
     "OutputExistsError",
+    "QuantizedArray",
     "Reshape",
     "Rule",
     "Scale",
@@ -69,11 +75,15 @@ __all__ = [
     "UnmappedLeafError",
     "UnsafeFormatError",
     "UnsupportedModelError",
+    "dequantize",
+    "evaluate",
+    "export_adapter",
     "export_checkpoint",
     "export_hf",
     "export_native",
     "from_pretrained",
     "generate",
+    "load_adapter",
     "load_params",
     "logical_to_sharding",
     "make_mesh",

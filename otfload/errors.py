@@ -126,7 +126,8 @@ class TensorProblem:
         if self.kind == "missing":
             return f"missing tensor {self.hf_key!r} needed by leaf {self.leaf!r} (expected shape {self.expected})"
         if self.kind == "unmapped":
-            nearest = ", ".join(repr(r) for r in self.actual or ()) or "none alike"
+            rules = self.actual if isinstance(self.actual, (list, tuple)) else ()
+            nearest = ", ".join(repr(r) for r in rules) or "none alike"
             return f"no mapping rule matches leaf {self.leaf!r} (shape {self.expected}); nearest rules: {nearest}"
         if self.kind == "unexpected":
             return f"unexpected tensor {self.hf_key!r}{where} (shape {self.actual}) is used by no leaf"
@@ -293,3 +294,26 @@ class CacheTimeoutError(CacheFillError):
     def __init__(self, message: str, process: int, file: str, waiter: int):
         self.waiter = waiter
         super().__init__(message, process, file)
+
+
+# --- options -------------------------------------------------------------------------------------
+
+
+class InvalidOptionError(OtfloadError, ValueError):
+    """A keyword argument, CLI flag or ``OTFLOAD_*`` environment variable has a value otfload does
+    not accept; the message names the option, the value and the accepted ones."""
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+
+
+class TokenizerError(OtfloadError):
+    """The checkpoint's ``tokenizer.json`` cannot be loaded, or gives ids the model cannot take."""
+
+
+class TokenizerNotFoundError(TokenizerError, SourceNotFoundError):
+    """The source has no ``tokenizer.json`` (only the fast-tokenizer file is supported)."""
+
+
+class EvalDataError(OtfloadError):
+    """An evaluation data file is not what its format says (names the file, line and field)."""

@@ -3,6 +3,7 @@ logits parity against transformers' PyTorch forward pass (the independent refere
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,3 +114,13 @@ def hf_tensors(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def evict(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache (flushed first: only clean pages can be dropped)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

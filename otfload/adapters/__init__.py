@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters merged on the fly: ``from_pretrained(base, adapter="org/my-lora")``.
+"""PEFT LoRA adapters merged on the fly: ``from_pretrained(base, adapter="org/my-lora")``, or kept
+as separate factors (``merge_adapter=False``, :mod:`otfload.adapters.kept`).
 
 Each adapted weight becomes an :class:`~otfload.adapters.tensor.AdaptedTensor` in the checkpoint
 index (base + LoRA factors, a derived tensor decoded per device box), so planning, stacking and
@@ -10,15 +11,20 @@ from otfload.adapters.load import open_adapted
 from otfload.adapters.merge import Adapter, check_adapted_are_mapped, merge_adapters
 from otfload.adapters.source import CombinedSource
 from otfload.adapters.tensor import AdaptedTensor, LoraTerm
+from otfload.adapters.weight import KernelLayout, LoraWeight, lora_factors, with_lora_factors
 
 __all__ = [
     "AdaptedTensor",
     "Adapter",
     "AdapterConfig",
     "CombinedSource",
+    "KernelLayout",
     "LoraTerm",
+    "LoraWeight",
     "check_adapted_are_mapped",
+    "lora_factors",
     "merge_adapters",
     "open_adapted",
     "parse_adapter_config",
+    "with_lora_factors",
 ]

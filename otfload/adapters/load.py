@@ -127,17 +127,18 @@ def open_adapted(
     require_config: bool = True,
     **options,
 ) -> tuple[Source, CheckpointIndex, bool]:
-    """``(source, index, owned)``: the base checkpoint's source and index with ``adapter`` merged in.
+    """``(source, index, owned)``: the base checkpoint's source and index with ``adapter`` merged in
+    (with ``merge_adapter=False`` too: :mod:`otfload.adapters.kept` takes the terms back out of the plan).
 
     ``open_base(location, **options)`` opens a base checkpoint (the API's source and cache options).
     With adapters the source is a :class:`CombinedSource` (``owned``: the caller closes it; it closes
     only what was opened here). Without any, it is the base's own source, ``owned`` unless the caller
     passed a :class:`Source`.
     """
-    if not merge_adapter:
-        raise AdapterError("merge_adapter=False (LoRA factors kept as separate parameters) is not supported yet: "
-                           "adapters are merged into the base weights")
     specs = adapter_specs(adapter)
+    if not merge_adapter and len(specs) > 1:
+        raise AdapterError(f"{len(specs)} adapters with merge_adapter=False: kept LoRA factors are one adapter at a "
+                           "time (merge them, or swap adapters with otfload.load_adapter)")
     opened: list[Source] = []
     try:
         src = open_base(source, **options)

@@ -7,7 +7,6 @@ ones stop at their next read (retries end, requests in flight are cut; see
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -19,10 +18,11 @@ from tqdm.auto import tqdm
 
 from otfload.build.builder import ByteBudget, build_leaf
 from otfload.build.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
-from otfload.build.reshard import choose_read_shardings, with_sharding
+from otfload.build.reshard import choose_read_shardings, resolve_policy, with_sharding
 from otfload.build.reshard import reshard as reshard_array
 from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
+from otfload.read.readahead import start_read_ahead
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
 from otfload.sources.ranges import FetchMeter, metering
@@ -34,8 +34,6 @@ DEFAULT_WORKERS = 2
 # Remote reads spend their time waiting on the network: 8 keep a bucket or the Hub busy (measured:
 # 0.70x of gcsfs whole-file `cat` with 2 workers, 0.98x with 8, docs/benchmarks_remote.md).
 REMOTE_WORKERS = 8
-# Environment variable holding the default ``reshard`` policy of a load.
-RESHARD_ENV = "OTFLOAD_RESHARD"
 
 
 def execute_plan(
@@ -54,15 +52,17 @@ def execute_plan(
     memory within one leaf. A smaller budget makes large stacked leaves build in several chunks.
     ``reshard`` says when a leaf may be read in its storage layout and moved to its sharding by a
     collective (see :mod:`otfload.build.reshard`): ``"auto"`` (where the cost model says it is
-    faster), ``"always"`` (wherever it fetches fewer bytes) or ``"never"``; default: the
+    faster), ``"always"`` (wherever it fetches fewer bytes: column-split leaves, and leaves several
+    processes hold — each byte then read once cluster-wide) or ``"never"``; default: the
     ``OTFLOAD_RESHARD`` environment variable, else ``"auto"``.
     """
     largest = max((p.source_bytes for p in plan.leaves.values()), default=0)
     budget = ByteBudget(host_memory_budget or largest, workers)
     report = LoadReport(source=source.description, leaves=len(plan.leaves), rss_before=current_rss())
     reader = TensorReader(source)
-    policy = reshard or os.environ.get(RESHARD_ENV, "auto")
+    policy = resolve_policy(reshard)
     bands = choose_read_shardings(plan.leaves, reader, policy)  # the same choices on every process
+    ahead = start_read_ahead(plan, reader, {p: c.sharding for p, c in bands.items()})  # local, cold pages
     local = threading.local()
     show = sys.stderr.isatty() if progress is None else progress
     total = sum(p.source_bytes for p in plan.leaves.values())
@@ -75,6 +75,8 @@ def execute_plan(
     def build(path: str) -> jax.Array:
         if token.cancelled:  # queued before the first failure, picked up after it
             raise LoadCancelled(f"leaf {path!r}: cancelled, another leaf failed")
+        if ahead is not None:
+            ahead.started(path)
         try:
             with cancel_scope(token), metering(meter):
                 if not hasattr(local, "arena"):
@@ -108,6 +110,8 @@ def execute_plan(
         report.reshard_seconds = time.perf_counter() - resharding
     finally:
         token.cancel()  # a no-op after success; after an interrupt, stops what still runs
+        if ahead is not None:
+            ahead.close()
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     report.seconds = time.perf_counter() - start

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from otfload.build.report import leaf_planned, process_boxes
+from otfload.errors import InvalidOptionError
 
 # --- the cost model's constants ---------------------------------------------------------------------
 # Local files, cold: 64 MiB mapped with MADV_POPULATE_READ in 28-44 ms on this VM's virtio disk
@@ -54,13 +56,29 @@ INTERCONNECT_BANDWIDTH = {"cpu": 0.3e9, "gpu": 50e9, "tpu": 50e9}
 # One reshard collective: launch and synchronisation (5-13 ms measured here once compiled) ...
 RESHARD_FIXED_S = 0.01
 # ... and the first of each shape and pair of shardings is compiled (0.3-0.7 s here, shared by
-# every leaf of that signature: unscanned layers pay it once).
+# every leaf of that signature: unscanned layers pay it once). Measured again with 4 processes over
+# Gloo on a busier VM: 1.5 s per shape at a load average of ~5, 2-4 s at 9-16 (docs/benchmarks.md,
+# "Projection to real clusters"); a compile is CPU-bound, so it is the term a loaded host inflates.
 RESHARD_COMPILE_S = 0.5
 # A band must save at least this fraction of the estimated time: the cost model's constants are
 # estimates, and a reshard that barely saves anything is not worth its memory and synchronisation.
 MIN_SAVING = 0.2
 
 POLICIES = ("auto", "always", "never")
+# Environment variable holding the default policy of a load (``reshard=None``).
+RESHARD_ENV = "OTFLOAD_RESHARD"
+
+
+def resolve_policy(reshard: str | None = None) -> str:
+    """The reshard policy of a load: ``reshard``, else ``$OTFLOAD_RESHARD``, else ``"auto"``.
+
+    Raises :class:`~otfload.errors.InvalidOptionError` naming where a bad value came from."""
+    origin = "reshard"
+    if reshard is None:
+        reshard, origin = os.environ.get(RESHARD_ENV) or "auto", RESHARD_ENV
+    if reshard not in POLICIES:
+        raise InvalidOptionError(f"{origin}={reshard!r}: expected one of {', '.join(map(repr, POLICIES))}")
+    return reshard
 
 
 @dataclass(frozen=True)
@@ -186,8 +204,7 @@ def choose_read_shardings(
     plans: Mapping, reader, policy: str = "auto", process_of=None, platform: str | None = None
 ) -> dict[str, Choice]:
     """``{leaf path: Choice}`` for the leaves read in another layout than their target's."""
-    if policy not in POLICIES:
-        raise ValueError(f"reshard={policy!r}: expected one of {', '.join(POLICIES)}")
+    policy = resolve_policy(policy)
     if policy == "never" or not plans:
         return {}
     first = next(iter(plans.values())).leaf.sharding

@@ -50,6 +50,9 @@ class JaxCoordinator:
     """The key-value store of ``jax.distributed`` (its coordination service)."""
 
     def __init__(self) -> None:
+        # jax._src on purpose: JAX has no public API for the coordination service's key-value client
+        # (jax 0.10: jax.distributed offers initialize/is_initialized/shutdown only), nor for the
+        # process id and count without starting the backend (jax.process_index() starts it).
         from jax._src.distributed import global_state
 
         if global_state.client is None:
@@ -64,7 +67,8 @@ class JaxCoordinator:
 
     def wait_for(self, key: str, timeout_s: float) -> str | None:
         try:
-            return self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+            value: str = self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+            return value
         except Exception as e:  # jaxlib raises its runtime error type with a gRPC status in the text
             if "DEADLINE_EXCEEDED" in str(e):
                 return None
@@ -73,7 +77,7 @@ class JaxCoordinator:
 
 def current_coordinator() -> Coordinator:
     """The JAX distributed store when this is one of several processes, else a local one."""
-    from jax._src.distributed import global_state
+    from jax._src.distributed import global_state  # the process count without starting the backend: no public API
 
     multi = global_state.client is not None and global_state.num_processes > 1
     return JaxCoordinator() if multi else LocalCoordinator()

@@ -14,10 +14,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
-from otfload.sources.base import Source
+from otfload.sources.base import DigestSource, HashedSource, Source
 
 VERIFY_RECORD = "record"  # size + record + unchanged stamp (re-hash only when the stamp moved)
 VERIFY_FULL = "full"  # re-hash every reused copy
@@ -34,18 +35,17 @@ CRC32C_SLICE_BYTES = 4 << 20
 try:  # a dependency of gcsfs; without it crc32c is not checked (md5 and sha256 still are)
     import google_crc32c
 except ImportError:  # pragma: no cover - depends on the environment
-    google_crc32c = None
+    google_crc32c = None  # type: ignore[assignment]  # checked for None before each use
 
 
 def published_digests(source: Source, file: str) -> dict[str, str]:
     """The digests ``source`` publishes for ``file``: ``source.digests(file)`` (a mapping of
-    ``"sha256"``/``"md5"``/``"crc32c"`` to values) where it has one, and ``source.sha256(file)``."""
+    ``"sha256"``/``"md5"``/``"crc32c"`` to values) of a :class:`DigestSource`, and
+    ``source.sha256(file)`` of a :class:`HashedSource`."""
     out: dict[str, str] = {}
-    digests = getattr(source, "digests", None)
-    if callable(digests):
-        out.update({k: str(v) for k, v in (digests(file) or {}).items() if k in KNOWN_ALGORITHMS and v})
-    sha256 = getattr(source, "sha256", None)
-    if "sha256" not in out and callable(sha256) and (value := sha256(file)):
+    if isinstance(source, DigestSource):
+        out.update({k: str(v) for k, v in (source.digests(file) or {}).items() if k in KNOWN_ALGORITHMS and v})
+    if "sha256" not in out and isinstance(source, HashedSource) and (value := source.sha256(file)):
         out["sha256"] = str(value)
     if "sha256" in out:
         out["sha256"] = out["sha256"].lower()
@@ -57,7 +57,7 @@ def published_digests(source: Source, file: str) -> dict[str, str]:
 class Hasher:
     """sha256 of everything fed to it, plus md5 / crc32c when they are asked for."""
 
-    def __init__(self, algorithms: object = ()):
+    def __init__(self, algorithms: Container[str] = ()):
         self._sha256 = hashlib.sha256()
         self._md5 = hashlib.md5(usedforsecurity=False) if "md5" in algorithms else None
         self._crc32c = google_crc32c.Checksum() if google_crc32c is not None and "crc32c" in algorithms else None
@@ -135,7 +135,7 @@ class Record:
         return all(recorded.get(algo) == value for algo, value in published.items())
 
 
-def _str_map(value: object) -> bool:
+def _str_map(value: object) -> TypeGuard[dict[str, str]]:
     return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 

@@ -25,6 +25,7 @@ import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any
 
 from otfload.cache.assign import assign_files
 from otfload.cache.coordination import Coordinator, current_coordinator
@@ -47,7 +48,7 @@ from otfload.errors import (
     ChecksumMismatchError,
     SourceError,
 )
-from otfload.sources.base import RangeRead, Source
+from otfload.sources.base import PinnedSource, RangeRead, Source
 from otfload.sources.names import checked_listing
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ _fills = itertools.count()  # one per ShardCache in this process: the same seque
 
 def cache_key(source: Source) -> str:
     """The cache folder of ``source``: readable, and distinct per source and pinned commit."""
-    identity = f"{source.description}@{getattr(source, 'commit', '')}"
+    identity = f"{source.description}@{source.commit if isinstance(source, PinnedSource) else ''}"
     slug = re.sub(r"[^\w.-]+", "-", source.description).strip("-")[:64]
     return f"{slug}-{hashlib.sha1(identity.encode()).hexdigest()[:12]}"
 
@@ -83,23 +84,27 @@ class ShardCache:
     checked before it is reused: ``"record"`` (size, record and stamp; the copy is hashed again
     only when its stamp moved) or ``"full"`` (hashed again every time). ``fetched`` / ``reused``
     list this process's files, ``repaired`` those of them whose cached bytes had changed and were
-    fetched again, ``orphans_removed`` the temporaries of dead writers it deleted.
+    fetched again, ``orphans_removed`` the temporaries of dead writers it deleted. ``close()``
+    closes the cache and, when ``owns_source`` (the default), ``source`` too; a load wrapping a
+    source its caller passed in leaves that one open (:mod:`otfload.sources.owned`).
     """
 
     def __init__(
         self,
         source: Source,
-        cache_dir: str | os.PathLike,
+        cache_dir: str | os.PathLike[str],
         *,
-        storage_options: dict | None = None,
+        storage_options: dict[str, Any] | None = None,
         coordinator: Coordinator | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         window_bytes: int = FILL_WINDOW_BYTES,
         verify: str = VERIFY_RECORD,
+        owns_source: bool = True,
     ):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY_MODES))}")
         self.source = source
+        self.owns_source = owns_source
         self.timeout_s = timeout_s
         self.window_bytes = window_bytes
         self.verify = verify
@@ -136,7 +141,8 @@ class ShardCache:
 
     def close(self) -> None:
         self._cache.close()
-        self.source.close()
+        if self.owns_source:
+            self.source.close()
 
     def __repr__(self) -> str:
         return f"ShardCache({self.source!r}, {self.store.description!r})"
@@ -174,16 +180,16 @@ class ShardCache:
         for file, owner in owners.items():
             if owner == me:
                 continue
-            status = self.coordinator.wait_for(f"{prefix}/{file}", deadline - time.monotonic())
-            if status is None:
+            answer = self.coordinator.wait_for(f"{prefix}/{file}", deadline - time.monotonic())
+            if answer is None:
                 raise CacheTimeoutError(
                     f"process {me} waited {self.timeout_s:g}s for process {owner} to commit {file!r} to "
                     f"{self.store.description}; is process {owner} alive? (raise timeout_s for slow sources)",
                     owner, file, me,
                 )  # fmt: skip
-            if status != "ok":
+            if answer != "ok":
                 raise CacheFillError(f"process {owner} could not cache {file!r} from {self.source.description}: "
-                                     f"{status.removeprefix('error: ')}", owner, file)  # fmt: skip
+                                     f"{answer.removeprefix('error: ')}", owner, file)  # fmt: skip
 
     def _ensure(self, file: str) -> None:
         """Make sure a verified copy of ``file`` is committed: reuse it, or fetch it (again)."""
@@ -208,7 +214,7 @@ class ShardCache:
         self.fetched.append(file)
 
     def _revision(self) -> str | None:
-        return getattr(self.source, "commit", None) or None
+        return (self.source.commit or None) if isinstance(self.source, PinnedSource) else None
 
     def _check(self, file: str, published: dict[str, str]) -> tuple[bool, str | None]:
         """``(trusted, why not)``: whether the committed copy of ``file`` may be reused; when a copy

@@ -248,19 +248,21 @@ class LocalStore:
         name = None if name is None else check_cache_name(name, self.description)
         parts = [self.key, *(name.split("/") if name else [])]
         try:
-            fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            current = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise storage_error(e, str(self.base), "open") from None
+        fd: int | None = current  # what the finally closes
         try:
             for depth, part in enumerate(parts if name is None else parts[:-1]):
                 shown = str(self.base.joinpath(*parts[: depth + 1]))
-                child = self._open_folder(fd, part, create, shown)
-                os.close(fd)
+                child = self._open_folder(current, part, create, shown)
+                os.close(current)
                 fd = child
-                if fd is None:
+                if child is None:
                     yield None
                     return
-            yield (fd, parts[-1]) if name is not None else (fd, "")
+                current = child
+            yield (current, parts[-1]) if name is not None else (current, "")
         finally:
             if fd is not None:
                 os.close(fd)
@@ -398,7 +400,8 @@ class LocalStore:
                     raise storage_error(e, self.path(name), "remove") from None
 
     def clean_orphans(self) -> list[str]:
-        removed, now = [], time.time()
+        removed: list[str] = []
+        now = time.time()
         with contextlib.suppress(OSError):
             for folder, _, files, fd in os.fwalk(self.root, follow_symlinks=False):
                 for base in files:
@@ -506,7 +509,8 @@ class FsspecStore:
                 raise storage_error(e, self._fs.unstrip_protocol(path), "remove") from None
 
     def clean_orphans(self) -> list[str]:
-        removed, now = [], time.time()
+        removed: list[str] = []
+        now = time.time()
         try:
             self._fs.invalidate_cache(self._root)
             found = self._fs.find(self._root, detail=True)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from otfload.cache.integrity import VERIFY_FULL, VERIFY_MODES, VERIFY_RECORD, Hasher, mismatches, published_digests
 from otfload.cache.shard_cache import HASH_CHUNK_BYTES, ShardCache
 from otfload.errors import CacheError, CacheIntegrityError
-from otfload.sources.base import Source
+from otfload.sources.base import DownloadableSource, Source
 from otfload.sources.local import LocalSource
 
 
@@ -21,11 +22,12 @@ def default_cache_dir() -> Path:
 
 def wrap_with_cache(
     source: Source,
-    cache_dir: str | os.PathLike | bool | None = None,
+    cache_dir: str | os.PathLike[str] | bool | None = None,
     *,
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
     verify: str = VERIFY_RECORD,
-    **options,
+    owns_source: bool = True,
+    **options: Any,
 ) -> Source:
     """The source a load should read from.
 
@@ -40,6 +42,7 @@ def wrap_with_cache(
     ``verify`` (``"record"`` or ``"full"``) is how cached copies are checked before reuse (see
     :class:`ShardCache`); with ``cache_dir=True`` and a Hub source, ``"full"`` re-hashes every file
     the Hub publishes a sha256 for and raises :class:`~otfload.errors.CacheIntegrityError` on a mismatch.
+    ``owns_source=False`` (``source`` is the caller's): closing the cache leaves ``source`` open.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: expected one of {', '.join(map(repr, VERIFY_MODES))}")
@@ -53,18 +56,18 @@ def wrap_with_cache(
                 f"cache_dir=True caches on one host, but {jax.process_count()} processes are loading "
                 f"{source.description}: name a directory they all share or a gs:// prefix"
             )
-        download = getattr(source, "download", None)
-        if callable(download):
+        if isinstance(source, DownloadableSource):
             for file in source.list_files():
-                path = download(file)
+                path = source.download(file)
                 if verify == VERIFY_FULL:
                     _check_download(source, file, path)
             return source
         cache_dir = default_cache_dir()
-    return ShardCache(source, cache_dir, storage_options=storage_options, verify=verify, **options)
+    return ShardCache(source, cache_dir, storage_options=storage_options, verify=verify, owns_source=owns_source,
+                      **options)
 
 
-def _check_download(source: Source, file: str, path: str | os.PathLike) -> None:
+def _check_download(source: Source, file: str, path: str | os.PathLike[str]) -> None:
     """Re-hash a whole-file copy the source keeps itself (the HF cache) against its published digests."""
     published = published_digests(source, file)
     if not published:

@@ -40,4 +40,5 @@ def create_manager(config: CheckpointConfig) -> CheckpointManager:
             f"{config.manager_class!r} does not implement the CheckpointManager protocol: "
             f"missing {', '.join(missing)}"
         )
-    return cls(config)
+    manager: CheckpointManager = cls(config)
+    return manager

@@ -22,7 +22,7 @@ Key = str | tuple[Hashable, ...]
 
 class _LayerPath(NamedTuple):
     prefix: tuple[Hashable, ...]  # up to and including the layer key
-    index: int | None  # layer index (unscanned) or None (scanned)
+    layer: int | None  # layer index (unscanned) or None (scanned)
     rest: tuple[Hashable, ...]
 
 
@@ -52,7 +52,7 @@ def _layer_path(key: Key, layer_key: str) -> _LayerPath | None:
 
 def detect_scan_layers(keys: Iterable[Key], layer_key: str = "layers") -> bool | None:
     """``True`` for a scanned tree, ``False`` for an unscanned one, ``None`` if it has no layers."""
-    found = {p.index is None for k in keys if (p := _layer_path(k, layer_key)) is not None}
+    found = {p.layer is None for k in keys if (p := _layer_path(k, layer_key)) is not None}
     if len(found) > 1:
         raise LayerLayoutError(f"tree mixes scanned and unscanned {layer_key!r} subtrees")
     return found.pop() if found else None
@@ -70,10 +70,10 @@ def stack_layers(flat: Mapping[Key, Any], layer_key: str = "layers") -> dict[Key
     groups: dict[tuple[tuple[Hashable, ...], tuple[Hashable, ...]], dict[int, tuple[Key, Any]]] = {}
     for key, value in flat.items():
         path = _layer_path(key, layer_key)
-        if path is None or path.index is None:
+        if path is None or path.layer is None:
             _put(out, key, value)
         else:
-            groups.setdefault((path.prefix, path.rest), {})[path.index] = (key, value)
+            groups.setdefault((path.prefix, path.rest), {})[path.layer] = (key, value)
     counts: dict[tuple[Hashable, ...], int] = {}
     for (prefix, rest), by_index in groups.items():
         n = counts.setdefault(prefix, max(by_index) + 1)
@@ -93,7 +93,7 @@ def unstack_layers(flat: Mapping[Key, Any], layer_key: str = "layers") -> dict[K
     out: dict[Key, Any] = {}
     for key, value in flat.items():
         path = _layer_path(key, layer_key)
-        if path is None or path.index is not None:
+        if path is None or path.layer is not None:
             _put(out, key, value)
             continue
         if np.ndim(value) == 0:

@@ -89,12 +89,12 @@ class LayoutMetadata:
         return self.replace(**changes)
 
 
-def mesh_axes_of(mesh: jax.sharding.Mesh) -> dict[str, int]:
+def mesh_axes_of(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> dict[str, int]:
     """``{axis name: size}`` of ``mesh``, in mesh order."""
     return {str(name): int(size) for name, size in mesh.shape.items()}
 
 
-def _mesh_of(leaf: Any) -> jax.sharding.Mesh | None:
+def _mesh_of(leaf: Any) -> jax.sharding.Mesh | jax.sharding.AbstractMesh | None:
     sharding = getattr(leaf, "sharding", None)
     return sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
 

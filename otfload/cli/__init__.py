@@ -1,4 +1,5 @@
-"""The ``otfload`` command line: ``inspect``, ``load``, ``export``, ``reshard``, ``bench``.
+"""The ``otfload`` command line: ``inspect``, ``load``, ``export``, ``reshard``, ``bench``, ``eval``,
+``generate``.
 
 Exit codes: 0 success, 1 a typed :class:`~otfload.errors.OtfloadError` or a file-system ``OSError``
 (its message is printed, without a traceback unless ``--debug``), 2 bad usage.
@@ -12,8 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from otfload.cli import bench, export, inspect, load, options, reshard
+from otfload.cli import eval as eval_
+from otfload.cli import generate as generate_
 
-COMMANDS = (inspect, load, export, reshard, bench)
+COMMANDS = (inspect, load, export, reshard, bench, eval_, generate_)
 
 
 def build_parser() -> argparse.ArgumentParser:

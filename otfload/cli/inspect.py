@@ -35,6 +35,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="when a leaf is read as a band in the storage layout and resharded (default: auto)")
     p.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default=None,
                    help="the devices' platform, for the reshard cost model's interconnect (default: this one's)")
+    p.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
+                   help="quantized weights decoded on load, or kept packed (codes + scales; shows bytes per device)")
     p.add_argument("--mapping", metavar="MODULE:TABLE",
                    help="a mapping table (or a function of config.json returning one) for a model you bring, "
                         "e.g. otfload.mappings.maxtext_llama:TABLE; needs --target")
@@ -113,6 +115,18 @@ def shard_bytes(plan) -> int:
                for index in _index_map(leaf.shape, leaf.sharding).values())
 
 
+def placed_per_device(plan) -> dict[int, int]:
+    """Bytes each device holds once every leaf is placed (kept quantized parts in their stored dtype)."""
+    from otfload.plan.boxes import box_from_index, box_nbytes
+
+    out: dict[int, int] = {}
+    for p in plan.leaves.values():
+        leaf = p.leaf
+        for device, index in _index_map(leaf.shape, leaf.sharding).items():
+            out[device.id] = out.get(device.id, 0) + box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
+    return dict(sorted(out.items()))
+
+
 _INDEX_MAPS: dict = {}
 
 
@@ -138,16 +152,15 @@ def inspect_source(
     from otfload.families.registry import family_for
     from otfload.index.checkpoint import CONFIG_FILE, read_json
     from otfload.read.reader import TensorReader
+    from otfload.sources.owned import owned
 
     _, plan, src = plan_model(source, **kwargs)
-    try:
+    with owned(src, source):  # a Source the caller passed in stays open
         config = read_json(src, CONFIG_FILE)
         description = src.description
         info = describe_plan(plan, description, config.get("model_type"), family_for(config).name,
                              kwargs.get("scan_layers", True), reader=TensorReader(src),
                              process=(process_index, process_count), reshard=reshard, platform=platform)
-    finally:
-        src.close()
     return info
 
 
@@ -179,10 +192,9 @@ def inspect_custom(source: Any, mapping: str, target: str, mesh: Any, **source_o
 
     from otfload.api import plan_params
     from otfload.index.checkpoint import open_index
-    from otfload.sources import open_source
+    from otfload.sources.owned import owned_source
 
-    src = open_source(source, **source_options)
-    try:
+    with owned_source(source, **source_options) as src:
         config, description = open_index(src, require_config=False).config, src.description
         table = load_object(mapping)
         table = table(config) if callable(table) else table
@@ -191,8 +203,6 @@ def inspect_custom(source: Any, mapping: str, target: str, mesh: Any, **source_o
         with jax.set_mesh(mesh):
             abstract = factory(*(config, mesh)[:takes])
         plan = plan_params(src, abstract, table, mesh=mesh)
-    finally:
-        src.close()
     return describe_plan(plan, description, config.get("model_type"), f"custom mapping {mapping}", None)
 
 
@@ -228,6 +238,10 @@ def describe_plan(
         "scan_layers": scan_layers,
         "leaves": leaves,
         "unused": list(plan.unused),
+        "quantized_kept": {path: {"parts": list(k.parts.values()), "sharding": str(k.spec), "storage": k.storage}
+                           for path, k in getattr(plan, "kept", {}).items()},
+        "quantized_notes": dict(getattr(plan, "kept_notes", {})),
+        "placed_bytes_per_device": placed_per_device(plan) if mesh is not None else {},
         "totals": {
             "leaves": len(leaves),
             "hf_tensors": sum(leaf["num_hf_keys"] for leaf in leaves),
@@ -279,10 +293,24 @@ def format_plan(info: dict) -> str:
            f"({t['fetch_bytes'] / max(1, t['ideal_bytes']):.2f}x its ideal {human_bytes(t['ideal_bytes'])}; "
            f"{t['resharded_leaves']} leaves read as bands and resharded)" if "fetch_bytes" in t else "")
         + f"; largest device shard total {human_bytes(t['device_bytes'])}",
+        *_kept_lines(info),
         f"unused tensors ({len(info['unused'])}):" + (" none" if not info["unused"] else ""),
         *(f"    {line}" for line in summarize_names(info["unused"])),
     ]
     return "\n".join(lines)
+
+
+def _kept_lines(info: dict) -> list[str]:
+    """``quantized="keep"``: the leaves placed packed, why others were not, and bytes per device."""
+    kept, notes = info.get("quantized_kept", {}), info.get("quantized_notes", {})
+    if not kept and not notes:
+        return []
+    per_device = info.get("placed_bytes_per_device", {})
+    lines = [f"kept quantized: {len(kept)} leaves placed packed (codes + scales as stored)"]
+    lines += [f"    {path}: {note}" for path, note in notes.items()]
+    if per_device:
+        lines.append("placed bytes per device: " + ", ".join(f"{d}: {human_bytes(n)}" for d, n in per_device.items()))
+    return lines
 
 
 # Unused-tensor lines printed at most; the rest is counted.
@@ -351,8 +379,8 @@ def run(args: argparse.Namespace) -> int:
                                   **options.source_options(args))
         else:
             info = inspect_source(args.source, process_index=args.process_index, process_count=args.process_count,
-                                  reshard=args.reshard, platform=args.platform, **options.layout_kwargs(args),
-                                  **options.source_options(args))
+                                  reshard=args.reshard, platform=args.platform, quantized=args.quantized,
+                                  **options.layout_kwargs(args), **options.source_options(args))
     except CheckpointMismatchError as e:
         print(json.dumps(problems_json(e), indent=1) if args.json else format_problems(e))
         return 1

@@ -3,7 +3,10 @@
 ``--verify`` runs a forward pass on fixed token ids and checks the logits are finite; when
 transformers is installed and the checkpoint is a local directory it also loads the checkpoint
 with ``AutoModelForCausalLM`` in float32 and compares logits: the max relative difference
-(``max |ours - theirs| / max |theirs|``) must be at most 1e-3 for a float32 model (5e-2 otherwise).
+(``max |ours - theirs| / max |theirs|``) must be at most 1e-3 for a float32 model (5e-2 otherwise);
+with ``--adapter`` (local directories) the reference is PEFT's ``PeftModel`` on that model.
+``--adapter A`` (repeatable) applies PEFT LoRA adapters in order, merged into the weights, or kept
+as separate factors with ``--no-merge-adapter``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)
+    options.add_adapter_args(p)
     p.add_argument("--verify", action="store_true", help="run a forward pass and compare logits with transformers")
+    p.add_argument("--reshard", choices=("auto", "always", "never"), default=None,
+                   help="when a leaf is read as a band in the storage layout and resharded on the devices "
+                        "(default: $OTFLOAD_RESHARD, else auto)")
     p.set_defaults(run=run)
 
 
@@ -41,12 +48,19 @@ def model_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)), np.float32)
 
 
-def transformers_logits(directory: str, ids: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits for ``ids`` (the independent reference)."""
+def transformers_logits(directory: str, ids: np.ndarray, adapters: list[str] | None = None) -> np.ndarray:
+    """transformers' float32 logits for ``ids`` (the independent reference), with ``adapters``
+    applied in order by PEFT (each but the last merged)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if adapters:
+        from peft import PeftModel
+
+        for i, adapter in enumerate(adapters):
+            reference = PeftModel.from_pretrained(reference, adapter)
+            reference = reference.merge_and_unload() if i < len(adapters) - 1 else reference.eval()
     with torch.no_grad():
         return reference(torch.as_tensor(ids)).logits.float().numpy()
 
@@ -55,19 +69,24 @@ def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-def reference_unavailable(source: str) -> str | None:
+def reference_unavailable(source: str, adapters: list[str] | None = None) -> str | None:
     """Why no transformers comparison can run, or None when it can."""
     if not Path(source).is_dir():
         return "the checkpoint is not a local directory"
+    if adapters and not all(Path(a).is_dir() for a in adapters):
+        return "an adapter is not a local directory"
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
+
+        if adapters:
+            import peft  # noqa: F401
     except ImportError:
-        return "transformers (with torch) is not installed"
+        return "transformers (with torch" + (" and peft" if adapters else "") + ") is not installed"
     return None
 
 
-def verify(model, source: str, vocab_size: int) -> bool:
+def verify(model, source: str, vocab_size: int, adapters: list[str] | None = None) -> bool:
     """Print the verification of ``model`` (loaded from ``source``); True when it passed."""
     from flax import nnx
 
@@ -77,13 +96,13 @@ def verify(model, source: str, vocab_size: int) -> bool:
     print(f"verify: logits {logits.shape} {'finite' if finite else 'NOT FINITE'}")
     if not finite:
         return False
-    skipped = reference_unavailable(source)
+    skipped = reference_unavailable(source, adapters)
     if skipped:
         print(f"verify: no comparison with transformers: {skipped}")
         return True
     dtype = np.dtype(nnx.to_flat_state(nnx.state(model, nnx.Param))[0][1].get_value().dtype)
     tolerance = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
-    diff = max_rel_diff(logits, transformers_logits(source, ids))
+    diff = max_rel_diff(logits, transformers_logits(source, ids, adapters))
     ok = diff <= tolerance
     print(f"verify: max relative difference vs transformers {diff:.2e} (tolerance {tolerance:.0e}, {dtype}): "
           f"{'ok' if ok else 'FAILED'}")
@@ -96,9 +115,14 @@ def run(args: argparse.Namespace) -> int:
     from otfload.sources import open_source
 
     source = open_source(args.source, **options.source_options(args))
-    model, report = from_pretrained(source, return_report=True, **options.layout_kwargs(args))
+    model, report = from_pretrained(source, return_report=True, reshard=args.reshard, **options.layout_kwargs(args),
+                                    **options.adapter_kwargs(args))
     print(report.summary())
-    if args.verify and not verify(model, args.source, int(read_json(source, CONFIG_FILE)["vocab_size"])):
+    if not args.merge_adapter:
+        from otfload.adapters.kept import kept_record
+
+        print(f"adapter kept: LoRA factors on {len(kept_record(model).leaves)} leaves")
+    if args.verify and not verify(model, args.source, int(read_json(source, CONFIG_FILE)["vocab_size"]), args.adapter):
         print("otfload: verification failed", file=sys.stderr)
         return 1
     return 0

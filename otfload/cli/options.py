@@ -68,6 +68,20 @@ def add_layout_args(parser: argparse.ArgumentParser, *, mesh_help: str = "mesh a
                         help="stack layers on a leading axis for jax.lax.scan (default: yes)")
 
 
+def add_adapter_args(parser: argparse.ArgumentParser) -> None:
+    """PEFT LoRA adapters applied to the checkpoint, merged or kept."""
+    parser.add_argument("--adapter", action="append", metavar="A",
+                        help="PEFT LoRA adapter (local dir, Hub repo[@revision], URL); repeat for several, in order")
+    parser.add_argument("--merge-adapter", action=argparse.BooleanOptionalAction, default=True,
+                        help="merge the adapter into the base weights (default), or keep its LoRA factors as their "
+                             "own parameters (--no-merge-adapter; one adapter)")
+
+
+def adapter_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``adapter`` and ``merge_adapter`` for ``from_pretrained``."""
+    return dict(adapter=getattr(args, "adapter", None), merge_adapter=getattr(args, "merge_adapter", True))
+
+
 def simulate_devices(n: int | None) -> None:
     """Make JAX see ``n`` CPU devices; must run before JAX initialises its backend."""
     if n is None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otfload.errors import MappingError
+from otfload.errors import ConfigError, MappingError
 from otfload.export.distributed import write_export
 from otfload.export.gather import leaf_arrays
 from otfload.export.job import ExportJob
@@ -15,24 +15,30 @@ from otfload.families.registry import Family
 from otfload.index.checkpoint import CONFIG_FILE, open_index, read_json
 from otfload.models.origin import origin_of
 from otfload.plan.mapping import MappingTable, Rule
-from otfload.sources import Source, open_source
+from otfload.sources import Source
+from otfload.sources.owned import owned_source
 
 
 def _reference(reference: str | os.PathLike | Source | None) -> tuple[dict | None, dict | None]:
     """``(config.json, {key: shape})`` of the reference checkpoint, read from headers only."""
     if reference is None:
         return None, None
-    index = open_index(open_source(reference), require_config=False)
+    with owned_source(reference) as src:
+        index = open_index(src, require_config=False)
     return index.config or None, {k: info.shape for k, info in index.tensors.items()}
 
 
-def load_config(config: Mapping | str | os.PathLike) -> dict:
+def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """An HF ``config.json``: given as a dict, or a path to the file or to its directory."""
     if isinstance(config, Mapping):
         return dict(config)
     path = Path(config)
-    src = open_source(path if path.is_dir() else path.parent)
-    return dict(read_json(src, CONFIG_FILE if path.is_dir() else path.name))
+    name = CONFIG_FILE if path.is_dir() else path.name
+    with owned_source(path if path.is_dir() else path.parent) as src:
+        value = read_json(src, name)
+    if not isinstance(value, dict):
+        raise ConfigError("config", value, "must be a JSON object", file=str(path))
+    return value
 
 
 def export_hf(
@@ -64,10 +70,15 @@ def export_hf(
     """
     ref_config, hf_shapes = _reference(reference)
     origin = origin_of(model_or_params)
-    if config is None and ref_config is None and origin is None:
+    if config is not None:
+        hf_config = load_config(config)
+    elif ref_config is not None:
+        hf_config = ref_config
+    elif origin is not None:
+        hf_config = origin.config
+    else:
         raise MappingError("export_hf needs the HF config for a model otfload did not build: "
                            "pass config= (dict or config.json path) or reference=")
-    hf_config = load_config(config) if config is not None else ref_config or origin.config
     arrays = leaf_arrays(model_or_params)
     job = ExportJob.build(arrays, hf_config, family=family, mapping=mapping, hf_shapes=hf_shapes, dtype=dtype)
     write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite)
@@ -90,6 +101,7 @@ def export_checkpoint(
     using ``source`` as the reference (config and shapes)."""
     from otfload.api import from_pretrained
 
-    src = open_source(source, **source_options)
-    model = from_pretrained(src, mesh=mesh, scan_layers=scan_layers)
-    return export_hf(model, out_dir, reference=src, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    with owned_source(source, **source_options) as src:  # one opening for the load and the reference
+        model = from_pretrained(src, mesh=mesh, scan_layers=scan_layers)
+        return export_hf(model, out_dir, reference=src, dtype=dtype, max_shard_size=max_shard_size,
+                         overwrite=overwrite)

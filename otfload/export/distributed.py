@@ -21,9 +21,9 @@ import math
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -43,7 +43,7 @@ def process_boxes(array: jax.Array) -> dict[int, set[Box]]:
     boxes: dict[int, set[Box]] = {}
     for device, index in array.sharding.devices_indices_map(array.shape).items():
         box = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True))
-        boxes.setdefault(device.process_index, set()).add(box)
+        boxes.setdefault(device.process_index, set()).add(box)  # type: ignore[attr-defined]  # jaxlib's Device
     return boxes
 
 
@@ -70,7 +70,7 @@ class _Fetcher:
         boxes = self._boxes[leaf]
         return boxes is None or holds(boxes.get(owner, set()), array.shape, index)
 
-    def for_owner(self, owner: int) -> Fetch:
+    def for_owner(self, owner: int) -> Callable[[str, tuple[int, ...]], np.ndarray | None]:
         def fetch(leaf: str, index: tuple[int, ...]) -> np.ndarray | None:
             array = self.arrays[leaf]
             if self._local_to(leaf, owner, index):
@@ -97,7 +97,7 @@ def _shared_token() -> str:
 def write_export(
     job: ExportJob,
     arrays: Mapping[str, Any],
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
     *,
     max_shard_size: int | str,
     overwrite: bool,
@@ -119,7 +119,7 @@ def write_export(
         for name, shard in files.items():
             fetch = fetcher.for_owner(owners[name])
             if owners[name] == me:
-                writer.write_safetensors(tmp / name, shard, job.producer(fetch))
+                writer.write_safetensors(tmp / name, shard, job.producer(cast(Fetch, fetch)))  # the owner's: never None
                 continue
             for spec in shard:
                 for leaf, index in job.plan.tensors[spec.key].sources:

@@ -50,7 +50,8 @@ def _take(data: jax.Array, position: tuple[int, ...]) -> np.ndarray:
     if not position:
         return np.asarray(data)
     if data.devices().pop().platform == "cpu":
-        return np.asarray(data)[position]
+        host: np.ndarray = np.asarray(data)[position]
+        return host
     return np.asarray(device_slice(data, position))
 
 

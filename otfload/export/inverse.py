@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -59,14 +60,18 @@ class HFTensor:
         if first.slice is None:
             x = run_forward(first.undo, fetch(first.leaf, first.index))
         else:
-            x = None
+            assembled: np.ndarray | None = None
             for part in self.parts:
                 piece = run_forward(part.undo, fetch(part.leaf, part.index))
-                if x is None:
-                    x = np.empty(self.assembled_shape, piece.dtype)
-                where = [slice(None)] * x.ndim
-                where[part.slice.axis] = slice(part.slice.start, part.slice.stop, part.slice.step)
-                x[tuple(where)] = piece
+                if assembled is None:
+                    assembled = np.empty(self.assembled_shape, piece.dtype)
+                cut = part.slice
+                assert cut is not None  # every part of a sliced tensor has its slice (_tensor)
+                where = [slice(None)] * assembled.ndim
+                where[cut.axis] = slice(cut.start, cut.stop, cut.step)
+                assembled[tuple(where)] = piece
+            assert assembled is not None  # a sliced tensor has parts
+            x = assembled
         x = run_forward(self.undo, x)
         if tuple(x.shape) != self.shape:
             raise MappingError(f"{self.key}: inverse hooks produced shape {x.shape}, expected {self.shape}")
@@ -86,8 +91,22 @@ class _Entry:
     cut: int | None  # position of the Slice hook, if any
     out_shape: Shape  # the leaf slice shape (the forward chain's output)
 
+    @property
+    def cut_at(self) -> int:
+        """:attr:`cut`, for an entry that slices (in a group of several leaves)."""
+        if self.cut is None:
+            raise MappingError(f"{self.key}: leaf {self.leaf!r} shares the HF tensor but does not slice it")
+        return self.cut
 
-def _entries(leaves: Mapping[str, Shape], table: MappingTable, config: Mapping) -> list[_Entry]:
+    @property
+    def cut_hook(self) -> Slice:
+        """The :class:`Slice` at :attr:`cut_at`."""
+        hook = self.hooks[self.cut_at]
+        assert isinstance(hook, Slice)  # cut is where the Slice is (_entries)
+        return hook
+
+
+def _entries(leaves: Mapping[str, Shape], table: MappingTable, config: Mapping[str, Any]) -> list[_Entry]:
     entries, unmapped = [], []
     for path, shape in leaves.items():
         found = table.find(path)
@@ -120,7 +139,7 @@ def _drop_tied(entries: list[_Entry], tied: bool) -> list[_Entry]:
 def _back(entry: _Entry, shape: Shape, start: int, stop: int) -> Shape:
     """Infer the input shape of hooks ``stop .. start-1`` of ``entry`` from the output shape."""
     for i in reversed(range(stop, start)):
-        shape = infer_in_shape(entry.hooks[i], entry.rule.hooks[i], shape, entry.key)
+        shape = infer_in_shape(entry.hooks[i], shape, entry.key)
     return shape
 
 
@@ -128,8 +147,8 @@ def _infer_hf_shape(group: list[_Entry]) -> Shape:
     first = group[0]
     if first.cut is None:
         return _back(first, first.out_shape, len(first.hooks), 0)
-    pieces = [_back(e, e.out_shape, len(e.hooks), e.cut + 1) for e in group]
-    axis = first.hooks[first.cut].axis % len(pieces[0])
+    pieces = [_back(e, e.out_shape, len(e.hooks), e.cut_at + 1) for e in group]
+    axis = first.cut_hook.axis % len(pieces[0])
     assembled = list(pieces[0])
     assembled[axis] = sum(p[axis] for p in pieces)
     return _back(first, tuple(assembled), first.cut, 0)
@@ -164,15 +183,16 @@ def _tensor(group: list[_Entry], hf_shape: Shape) -> HFTensor:
             raise MappingError(f"leaf {e.leaf!r} slice {e.out_shape} does not fit HF tensor {e.key!r} ({got})")
         if e.cut is None:
             return HFTensor(e.key, hf_shape, (Part(e.leaf, e.index, _undo(e, shapes, len(e.hooks), 0)),), hf_shape)
-        parts.append(Part(e.leaf, e.index, _undo(e, shapes, len(e.hooks), e.cut + 1), e.hooks[e.cut]))
+        parts.append(Part(e.leaf, e.index, _undo(e, shapes, len(e.hooks), e.cut + 1), e.cut_hook))
     shapes = chain_shapes(first.hooks, hf_shape)
-    assembled = shapes[first.cut]
-    axes = {p.slice.axis % len(assembled) for p in parts}
-    covered = sorted(i for p in parts for i in slice_positions(p.slice, assembled))
+    assembled = shapes[first.cut_at]
+    cuts = [e.cut_hook for e in group]
+    axes = {cut.axis % len(assembled) for cut in cuts}
+    covered = sorted(i for cut in cuts for i in slice_positions(cut, assembled))
     if len(axes) != 1 or covered != list(range(assembled[axes.pop()])):
         raise MappingError(f"the slices of {first.key!r} by {sorted({e.leaf for e in group})} do not cover "
                            "every position exactly once; cannot invert")
-    return HFTensor(first.key, hf_shape, tuple(parts), assembled, _undo(first, shapes, first.cut, 0))
+    return HFTensor(first.key, hf_shape, tuple(parts), assembled, _undo(first, shapes, first.cut_at, 0))
 
 
 @dataclass(frozen=True)
@@ -189,7 +209,7 @@ class ExportPlan:
 def plan_export(
     leaves: Mapping[str, Shape],
     table: MappingTable,
-    config: Mapping,
+    config: Mapping[str, Any],
     hf_shapes: Mapping[str, Shape] | None = None,
     *,
     tied: bool = False,

@@ -19,7 +19,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,7 +58,9 @@ def natural_key(key: str) -> list:
 
 def split_shards(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
     """Group tensors into shards of at most ``max_bytes`` (oversized tensors alone), in order."""
-    shards, current, size = [], [], 0
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
     for spec in specs:
         if spec.nbytes > max_bytes:
             shards.append([spec])
@@ -72,7 +74,8 @@ def split_shards(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[Tenso
 
 
 def _header(specs: Sequence[TensorSpec]) -> bytes:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for spec in specs:
         header[spec.key] = {"dtype": safetensors_name(spec.dtype), "shape": list(spec.shape),
                             "data_offsets": [offset, offset + spec.nbytes]}

@@ -15,8 +15,9 @@ checkpoint lacks it is a missing tensor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.registry import Family, register
@@ -30,7 +31,7 @@ ATTN = f"{HF}.self_attn"
 KV_B_HEADS = Reshape(("num_heads", -1, "kv_lora_rank"))
 
 
-def _mlp_rules(rule, target: str, source: str) -> list[Rule]:
+def _mlp_rules(rule: Callable[..., Rule], target: str, source: str) -> list[Rule]:
     return [rule(f"{target}.{name}.kernel", f"{source}.{name}_proj.weight") for name in ("gate", "up", "down")]
 
 
@@ -77,7 +78,7 @@ DEEPSEEK_TABLE = MappingTable(
 
 
 
-def deepseek_checks(cfg: DeepseekConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+def deepseek_checks(cfg: DeepseekConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """Layer (plus MTP) and expert counts, vocabulary, width, heads and router rows against the tensors."""
     experts = next((k for k in EXPERT_FIELDS if config.get(k) is not None), EXPERT_FIELDS[0])
     # Without MoE layers (every layer dense) no expert tensor is read, so none is counted.

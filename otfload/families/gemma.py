@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from otfload.config import BOOL, Count, Dim, Fields
 from otfload.config.fields import OBJECT
@@ -33,7 +34,7 @@ MULTIMODAL_PREFIXES = {"model.": "language_model.model.", "lm_head.": "language_
 GEMMA3_MULTIMODAL_TABLE = GEMMA_TABLE.with_source_prefixes(MULTIMODAL_PREFIXES)
 
 
-def text_config(hf: dict) -> GemmaConfig:
+def text_config(hf: dict[str, Any]) -> GemmaConfig:
     """The language model's config of a multimodal ``gemma3`` checkpoint (``text_config``; the
     top-level ``tie_word_embeddings`` wins over the text config's, both default to true)."""
     f = Fields(hf)
@@ -51,11 +52,11 @@ def _prefixed(check: Count | Dim) -> Count | Dim:
     return dataclasses.replace(check, field=f"text_config.{check.field}", tensor=new + check.tensor[len(old):])
 
 
-def gemma_checks(cfg: GemmaConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+def gemma_checks(cfg: GemmaConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     return attention_checks(cfg)
 
 
-def multimodal_checks(cfg: GemmaConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+def multimodal_checks(cfg: GemmaConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """The text model's checks on the ``language_model.`` tensors (counts follow the table's prefix)."""
     return tuple(_prefixed(c) for c in attention_checks(cfg))
 

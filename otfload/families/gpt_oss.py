@@ -8,6 +8,7 @@ stored, so no tensor is transposed."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.llama import LLAMA_TABLE, attention_checks
@@ -37,7 +38,7 @@ GPT_OSS_TABLE = MappingTable(
 
 
 
-def gpt_oss_checks(cfg: MoeConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+def gpt_oss_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """The Llama checks plus the expert count against the router's and fused experts' leading axis."""
     return (
         *attention_checks(cfg),

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, Protocol
 
 from otfload.config import Count, Dim
 from otfload.families.registry import Family, register
@@ -48,7 +49,25 @@ LLAMA_TABLE = MappingTable(
 )
 
 
-def attention_checks(cfg: LlamaConfig, prefix: str = "model.") -> tuple[Count | Dim, ...]:
+class AttentionConfig(Protocol):
+    """The fields of a Llama-style attention config that :func:`attention_checks` compares
+    (:class:`LlamaConfig`, and Gemma's, which shares their names)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def attention_checks(cfg: AttentionConfig, prefix: str = "model.") -> tuple[Count | Dim, ...]:
     """Layer count, vocabulary, width and (kv) heads of a Llama-style config against the tensors
     under ``prefix``."""
     embed, attn = f"{prefix}embed_tokens.weight", f"{prefix}layers.{{layer}}.self_attn"
@@ -62,7 +81,7 @@ def attention_checks(cfg: LlamaConfig, prefix: str = "model.") -> tuple[Count | 
     )
 
 
-def llama_checks(cfg: LlamaConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+def llama_checks(cfg: LlamaConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     return attention_checks(cfg)
 
 

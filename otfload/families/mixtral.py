@@ -4,6 +4,7 @@ per-expert ``w1`` (gate), ``w3`` (up), ``w2`` (down) keys, each stacked on the e
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.llama import LLAMA_TABLE, attention_checks
@@ -25,7 +26,7 @@ MIXTRAL_TABLE = MappingTable(
 
 
 
-def mixtral_checks(cfg: MoeConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+def mixtral_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """The Llama checks plus the expert count against expert indices and router rows."""
     return (
         *attention_checks(cfg),

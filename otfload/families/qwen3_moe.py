@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.llama import LLAMA_TABLE, attention_checks
@@ -53,7 +54,7 @@ QWEN3_MOE_TABLE = (
 
 
 
-def qwen3_moe_checks(cfg: MoeConfig, config: Mapping) -> tuple[Count | Dim, ...]:
+def qwen3_moe_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """The Llama checks plus the expert count against expert indices and router rows."""
     field = next((k for k in EXPERT_FIELDS if config.get(k) is not None), EXPERT_FIELDS[0])
     # Without MoE layers (no experts, or every layer dense) no expert tensor is read, so none is counted.

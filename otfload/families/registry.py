@@ -9,22 +9,36 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from flax import nnx
 
 from otfload.config.tensors import TensorCheck, check_tensors
 from otfload.errors import ConfigError, UnsupportedModelError
 from otfload.plan.mapping import MappingTable
 
 
-def no_checks(cfg: object, config: Mapping) -> Sequence[TensorCheck]:
+class FamilyConfig(Protocol):
+    """A family's parsed config: typed fields, and their values by name for the mapping's hooks."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name → value; the names a mapping table's hooks may refer to."""
+        ...
+
+
+C = TypeVar("C", bound=FamilyConfig)
+
+
+def no_checks(cfg: object, config: Mapping[str, Any]) -> Sequence[TensorCheck]:
     return ()
 
 
 @dataclass(frozen=True)
-class Family:
+class Family(Generic[C]):
     """What otfload needs to build and fill one model family.
 
-    ``parse_config`` turns ``config.json`` into the model's config object (with a ``to_dict()``
-    whose fields the mapping's hooks may name), raising :class:`~otfload.errors.ConfigError` for any
+    ``parse_config`` turns ``config.json`` into the model's config (a :class:`FamilyConfig`: a
+    ``to_dict()`` whose fields the mapping's hooks may name), raising :class:`~otfload.errors.ConfigError` for any
     field of the wrong type, out of range or inconsistent; ``build(cfg, scan_layers=, dtype=, rngs=)``
     constructs the NNX model; ``mapping(cfg)`` returns the table for that config; ``checks(cfg,
     config)`` lists what the checkpoint's tensors must agree with (layer and expert counts, sizes).
@@ -32,12 +46,12 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
-    parse_config: Callable[[dict], object]
-    build: Callable[..., object]
-    mapping: Callable[[object], MappingTable]
-    checks: Callable[[object, Mapping], Sequence[TensorCheck]] = no_checks
+    parse_config: Callable[[dict[str, Any]], C]
+    build: Callable[..., nnx.Module]
+    mapping: Callable[[C], MappingTable]
+    checks: Callable[[C, Mapping[str, Any]], Sequence[TensorCheck]] = no_checks
 
-    def config_for(self, config: dict, tensors: Mapping[str, object]) -> object:
+    def config_for(self, config: dict[str, Any], tensors: Mapping[str, object]) -> C:
         """The parsed config, checked against the checkpoint's ``tensors`` (name → info with ``.shape``)
         before anything is built or planned; a violation is a ConfigError."""
         cfg = self.parse_config(config)
@@ -45,16 +59,16 @@ class Family:
         return cfg
 
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: dict[str, Family[Any]] = {}
 
 
-def register(family: Family) -> Family:
+def register(family: Family[C]) -> Family[C]:
     for model_type in family.model_types:
         _FAMILIES[model_type] = family
     return family
 
 
-def family_for(config: dict) -> Family:
+def family_for(config: Mapping[str, Any]) -> Family[Any]:
     """The registered family of ``config["model_type"]``; a typed error names unknown ones."""
     _load_builtin_families()
     if not isinstance(config, Mapping):

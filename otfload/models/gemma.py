@@ -32,7 +32,6 @@ from otfload.config import (
     Choice,
     Fields,
     Float,
-    List,
     require,
     rope_kind,
 )
@@ -41,6 +40,7 @@ from otfload.config.rope import THETA
 from otfload.errors import ConfigError
 from otfload.models.attention import Context, self_attention
 from otfload.models.base import CacheLayout, CausalLM, group_cache
+from otfload.models.gpt_oss import FULL, LAYER_TYPES, SLIDING  # transformers' layer_types names, defined once
 from otfload.models.layers import (
     Dense,
     Embed,
@@ -55,11 +55,9 @@ from otfload.models.layers import (
 )
 from otfload.models.llama import Attention, Mlp, rope_params
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' activation name -> whether GELU uses the tanh approximation.
 _GELU_APPROXIMATE = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu_fast": True, "gelu": False}
 ACTIVATIONS = Choice(*_GELU_APPROXIMATE)
-LAYER_TYPES = List(Choice(SLIDING, FULL))
 SOFTCAP = Float(0.0, MAX_FACTOR, exclusive_min=True)
 
 Rope = tuple[float, dict | None]  # (theta, scaling)

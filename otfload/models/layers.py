@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from otfload.models.weights import materialize
+
 Params = Mapping[str, object]
 
 
@@ -74,12 +76,13 @@ def run_layers(
     over stacked parameters (a dict whose leaves have a leading ``layers`` axis) or looped over a
     list of per-layer dicts; ``xs`` (a pytree with a leading layer axis, or None) gives each layer
     its slice (a layer's cache, its attention type). Returns ``(x, ys)``, the ``y_i`` stacked on a
-    leading layer axis (None when every ``y_i`` is None)."""
+    leading layer axis (None when every ``y_i`` is None). Stored weights
+    (:mod:`otfload.models.weights`) are materialized one layer at a time."""
     if isinstance(params, Mapping):
-        return jax.lax.scan(lambda h, p_xs: forward(p_xs[0], h, p_xs[1]), x, (params, xs))
+        return jax.lax.scan(lambda h, p_xs: forward(materialize(p_xs[0]), h, p_xs[1]), x, (params, xs))
     ys = []
     for i, p in enumerate(params):
-        x, y = forward(p, x, jax.tree.map(lambda a, i=i: a[i], xs))
+        x, y = forward(materialize(p), x, jax.tree.map(lambda a, i=i: a[i], xs))
         ys.append(y)
     return x, (None if all(y is None for y in ys) else jax.tree.map(lambda *a: jnp.stack(a), *ys))
 

@@ -28,7 +28,7 @@ import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -42,6 +42,7 @@ from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, logical_to_shardi
 # Nearest rules an unmapped leaf's error names, and how alike (difflib ratio) a rule must be to count.
 NEAREST_RULES = 3
 NEAREST_CUTOFF = 0.4
+S = TypeVar("S", bound=Sharding)
 # Metadata keys that hold a Variable's sharding names, in the order they are looked for.
 SHARDING_METADATA = ("out_sharding", "sharding_names", "sharding", "logical_axes")
 
@@ -103,7 +104,7 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def check_divisible(path: str, shape: Sequence[int], sharding: Sharding) -> Sharding:
+def check_divisible(path: str, shape: Sequence[int], sharding: S) -> S:
     """``sharding`` if it fits a leaf of ``shape``; else a typed error naming leaf, axis and sizes."""
     if not isinstance(sharding, NamedSharding):
         try:
@@ -205,11 +206,11 @@ def leaf_sharding(
         return check_divisible(path, shape, value_sharding), None
     if isinstance(names, NamedSharding):
         return check_divisible(path, shape, _on_mesh(path, names, mesh)), None
-    if names is not None and mesh is None:
-        raise MeshRequiredError(f"leaf {path!r} has sharding names {names} but no mesh: pass mesh=")
-    if isinstance(names, PartitionSpec):
-        return check_divisible(path, shape, NamedSharding(mesh, names)), None
     if names is not None:
+        if mesh is None:
+            raise MeshRequiredError(f"leaf {path!r} has sharding names {names} but no mesh: pass mesh=")
+        if isinstance(names, PartitionSpec):
+            return check_divisible(path, shape, NamedSharding(mesh, names)), None
         return sharding_from_names(path, names, shape, mesh, _rules_for(metadata, rules)), tuple(names)
     if mesh is None:
         raise MeshRequiredError(f"leaf {path!r} has no sharding and no mesh was given: pass mesh=")

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from otfload.sources.ranges import group_ranges, merge_run_arrays  # byte-run merging lives with the reads
+
 Box = tuple[tuple[int, int], ...]
 # Per dimension, sorted disjoint half-open intervals; the selected elements are their product.
 Selection = tuple[tuple[tuple[int, int], ...], ...]
@@ -136,12 +138,6 @@ def cover_range(lo: int, hi: int, shape: Sequence[int]) -> Box:
     return tuple(box)
 
 
-def represents_range(box: Box, shape: Sequence[int]) -> bool:
-    """Whether ``box`` holds exactly the elements of its flat range (no holes)."""
-    lo, hi = flat_range(box, shape)
-    return box_size(box) == hi - lo
-
-
 # --- selections ------------------------------------------------------------------------------------
 
 
@@ -239,29 +235,6 @@ def selection_pieces(shape: Sequence[int], itemsize: int, selection: Selection, 
 # --- what a reader fetches -------------------------------------------------------------------------
 
 
-def _group(starts: np.ndarray, ends: np.ndarray, join: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Ranges ``[starts, ends)`` (sorted) with range ``k`` joined to ``k + 1`` where ``join[k]``."""
-    first = np.concatenate([[0], np.flatnonzero(~join) + 1]).astype(np.int64)
-    return starts[first], np.maximum.reduceat(ends, first)
-
-
-def merge_run_arrays(
-    starts: np.ndarray, lengths: np.ndarray, max_gap: int, max_extra: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`merge_runs` on arrays of sorted, disjoint runs; returns ``(starts, lengths)``."""
-    if len(starts) < 2:
-        return starts, lengths
-    ends = starts + lengths
-    gaps = starts[1:] - ends[:-1]
-    order = np.argsort(gaps, kind="stable")
-    spent = np.cumsum(gaps[order])
-    take = int(np.searchsorted((gaps[order] > max_gap) | (spent > max_extra), True))  # a prefix: gaps ascend
-    join = np.zeros(len(gaps), bool)
-    join[order[:take]] = True
-    s, e = _group(starts, ends, join)
-    return s, e - s
-
-
 def page_run_arrays(
     starts: np.ndarray, lengths: np.ndarray, base: int, limit: int, page: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -271,7 +244,7 @@ def page_run_arrays(
     s = np.maximum(0, (base + starts) // page * page - base)
     e = np.minimum(limit, -(-(base + starts + lengths) // page) * page - base)
     reach = np.maximum.accumulate(e)
-    s, e = _group(s, e, s[1:] <= reach[:-1])
+    s, e = group_ranges(s, e, s[1:] <= reach[:-1])
     return s, e - s
 
 

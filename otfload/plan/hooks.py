@@ -14,7 +14,9 @@ shard needs:
 
 Hooks may name config fields instead of numbers (``Reshape(("num_attention_heads", -1))``);
 :meth:`Hook.resolve` substitutes them once per load. :meth:`Hook.inverse` gives the hook that
-undoes this one, so export runs the same mapping table backwards.
+undoes this one, so export runs the same mapping table backwards, and :meth:`Hook.in_shape` answers
+which input shape gives an output shape (:meth:`Hook.out_shape` backwards), so an export without a
+reference checkpoint knows the HF tensor shapes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +48,11 @@ Shape = tuple[int, ...]
 MAX_RESHAPE_INTERVALS = 1 << 16
 
 
-def _config_value(config: Mapping, name: str) -> object:
+def _config_value(config: Mapping[str, Any], name: str) -> Any:
     if name not in config:
-        raise MappingError(f"hook refers to config field {name!r}, which config.json does not have")
+        raise MappingError(f"hook refers to config field {name!r}, which the config its mapping table is resolved "
+                           "against (a family's parsed config, or load_params' config=) does not have: the table "
+                           "names a field that config lacks")
     return config[name]
 
 
@@ -55,12 +60,23 @@ def _config_value(config: Mapping, name: str) -> object:
 class Hook:
     """Base class: a whole-tensor transform; subclasses override the box methods when they can."""
 
-    def resolve(self, config: Mapping) -> Hook:
+    def resolve(self, config: Mapping[str, Any]) -> Hook:
         """This hook with config field names replaced by their values."""
         return self
 
     def out_shape(self, in_shape: Shape) -> Shape:
         raise NotImplementedError
+
+    def in_shape(self, out_shape: Shape) -> Shape:
+        """The input shape this hook turns into ``out_shape``; :class:`MappingError` when the output
+        does not determine it. Default: a hook that leaves ``out_shape`` as it is left it as it was."""
+        out_shape = tuple(out_shape)
+        try:
+            if tuple(self.out_shape(out_shape)) == out_shape:
+                return out_shape
+        except (MappingError, NotImplementedError, ValueError, IndexError):
+            pass
+        raise MappingError(f"{self}: the output shape {out_shape} does not determine the input shape")
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -87,24 +103,36 @@ class Transpose(Hook):
 
     perm: tuple[int, ...] | None = None
 
-    def _perm(self, ndim: int) -> tuple[int, ...]:
+    def permutation(self, ndim: int) -> tuple[int, ...]:
+        """Output dim ``i`` is input dim ``permutation(ndim)[i]``."""
         return tuple(range(ndim))[::-1] if self.perm is None else tuple(self.perm)
+
+    _perm = permutation  # the former private name, still used by otfload/plan/keep.py
 
     def out_shape(self, in_shape: Shape) -> Shape:
         return tuple(in_shape[p] for p in self._perm(len(in_shape)))
 
+    def in_shape(self, out_shape: Shape) -> Shape:
+        shape = [0] * len(out_shape)
+        for out_dim, in_dim in enumerate(self.permutation(len(out_shape))):
+            shape[in_dim] = out_shape[out_dim]
+        return tuple(shape)
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         return x.transpose(self._perm(x.ndim))
 
+    def _out_dim_of(self, ndim: int) -> list[int]:
+        """For each input dim, the output dim it becomes."""
+        where = [0] * ndim
+        for out_dim, in_dim in enumerate(self.permutation(ndim)):
+            where[in_dim] = out_dim
+        return where
+
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
-        perm = self._perm(len(in_shape))
-        box = [None] * len(perm)
-        for out_dim, in_dim in enumerate(perm):
-            box[in_dim] = out_box[out_dim]
-        return tuple(box)
+        return tuple(out_box[d] for d in self._out_dim_of(len(in_shape)))
 
     def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
-        return self.needed(out_sel, in_shape)  # a permutation of the dims, whatever they hold
+        return tuple(out_sel[d] for d in self._out_dim_of(len(in_shape)))  # the dims permuted, whatever they hold
 
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         perm = self._perm(len(in_shape))
@@ -112,6 +140,27 @@ class Transpose(Hook):
 
     def inverse(self, in_shape: Shape) -> Hook:
         return Transpose(tuple(int(i) for i in np.argsort(self._perm(len(in_shape)))))
+
+
+def head_run(spec: tuple[int | str, ...]) -> tuple[int, int] | None:
+    """``(start, stop)`` of the one run of adjacent head-named entries of a reshape spec, extended
+    by an adjacent ``-1`` when it is a single entry (``("rank", "heads", -1)``); None if ambiguous."""
+    named = [isinstance(d, str) and "head" in d for d in spec]
+    runs, start = [], None
+    for i, flag in enumerate([*named, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    if len(runs) != 1:
+        return None
+    a, b = runs[0]
+    if b - a == 1 and b < len(spec) and spec[b] == -1:
+        b += 1
+    elif b - a == 1 and a > 0 and spec[a - 1] == -1:
+        a -= 1
+    return (a, b) if b - a >= 2 else None
 
 
 def reshape_groups(in_shape: Shape, out_shape: Shape) -> list[tuple[list[int], list[int]]]:
@@ -142,18 +191,37 @@ def reshape_groups(in_shape: Shape, out_shape: Shape) -> list[tuple[list[int], l
 
 @dataclass(frozen=True)
 class Reshape(Hook):
-    """Reshape to ``shape``; entries may be ints, ``-1`` or config field names."""
+    """Reshape to ``shape``; entries may be ints, ``-1`` or config field names.
+
+    ``written`` is the spec as the table wrote it (field names kept), which :meth:`resolve` passes
+    on: it is what :meth:`in_shape` reads to tell merged head dims apart.
+    """
 
     shape: tuple[int | str, ...]
+    written: tuple[int | str, ...] | None = field(default=None, compare=False, repr=False)
 
-    def resolve(self, config: Mapping) -> Hook:
+    def resolve(self, config: Mapping[str, Any]) -> Hook:
         dims = tuple(int(_config_value(config, d)) if isinstance(d, str) else int(d) for d in self.shape)
-        return Reshape(dims)
+        return Reshape(dims, written=self.written or self.shape)
+
+    def in_shape(self, out_shape: Shape) -> Shape:
+        """A reshape's output does not determine its input: ``[hidden, heads, head_dim]`` could come
+        from ``[hidden, heads * head_dim]`` or from ``[hidden * heads, head_dim]``. HF checkpoints
+        store attention projections with the head dims merged, so the input merges the one run of
+        adjacent output dims the table names after head counts or sizes (config fields containing
+        ``head``; a lone one with an adjacent ``-1``); any other spec raises :class:`MappingError`."""
+        spec = self.written or self.shape
+        run = head_run(tuple(spec))
+        if run is None:
+            raise MappingError(f"{Reshape(tuple(spec))}: the output shape {tuple(out_shape)} does not determine the "
+                               "input shape (no single run of head-named dims to merge)")
+        a, b = run
+        return (*out_shape[:a], math.prod(out_shape[a:b]), *out_shape[b:])
 
     def out_shape(self, in_shape: Shape) -> Shape:
-        dims = list(self.shape)
-        if any(isinstance(d, str) for d in dims):
+        if any(isinstance(d, str) for d in self.shape):
             raise MappingError(f"{self} was not resolved against a config")
+        dims = [int(d) for d in self.shape]
         if -1 in dims:
             known = math.prod(d for d in dims if d != -1)
             dims[dims.index(-1)] = math.prod(in_shape) // known if known else 0
@@ -218,11 +286,14 @@ class Scale(Hook):
 
     factor: float | str
 
-    def resolve(self, config: Mapping) -> Hook:
+    def resolve(self, config: Mapping[str, Any]) -> Hook:
         return Scale(float(_config_value(config, self.factor))) if isinstance(self.factor, str) else self
 
     def out_shape(self, in_shape: Shape) -> Shape:
         return tuple(in_shape)
+
+    def in_shape(self, out_shape: Shape) -> Shape:
+        return tuple(out_shape)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         return (x * np.asarray(self.factor, dtype=x.dtype)).astype(x.dtype)
@@ -253,19 +324,27 @@ class Slice(Hook):
     stop: int | str | None = None
     step: int = 1
 
-    def resolve(self, config: Mapping) -> Hook:
-        def value(v):
-            return int(_config_value(config, v)) if isinstance(v, str) else v
+    def resolve(self, config: Mapping[str, Any]) -> Hook:
+        start = int(_config_value(config, self.start)) if isinstance(self.start, str) else self.start
+        stop = int(_config_value(config, self.stop)) if isinstance(self.stop, str) else self.stop
+        return dataclasses.replace(self, start=start, stop=stop)
 
-        return dataclasses.replace(self, start=value(self.start), stop=value(self.stop))
-
-    def _range(self, n: int) -> range:
+    def positions(self, n: int) -> range:
+        """The indices this slice keeps of an axis of length ``n``."""
+        if isinstance(self.start, str) or isinstance(self.stop, str):
+            raise MappingError(f"{self} was not resolved against a config")
         return range(n)[slice(self.start, self.stop, self.step)]
 
     def out_shape(self, in_shape: Shape) -> Shape:
         shape = list(in_shape)
-        shape[self.axis] = len(self._range(in_shape[self.axis]))
+        shape[self.axis] = len(self.positions(in_shape[self.axis]))
         return tuple(shape)
+
+    def in_shape(self, out_shape: Shape) -> Shape:
+        if self.start in (0, None) and self.stop is None and self.step == 1:  # keeps the whole axis
+            return tuple(out_shape)
+        raise MappingError(f"{self} keeps part of axis {self.axis}: the output shape {tuple(out_shape)} does not "
+                           "determine the input shape")
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         index = [slice(None)] * x.ndim
@@ -274,7 +353,7 @@ class Slice(Hook):
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
         axis = self.axis % len(in_shape)
-        kept = self._range(in_shape[axis])
+        kept = self.positions(in_shape[axis])
         lo, hi = out_box[axis]
         box = list(out_box)
         box[axis] = (kept[lo], kept[hi - 1] + 1) if hi > lo else (0, 0)
@@ -282,7 +361,7 @@ class Slice(Hook):
 
     def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
         axis = self.axis % len(in_shape)
-        kept = self._range(in_shape[axis])
+        kept = self.positions(in_shape[axis])
         spans: list[tuple[int, int]] = []
         for lo, hi in out_sel[axis]:
             picked = kept[lo:hi]
@@ -296,7 +375,7 @@ class Slice(Hook):
 
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         axis = self.axis % len(in_shape)
-        kept = self._range(in_shape[axis])
+        kept = self.positions(in_shape[axis])
         a, b = in_box[axis]
         positions = [j for j, p in enumerate(kept) if a <= p < b]
         lo, hi = (positions[0], positions[-1] + 1) if positions else (0, 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
@@ -64,7 +65,7 @@ class LeafPlan:
         if not self.sources:
             return ""
         first = self.sources[0]
-        return first.storage if is_derived(first) else str(first.dtype)
+        return str(first.dtype) if isinstance(first, TensorInfo) else first.storage
 
     def describe(self) -> dict:
         """A JSON-able summary (what ``otfload inspect`` prints)."""
@@ -91,6 +92,9 @@ class LoadPlan:
     leaves: dict[str, LeafPlan]
     unused: list[str] = field(default_factory=list)
     activation: dict[str, TensorInfo] = field(default_factory=dict)  # activation-side quantization scales
+    # quantized="keep" (otfload.plan.keep): leaves placed packed, and why others were not / how sharded
+    kept: dict[str, Any] = field(default_factory=dict)
+    kept_notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def source_bytes(self) -> int:
@@ -99,11 +103,15 @@ class LoadPlan:
         return sum(unique.values())
 
 
-def _lookup(index: CheckpointIndex, rule: Rule, values: dict[str, int]) -> tuple[str, TensorInfo | None]:
+def _lookup(
+    index: CheckpointIndex, rule: Rule, values: dict[str, int]
+) -> tuple[str, TensorInfo | DerivedTensor | None]:
     key = format_key(rule.source, values)
     for candidate in (key, *(format_key(f, values) for f in rule.fallbacks)):
         if candidate in index:
-            return candidate, index[candidate]
+            # A QuantizedTensor is a DerivedTensor at run time; mypy disagrees only because the
+            # protocol in index/derived.py declares settable attributes where it has frozen fields.
+            return candidate, cast(TensorInfo | DerivedTensor, index[candidate])
     return key, None
 
 

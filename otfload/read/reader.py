@@ -45,9 +45,11 @@ from otfload.read.arena import Arena
 from otfload.sources.base import RangeRead, Source
 from otfload.sources.ranges import coalesced_extents, expected_fetch, gap_policy
 
-# Reading a gap costs gap / ~10 GB/s; a separate request costs ~2 µs locally (a preadv) and far
-# more remotely, so gaps up to this size per run are cheaper to read than to skip.
-COALESCE_GAP_BYTES = 32 * 1024
+# The gap *inside one tensor's box* that reading the box as one span (first element to last) may
+# read per run it merges, instead of one read per run: a gap costs gap / ~10 GB/s, a separate read
+# ~2 µs locally (a preadv), so ~20 KiB breaks even; 32 KiB. Remote requests merge across larger
+# gaps later, between ranges of a file (sources.ranges.REMOTE_REQUEST_GAP_BYTES, 1 MiB).
+BOX_SPAN_GAP_BYTES = 32 * 1024
 # ... but never more than this fraction of the box's own bytes: when a process needs a column block,
 # the gaps are the other processes' columns, which it must not read (bytes per process ≈ its share).
 MAX_OVERREAD_FRACTION = 0.1
@@ -172,7 +174,7 @@ def _span(info: TensorInfo, box: Box, pieces: Pieces) -> tuple[int, int] | None:
     end = int((src + length).max())
     needed = int(length.sum())
     extra = end - start - needed
-    if extra <= min(COALESCE_GAP_BYTES * (len(src) - 1), MAX_OVERREAD_FRACTION * needed):
+    if extra <= min(BOX_SPAN_GAP_BYTES * (len(src) - 1), MAX_OVERREAD_FRACTION * needed):
         return start, end - start
     return None
 
@@ -305,6 +307,21 @@ class TensorReader:
         pieces = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
         mode, starts, lengths = self._fetch_plan(info, box, pieces, view_ok)
         return self._source_fetches(starts, lengths, mode)
+
+    def fetch_ranges(
+        self, info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None
+    ) -> list[tuple[str, int, int]]:
+        """``(file, offset, length)`` of every range :meth:`read_box` of a mapping source will fetch
+        for ``box`` (file offsets, page-merged as read), computed without reading: what a read-ahead
+        announces. A derived tensor read with holes gives none (its parts' reads are not announced)."""
+        selection = _useful_selection(info, box, selection)
+        if is_derived(info):
+            if selection is not None:
+                return []
+            return [r for part, pbox in info.part_boxes(box).values() for r in self.fetch_ranges(part, pbox)]
+        pieces = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
+        _, starts, lengths = self._fetch_plan(info, box, pieces, view_ok=True)
+        return [(info.file, info.offset + s, n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
 
     def _mapped(self, info: TensorInfo):
         # The source checks that the file still holds the whole tensor before anything touches it.

@@ -3,6 +3,19 @@
 A source is a flat namespace of files (``config.json``, ``model-00001-of-00002.safetensors``, ...)
 that can be listed, sized and read by byte range. Everything above this layer (index, plan, read)
 sees only this protocol, so a local directory, a Hub repository and a bucket prefix behave alike.
+
+Some sources can do more, and say so by the methods they have; each optional capability is a small
+protocol here, checked with ``isinstance`` (which a type checker follows, unlike ``getattr``):
+
+- :class:`MappedSource` — maps local files: reads are zero-copy page-cache views, announced before
+  they are touched and released after (:class:`~otfload.sources.local.LocalSource`);
+- :class:`RangePrefetchingSource` — announces several ranges of a file in one call;
+- :class:`PageGranularSource` — says whether its files are read in whole pages (local files);
+- :class:`DownloadableSource` — keeps whole-file copies itself (the Hub's cache);
+- :class:`HashedSource` / :class:`DigestSource` — publishes a file's sha256 / other checksums;
+- :class:`PinnedSource` — is pinned to a commit (a Hub revision), part of a shard cache's key.
+
+Who closes a source is decided in one place: :mod:`otfload.sources.owned`.
 """
 
 from __future__ import annotations
@@ -47,6 +60,75 @@ class Source(Protocol):
     def close(self) -> None:
         """Release open handles."""
         ...
+
+
+@runtime_checkable
+class MappedSource(Protocol):
+    """A source that maps its files: :meth:`mapped` gives a read-only view of the page cache."""
+
+    @property
+    def use_mmap(self) -> bool:
+        """Whether reads go through mappings (a local source opened with ``mmap=False`` has none)."""
+        ...
+
+    def mapped(self, file: str, offset: int = 0, length: int = 0) -> memoryview | None:
+        """A view of the whole of ``file`` once ``offset + length`` bytes are checked present; None if
+        this file is not mapped."""
+        ...
+
+    def prefetch(self, file: str, offset: int, length: int) -> None:
+        """Announce that ``length`` bytes from ``offset`` are about to be read (read-ahead)."""
+        ...
+
+    def release(self, file: str, offset: int, length: int) -> None:
+        """Done with the range: its pages may leave this process's memory."""
+        ...
+
+
+@runtime_checkable
+class RangePrefetchingSource(Protocol):
+    """A source that announces several ``(offset, length)`` ranges of one file in one call."""
+
+    def prefetch_ranges(self, file: str, ranges: Sequence[tuple[int, int]]) -> None: ...
+
+
+@runtime_checkable
+class PageGranularSource(Protocol):
+    """A source that says whether its files are read in whole pages (local files: the kernel's unit)."""
+
+    @property
+    def page_granular(self) -> bool: ...
+
+
+@runtime_checkable
+class DownloadableSource(Protocol):
+    """A source that keeps complete local copies of its files (the Hub's own cache)."""
+
+    def download(self, file: str) -> str:
+        """The path of a complete, checked local copy of ``file``, fetched if needed."""
+        ...
+
+
+@runtime_checkable
+class HashedSource(Protocol):
+    """A source that publishes the sha256 of (some of) its files."""
+
+    def sha256(self, file: str) -> str | None: ...
+
+
+@runtime_checkable
+class DigestSource(Protocol):
+    """A source that publishes other checksums of its files (``{"md5": ..., "crc32c": ...}``)."""
+
+    def digests(self, file: str) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class PinnedSource(Protocol):
+    """A source pinned to one commit of a versioned store (a Hub revision resolved when opened)."""
+
+    @property
+    def commit(self) -> str | None: ...
 
 
 def read_bytes(source: Source, file: str, offset: int = 0, length: int | None = None) -> bytes:

@@ -118,7 +118,7 @@ class HubSource(RetriedCalls):
         revision: str | None = None,
         token: str | None = None,
         endpoint: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         local_files_only: bool = False,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,

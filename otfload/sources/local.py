@@ -45,6 +45,7 @@ from otfload.errors import (
 )
 from otfload.sources.base import RangeRead
 from otfload.sources.ranges import fetching
+from otfload.sources.residency import resident_fraction
 
 # Ranges about to be read are announced with posix_fadvise(WILLNEED) in pieces of at most this size:
 # the kernel then reads those pages and no more. Measured on this VM (read_ahead_kb 8192): a 1 MiB
@@ -294,6 +295,26 @@ class LocalSource:
         self._advise(file, ranges)
         for offset, length in ranges:
             self._populate_range(file, region, offset, length)
+
+    def advise(self, file: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """Ask the kernel to start reading ``(offset, length)`` ranges into the page cache and return
+        at once (``posix_fadvise(WILLNEED)``): a read-ahead. Advisory: never raises for I/O."""
+        self._advise(file, [(offset, length) for offset, length in ranges if length > 0])
+
+    def resident_fraction(self, file: str, offset: int, length: int, max_pages: int | None = None) -> float | None:
+        """The fraction of the pages of ``[offset, offset + length)`` of ``file`` in the page cache
+        (``mincore``; no I/O; estimated from ``max_pages`` sampled pages if given); None when it
+        cannot be known."""
+        region = self._region(file)
+        if region is not None and not region.closed:
+            with contextlib.suppress(ValueError):  # unmapped meanwhile: probe a fresh mapping
+                return resident_fraction(region, offset, length, max_pages)
+        with self._use(file) as entry:
+            try:
+                with mmap.mmap(entry.fd, 0, access=mmap.ACCESS_READ) as probe:
+                    return resident_fraction(probe, offset, length, max_pages)
+            except (OSError, ValueError):  # an empty file, or out of map areas
+                return None
 
     def _advise(self, file: str, ranges: Sequence[tuple[int, int]]) -> None:
         """``posix_fadvise(WILLNEED)`` on exactly ``ranges``, in pieces of at most ADVISE_CHUNK_BYTES.

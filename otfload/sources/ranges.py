@@ -27,14 +27,16 @@ from otfload.errors import SourceProtocolError
 from otfload.sources.base import RangeRead
 from otfload.sources.retry import CancelToken, LoadCancelled, TransientError, cancel_scope, current_token
 
-# A gap this small costs ~1 ms to read at 1 GB/s, less than one request round trip (5-50 ms).
-COALESCE_GAP_BYTES = 1 << 20
+# The gap *between two ranges of one remote file* that one request may read through instead of
+# making two requests: 1 MiB costs ~1 ms at 1 GB/s, less than one round trip (5-50 ms). Much larger
+# than read.reader.BOX_SPAN_GAP_BYTES (32 KiB), whose alternative is a ~2 µs local read, not a request.
+REMOTE_REQUEST_GAP_BYTES = 1 << 20
 # ... but the gaps of one batch together stay within this fraction of the bytes asked for, or one
 # gap's worth per file (at most one round trip's time), whichever is more: when a process needs a
 # column block, the gaps are the other processes' columns (merging every gap below 1 MiB fetched 64
 # MiB for 2 MiB needed, issue 17).
 MAX_GAP_FRACTION = 0.1
-GAP_ALLOWANCE_BYTES = COALESCE_GAP_BYTES
+GAP_ALLOWANCE_BYTES = REMOTE_REQUEST_GAP_BYTES
 # Cap on one request: bounds the temporary buffer of a coalesced run and splits huge tensors into
 # pieces that can be fetched in parallel and retried cheaply.
 MAX_RUN_BYTES = 64 << 20
@@ -198,23 +200,47 @@ def _gap_budget(asked: int, files: int, fraction: float | None = None) -> int:
     return max(allowance * files, int((policy_fraction if fraction is None else fraction) * asked))
 
 
+def group_ranges(starts: np.ndarray, ends: np.ndarray, join: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ranges ``[starts, ends)`` (sorted) with range ``k`` joined to ``k + 1`` where ``join[k]``."""
+    first = np.concatenate([[0], np.flatnonzero(~join) + 1]).astype(np.int64)
+    return starts[first], np.maximum.reduceat(ends, first)
+
+
+def merge_run_arrays(
+    starts: np.ndarray, lengths: np.ndarray, max_gap: int, max_extra: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~otfload.plan.boxes.merge_runs` on arrays of sorted, disjoint runs: the gaps are
+    joined smallest first while each is at most ``max_gap`` and together at most ``max_extra``
+    bytes; returns ``(starts, lengths)``."""
+    if len(starts) < 2:
+        return starts, lengths
+    ends = starts + lengths
+    gaps = starts[1:] - ends[:-1]
+    order = np.argsort(gaps, kind="stable")
+    spent = np.cumsum(gaps[order])
+    take = int(np.searchsorted((gaps[order] > max_gap) | (spent > max_extra), True))  # a prefix: gaps ascend
+    join = np.zeros(len(gaps), bool)
+    join[order[:take]] = True
+    s, e = group_ranges(starts, ends, join)
+    return s, e - s
+
+
 def coalesced_extents(
     starts: np.ndarray, lengths: np.ndarray, fraction: float = MAX_GAP_FRACTION, allowance: int = GAP_ALLOWANCE_BYTES
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """What :func:`coalesce` fetches under ``gap_policy(fraction, allowance)`` for sorted, disjoint
     reads of one file: ``(starts, lengths, requests)`` — to plan what a remote source will fetch."""
-    from otfload.plan.boxes import merge_run_arrays
-
     asked = int(lengths.sum())
     budget = max(allowance, int(fraction * asked))
-    starts, lengths = merge_run_arrays(starts, lengths, COALESCE_GAP_BYTES, budget)
+    starts, lengths = merge_run_arrays(starts, lengths, REMOTE_REQUEST_GAP_BYTES, budget)
     return starts, lengths, int((-(-lengths // remote_chunk_bytes(asked))).sum())  # remote sources' request size
 
 
 def _joinable(segments: list[tuple[str, int, memoryview]], gap: int, budget: int) -> set[int]:
     """Indices ``i`` whose hole to segment ``i + 1`` is read: the smallest holes first, each at most
     ``gap``, all together at most ``budget`` (overlaps and touching segments always join)."""
-    holes, ends = [], {}
+    holes: list[tuple[int, int]] = []
+    ends: dict[str, int] = {}
     for i in range(len(segments) - 1):
         file, start, out = segments[i]
         ends[file] = max(ends.get(file, start), start + len(out))
@@ -232,7 +258,7 @@ def _joinable(segments: list[tuple[str, int, memoryview]], gap: int, budget: int
 
 def coalesce(
     reads: Sequence[RangeRead],
-    gap: int = COALESCE_GAP_BYTES,
+    gap: int = REMOTE_REQUEST_GAP_BYTES,
     max_run: int = MAX_RUN_BYTES,
     max_gap_fraction: float | None = None,
 ) -> list[Run]:
@@ -248,7 +274,9 @@ def coalesce(
     asked = sum(len(out) for _, _, out in segments)
     joined = _joinable(segments, gap, _gap_budget(asked, len({f for f, _, _ in segments}), max_gap_fraction))
     runs: list[Run] = []
-    file, start, end, pieces = None, 0, 0, []
+    file: str | None = None
+    start, end = 0, 0
+    pieces: list[Piece] = []
     for k, (seg_file, seg_start, out) in enumerate(segments):
         seg_end = seg_start + len(out)
         near = seg_start <= end or (k - 1) in joined
@@ -312,7 +340,9 @@ def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX
             # Only now: a sibling it cancelled can end (LoadCancelled) before the failing run has.
             failed = [f for f in futures if not f.cancelled() and f.exception() is not None]
             failed.sort(key=lambda f: isinstance(f.exception(), LoadCancelled))  # a real failure first
-            raise failed[0].exception()
+            error = failed[0].exception()
+            assert error is not None  # failed holds futures that raised
+            raise error
     finally:
         token.cancel()  # nothing is left running; detaches the token from its parent's work
         pool.shutdown(wait=True, cancel_futures=True)

@@ -126,7 +126,7 @@ class CancelToken:
     def __init__(self, parent: CancelToken | None = None):
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._callbacks: dict[int, Callable[[], object]] = {}
         self._ids = itertools.count()
         self._children: weakref.WeakSet[CancelToken] = weakref.WeakSet()
         if parent is not None:
@@ -155,13 +155,18 @@ class CancelToken:
         """Sleep up to ``seconds``; True if cancelled meanwhile (returns at once then)."""
         return self._event.wait(max(0.0, seconds))
 
-    def on_cancel(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """Run ``fn`` when cancelled (now, if already); returns a function unregistering it."""
+    def on_cancel(self, fn: Callable[[], object]) -> Callable[[], None]:
+        """Run ``fn`` when cancelled (now, if already; what it returns is ignored); returns a
+        function unregistering it."""
         with self._lock:
             if not self._event.is_set():
                 key = next(self._ids)
                 self._callbacks[key] = fn
-                return lambda: self._callbacks.pop(key, None)
+
+                def unregister() -> None:
+                    self._callbacks.pop(key, None)
+
+                return unregister
         fn()
         return lambda: None
 
@@ -328,7 +333,7 @@ class RetryPolicy:
     def delay(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (0-based): half fixed, half random, capped."""
         ceiling = min(self.max_delay_s, self.base_delay_s * 2**retry)
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
+        return float(ceiling / 2 + random.uniform(0, ceiling / 2))
 
     def attempt_budget(self, nbytes: int) -> float:
         """Seconds one attempt fetching ``nbytes`` may take, from connecting to its last byte."""
@@ -409,7 +414,10 @@ class RetriedCalls:
 
     _retry: RetryPolicy
     _deadline: Deadline = NO_DEADLINE
-    description: str
+
+    @property
+    def description(self) -> str:
+        raise NotImplementedError
 
     def _translated(self, file: str | None, url: str = "") -> AbstractContextManager[None]:
         raise NotImplementedError

@@ -69,8 +69,8 @@ def test_adapter_only_location_without_base_name_is_an_error(llama_adapter, tmp_
 
 def test_merge_adapter_false_and_bad_adapter_arguments(llama_adapter):
     path, _, (adapter,) = llama_adapter
-    with pytest.raises(AdapterError, match="merge_adapter=False"):
-        otfload.from_pretrained(path, adapter=adapter, merge_adapter=False)
+    with pytest.raises(AdapterError, match="merge_adapter=False"):  # kept factors: one adapter at a time
+        otfload.from_pretrained(path, adapter=[adapter, adapter], merge_adapter=False)
     with pytest.raises(TypeError, match="adapter="):
         otfload.plan_model(path, adapter=3)
     with pytest.raises(AdapterError, match="no adapter_config.json"):

@@ -19,7 +19,7 @@ def test_bench_quantized_runs_every_method_and_prints_the_tables(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [f"| {kind}-{v} |" for v in ("bf16", "fp8", "w4a16") for kind in ("floor", "otfload")]
     rows += ["load time / otfload-bf16 load time", "bytes read (LoadReport) / bf16 checkpoint on disk",
-             "load time / own floor time", "device bytes — COMPUTED", "| widen codes |"]
+             "load time / own floor time", "device bytes (all leaves, all devices; measured)", "| widen codes |"]
     for row in rows:
         assert row in out.stdout, row
     assert (tmp_path / "c-fp8" / "config.json").exists() and (tmp_path / "c-w4a16" / "config.json").exists()

@@ -26,7 +26,7 @@ from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource, open_source
 from otfload.sources.ranges import FetchMeter, metering
 from tests.families.moe_helpers import MESHES
-from tests.helpers import hf_tensors
+from tests.helpers import evict, hf_tensors
 from tests.synthetic import write_checkpoint
 
 # Tiny checkpoints of every family: kind -> mesh (MoE experts split on "ep" where the family has them).
@@ -156,15 +156,6 @@ def disk_read_bytes() -> int:
             return int(line.split()[1])
     raise AssertionError("no read_bytes in /proc/self/io")
 
-
-def evict(path: Path) -> None:
-    """Drop ``path``'s pages from the page cache (it must be clean: flushed first)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture(scope="module")

@@ -137,11 +137,11 @@ def test_tables_that_cannot_be_inverted_raise(rules, leaves, hf_shape, message):
 
 def test_reshape_shape_inference_merges_head_dims_and_refuses_to_guess():
     q, o = Reshape(("hidden", "heads", "head_dim")), Reshape(("heads", "head_dim", "hidden"))
-    assert infer_in_shape(q.resolve(CONFIG), q, (8, 2, 3), "q") == (8, 6)
-    assert infer_in_shape(o.resolve(CONFIG), o, (2, 3, 8), "o") == (6, 8)
-    assert infer_in_shape(Transpose((1, 2, 0)), Transpose((1, 2, 0)), (3, 4, 2), "t") == (2, 3, 4)
-    with pytest.raises(MappingError, match="reference="):
-        infer_in_shape(Reshape((2, 3)), Reshape((2, 3)), (2, 3), "x")
+    assert infer_in_shape(q.resolve(CONFIG), (8, 2, 3), "q") == (8, 6)
+    assert infer_in_shape(o.resolve(CONFIG), (2, 3, 8), "o") == (6, 8)
+    assert infer_in_shape(Transpose((1, 2, 0)), (3, 4, 2), "t") == (2, 3, 4)
+    with pytest.raises(MappingError, match="'x'.*reference="):
+        infer_in_shape(Reshape((2, 3)), (2, 3), "x")
 
 
 def test_reference_shape_that_does_not_fit_the_leaf_raises():

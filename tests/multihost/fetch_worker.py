@@ -5,10 +5,16 @@
 ``SPEC_JSON`` (a file) says: ``processes``, ``local_devices``, ``port``, ``mesh`` (``{"fsdp": 8}`` or
 ``{"fsdp": 2, "tp": 4}``; devices in process order), ``source`` (a directory; ``{i}`` is replaced by
 the process id, so each process can read its own copy — separate hosts do not share a page cache) or
-a Hub repo with ``endpoint``, ``reshard`` (the policy), ``evict`` (drop the files from the page cache
-first: a cold read), ``gather`` (write every parameter from process 0 to ``params.npz``) and ``out``.
-Writes ``proc<i>.json``: the report's counts (read, requests, planned, ideal, resharded leaves), the
-kernel's ``/proc/self/io`` ``read_bytes`` during the load and the seconds it took.
+a Hub repo with ``endpoint``, ``reshard`` (the policy, set as ``$OTFLOAD_RESHARD``), ``evict`` (drop
+the files from the page cache first: a cold read), ``gather`` (write every parameter from process 0
+to ``params.npz``) and ``out``. Writes ``proc<i>.json``: the report's counts (read, requests, planned,
+ideal, resharded leaves), the kernel's ``/proc/self/io`` ``read_bytes`` during the load and the
+seconds it took.
+
+With ``loads`` (a list of ``{"reshard": POLICY}`` — passed as ``from_pretrained(reshard=...)`` — or
+``{"env": POLICY}`` — set as ``$OTFLOAD_RESHARD``, ``reshard=None``), the processes run those loads
+one after the other in one job (each cold when ``evict``; load ``k`` gathers to ``params<k>.npz``),
+and ``proc<i>.json`` is ``{"loads": [one result per load]}``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,21 @@ def evict(directory: Path) -> None:
 
 
 def load(spec: dict, pid: int, out: Path) -> None:
+    if "loads" not in spec:
+        os.environ["OTFLOAD_RESHARD"] = spec.get("reshard", "auto")
+        (out / f"proc{pid}.json").write_text(json.dumps(load_once(spec, pid, out, None, "params.npz")))
+        return
+    results = []
+    for k, how in enumerate(spec["loads"]):
+        os.environ.pop("OTFLOAD_RESHARD", None)
+        if "env" in how:
+            os.environ["OTFLOAD_RESHARD"] = how["env"]
+        results.append(load_once(spec, pid, out, how.get("reshard"), f"params{k}.npz", f"-{k}"))
+    (out / f"proc{pid}.json").write_text(json.dumps({"loads": results}))
+
+
+def load_once(spec: dict, pid: int, out: Path, reshard: str | None, params_file: str, tag: str = "") -> dict:
+    """One measured load on every process (``reshard`` passed to ``from_pretrained``); its result."""
     import jax
     import numpy as np
     from flax import nnx
@@ -51,16 +72,15 @@ def load(spec: dict, pid: int, out: Path) -> None:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices).reshape(tuple(spec["mesh"].values())), tuple(spec["mesh"]))
     if "endpoint" in spec:
-        source = open_source(spec["source"], endpoint=spec["endpoint"], cache_dir=str(out / f"hf{pid}"))
+        source = open_source(spec["source"], endpoint=spec["endpoint"], cache_dir=str(out / f"hf{pid}{tag}"))
     else:
         directory = Path(spec["source"].format(i=pid))
         if spec.get("evict"):
             evict(directory)
         source = open_source(directory)
-    os.environ["OTFLOAD_RESHARD"] = spec.get("reshard", "auto")
-    sync_global_devices("otfload-fetch-start")  # every process evicted before any reads
+    sync_global_devices(f"otfload-fetch-start{tag}")  # every process evicted before any reads
     before, start = disk_read_bytes(), time.perf_counter()
-    model, report = otfload.from_pretrained(source, mesh=mesh, return_report=True, progress=False)
+    model, report = otfload.from_pretrained(source, mesh=mesh, return_report=True, progress=False, reshard=reshard)
     seconds = time.perf_counter() - start
     result = {
         "process": pid,
@@ -75,14 +95,15 @@ def load(spec: dict, pid: int, out: Path) -> None:
         "seconds": seconds,
         "summary": report.summary(),
     }
-    (out / f"proc{pid}.json").write_text(json.dumps(result))
     if spec.get("gather", False):
         params = {
             ".".join(map(str, path)): process_allgather(var[...], tiled=True)
             for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
         }
         if pid == 0:
-            np.savez(out / "params.npz", **params)
+            np.savez(out / params_file, **params)
+    source.close()
+    return result
 
 
 def main() -> None:

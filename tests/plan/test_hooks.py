@@ -70,6 +70,28 @@ def test_inverse_undoes_forward(in_shape, hooks):
     np.testing.assert_array_equal(back, x)
 
 
+@pytest.mark.parametrize("in_shape,hooks", [*CHAINS[:3], ((2, 3, 10), (Transpose((2, 0, 1)), Scale(2.0)))])
+def test_each_hook_answers_its_input_shape(in_shape, hooks):
+    x = np.zeros(in_shape, np.float32)
+    for hook in (h.resolve(CONFIG) for h in hooks):
+        y = hook.forward(x)  # numpy gives the output shape
+        assert hook.in_shape(y.shape) == x.shape
+        x = y
+
+
+def test_in_shape_refuses_what_the_output_does_not_determine():
+    with pytest.raises(MappingError, match="does not determine"):
+        Reshape((10, 6)).in_shape((10, 6))  # [60] or [10, 6] or [2, 5, 6] ...: no head names to merge
+    with pytest.raises(MappingError, match="does not determine"):
+        Reshape(("hidden", "heads", "hidden")).resolve(CONFIG).in_shape((5, 4, 5))
+    with pytest.raises(MappingError, match="does not determine"):
+        Slice(0, 0, "half").resolve(CONFIG).in_shape((6, 5))  # half of what?
+    assert Slice(1).in_shape((6, 5)) == (6, 5)  # a slice keeping the whole axis
+    # the resolved reshape remembers its field names, so the merged run is the head dims
+    assert Reshape(("hidden", "heads", "head_dim")).resolve(CONFIG).in_shape((5, 4, 3)) == (5, 12)
+    assert Reshape(("rank", "heads", -1)).resolve({"rank": 2, "heads": 4}).in_shape((2, 4, 3)) == (2, 12)
+
+
 def test_reshape_groups():
     assert reshape_groups((12, 5), (3, 4, 5)) == [([0], [0, 1]), ([1], [2])]
     assert reshape_groups((1, 6), (6,)) == [([0, 1], [0])]

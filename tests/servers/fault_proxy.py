@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from .throttle import Link, send_paced
+from .throttle import Link, client_gone, send_paced
 
 STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
 UPSTREAM_TIMEOUT_S = 30.0  # the upstream is a local test server: it answers in milliseconds
@@ -239,13 +237,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.server.proxy.count_abandoned()
 
     def _client_gone(self, wait_s: float) -> bool:
-        readable, _, _ = select.select([self.request], [], [], wait_s)
-        if not readable:
-            return False
-        try:
-            return self.request.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
+        """Wait up to ``wait_s``; True if the client closed its end meanwhile."""
+        return client_gone(self.request, wait_s)
 
 
 class FaultProxy:

@@ -25,7 +25,6 @@ import html
 import json
 import os
 import re
-import select
 import shutil
 import socket
 import struct
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .throttle import Link, send_paced
+from .throttle import Link, client_gone, send_paced
 
 CHUNK_BYTES = 1 << 20  # body write size: large enough for GB/s over loopback
 STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
@@ -464,13 +463,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _client_gone(self, wait_s: float) -> bool:
         """Wait up to ``wait_s``; True if the client closed its end meanwhile."""
-        readable, _, _ = select.select([self.request], [], [], wait_s)
-        if not readable:
-            return False
-        try:
-            return self.request.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
+        return client_gone(self.request, wait_s)
 
     def _send_body(self, path: Path, name: str, start: int, end: int, extra: int = 0) -> None:
         faults = self.server.hub.faults

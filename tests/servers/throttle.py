@@ -10,6 +10,8 @@ either cap, so the caps, not the sockets, set the pace.
 
 from __future__ import annotations
 
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -62,3 +64,17 @@ def send_paced(
         write(step)
         if rate_bytes_s:
             time.sleep(max(0.0, start + (pos + len(step)) / rate_bytes_s - time.monotonic()))
+
+
+def client_gone(conn: socket.socket, wait_s: float) -> bool:
+    """Wait up to ``wait_s`` on a server-side connection; True if its client closed its end meanwhile.
+    ``poll``, not ``select``: a long test session holds more than 1024 descriptors, which ``select``
+    cannot watch."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+    if not poller.poll(wait_s * 1000):
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True

@@ -1,0 +1,175 @@
+"""Quantized weights kept packed on the devices, and :func:`dequantize`, their pure-JAX decoder.
+
+``from_pretrained(..., quantized="keep")`` places each quantized weight as a
+:class:`QuantizedArray`: its stored codes (uint8 / float8 / int8 / int32, as stored) and scales (plus
+zero points and a global scale where the format has them) as sibling device arrays. Every part
+has the weight's rank; one element of a part covers ``block[d]`` elements of the weight along each
+of its trailing axes (:mod:`otfload.index.quant.parts`), and leading axes (scanned layers, experts)
+are the weight's own. The static metadata counts axes from the end, so slicing the leading axes
+(``jax.lax.scan`` over layers, ``a[i]``) gives a valid :class:`QuantizedArray` of one layer.
+
+:func:`dequantize` reproduces the default mode's values bit for bit: codes become float32 exactly
+(FP8 and FP4 tables, integer fields minus their offset), zero points are subtracted, scales (divided
+by the global scale) multiply block by block in float32, and the result is cast to the leaf dtype
+— the operations of :meth:`~otfload.index.quant.tensor.QuantizedTensor.decode`, in the same order.
+A :class:`QuantizedArray` is a :class:`~otfload.models.weights.StoredWeight`: the models
+materialize it one layer at a time inside ``run_layers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from otfload.index.quant.codes import E2M1_VALUES, E8M0_NAN
+
+FLOAT32_MANTISSA_BITS = 23
+# E8M0 byte 0 is 2**-127, a float32 subnormal: only the top mantissa bit set.
+E8M0_ZERO_BITS = 1 << (FLOAT32_MANTISSA_BITS - 1)
+ROLES = ("codes", "scale", "zero_point", "global_scale")
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """How one part maps onto the weight's trailing axes (static: hashable, layer-independent).
+
+    ``block`` and ``pack_axis`` count from the end (``pack_axis`` is negative); ``codec`` is one of
+    :data:`otfload.index.quant.parts.CODECS`.
+    """
+
+    block: tuple[int, ...]
+    codec: str
+    bits: int = 0
+    pack_axis: int | None = None
+    field: int = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedArray:
+    """A quantized weight of trailing ``shape`` placed packed; ``dequantize()`` gives the dense kernel.
+
+    ``codes``/``scale``/``zero_point``/``global_scale`` are device arrays (None when the format has
+    no such part); the rest is static metadata.
+    """
+
+    codes: jax.Array
+    scale: jax.Array | None
+    zero_point: jax.Array | None
+    global_scale: jax.Array | None
+    shape_tail: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    dtype_name: str = dataclasses.field(metadata={"static": True})
+    layouts: tuple[tuple[str, PartLayout], ...] = dataclasses.field(metadata={"static": True})
+    storage: str = dataclasses.field(default="", metadata={"static": True})
+
+    @property
+    def dtype(self) -> np.dtype:
+        return jnp.dtype(self.dtype_name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense weight's shape: the codes' leading axes, then the trailing weight axes."""
+        lead = self.codes.shape[: self.codes.ndim - len(self.shape_tail)]
+        return (*lead, *self.shape_tail)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every placed part (the stored bytes, not the dense weight's)."""
+        return sum(a.nbytes for a in self.parts().values())
+
+    def parts(self) -> dict[str, jax.Array]:
+        return {role: getattr(self, role) for role in ROLES if getattr(self, role) is not None}
+
+    def materialize(self) -> jax.Array:
+        return dequantize(self)
+
+    def __getitem__(self, index) -> QuantizedArray:
+        """Index the leading (layer / expert) axes only: ``w[i]`` is layer ``i``'s weight."""
+        index = index if isinstance(index, tuple) else (index,)
+        lead = self.codes.ndim - len(self.shape_tail)
+        if len(index) == 1 and index[0] is Ellipsis:
+            return self
+        if len([i for i in index if i is not None]) > lead or any(i is Ellipsis or i is None for i in index):
+            raise IndexError(f"a QuantizedArray indexes only its {lead} leading axes, got {index}")
+        return jax.tree.map(lambda a: a[index], self)
+
+
+def _part_layout(q: QuantizedArray, role: str) -> PartLayout:
+    return dict(q.layouts)[role]
+
+
+def _unpack(words: jax.Array, layout: PartLayout) -> jax.Array:
+    """Float32 values of the fields packed along ``layout.pack_axis`` (the axis grows by the fields per word)."""
+    width = words.dtype.itemsize * 8
+    per = width // layout.bits
+    unsigned = jnp.dtype(f"uint{width}")
+    bits = jax.lax.bitcast_convert_type(words, unsigned) if words.dtype != unsigned else words
+    axis = words.ndim + layout.pack_axis
+    shifts = (jnp.arange(per, dtype=unsigned) * layout.bits).reshape((per,) + (1,) * (words.ndim - axis - 1))
+    fields = (jnp.expand_dims(bits, axis + 1) >> shifts) & jnp.asarray((1 << layout.bits) - 1, unsigned)
+    fields = fields.reshape((*words.shape[:axis], words.shape[axis] * per, *words.shape[axis + 1 :]))
+    if layout.codec == "e2m1":
+        return jnp.asarray(E2M1_VALUES)[fields.astype(jnp.int32)]
+    return fields.astype(jnp.float32) - jnp.float32(1 << (layout.bits - 1))
+
+
+def _e8m0(scales: jax.Array) -> jax.Array:
+    """``2**(s - 127)`` built from its float32 bits (exact, subnormal 2**-127 included), NaN for 255."""
+    s = scales.astype(jnp.uint32)
+    bits = jnp.where(s == 0, jnp.uint32(E8M0_ZERO_BITS), s << FLOAT32_MANTISSA_BITS)
+    values = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), values)
+
+
+def _values(part: jax.Array, layout: PartLayout) -> tuple[jax.Array, tuple[int, ...]]:
+    """The part's float32 values and the block each value covers."""
+    if layout.pack_axis is not None:
+        block = list(layout.block)
+        block[len(block) + layout.pack_axis] = layout.field
+        return _unpack(part, layout), tuple(block)
+    if layout.codec == "e8m0":
+        return _e8m0(part), layout.block
+    return part.astype(jnp.float32), layout.block
+
+
+def _expand(values: jax.Array, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
+    """One value per block expanded to the trailing ``shape`` (axes of one block stay 1: broadcast)."""
+    n = len(shape)
+    for i, (b, d) in enumerate(zip(block, shape, strict=True)):
+        axis = values.ndim - n + i
+        if values.shape[axis] == 1 or (b == 1 and values.shape[axis] == d):
+            continue
+        if b > 1:
+            values = jnp.repeat(values, b, axis=axis)
+        values = jax.lax.slice_in_dim(values, 0, d, axis=axis)
+    return values
+
+
+def dequantize(leaf: QuantizedArray) -> jax.Array:
+    """The dense weight of ``leaf`` in its dtype: exactly the values ``quantized="dequantize"`` loads.
+
+    Pure JAX (jit-able, differentiable in the scales); works on any slice of the leading axes.
+    """
+    shape = leaf.shape_tail
+    values, block = _values(leaf.codes, _part_layout(leaf, "codes"))
+    values = _expand(values, block, shape)
+    if leaf.zero_point is not None:
+        zero, zblock = _values(leaf.zero_point, _part_layout(leaf, "zero_point"))
+        values = values - _expand(zero, zblock, shape)
+    if leaf.scale is not None:
+        scale, sblock = _values(leaf.scale, _part_layout(leaf, "scale"))
+        if leaf.global_scale is not None:
+            scale = scale / _values(leaf.global_scale, _part_layout(leaf, "global_scale"))[0]
+        values = values * _expand(scale, sblock, shape)
+    return values.astype(leaf.dtype)
+
+
+__all__ = ["PartLayout", "QuantizedArray", "dequantize"]

@@ -1,0 +1,109 @@
+"""Imports run one way: every ``otfload`` module imports only from its own stage or earlier ones.
+
+The stages (docs/architecture.md) are the pipeline — sources → index → plan → read → build → api
+— with the model-side packages beside it (config, models, families, mappings: what the plan is
+computed *for*) and the consumers after it. Each module's imports are read with ``ast`` (function-
+level and ``TYPE_CHECKING`` imports count too), so a backwards import fails here even when it is
+lazy. A module in no stage fails too: a new package must say where it sits.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "otfload"  # read as text: nothing is imported
+
+# Earliest first; a module may import from its own stage or any earlier one.
+STAGES: tuple[tuple[str, ...], ...] = (
+    ("errors",),  # typed errors: everyone raises them
+    ("sources", "cache"),  # bytes by range: local / Hub / fsspec, and the shard cache in front of one
+    ("index",),  # safetensors headers, config.json, quantized formats
+    ("quantized",),  # the device-side array of a weight kept packed (index.quant's codes)
+    ("plan",),  # target leaf <- HF keys, hooks, boxes, sharding: from headers alone
+    ("config", "models", "families", "mappings"),  # beside the pipeline: what a plan is made for
+    ("read",),  # boxes of tensors from a source
+    ("build",),  # read -> hooks -> stack -> place, the load report
+    ("adapters",),  # LoRA adapters merged into the index and the reads
+    ("api",),  # from_pretrained, load_params, plan_model
+    ("checkpoint", "generate", "tokenizer"),  # native checkpoints, decoding
+    ("export", "evaluate"),  # back to HF safetensors; eval jobs
+    ("cli",),  # the command line
+    ("__init__",),  # the package's public names
+)
+STAGE = {name: i for i, names in enumerate(STAGES) for name in names}
+
+# Backwards imports known today, each with the reason it is not fixed yet. The test fails when one
+# is fixed (remove it here) as well as when a new one appears.
+KNOWN_BACKWARDS = {
+    ("read", "build"): "read/readahead.py imports build.report's leaf_reads/process_boxes (the cost model, "
+                       "issue 18.1: it belongs in the plan)",
+    ("adapters", "export"): "adapters/export.py writes kept adapters with export.writer.atomic_dir "
+                            "(an atomic-directory helper that belongs below both)",
+}
+
+
+def stage_of(module: str) -> str:
+    """The stage name of ``otfload.<module...>``: its top-level package or module."""
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Every ``otfload...`` module ``path`` imports, relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "otfload"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names = [".".join([*base, node.module])] if node.module else [".".join([*base, a.name])
+                                                                              for a in node.names]
+            else:
+                names = [node.module or ""]
+            out |= {name for name in names if name.split(".")[0] == "otfload"}
+    return out
+
+
+def backwards_imports() -> dict[tuple[str, str], list[str]]:
+    """``{(importer stage, imported stage): ["file: module", ...]}`` for imports of a later stage."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        module = module_name(path)
+        mine = stage_of(module)
+        assert mine in STAGE, f"{path}: otfload.{mine} is in no stage; add it to STAGES (and docs/architecture.md)"
+        for target in imported_modules(path, module):
+            theirs = stage_of(target)
+            assert theirs in STAGE, f"{path} imports {target}, in no stage"
+            if STAGE[theirs] > STAGE[mine]:
+                found.setdefault((mine, theirs), []).append(f"{path.relative_to(ROOT.parent)}: {target}")
+    return found
+
+
+def test_imports_run_one_way():
+    found = backwards_imports()
+    new = {k: v for k, v in found.items() if k not in KNOWN_BACKWARDS}
+    assert not new, f"imports from a later stage: {new}"
+    fixed = set(KNOWN_BACKWARDS) - set(found)
+    assert not fixed, f"fixed (remove from KNOWN_BACKWARDS): {sorted(fixed)}"
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
+    # The checker's own reference: a module with a function-level import and a relative one.
+    pkg = tmp_path / "otfload" / "plan"
+    pkg.mkdir(parents=True)
+    src = pkg / "x.py"
+    src.write_text("from . import boxes\n\ndef f():\n    from otfload.build.report import leaf_reads\n")
+    assert imported_modules(src, "otfload.plan.x") == {"otfload.plan.boxes", "otfload.build.report"}
+    assert STAGE[stage_of("otfload.build.report")] > STAGE[stage_of("otfload.plan.x")]
