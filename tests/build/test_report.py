@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,8 @@ def test_one_process_fetches_what_was_planned_and_each_byte_once(tiny_checkpoint
     path, _ = tiny_checkpoints(kind)
     mesh = make_mesh(KINDS[kind])
     _, plan, src = otfload.plan_model(LocalSource(path, mmap=mmap), mesh=mesh)
-    _, report = otfload.from_pretrained(src, mesh=mesh, return_report=True)
+    with closing(src):  # the caller's source: the load leaves it open
+        _, report = otfload.from_pretrained(src, mesh=mesh, return_report=True)
     assert report.bytes_read == report.bytes_planned > 0
     assert report.bytes_ideal <= report.bytes_needed <= report.bytes_read
     assert report.requests > 0
@@ -102,7 +104,8 @@ def test_one_process_fetches_what_was_planned_and_each_byte_once(tiny_checkpoint
 
 def test_deepseek_fused_tensors_are_counted_once(tiny_checkpoints):
     path, _ = tiny_checkpoints("deepseek_v3")
-    _, plan, _ = otfload.plan_model(path, mesh=make_mesh(MESHES["fsdp2_tp4"]))
+    _, plan, src = otfload.plan_model(path, mesh=make_mesh(MESHES["fsdp2_tp4"]))
+    src.close()
     fused = [i for p in plan.leaves.values() for i in p.sources if i.name.endswith(("kv_b_proj.weight", "mqa.weight"))]
     assert len(fused) == 2 * len({i.name for i in fused})  # kv_a → kv_a + k_rope, kv_b → k_b + v_b
     per_leaf = sum(p.source_bytes for p in plan.leaves.values())
@@ -119,7 +122,8 @@ def test_fp8_deepseek_reads_each_kv_b_block_once(tiny_checkpoints, tmp_path):
     layouts.quantize_checkpoint(src, tmp_path / "fp8", layouts.is_linear, layouts.fp8_blocks((16, 16)), config)
     mesh = make_mesh(MESHES["fsdp2_tp4"])
     _, plan, source = otfload.plan_model(LocalSource(tmp_path / "fp8", mmap=False), mesh=mesh)
-    model, report = otfload.from_pretrained(source, mesh=mesh, return_report=True)
+    with closing(source):
+        model, report = otfload.from_pretrained(source, mesh=mesh, return_report=True)
     assert report.bytes_read == report.bytes_planned
     # Every code once (kv_b's rows split between k_b and v_b); kv_b's 4-byte scale rows are too small to
     # read apart (MIN_SELECTION_RUN_BYTES): each leaf reads them all.
