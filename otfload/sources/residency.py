@@ -110,9 +110,10 @@ def resident_fraction(region: mmap.mmap, offset: int, length: int, max_pages: in
         window = (max_pages // windows) * PAGE_BYTES
         step = (length - window) // (windows - 1)
         found = [resident_pages(region, offset + i * step, window) for i in range(windows)]
-        if any(f is None for f in found):
+        sampled = [f for f in found if f is not None]
+        if len(sampled) < len(found):
             return None
-        return float(np.concatenate(found).mean())
+        return float(np.concatenate(sampled).mean())
     pages = resident_pages(region, offset, length)
     if pages is None:
         return None
