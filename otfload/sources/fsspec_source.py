@@ -39,9 +39,7 @@ from otfload.sources.ranges import (
     REMOTE_CHUNK_BYTES,
     RangeSink,
     check_range_answer,
-    coalesce,
-    read_runs,
-    remote_chunk_bytes,
+    read_chunked,
 )
 from otfload.sources.retry import (
     Deadline,
@@ -158,14 +156,10 @@ class FsspecSource(RetriedCalls):
         want, size = len(out), self.size(file)
         if offset + want > size:
             raise TruncatedFileError(file, f"wanted {want} bytes at offset {offset}, file has {size}")
-        # READ_SPLIT chunks or more (at most chunk_bytes each) in flight together, into ``out``
-        chunk = remote_chunk_bytes(len(out), self.chunk_bytes)
-        runs = coalesce([RangeRead(file, offset, out)], max_run=chunk)
-        read_runs(runs, self._read_range, max_workers=self.max_requests_in_flight)
+        self.read_many([RangeRead(file, offset, out)])
 
     def read_many(self, reads: Sequence[RangeRead]) -> None:
-        chunk = remote_chunk_bytes(sum(r.out.nbytes for r in reads), self.chunk_bytes)
-        read_runs(coalesce(reads, max_run=chunk), self._read_range, max_workers=self.max_requests_in_flight)
+        read_chunked(reads, self._read_range, self.chunk_bytes, self.max_requests_in_flight)
 
     def close(self) -> None:
         """Nothing to release: fsspec shares filesystem instances (and their sessions) process-wide."""

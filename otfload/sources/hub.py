@@ -61,8 +61,8 @@ from otfload.sources.ranges import (
     RangeSink,
     check_range_answer,
     coalesce,
+    read_chunked,
     read_runs,
-    remote_chunk_bytes,
 )
 from otfload.sources.retry import (
     Deadline,
@@ -192,14 +192,12 @@ class HubSource(RetriedCalls):
             return
         if file in self._cached:
             self._local().read_into(self._snapshot_relpath(file), offset, out)
-        else:  # READ_SPLIT chunks or more (at most chunk_bytes each) in flight together, into ``out``
-            chunk = remote_chunk_bytes(len(out), self.chunk_bytes)
-            runs = coalesce([RangeRead(file, offset, out)], max_run=chunk)
-            read_runs(runs, self._read_remote_into, max_workers=self.max_requests_in_flight)
+        else:
+            read_chunked([RangeRead(file, offset, out)], self._read_remote_into, self.chunk_bytes,
+                         self.max_requests_in_flight)
 
     def read_many(self, reads: Sequence[RangeRead]) -> None:
-        chunk = remote_chunk_bytes(sum(r.out.nbytes for r in reads), self.chunk_bytes)
-        read_runs(coalesce(reads, max_run=chunk), self._read_run, max_workers=self.max_requests_in_flight)
+        read_chunked(reads, self._read_run, self.chunk_bytes, self.max_requests_in_flight)
 
     def close(self) -> None:
         if self._cache is not None:

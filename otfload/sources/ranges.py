@@ -422,3 +422,11 @@ class RangeSink:
         """The body ended: a short one is worth a retry (what arrived is kept)."""
         if self.seen < self.answer.body_size and not (self.answer.may_stop and self.seen >= sum(self.answer[:2])):
             raise TransientError(f"response body ended after {self.seen} of {self.answer.body_size} bytes")
+
+
+def read_chunked(reads: Sequence[RangeRead], fetch_into: FetchInto, largest_chunk: int, max_in_flight: int) -> None:
+    """Read ``reads`` from a remote source: coalesced into runs of at most
+    ``remote_chunk_bytes(total, largest_chunk)`` bytes (so even one range splits into READ_SPLIT
+    requests), at most ``max_in_flight`` of them at once."""
+    chunk = remote_chunk_bytes(sum(r.out.nbytes for r in reads), largest_chunk)
+    read_runs(coalesce(reads, max_run=chunk), fetch_into, max_workers=max_in_flight)

@@ -22,20 +22,19 @@ import contextlib
 import http.client
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from .throttle import Link, client_gone, send_paced
+from .throttle import GetsInFlight, Link, client_gone, send_paced
 
 STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
 UPSTREAM_TIMEOUT_S = 30.0  # the upstream is a local test server: it answers in milliseconds
 RELAY_CHUNK_BYTES = 1 << 20  # bytes read from upstream per step of a streamed answer
 # ProxyFaults.gather: a matching GET waits at most this long for the others; a loaded 2-core machine
 # starts a client's requests within milliseconds, so only one sending them one by one waits it out.
-GATHER_TIMEOUT_S = 10.0
 # Headers that describe one hop, not the message: never relayed (RFC 9110 section 7.6.1).
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"}
@@ -241,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
         return client_gone(self.request, wait_s)
 
 
-class FaultProxy:
+class FaultProxy(GetsInFlight):
     """A fault-injecting HTTP reverse proxy for ``upstream`` (``http://host:port``); a context manager."""
 
     def __init__(self, upstream: str):
@@ -289,35 +288,6 @@ class FaultProxy:
     def count_abandoned(self) -> None:
         with self._body_lock:
             self.abandoned += 1
-
-    @contextlib.contextmanager
-    def answering(self, counted: bool) -> Iterator[Callable[[], None]]:
-        """Count a GET in flight while it is answered (``counted``: a matching one), after holding it
-        until ``faults.gather`` of them have been in flight at once. Yields the function ending its
-        time in flight (idempotent; called at the latest when the block ends)."""
-        if not counted:
-            yield lambda: None
-            return
-        with self._flight:
-            self.in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-            self._flight.notify_all()
-            gather = self.faults.gather
-            if gather and not self._flight.wait_for(lambda: self.peak_in_flight >= gather, GATHER_TIMEOUT_S):
-                self.gather_missed += 1
-        ended = False
-
-        def end() -> None:
-            nonlocal ended
-            with self._flight:
-                if not ended:
-                    ended = True
-                    self.in_flight -= 1
-
-        try:
-            yield end
-        finally:
-            end()
 
     def reset(self) -> None:
         """Clear the log, the counters and every knob."""

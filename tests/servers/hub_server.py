@@ -31,20 +31,19 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .throttle import Link, client_gone, send_paced
+from .throttle import GetsInFlight, Link, client_gone, send_paced
 
 CHUNK_BYTES = 1 << 20  # body write size: large enough for GB/s over loopback
 STALL_HOLD_S = 30.0  # a stalled answer keeps its connection open this long at most (or until the client leaves)
 # Faults.gather: a file GET waits at most this long for the others; a loaded 2-core machine starts a
 # client's threads within milliseconds, so only a client sending its requests one by one waits it out.
-GATHER_TIMEOUT_S = 10.0
 CAP_RANGE_BYTES = 4096  # range_fault "cap": honest answers of at most this many bytes (as some CDNs do)
 LONG_EXTRA_BYTES = 16  # range_fault "long"/"long_chunked": bytes sent beyond the range asked
 # range_fault values: how a ranged file GET lies (see Faults)
@@ -514,7 +513,7 @@ def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
     return (start, end) if start < size and start < end else None
 
 
-class HubServer:
+class HubServer(GetsInFlight):
     """A Hub-protocol HTTP server on 127.0.0.1 serving ``root``; use as a context manager.
 
     ``token``: if set, every request must carry ``Authorization: Bearer <token>`` (else 401).
@@ -576,35 +575,6 @@ class HubServer:
     def count_abandoned(self) -> None:
         with self._body_lock:
             self.abandoned += 1
-
-    @contextlib.contextmanager
-    def answering(self, counted: bool) -> Iterator[Callable[[], None]]:
-        """Count a resolve request in flight while it is answered (``counted``: a GET), after holding
-        it until ``faults.gather`` of them have been in flight at once. Yields the function ending its
-        time in flight (idempotent; called at the latest when the block ends)."""
-        if not counted:
-            yield lambda: None
-            return
-        with self._flight:
-            self.in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-            self._flight.notify_all()
-            gather = self.faults.gather
-            if gather and not self._flight.wait_for(lambda: self.peak_in_flight >= gather, GATHER_TIMEOUT_S):
-                self.gather_missed += 1
-        ended = False
-
-        def end() -> None:
-            nonlocal ended
-            with self._flight:
-                if not ended:
-                    ended = True
-                    self.in_flight -= 1
-
-        try:
-            yield end
-        finally:
-            end()
 
     def reset(self) -> None:
         """Clear the log, the byte count and every fault knob (the token is kept)."""

@@ -10,11 +10,12 @@ either cap, so the caps, not the sockets, set the pace.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 # Bytes written per pacing step: small enough that a capped answer flows smoothly (at 50 MB/s a step
 # is 5 ms, well under a 20 ms round trip), large enough that sleeping per step costs little CPU on a
@@ -78,3 +79,48 @@ def client_gone(conn: socket.socket, wait_s: float) -> bool:
         return conn.recv(1, socket.MSG_PEEK) == b""
     except OSError:
         return True
+
+
+# How long a GET held for ``faults.gather`` waits for the others before it is answered anyway.
+GATHER_TIMEOUT_S = 10.0
+
+
+class GetsInFlight:
+    """Counts the GETs a test server is answering at once (``in_flight``, ``peak_in_flight``) and
+    holds each until ``faults.gather`` have been in flight together (``gather_missed`` counts those
+    that waited in vain). The server sets ``_flight`` (a Condition), the counters and ``faults``."""
+
+    _flight: threading.Condition
+    in_flight: int
+    peak_in_flight: int
+    gather_missed: int
+    faults: object
+
+    @contextlib.contextmanager
+    def answering(self, counted: bool) -> Iterator[Callable[[], None]]:
+        """Count a GET in flight while it is answered (``counted``: a matching one), after holding it
+        until ``faults.gather`` of them have been in flight at once. Yields the function ending its
+        time in flight (idempotent; called at the latest when the block ends)."""
+        if not counted:
+            yield lambda: None
+            return
+        with self._flight:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            self._flight.notify_all()
+            gather = self.faults.gather  # type: ignore[attr-defined]
+            if gather and not self._flight.wait_for(lambda: self.peak_in_flight >= gather, GATHER_TIMEOUT_S):
+                self.gather_missed += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            with self._flight:
+                if not ended:
+                    ended = True
+                    self.in_flight -= 1
+
+        try:
+            yield end
+        finally:
+            end()
