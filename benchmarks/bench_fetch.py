@@ -13,7 +13,7 @@ also ``tp=8``, ``fsdp=4, tp=2``), from
 * **the Hub**: the test Hub server (tests/servers/hub_server.py) counts the body bytes it sends.
 
 For each reshard policy (``never``: read each shard's box in place; ``auto``: the cost model of
-otfload/build/reshard.py; ``always``: read every leaf it can as a band in the storage layout and
+otfload/place/reshard.py; ``always``: read every leaf it can as a band in the storage layout and
 reshard on the devices) it records, per process: the report's fetched bytes and requests, the kernel's
 (local) or the server's (Hub, all processes together) count, the ideal share and the load's seconds;
 and per job the bytes all processes read together over the checkpoint's bytes (the kernel's counts for
@@ -97,13 +97,13 @@ def measure(ckpt: Path, work: Path, policies: list[str], meshes: dict | None = N
 
 def planned_rows(repo: str, endpoint: str, mesh: dict, mesh_name: str, work: Path) -> list[dict]:
     """What each process would fetch reading every leaf in place from the Hub (``reshard="never"``),
-    from the plan: the report's fetched bytes equal these (tests/build/test_report.py)."""
+    from the plan: the report's fetched bytes equal these (tests/place/test_report.py)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
     import otfload
-    from otfload.build.report import leaf_ideal, leaf_planned, process_boxes
+    from otfload.place.report import leaf_ideal, leaf_planned, process_boxes
     from otfload.read.reader import TensorReader
     from otfload.sources import open_source
 

@@ -61,7 +61,7 @@ def child(spec: dict) -> dict:
     import jax
 
     import otfload
-    import otfload.build.loader as loader
+    import otfload.place.loader as loader
     from benchmarks.common import bench_mesh
 
     mesh = bench_mesh(DEVICES)

@@ -10,7 +10,7 @@ fresh process, warm page cache, interleaved rounds, medians:
 * ``contiguous`` — ``otfload.load_params`` into the MaxText-style tree with every projection kept
   ``[out, in]`` (HF's orientation: hooks are reshapes, the copy is contiguous);
 * ``transposed`` — the same with ``[in, out]`` kernels: ``otfload.mappings.maxtext_llama``'s
-  table, ``Transpose`` on every projection (the builder's tiled copy, :mod:`otfload.build.transpose`);
+  table, ``Transpose`` on every projection (the builder's tiled copy, :mod:`otfload.place.transpose`);
 * ``untiled`` — ``transposed`` with the tiled copy switched off (one ``np.copyto`` per slice, as before);
 * ``transposed_unscanned`` — ``transposed`` with one leaf per layer (what tunix's models hold);
 * ``tunix_style`` — a re-implementation of tunix 0.1.7's ``load_and_create_model_opt`` on that
@@ -149,8 +149,8 @@ def child(method: str, directory: Path, devices: int) -> dict:
     from benchmarks.baselines import placed_bytes
     from benchmarks.bench_load import warm
     from benchmarks.common import RssSampler, bench_mesh, current_rss, peak_rss
-    from otfload.build import transpose
     from otfload.mappings import maxtext_llama as mt
+    from otfload.place import transpose
 
     if len(jax.devices()) != devices:
         raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
@@ -244,7 +244,7 @@ def kernel_bench(repeat: int = 7) -> str:
     import ml_dtypes
     import numpy as np
 
-    from otfload.build import transpose
+    from otfload.place import transpose
 
     rows, cols = KERNEL_SHAPE
     src = np.random.default_rng(0).integers(0, 1 << 16, (rows, cols), dtype=np.uint16).view(ml_dtypes.bfloat16)

@@ -28,7 +28,7 @@ _LINE = re.compile(r":\d+\)$")
 
 
 def _function(frame: str) -> str:
-    """``build_box (otfload/build/builder.py:45)`` → ``build_box (otfload/build/builder.py)``."""
+    """``build_box (otfload/place/builder.py:45)`` → ``build_box (otfload/place/builder.py)``."""
     name = _LINE.sub(")", frame)
     return re.sub(r"\(.*?site-packages/", "(", name)
 

@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from otfload.build.reshard import LOCAL_REQUEST_S, REMOTE_REQUEST_S, RESHARD_COMPILE_S
+from otfload.place.reshard import LOCAL_REQUEST_S, REMOTE_REQUEST_S, RESHARD_COMPILE_S
 
 MODELS = ("llama-3.1-405b", "deepseek-v3", "qwen3-235b-a22b", "gpt-oss-120b")
 # Plan time, scan_layers=True, measured on the replicas (docs/benchmarks.md, "Plans at real size").

@@ -4,13 +4,12 @@
 
 The pipeline, one package each: ``sources`` (where bytes come from) → ``index`` (what the files
 hold) → ``plan`` (target leaf ← HF keys, hooks, stacking, sharding, byte runs) → ``read`` (byte
-ranges into scratch) → ``build`` (hooks, one ``np.stack``, placement) → this API.
+ranges into scratch) → ``place`` (hooks, one ``np.stack``, placement) → this API.
 """
 
 from otfload.adapters.export import export_adapter
 from otfload.adapters.kept import load_adapter
 from otfload.api import from_pretrained, load_params, plan_model, plan_params
-from otfload.build.report import LoadReport
 from otfload.errors import (
     AdapterError,
     CheckpointIndexError,
@@ -36,6 +35,7 @@ from otfload.errors import (
 from otfload.evaluate import EvalResult, evaluate
 from otfload.export import export_checkpoint, export_hf, export_native
 from otfload.generate import generate
+from otfload.place.report import LoadReport
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.plan.sharding import DEFAULT_RULES, logical_to_sharding, make_mesh

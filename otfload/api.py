@@ -19,9 +19,6 @@ from jax.sharding import Mesh
 from otfload.adapters import AdaptedTensor, CombinedSource, check_adapted_are_mapped, open_adapted
 from otfload.adapters.kept import prepare_kept, require_merged
 from otfload.adapters.load import AdapterSpec
-from otfload.build.loader import DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
-from otfload.build.report import LoadReport
-from otfload.build.reshard import resolve_policy
 from otfload.cache import wrap_with_cache
 from otfload.errors import CheckpointMismatchError, mismatch_error
 from otfload.families.registry import family_for
@@ -29,6 +26,9 @@ from otfload.index.checkpoint import CheckpointIndex, open_index, read_values
 from otfload.index.derived import is_derived
 from otfload.index.dtypes import to_numpy_dtype
 from otfload.models.origin import remember_origin
+from otfload.place.loader import DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
+from otfload.place.report import LoadReport
+from otfload.place.reshard import resolve_policy
 from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
 from otfload.plan.keep import LAYER_LEAF, assemble_kept, check_quantized_mode, keep_plan
 from otfload.plan.mapping import MappingTable, Rule, as_table
@@ -229,7 +229,7 @@ def from_pretrained(
     builder threads run at once (default 2 locally, 8 remote). ``reshard`` says when a leaf is read
     in the storage's own layout (a band: contiguous rows, a distinct share per process) and moved to
     its sharding by a collective over the devices: ``"auto"`` where the cost model of
-    :mod:`otfload.build.reshard` says it is faster, ``"always"`` wherever that fetches fewer bytes
+    :mod:`otfload.place.reshard` says it is faster, ``"always"`` wherever that fetches fewer bytes
     (column-split leaves; leaves several processes hold, so each byte is read once cluster-wide),
     ``"never"``; default: ``$OTFLOAD_RESHARD``, else ``"auto"``. ``return_report=True`` returns
     ``(model, LoadReport)``.

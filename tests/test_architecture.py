@@ -1,6 +1,6 @@
 """Imports run one way: every ``otfload`` module imports only from its own stage or earlier ones.
 
-The stages (docs/architecture.md) are the pipeline — sources → index → plan → read → build → api
+The stages (docs/architecture.md) are the pipeline — sources → index → plan → read → place → api
 — with the model-side packages beside it (config, models, families, mappings: what the plan is
 computed *for*) and the consumers after it. Each module's imports are read with ``ast`` (function-
 level and ``TYPE_CHECKING`` imports count too), so a backwards import fails here even when it is
@@ -23,7 +23,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("plan",),  # target leaf <- HF keys, hooks, boxes, sharding: from headers alone
     ("config", "models", "families", "mappings"),  # beside the pipeline: what a plan is made for
     ("read",),  # boxes of tensors from a source
-    ("build",),  # read -> hooks -> stack -> place, the load report
+    ("place",),  # read -> hooks -> stack -> place, the load report
     ("adapters",),  # LoRA adapters merged into the index and the reads
     ("api",),  # from_pretrained, load_params, plan_model
     ("checkpoint", "generate", "tokenizer"),  # native checkpoints, decoding
@@ -36,7 +36,7 @@ STAGE = {name: i for i, names in enumerate(STAGES) for name in names}
 # Backwards imports known today, each with the reason it is not fixed yet. The test fails when one
 # is fixed (remove it here) as well as when a new one appears.
 KNOWN_BACKWARDS = {
-    ("read", "build"): "read/readahead.py imports build.report's leaf_reads/process_boxes (the cost model, "
+    ("read", "place"): "read/readahead.py imports place.report's leaf_reads/process_boxes (the cost model, "
                        "issue 18.1: it belongs in the plan)",
     ("adapters", "export"): "adapters/export.py writes kept adapters with export.writer.atomic_dir "
                             "(an atomic-directory helper that belongs below both)",
@@ -104,6 +104,6 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     pkg = tmp_path / "otfload" / "plan"
     pkg.mkdir(parents=True)
     src = pkg / "x.py"
-    src.write_text("from . import boxes\n\ndef f():\n    from otfload.build.report import leaf_reads\n")
-    assert imported_modules(src, "otfload.plan.x") == {"otfload.plan.boxes", "otfload.build.report"}
-    assert STAGE[stage_of("otfload.build.report")] > STAGE[stage_of("otfload.plan.x")]
+    src.write_text("from . import boxes\n\ndef f():\n    from otfload.place.report import leaf_reads\n")
+    assert imported_modules(src, "otfload.plan.x") == {"otfload.plan.boxes", "otfload.place.report"}
+    assert STAGE[stage_of("otfload.place.report")] > STAGE[stage_of("otfload.plan.x")]

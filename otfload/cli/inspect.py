@@ -3,10 +3,10 @@
 For every target leaf: the HF keys it is built from, the hooks, shape, dtype, sharding, and the
 bytes one process reads for it (this one, or ``--process-index`` of ``--process-count`` processes
 sharing the mesh's devices in order — planned without ``jax.distributed``). Three counts follow the
-builder exactly (:mod:`otfload.build.report`): ``process_bytes``, the source bytes its devices' boxes
+builder exactly (:mod:`otfload.place.report`): ``process_bytes``, the source bytes its devices' boxes
 need, each HF tensor once (boxes carried back through the hooks, holes of widening hooks skipped);
 ``fetch_bytes``, what the reader fetches for them (whole pages of local files, gaps merged to save
-requests, in the layout :mod:`otfload.build.reshard` chooses: a band read resharded on the devices);
+requests, in the layout :mod:`otfload.place.reshard` chooses: a band read resharded on the devices);
 and ``ideal_bytes``, the source bytes of the elements the devices hold.
 """
 
@@ -60,7 +60,7 @@ def leaf_boxes(plan, devices: Iterable | None = None) -> set:
 def process_bytes(plan, devices: Iterable | None = None) -> int:
     """Source bytes the shards of ``devices`` (default: this process's) need, each HF tensor once,
     every stored part of quantized tensors (codes, scales, zero points) included."""
-    from otfload.build.report import leaf_needed, process_boxes
+    from otfload.place.report import leaf_needed, process_boxes
 
     return leaf_needed(plan, process_boxes(plan.leaf, None, None if devices is None else list(devices)))
 
@@ -87,8 +87,8 @@ def process_devices(mesh, process_index: int | None, process_count: int | None):
 def process_leaves(plan, reader, devices, process_of, policy: str, platform: str | None = None) -> dict[str, dict]:
     """Per leaf of ``plan``: the bytes one process needs, fetches (and in how many requests, in
     which layout) and ideally holds; leaves that read alike (unscanned layers) are counted once."""
-    from otfload.build.report import leaf_ideal, leaf_needed, leaf_planned, process_boxes
-    from otfload.build.reshard import choose_read_shardings, leaf_signature
+    from otfload.place.report import leaf_ideal, leaf_needed, leaf_planned, process_boxes
+    from otfload.place.reshard import choose_read_shardings, leaf_signature
 
     choices = choose_read_shardings(plan.leaves, reader, policy, process_of=process_of, platform=platform)
     out, memo = {}, {}

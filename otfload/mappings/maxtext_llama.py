@@ -16,7 +16,7 @@ scanned decoder block, the layer axis leading (MaxText's ``param_scan_axis: 0``)
 
 Every projection is stored ``[in, out]``, the transpose of HF's ``[out, in]``: its rule is
 ``Transpose()`` (then a ``Reshape`` splitting heads), and the builder copies it tile by tile
-(:mod:`otfload.build.transpose`). Unscanned trees (``params.decoder.layers.3.…``) match the same
+(:mod:`otfload.place.transpose`). Unscanned trees (``params.decoder.layers.3.…``) match the same
 rules. MaxText's own checkpoint converter also rescales and permutes q/k for its RoPE variant; this
 table keeps HF's values, for a model applying HF's rotate-half RoPE (``examples/maxtext_llama.py``).
 """

@@ -151,7 +151,7 @@ def cold_files(source) -> set[str]:
 def leaf_ranges(leaf_plan, reader, sharding=None) -> list[Range]:
     """The ranges the builder of ``leaf_plan`` fetches through ``reader`` on this process, the leaf
     read under ``sharding`` (default: its own)."""
-    from otfload.build.report import leaf_reads, process_boxes
+    from otfload.place.report import leaf_reads, process_boxes
 
     boxes = process_boxes(leaf_plan.leaf, sharding)
     if not boxes or not leaf_plan.sources:

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import otfload
-from otfload.build.loader import execute_plan
 from otfload.errors import SourceProtocolError
+from otfload.place.loader import execute_plan
 from otfload.sources.base import RangeRead, Source
 from otfload.sources.fsspec_source import FsspecSource
 from otfload.sources.hub import HubSource

@@ -229,7 +229,7 @@ def _leaves(model) -> list[np.ndarray]:
 
 
 def test_leaf_ranges_are_what_the_builder_fetches(tiny_checkpoints, mesh_2x4):
-    from otfload.build.report import planned_bytes
+    from otfload.place.report import planned_bytes
 
     directory, _ = tiny_checkpoints("llama")
     _, plan, _ = otfload.plan_model(directory, mesh=mesh_2x4)

@@ -1,12 +1,12 @@
-"""The tiled copy of transposed views (otfload.build.transpose) against np.transpose: every layout a
+"""The tiled copy of transposed views (otfload.place.transpose) against np.transpose: every layout a
 hook chain can produce lands bit-identical, and only transposed views take the tiled path."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from otfload.build import transpose
-from otfload.build.transpose import copy_into, transposed_axis
+from otfload.place import transpose
+from otfload.place.transpose import copy_into, transposed_axis
 
 
 def _random(shape, dtype=np.float32, seed=0):

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import otfload
-from otfload.build.loader import execute_plan
 from otfload.index.checkpoint import open_index
+from otfload.place.loader import execute_plan
 from otfload.plan.boxes import box_to_slices
 from otfload.plan.sharding import make_mesh
 from otfload.read.arena import Arena

@@ -20,9 +20,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import otfload
-from otfload.build.report import leaf_ideal, leaf_planned, process_boxes
-from otfload.build.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.cli.inspect import inspect_source, summarize_names
+from otfload.place.report import leaf_ideal, leaf_planned, process_boxes
+from otfload.place.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource
 

@@ -98,7 +98,7 @@ def process_boxes(leaf, sharding=None, devices: Iterable | None = None) -> list[
 def leaf_reads(plan, boxes: list[Box]) -> tuple[Box, tuple, list[int]]:
     """What the builder reads for ``boxes`` of ``plan``'s leaf: the union box of each source tensor,
     the selection inside it, and the indices of the stacked source tensors read (row-major)."""
-    from otfload.build.builder import bounding_box
+    from otfload.place.builder import bounding_box
 
     n = len(plan.stack_axes)
     inner = list(dict.fromkeys(box[n:] for box in boxes))

@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import otfload
 from benchmarks.make_checkpoint import Dims, write_checkpoint
-from otfload.build.report import leaf_planned, process_boxes
-from otfload.build.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
+from otfload.place.report import leaf_planned, process_boxes
+from otfload.place.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.read.reader import TensorReader
 
 # 4 KV heads of 128 do not split over tp=8: k and v are replicated on every process (their embed dim

@@ -33,8 +33,8 @@ VICTIM = "model-00002-of-00002.safetensors"
 _PRELUDE = """
 import os, sys, time, resource
 import jax, numpy as np
-from otfload.build.builder import ByteBudget
-from otfload.build import loader
+from otfload.place.builder import ByteBudget
+from otfload.place import loader
 from otfload.index.checkpoint import open_index
 from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.mapping import as_table

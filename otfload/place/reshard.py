@@ -17,7 +17,7 @@ already split, replicated leaves.
 
 Every process must make the same choices and run the reshards in the same order (they are
 collectives): choices depend only on the plan, the mesh and the source kind, and
-:func:`~otfload.build.loader.execute_plan` runs them in plan order once every leaf is built. The
+:func:`~otfload.place.loader.execute_plan` runs them in plan order once every leaf is built. The
 bytes each layout fetches come from the reader's own plan (pages of local files, merged remote
 ranges: :meth:`~otfload.read.reader.TensorReader.planned`), so page and request sizes are in the model.
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from otfload.build.report import leaf_planned, process_boxes
 from otfload.errors import InvalidOptionError
+from otfload.place.report import leaf_planned, process_boxes
 
 # --- the cost model's constants ---------------------------------------------------------------------
 # Local files, cold: 64 MiB mapped with MADV_POPULATE_READ in 28-44 ms on this VM's virtio disk

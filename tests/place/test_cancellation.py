@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import otfload
-from otfload.build.loader import execute_plan
 from otfload.errors import SourceNotFoundError, SourceTimeoutError, SourceUnavailableError
 from otfload.index.checkpoint import open_index
+from otfload.place.loader import execute_plan
 from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.mapping import as_table
 from otfload.plan.planner import LoadPlan, build_plan

@@ -28,7 +28,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 
-from otfload.build.transpose import copy_into, transposed_axis
+from otfload.place.transpose import copy_into, transposed_axis
 from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop, selection_union
 from otfload.plan.hooks import chain_apply, chain_needed, chain_selection
 from otfload.plan.planner import LeafPlan

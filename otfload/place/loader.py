@@ -16,10 +16,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import jax
 from tqdm.auto import tqdm
 
-from otfload.build.builder import ByteBudget, build_leaf
-from otfload.build.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
-from otfload.build.reshard import choose_read_shardings, resolve_policy, with_sharding
-from otfload.build.reshard import reshard as reshard_array
+from otfload.place.builder import ByteBudget, build_leaf
+from otfload.place.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
+from otfload.place.reshard import choose_read_shardings, resolve_policy, with_sharding
+from otfload.place.reshard import reshard as reshard_array
 from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
 from otfload.read.readahead import start_read_ahead
@@ -51,7 +51,7 @@ def execute_plan(
     builder threads together; the default, the largest leaf's source bytes, keeps transient host
     memory within one leaf. A smaller budget makes large stacked leaves build in several chunks.
     ``reshard`` says when a leaf may be read in its storage layout and moved to its sharding by a
-    collective (see :mod:`otfload.build.reshard`): ``"auto"`` (where the cost model says it is
+    collective (see :mod:`otfload.place.reshard`): ``"auto"`` (where the cost model says it is
     faster), ``"always"`` (wherever it fetches fewer bytes: column-split leaves, and leaves several
     processes hold — each byte then read once cluster-wide) or ``"never"``; default: the
     ``OTFLOAD_RESHARD`` environment variable, else ``"auto"``.

@@ -4,8 +4,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from otfload.build.builder import ByteBudget, build_leaf
 from otfload.index.checkpoint import open_index
+from otfload.place.builder import ByteBudget, build_leaf
 from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.hooks import Reshape, Transpose
 from otfload.plan.mapping import MappingTable, Rule
