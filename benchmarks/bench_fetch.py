@@ -103,7 +103,7 @@ def planned_rows(repo: str, endpoint: str, mesh: dict, mesh_name: str, work: Pat
     from jax.sharding import Mesh
 
     import otfload
-    from otfload.place.report import leaf_ideal, leaf_planned, process_boxes
+    from otfload.place.report import leaf_planned
     from otfload.read.reader import TensorReader
     from otfload.sources import open_source
 
@@ -115,10 +115,10 @@ def planned_rows(repo: str, endpoint: str, mesh: dict, mesh_name: str, work: Pat
     rows = []
     for p in range(PROCESSES):
         mine = devices[p * LOCAL_DEVICES : (p + 1) * LOCAL_DEVICES]
-        fetched = [leaf_planned(lp, process_boxes(lp.leaf, None, mine), reader) for lp in plan.leaves.values()]
+        fetched = [leaf_planned(lp, lp.device_boxes(mine), reader) for lp in plan.leaves.values()]
         rows.append({"source": "Hub (planned)", "mesh": mesh_name, "policy": "never", "process": p,
                      "bytes_read": sum(f[0] for f in fetched), "requests": sum(f[1] for f in fetched),
-                     "bytes_ideal": sum(leaf_ideal(lp, mine) for lp in plan.leaves.values()),
+                     "bytes_ideal": sum(lp.ideal_bytes(mine) for lp in plan.leaves.values()),
                      "resharded": [], "seconds": float("nan")})  # fmt: skip
     return rows
 

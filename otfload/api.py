@@ -135,6 +135,7 @@ def plan_model(
         plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
         check_adapted_are_mapped(plan, index)
         plan = keep_plan(plan, quantized, lambda path: LAYER_LEAF.match(path) is not None)
+        plan.family, plan.config = family.name, index.config
         on_error.pop_all()  # planned: the caller closes ``src`` unless it passed it in
     return model, plan, src
 
@@ -366,6 +367,7 @@ def load_params(
         target, plan = plan_target(index, abstract, mapping, index.config if config is None else config, mesh, rules,
                                    strict)
         plan = keep_plan(plan, quantized)
+        plan.config = index.config
         on_error.pop_all()  # run_plan closes it
     arrays, report = run_plan(plan, src, source, workers, host_memory_budget, progress, reshard)
     tree = target.rebuild(assemble_kept(plan, arrays))

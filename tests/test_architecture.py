@@ -36,8 +36,6 @@ STAGE = {name: i for i, names in enumerate(STAGES) for name in names}
 # Backwards imports known today, each with the reason it is not fixed yet. The test fails when one
 # is fixed (remove it here) as well as when a new one appears.
 KNOWN_BACKWARDS = {
-    ("read", "place"): "read/readahead.py imports place.report's leaf_reads/process_boxes (the cost model, "
-                       "issue 18.1: it belongs in the plan)",
     ("adapters", "export"): "adapters/export.py writes kept adapters with export.writer.atomic_dir "
                             "(an atomic-directory helper that belongs below both)",
 }

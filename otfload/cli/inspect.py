@@ -3,11 +3,11 @@
 For every target leaf: the HF keys it is built from, the hooks, shape, dtype, sharding, and the
 bytes one process reads for it (this one, or ``--process-index`` of ``--process-count`` processes
 sharing the mesh's devices in order — planned without ``jax.distributed``). Three counts follow the
-builder exactly (:mod:`otfload.place.report`): ``process_bytes``, the source bytes its devices' boxes
-need, each HF tensor once (boxes carried back through the hooks, holes of widening hooks skipped);
-``fetch_bytes``, what the reader fetches for them (whole pages of local files, gaps merged to save
-requests, in the layout :mod:`otfload.place.reshard` chooses: a band read resharded on the devices);
-and ``ideal_bytes``, the source bytes of the elements the devices hold.
+builder exactly (the plan's cost model, :mod:`otfload.plan.cost`): ``process_bytes``, the source
+bytes its devices' boxes need, each HF tensor once (boxes carried back through the hooks, holes of
+widening hooks skipped); ``fetch_bytes``, what the reader fetches for them (whole pages of local
+files, gaps merged to save requests, in the layout :mod:`otfload.place.reshard` chooses: a band
+read resharded on the devices); and ``ideal_bytes``, the source bytes of the elements the devices hold.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
 from typing import Any
 
 from otfload.cli import options
@@ -47,24 +46,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def leaf_boxes(plan, devices: Iterable | None = None) -> set:
-    """The distinct shard boxes of ``plan``'s leaf on ``devices`` (default: this process's)."""
-    from otfload.plan.boxes import box_from_index
-
-    leaf = plan.leaf
-    chosen = leaf.sharding.addressable_devices if devices is None else set(devices)
-    index_map = leaf.sharding.devices_indices_map(leaf.shape)
-    return {box_from_index(index, leaf.shape) for device, index in index_map.items() if device in chosen}
-
-
-def process_bytes(plan, devices: Iterable | None = None) -> int:
-    """Source bytes the shards of ``devices`` (default: this process's) need, each HF tensor once,
-    every stored part of quantized tensors (codes, scales, zero points) included."""
-    from otfload.place.report import leaf_needed, process_boxes
-
-    return leaf_needed(plan, process_boxes(plan.leaf, None, None if devices is None else list(devices)))
-
-
 def process_devices(mesh, process_index: int | None, process_count: int | None):
     """``(devices, process_of)`` of one process: this one's (``process_of`` None), or block
     ``process_index`` of ``process_count`` equal blocks of the mesh's devices in mesh order."""
@@ -87,7 +68,7 @@ def process_devices(mesh, process_index: int | None, process_count: int | None):
 def process_leaves(plan, reader, devices, process_of, policy: str, platform: str | None = None) -> dict[str, dict]:
     """Per leaf of ``plan``: the bytes one process needs, fetches (and in how many requests, in
     which layout) and ideally holds; leaves that read alike (unscanned layers) are counted once."""
-    from otfload.place.report import leaf_ideal, leaf_needed, leaf_planned, process_boxes
+    from otfload.place.report import leaf_planned
     from otfload.place.reshard import choose_read_shardings, leaf_signature
 
     choices = choose_read_shardings(plan.leaves, reader, policy, process_of=process_of, platform=platform)
@@ -96,46 +77,13 @@ def process_leaves(plan, reader, devices, process_of, policy: str, platform: str
         choice = choices.get(path)
         key = (leaf_signature(p), None if choice is None else str(choice.sharding.spec))
         if key not in memo:
-            boxes = process_boxes(p.leaf, None, devices)
-            read = process_boxes(p.leaf, choice.sharding, devices) if choice else boxes
+            read = p.device_boxes(devices, choice.sharding) if choice else p.device_boxes(devices)
             fetched, requests = leaf_planned(p, read, reader)
-            memo[key] = {"process_bytes": leaf_needed(p, boxes), "fetch_bytes": fetched, "requests": requests,
-                         "ideal_bytes": leaf_ideal(p, devices),
+            memo[key] = {"process_bytes": p.process_bytes(devices), "fetch_bytes": fetched, "requests": requests,
+                         "ideal_bytes": p.ideal_bytes(devices),
                          "read_as": None if choice is None else str(choice.sharding.spec)}
         out[path] = memo[key]
     return out
-
-
-def shard_bytes(plan) -> int:
-    """Bytes of the leaf's largest device shard, in the target dtype (what one device holds)."""
-    from otfload.plan.boxes import box_from_index, box_nbytes
-
-    leaf = plan.leaf
-    return max(box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
-               for index in _index_map(leaf.shape, leaf.sharding).values())
-
-
-def placed_per_device(plan) -> dict[int, int]:
-    """Bytes each device holds once every leaf is placed (kept quantized parts in their stored dtype)."""
-    from otfload.plan.boxes import box_from_index, box_nbytes
-
-    out: dict[int, int] = {}
-    for p in plan.leaves.values():
-        leaf = p.leaf
-        for device, index in _index_map(leaf.shape, leaf.sharding).items():
-            out[device.id] = out.get(device.id, 0) + box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
-    return dict(sorted(out.items()))
-
-
-_INDEX_MAPS: dict = {}
-
-
-def _index_map(shape, sharding) -> dict:
-    """``sharding.devices_indices_map(shape)``, computed once per shape and sharding."""
-    key = (tuple(shape), sharding)
-    if key not in _INDEX_MAPS:
-        _INDEX_MAPS[key] = sharding.devices_indices_map(tuple(shape))
-    return _INDEX_MAPS[key]
 
 
 def inspect_source(
@@ -149,16 +97,12 @@ def inspect_source(
     """
 
     from otfload.api import plan_model
-    from otfload.families.registry import family_for
-    from otfload.index.checkpoint import CONFIG_FILE, read_json
     from otfload.read.reader import TensorReader
     from otfload.sources.owned import owned
 
     _, plan, src = plan_model(source, **kwargs)
     with owned(src, source):  # a Source the caller passed in stays open
-        config = read_json(src, CONFIG_FILE)
-        description = src.description
-        info = describe_plan(plan, description, config.get("model_type"), family_for(config).name,
+        info = describe_plan(plan, src.description, plan.config.get("model_type"), plan.family,
                              kwargs.get("scan_layers", True), reader=TensorReader(src),
                              process=(process_index, process_count), reshard=reshard, platform=platform)
     return info
@@ -214,19 +158,15 @@ def describe_plan(
     source), what one process (``process``: index and count, see :func:`process_devices`) fetches."""
     import jax
 
+    from otfload.plan.cost import placed_per_device
+
     mesh = next(iter(plan.leaves.values())).leaf.sharding.mesh if plan.leaves else None
     devices, process_of = process_devices(mesh, *process) if mesh is not None else ([], None)
     if reader is not None:
         counts = process_leaves(plan, reader, devices, process_of, reshard, platform)
     else:
-        counts = {path: {"process_bytes": process_bytes(p, devices)} for path, p in plan.leaves.items()}
-    shards: dict = {}
-    leaves = []
-    for path, p in plan.leaves.items():
-        key = (p.leaf.shape, p.leaf.dtype, p.leaf.sharding)
-        if key not in shards:
-            shards[key] = shard_bytes(p)
-        leaves.append({**p.describe(), **counts[path], "shard_bytes": shards[key]})
+        counts = {path: {"process_bytes": p.process_bytes(devices)} for path, p in plan.leaves.items()}
+    leaves = [{**p.describe(), **counts[path], "shard_bytes": p.shard_bytes()} for path, p in plan.leaves.items()]
     return {
         "source": description,
         "model_type": model_type,
@@ -239,9 +179,9 @@ def describe_plan(
         "leaves": leaves,
         "unused": list(plan.unused),
         "quantized_kept": {path: {"parts": list(k.parts.values()), "sharding": str(k.spec), "storage": k.storage}
-                           for path, k in getattr(plan, "kept", {}).items()},
-        "quantized_notes": dict(getattr(plan, "kept_notes", {})),
-        "placed_bytes_per_device": placed_per_device(plan) if mesh is not None else {},
+                           for path, k in plan.kept.items()},
+        "quantized_notes": dict(plan.kept_notes),
+        "placed_bytes_per_device": placed_per_device(p.leaf for p in plan.leaves.values()) if mesh is not None else {},
         "totals": {
             "leaves": len(leaves),
             "hf_tensors": sum(leaf["num_hf_keys"] for leaf in leaves),

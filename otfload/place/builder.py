@@ -30,14 +30,11 @@ import numpy as np
 
 from otfload.place.transpose import copy_into, transposed_axis
 from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop, selection_union
+from otfload.plan.cost import bounding_box
 from otfload.plan.hooks import chain_apply, chain_needed, chain_selection
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
 from otfload.read.reader import TensorReader
-
-
-def bounding_box(boxes: list[Box]) -> Box:
-    return tuple((min(d[0] for d in dims), max(d[1] for d in dims)) for dims in zip(*boxes, strict=True))
 
 
 class ByteBudget:

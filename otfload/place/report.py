@@ -1,7 +1,10 @@
 """The load report: what a load fetched, placed and skipped, and how fast — and the byte counts
 it is judged against, computed from the plan alone.
 
-Three byte counts per process, from the most to the least fundamental:
+The per-leaf cost model (device boxes, needed and ideal bytes) is the plan's
+(:mod:`otfload.plan.cost`); what a reader fetches for it is the reader's
+(:meth:`~otfload.read.reader.TensorReader.planned`). Three byte counts per process, summed over a
+plan here, from the most to the least fundamental:
 
 * **ideal** (:func:`ideal_bytes`): the source bytes of the elements this process's devices hold,
   each distinct shard once — what no reader can go below;
@@ -14,7 +17,6 @@ Three byte counts per process, from the most to the least fundamental:
 
 from __future__ import annotations
 
-import math
 import mmap
 import resource
 from collections.abc import Iterable
@@ -23,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from otfload.plan.boxes import Box, box_from_index, box_size, selection_union
-from otfload.plan.hooks import chain_needed, chain_selection
+from otfload.plan import cost
+from otfload.plan.boxes import Box
 
 
 def current_rss() -> int:
@@ -83,39 +85,11 @@ class LoadReport:
         )
 
 
-def process_boxes(leaf, sharding=None, devices: Iterable | None = None) -> list[Box]:
-    """The distinct boxes of ``leaf`` on ``devices`` (default: this process's) under ``sharding``
-    (default: the leaf's own), in device order."""
-    sharding = leaf.sharding if sharding is None else sharding
-    if devices is None:
-        index_map = sharding.addressable_devices_indices_map(leaf.shape)
-    else:
-        wanted = set(devices)
-        index_map = {d: i for d, i in sharding.devices_indices_map(leaf.shape).items() if d in wanted}
-    return list(dict.fromkeys(box_from_index(index, leaf.shape) for index in index_map.values()))
-
-
-def leaf_reads(plan, boxes: list[Box]) -> tuple[Box, tuple, list[int]]:
-    """What the builder reads for ``boxes`` of ``plan``'s leaf: the union box of each source tensor,
-    the selection inside it, and the indices of the stacked source tensors read (row-major)."""
-    from otfload.place.builder import bounding_box
-
-    n = len(plan.stack_axes)
-    inner = list(dict.fromkeys(box[n:] for box in boxes))
-    union = bounding_box([chain_needed(plan.hooks, plan.shapes, box) for box in inner])
-    selection = selection_union([chain_selection(plan.hooks, plan.shapes, box) for box in inner])
-    if not n:
-        return union, selection, [0]
-    flat = [np.ravel_multi_index(np.ix_(*(np.arange(a, b) for a, b in stack)), plan.stack_shape).ravel()
-            for stack in dict.fromkeys(box[:n] for box in boxes)]
-    return union, selection, np.unique(np.concatenate(flat)).tolist()
-
-
 def leaf_planned(plan, boxes: list[Box], reader) -> tuple[int, int]:
     """``(bytes, requests)`` ``reader`` asks its source for to build ``boxes`` of ``plan``'s leaf."""
     if not boxes or not plan.sources:
         return 0, 0
-    union, selection, indices = leaf_reads(plan, boxes)
+    union, selection, indices = cost.leaf_reads(plan, boxes)
     total_bytes = total_requests = 0
     seen: dict = {}
     paged = reader.maps or reader.pages
@@ -131,38 +105,18 @@ def leaf_planned(plan, boxes: list[Box], reader) -> tuple[int, int]:
     return total_bytes, total_requests
 
 
-def leaf_needed(plan, boxes: list[Box]) -> int:
-    """Stored bytes of the source elements ``boxes`` of ``plan``'s leaf need (each HF tensor once),
-    without pages or gaps."""
-    from otfload.read.reader import needed_bytes
-
-    if not boxes or not plan.sources:
-        return 0
-    union, selection, indices = leaf_reads(plan, boxes)
-    return sum(needed_bytes(plan.sources[i], union, selection) for i in indices)
-
-
 def planned_bytes(plan, reader, shardings: dict | None = None, devices: Iterable | None = None) -> int:
     """Bytes ``reader`` will fetch for every leaf of ``plan`` on ``devices`` (default: this
     process's), each leaf read under ``shardings[path]`` (default: its own sharding)."""
     shardings = shardings or {}
     devices = None if devices is None else list(devices)
     return sum(
-        leaf_planned(p, process_boxes(p.leaf, shardings.get(path), devices), reader)[0]
+        leaf_planned(p, p.device_boxes(devices, shardings.get(path)), reader)[0]
         for path, p in plan.leaves.items()
     )
 
 
-def leaf_ideal(plan, devices: Iterable | None = None) -> int:
-    """Source bytes of the elements of ``plan``'s leaf that ``devices`` hold, each distinct shard once."""
-    if not plan.sources:
-        return 0
-    held = sum(box_size(box) for box in process_boxes(plan.leaf, None, devices))
-    source_elements = len(plan.sources) * math.prod(plan.shapes[0])
-    return plan.source_bytes * held // max(1, source_elements) if source_elements else 0
-
-
 def ideal_bytes(plan, devices: Iterable | None = None) -> int:
-    """:func:`leaf_ideal` summed over the leaves of ``plan``."""
+    """:meth:`~otfload.plan.planner.LeafPlan.ideal_bytes` summed over the leaves of ``plan``."""
     devices = None if devices is None else list(devices)
-    return sum(leaf_ideal(p, devices) for p in plan.leaves.values())
+    return sum(p.ideal_bytes(devices) for p in plan.leaves.values())

@@ -34,7 +34,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from otfload.errors import InvalidOptionError
-from otfload.place.report import leaf_planned, process_boxes
+from otfload.place.report import leaf_planned
 
 # --- the cost model's constants ---------------------------------------------------------------------
 # Local files, cold: 64 MiB mapped with MADV_POPULATE_READ in 28-44 ms on this VM's virtio disk
@@ -157,7 +157,7 @@ def _fetch(plan, sharding, groups: Mapping[int, list], reader, sample: Iterable[
     """The largest ``(bytes, requests)`` any sampled process fetches for ``plan``'s leaf under ``sharding``."""
     worst = (0, 0)
     for p in sample:
-        got = leaf_planned(plan, process_boxes(plan.leaf, sharding, groups[p]), reader)
+        got = leaf_planned(plan, plan.device_boxes(groups[p], sharding), reader)
         worst = max(worst, got)
     return worst
 
@@ -190,7 +190,7 @@ def leaf_moved_bytes(plan, devices) -> int:
     from otfload.plan.boxes import box_size
 
     itemsize = plan.leaf.dtype.itemsize
-    return sum(box_size(b) for b in process_boxes(plan.leaf, None, devices)) * itemsize
+    return sum(box_size(b) for b in plan.device_boxes(devices)) * itemsize
 
 
 _compiled: set = set()  # reshard signatures this process has run: their programs are compiled

@@ -19,15 +19,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
+from jax.sharding import Sharding
 
 from otfload.errors import MappingError, TensorProblem, UnfaithfulCastError, mismatch_error
 from otfload.index.checkpoint import CheckpointIndex
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
+from otfload.plan import cost
 from otfload.plan.abstract import AbstractLeaf
+from otfload.plan.boxes import Box
 from otfload.plan.hooks import Hook, Shape, chain_shapes
 from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values
 
@@ -67,6 +70,24 @@ class LeafPlan:
         first = self.sources[0]
         return str(first.dtype) if isinstance(first, TensorInfo) else first.storage
 
+    def device_boxes(self, devices: cost.Devices | None = None, sharding: Sharding | None = None) -> list[Box]:
+        """The distinct boxes of the leaf on ``devices`` (default: this process's) under ``sharding``
+        (default: its own; a read layout chosen for it)."""
+        return cost.device_boxes(self.leaf, sharding, devices)
+
+    def process_bytes(self, devices: cost.Devices | None = None) -> int:
+        """Stored source bytes the shards of ``devices`` (default: this process's) need, each HF tensor
+        once, every part of quantized or adapted tensors included — without pages or gaps."""
+        return cost.leaf_needed(self, self.device_boxes(devices))
+
+    def ideal_bytes(self, devices: cost.Devices | None = None) -> int:
+        """Source bytes of the elements ``devices`` hold, each distinct shard once: no reader goes below."""
+        return cost.leaf_ideal(self, devices)
+
+    def shard_bytes(self) -> int:
+        """Bytes of the leaf's largest device shard in its target dtype (what one device holds)."""
+        return cost.shard_bytes(self.leaf)
+
     def describe(self) -> dict:
         """A JSON-able summary (what ``otfload inspect`` prints)."""
         keys = [s.name for s in self.sources]
@@ -95,6 +116,9 @@ class LoadPlan:
     # quantized="keep" (otfload.plan.keep): leaves placed packed, and why others were not / how sharded
     kept: dict[str, Any] = field(default_factory=dict)
     kept_notes: dict[str, str] = field(default_factory=dict)
+    # What the plan was made for, when a family's model: its name and the checkpoint's config.json.
+    family: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def source_bytes(self) -> int:
@@ -109,9 +133,7 @@ def _lookup(
     key = format_key(rule.source, values)
     for candidate in (key, *(format_key(f, values) for f in rule.fallbacks)):
         if candidate in index:
-            # A QuantizedTensor is a DerivedTensor at run time; mypy disagrees only because the
-            # protocol in index/derived.py declares settable attributes where it has frozen fields.
-            return candidate, cast(TensorInfo | DerivedTensor, index[candidate])
+            return candidate, index[candidate]
     return key, None
 
 

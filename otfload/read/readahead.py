@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from otfload.errors import OtfloadError
+from otfload.plan.cost import leaf_reads
+from otfload.sources.base import ResidencySource
 from otfload.sources.residency import SAMPLE_PAGES, Strategy, choose_strategy
 
 # How far (in bytes announced) the thread runs ahead of the leaves started. The page cache holds
@@ -127,11 +129,6 @@ class ReadAhead:
                     self.announced += length
 
 
-def can_read_ahead(source) -> bool:
-    """Whether ``source`` can announce ranges and report their residency (local files)."""
-    return all(callable(getattr(source, name, None)) for name in ("advise", "resident_fraction"))
-
-
 def cold_files(source) -> set[str]:
     """The safetensors files of ``source`` worth reading ahead: each file's residency estimated from
     SAMPLE_PAGES pages (~0.1 ms a file), judged by :func:`~otfload.sources.residency.choose_strategy`."""
@@ -151,9 +148,7 @@ def cold_files(source) -> set[str]:
 def leaf_ranges(leaf_plan, reader, sharding=None) -> list[Range]:
     """The ranges the builder of ``leaf_plan`` fetches through ``reader`` on this process, the leaf
     read under ``sharding`` (default: its own)."""
-    from otfload.place.report import leaf_reads, process_boxes
-
-    boxes = process_boxes(leaf_plan.leaf, sharding)
+    boxes = leaf_plan.device_boxes(sharding=sharding)
     if not boxes or not leaf_plan.sources:
         return []
     union, selection, indices = leaf_reads(leaf_plan, boxes)
@@ -163,7 +158,7 @@ def leaf_ranges(leaf_plan, reader, sharding=None) -> list[Range]:
 def start_read_ahead(plan, reader, shardings: dict | None = None, lead_bytes: int = LEAD_BYTES) -> ReadAhead | None:
     """A started :class:`ReadAhead` for ``plan``'s leaves (in plan order, leaf ``path`` read under
     ``shardings[path]``) when ``reader``'s source reads local files, else None."""
-    local = (reader.maps or reader.pages) and can_read_ahead(reader.source)
+    local = (reader.maps or reader.pages) and isinstance(reader.source, ResidencySource)
     if not local or os.environ.get(READ_AHEAD_ENV, "1") == "0":
         return None
     cold = cold_files(reader.source)

@@ -35,14 +35,11 @@ from otfload.plan.boxes import (
     byte_runs,
     merge_run_arrays,
     page_run_arrays,
-    selection_boxes,
     selection_piece_arrays,
-    selection_run_count,
-    selection_size,
-    selection_union,
 )
+from otfload.plan.cost import part_selections, useful_selection
 from otfload.read.arena import Arena
-from otfload.sources.base import RangeRead, Source
+from otfload.sources.base import MappedSource, PageGranularSource, RangePrefetchingSource, RangeRead, Source
 from otfload.sources.ranges import coalesced_extents, expected_fetch, gap_policy
 
 # The gap *inside one tensor's box* that reading the box as one span (first element to last) may
@@ -58,15 +55,6 @@ PAGE_BYTES = mmap.PAGESIZE
 # A mapped read merges ranges across gaps up to this size (within MAX_OVERREAD_FRACTION): one
 # madvise call costs ~2 µs, about what 16 KiB of page cache or NVMe read-in costs.
 MAPPED_GAP_BYTES = 16 * 1024
-# A selection (a box with holes, see Hook.selection) of more runs than this is read as its bounding
-# box: per-element patterns (a stride-2 slice of the innermost axis) are cheaper read whole.
-MAX_SELECTION_RUNS = 1 << 16
-# ... and so is one whose runs average fewer bytes than this: each run costs a request (a preadv of
-# ~1 µs, a range entry remotely), more than reading a hole this small (~0.03 µs at 10 GB/s) — below it
-# only reading the box once and sharing it would help (a stride-2 slice of bf16 pairs: 2-byte runs).
-MIN_SELECTION_RUN_BYTES = 256
-# A derived tensor's selection is carried to its parts box by box, up to this many boxes.
-MAX_DERIVED_SELECTION_BOXES = 4096
 
 
 @dataclass
@@ -89,55 +77,13 @@ class ReadStats:
             self.files.add(file)
 
 
-def needed_bytes(info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None) -> int:
-    """Stored bytes :meth:`TensorReader.read_box` needs for ``box`` (``selection`` in it) of ``info``:
-    the selected elements (a selection too fragmented to read apart counts whole), every part of a
-    derived tensor — without the pages or gaps a source fetches around them."""
-    selection = _useful_selection(info, box, selection)
-    if is_derived(info):
-        if selection is None:
-            return stored_box_bytes(info, box)
-        parts = _part_selections(info, box, selection).values()
-        return sum(needed_bytes(part, pbox, psel) for part, pbox, psel in parts)
-    return (selection_size(selection) if selection is not None else math.prod(box_shape(box))) * info.dtype.itemsize
-
-
-def stored_box_bytes(info: TensorInfo | DerivedTensor, box: Box) -> int:
-    """Stored bytes a read of ``box`` of ``info`` needs (for a derived tensor: every part's box)."""
-    if is_derived(info):
-        return sum(stored_box_bytes(part, pbox) for part, pbox in info.part_boxes(box).values())
-    return box_nbytes(box, info.dtype.itemsize)
-
-
 def element_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape)))
-
-
-def _useful_selection(info, box: Box, selection: Selection | None) -> Selection | None:
-    """``selection`` unless it is the whole box or too fragmented to read piece by piece."""
-    if selection is None or selection == box_selection(box):
-        return None
-    if is_derived(info):
-        return selection if len(selection_boxes(selection)) <= MAX_DERIVED_SELECTION_BOXES else None
-    runs = selection_run_count(selection, info.shape)
-    if runs > MAX_SELECTION_RUNS or selection_size(selection) * info.dtype.itemsize < MIN_SELECTION_RUN_BYTES * runs:
-        return None
-    return selection
 
 
 def _sum_pairs(pairs) -> tuple[int, int]:
     pairs = list(pairs)
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-
-
-def _part_selections(info: DerivedTensor, box: Box, selection: Selection) -> dict:
-    """``{role: (part, part box, part selection)}``: each part's selection is the union of the part
-    boxes of the selection's boxes."""
-    boxes = [info.part_boxes(b) for b in selection_boxes(selection)]
-    return {
-        role: (part, pbox, selection_union([box_selection(parts[role][1]) for parts in boxes]))
-        for role, (part, pbox) in info.part_boxes(box).items()
-    }
 
 
 def _scatter(pieces, fetch: list[ByteRun], buffers: list, dense: np.ndarray) -> None:
@@ -185,16 +131,18 @@ class TensorReader:
     def __init__(self, source: Source, stats: ReadStats | None = None):
         self.source = source
         self.stats = stats or ReadStats()
+        self._mapping = source if isinstance(source, MappedSource) else None
+        self._ranges_prefetch = source if isinstance(source, RangePrefetchingSource) else None
 
     @property
     def maps(self) -> bool:
         """Whether this reader's source maps files (reads become page-cache views, fetched by page)."""
-        return getattr(self.source, "mapped", None) is not None and getattr(self.source, "use_mmap", True)
+        return self._mapping is not None and self._mapping.use_mmap
 
     @property
     def pages(self) -> bool:
         """Whether the source reads local files, which the kernel fetches in whole pages."""
-        return bool(getattr(self.source, "page_granular", False))
+        return isinstance(self.source, PageGranularSource) and self.source.page_granular
 
     def read_box(
         self, info: TensorInfo | DerivedTensor, box: Box, arena: Arena, selection: Selection | None = None
@@ -204,7 +152,7 @@ class TensorReader:
         With ``selection`` (inside ``box``), only the selected elements are fetched; the others hold
         arbitrary values (zeros or neighbouring bytes) and must not be used.
         """
-        selection = _useful_selection(info, box, selection)
+        selection = useful_selection(info, box, selection)
         if is_derived(info):
             if selection is not None:
                 return self._read_derived_selection(info, box, arena, selection)
@@ -251,12 +199,11 @@ class TensorReader:
             if fetch:
                 ranges = [(info.offset + run.offset, run.length) for run in fetch]
                 with expected_fetch(fetched, len(fetch)):
-                    prefetch_ranges = getattr(self.source, "prefetch_ranges", None)
-                    if prefetch_ranges is not None:
-                        prefetch_ranges(info.file, ranges)
-                    else:
+                    if self._ranges_prefetch is not None:
+                        self._ranges_prefetch.prefetch_ranges(info.file, ranges)
+                    elif self._mapping is not None:
                         for offset, length in ranges:
-                            self.source.prefetch(info.file, offset, length)
+                            self._mapping.prefetch(info.file, offset, length)
             whole = np.frombuffer(mapped, info.dtype, math.prod(info.shape), info.offset).reshape(info.shape)
             return whole[box_to_slices(box)]
         origin = sum(b[0] * st for b, st in zip(box, strides, strict=True))
@@ -285,8 +232,8 @@ class TensorReader:
         # Each part is read with the union of the part boxes of the selection's boxes; never as a
         # mapped view (decoding touches the whole box: the holes' pages would be faulted in).
         arrays = {}
-        for role, (part, pbox, psel) in _part_selections(info, box, selection).items():
-            if is_derived(part) or (psel := _useful_selection(part, pbox, psel)) is None:
+        for role, (part, pbox, psel) in part_selections(info, box, selection).items():
+            if is_derived(part) or (psel := useful_selection(part, pbox, psel)) is None:
                 arrays[role] = self.read_box(part, pbox, arena, psel)
             else:
                 arrays[role] = self._read_plain(part, pbox, arena, psel, view_ok=False)
@@ -296,13 +243,13 @@ class TensorReader:
         self, info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None, view_ok: bool = True
     ) -> tuple[int, int]:
         """``(bytes, requests)`` :meth:`read_box` asks the source for, computed without reading."""
-        selection = _useful_selection(info, box, selection)
+        selection = useful_selection(info, box, selection)
         if is_derived(info):
             if selection is None:
                 return _sum_pairs(self.planned(part, pbox) for part, pbox in info.part_boxes(box).values())
             return _sum_pairs(
-                self.planned(part, pbox, psel, view_ok=is_derived(part) or _useful_selection(part, pbox, psel) is None)
-                for part, pbox, psel in _part_selections(info, box, selection).values()
+                self.planned(part, pbox, psel, view_ok=is_derived(part) or useful_selection(part, pbox, psel) is None)
+                for part, pbox, psel in part_selections(info, box, selection).values()
             )
         pieces = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
         mode, starts, lengths = self._fetch_plan(info, box, pieces, view_ok)
@@ -314,7 +261,7 @@ class TensorReader:
         """``(file, offset, length)`` of every range :meth:`read_box` of a mapping source will fetch
         for ``box`` (file offsets, page-merged as read), computed without reading: what a read-ahead
         announces. A derived tensor read with holes gives none (its parts' reads are not announced)."""
-        selection = _useful_selection(info, box, selection)
+        selection = useful_selection(info, box, selection)
         if is_derived(info):
             if selection is not None:
                 return []
@@ -323,10 +270,9 @@ class TensorReader:
         _, starts, lengths = self._fetch_plan(info, box, pieces, view_ok=True)
         return [(info.file, info.offset + s, n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
 
-    def _mapped(self, info: TensorInfo):
+    def _mapped(self, info: TensorInfo) -> memoryview | None:
         # The source checks that the file still holds the whole tensor before anything touches it.
-        mapped = getattr(self.source, "mapped", None)
-        return mapped(info.file, info.offset, info.nbytes) if mapped is not None else None
+        return self._mapping.mapped(info.file, info.offset, info.nbytes) if self._mapping is not None else None
 
     def release(self, info: TensorInfo | DerivedTensor, box: Box) -> None:
         """Done with ``box`` of ``info``: let a mapping source drop its pages from our memory."""
@@ -334,8 +280,7 @@ class TensorReader:
             for part, pbox in info.part_boxes(box).values():
                 self.release(part, pbox)
             return
-        release = getattr(self.source, "release", None)
         runs = byte_runs(info.shape, info.dtype.itemsize, box)
-        if release is not None and runs:
+        if self._mapping is not None and runs:
             start, end = runs[0].offset, runs[-1].offset + runs[-1].length
-            release(info.file, info.offset + start, end - start)
+            self._mapping.release(info.file, info.offset + start, end - start)

@@ -101,6 +101,16 @@ class PageGranularSource(Protocol):
 
 
 @runtime_checkable
+class ResidencySource(Protocol):
+    """A source of local files that can say how much of a range is in the page cache and ask the
+    kernel to read a range ahead (what a cold-cache read-ahead needs)."""
+
+    def advise(self, file: str, ranges: Sequence[tuple[int, int]]) -> None: ...
+
+    def resident_fraction(self, file: str, offset: int, length: int, max_pages: int | None = None) -> float | None: ...
+
+
+@runtime_checkable
 class DownloadableSource(Protocol):
     """A source that keeps complete local copies of its files (the Hub's own cache)."""
 

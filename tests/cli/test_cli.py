@@ -3,7 +3,6 @@ plus in-process calls of ``otfload.cli.main`` where only the command's logic is 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -19,10 +18,8 @@ from safetensors.numpy import save_file
 
 import otfload
 from otfload.cli import main
-from otfload.cli.inspect import inspect_source, process_bytes
+from otfload.cli.inspect import inspect_source
 from otfload.errors import SourceNotFoundError
-from otfload.plan.boxes import box_from_index, box_to_slices
-from otfload.plan.hooks import run_forward
 from otfload.plan.sharding import logical_to_spec
 from otfload.sources import LocalSource
 from tests.helpers import hf_tensors
@@ -83,23 +80,6 @@ def test_inspect_text_lists_leaves_keys_and_hooks(llama, capsys):
     assert "← model.layers.2.mlp.down_proj.weight  [float32]" in text
     assert "hooks: Reshape(shape=(4, 16, 64))" in text
     assert "unused tensors (0): none" in text
-
-
-def test_process_bytes_of_one_device_are_the_source_elements_its_shard_comes_from(llama, mesh_2x4):
-    """Independent count: push an array of element numbers through the hooks, crop the device's
-    shard, and count the distinct source elements it contains."""
-    _, plan, _ = otfload.plan_model(llama, mesh=mesh_2x4, scan_layers=True)
-    for device in (jax.devices()[0], jax.devices()[5]):
-        for leaf_plan in plan.leaves.values():
-            leaf = leaf_plan.leaf
-            box = box_from_index(leaf.sharding.devices_indices_map(leaf.shape)[device], leaf.shape)
-            n = len(leaf_plan.stack_axes)
-            want = 0
-            for combo in itertools.product(*(range(a, b) for a, b in box[:n])):
-                info = leaf_plan.sources[int(np.ravel_multi_index(combo, leaf_plan.stack_shape)) if n else 0]
-                numbers = run_forward(leaf_plan.hooks, np.arange(np.prod(info.shape)).reshape(info.shape))
-                want += np.unique(numbers[box_to_slices(box[n:])]).size * info.dtype.itemsize
-            assert process_bytes(leaf_plan, [device]) == want, leaf.path
 
 
 class RecordingSource:

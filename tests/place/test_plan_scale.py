@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import otfload
 from otfload.cli.inspect import inspect_source, summarize_names
-from otfload.place.report import leaf_ideal, leaf_planned, process_boxes
+from otfload.place.report import leaf_planned
 from otfload.place.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource
@@ -138,10 +138,10 @@ def test_remote_column_reads_become_band_reads_at_their_ideal_share(column_split
     assert "layers.mlp.down.kernel" not in chosen  # its rows are split already: read in place
     mine = process_devices(mesh, process_of)[0]
     for path, p in plan.leaves.items():
-        read = process_boxes(p.leaf, chosen[path].sharding if path in chosen else None, mine)
+        read = p.device_boxes(mine, chosen[path].sharding if path in chosen else None)
         fetched, requests = leaf_planned(p, read, reader)
-        assert fetched <= 1.25 * leaf_ideal(p, mine), path
-        direct = leaf_planned(p, process_boxes(p.leaf, None, mine), reader)
+        assert fetched <= 1.25 * p.ideal_bytes(mine), path
+        direct = leaf_planned(p, p.device_boxes(mine), reader)
         assert path not in chosen or requests < direct[1] / 10  # a request per row, avoided
 
 

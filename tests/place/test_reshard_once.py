@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import otfload
 from benchmarks.make_checkpoint import Dims, write_checkpoint
-from otfload.place.report import leaf_planned, process_boxes
+from otfload.place.report import leaf_planned
 from otfload.place.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.read.reader import TensorReader
 
@@ -42,7 +42,7 @@ def cluster_bytes(plan, mesh, reader, shardings: dict) -> int:
     """Bytes all 4 processes fetch for ``plan``, each leaf read in ``shardings[path]`` (default: its own)."""
     groups = process_devices(mesh, process_of)
     return sum(
-        leaf_planned(p, process_boxes(p.leaf, shardings.get(path), groups[g]), reader)[0]
+        leaf_planned(p, p.device_boxes(groups[g], shardings.get(path)), reader)[0]
         for path, p in plan.leaves.items() for g in groups
     )  # fmt: skip
 
@@ -59,7 +59,7 @@ def test_always_reads_the_checkpoint_once_across_processes(tp8):
     assert once <= ONCE * size < 1.5 * size < in_place, (once / size, in_place / size)
     for path in ("layers.attn.k.kernel", "layers.attn.v.kernel"):  # each process a distinct quarter
         groups = process_devices(mesh, process_of)
-        boxes = [process_boxes(plan.leaves[path].leaf, chosen[path].sharding, groups[g]) for g in groups]
+        boxes = [plan.leaves[path].device_boxes(groups[g], chosen[path].sharding) for g in groups]
         flat = [b for bs in boxes for b in bs]
         assert len(set(flat)) == len(flat) == 8
 

@@ -1,0 +1,181 @@
+"""What a leaf costs: the boxes its devices hold and the source bytes they need — from the plan alone.
+
+One model answers every "how many bytes" question, for the builder, the read-ahead, the reshard
+cost model, ``otfload inspect``, the benchmarks and the bytes-per-process tests alike:
+
+* :func:`device_boxes` — the distinct boxes of a leaf on a set of devices (default: this process's),
+  under its own sharding or a read layout chosen for it (devices with equal boxes share one build);
+* :func:`leaf_reads` — those boxes carried back through the hooks: the bounding box of each HF
+  tensor, the *selection* inside it (widening hooks leave holes) and which stacked tensors are read;
+* :func:`needed_bytes` / :func:`leaf_needed` — the stored bytes of the selected elements (every
+  part of a quantized or adapted tensor), without the pages or gaps a source fetches around them;
+* :func:`leaf_ideal` — the source bytes of the elements the devices hold, each distinct shard once:
+  what no reader can go below;
+* :func:`shard_bytes` / :func:`placed_per_device` — the device memory a leaf takes.
+
+What a *reader* fetches for those bytes (pages, merged gaps, requests) depends on the source and
+lives with the reader (:meth:`~otfload.read.reader.TensorReader.planned`). The one reading decision
+made here is which selections are worth reading piece by piece (:func:`useful_selection`): a
+selection too fragmented to read apart is read, and counted, as its bounding box.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from otfload.index.derived import DerivedTensor, is_derived
+from otfload.index.header import TensorInfo
+from otfload.plan.boxes import (
+    Box,
+    Selection,
+    box_from_index,
+    box_nbytes,
+    box_selection,
+    box_shape,
+    box_size,
+    selection_boxes,
+    selection_run_count,
+    selection_size,
+    selection_union,
+)
+from otfload.plan.hooks import chain_needed, chain_selection
+
+if TYPE_CHECKING:
+    from otfload.plan.abstract import AbstractLeaf
+    from otfload.plan.planner import LeafPlan
+
+# A selection (a box with holes, see Hook.selection) of more runs than this is read as its bounding
+# box: per-element patterns (a stride-2 slice of the innermost axis) are cheaper read whole.
+MAX_SELECTION_RUNS = 1 << 16
+# ... and so is one whose runs average fewer bytes than this: each run costs a request (a preadv of
+# ~1 µs, a range entry remotely), more than reading a hole this small (~0.03 µs at 10 GB/s) — below it
+# only reading the box once and sharing it would help (a stride-2 slice of bf16 pairs: 2-byte runs).
+MIN_SELECTION_RUN_BYTES = 256
+# A derived tensor's selection is carried to its parts box by box, up to this many boxes.
+MAX_DERIVED_SELECTION_BOXES = 4096
+# Distinct (shape, sharding) pairs whose device -> index maps are kept: an unscanned 671B model has
+# ~1,200 leaves of a few dozen distinct shapes; at 2,048 devices each map is ~100 KB.
+INDEX_MAP_CACHE_SIZE = 256
+
+Devices = Iterable[jax.Device]
+
+
+def bounding_box(boxes: Sequence[Box]) -> Box:
+    """The smallest box holding every one of ``boxes`` (all of one rank)."""
+    return tuple((min(d[0] for d in dims), max(d[1] for d in dims)) for dims in zip(*boxes, strict=True))
+
+
+def device_boxes(leaf: AbstractLeaf, sharding: jax.sharding.Sharding | None = None,
+                 devices: Devices | None = None) -> list[Box]:
+    """The distinct boxes of ``leaf`` on ``devices`` (default: this process's) under ``sharding``
+    (default: the leaf's own), in device order."""
+    sharding = leaf.sharding if sharding is None else sharding
+    if devices is None:
+        index_map = sharding.addressable_devices_indices_map(leaf.shape)
+    else:
+        wanted = set(devices)
+        index_map = {d: i for d, i in sharding.devices_indices_map(leaf.shape).items() if d in wanted}
+    return list(dict.fromkeys(box_from_index(index, leaf.shape) for index in index_map.values() if index is not None))
+
+
+def useful_selection(info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None) -> Selection | None:
+    """``selection`` unless it is the whole box or too fragmented to read piece by piece (None: read
+    the whole box)."""
+    if selection is None or selection == box_selection(box):
+        return None
+    if is_derived(info):
+        return selection if len(selection_boxes(selection)) <= MAX_DERIVED_SELECTION_BOXES else None
+    runs = selection_run_count(selection, info.shape)
+    if runs > MAX_SELECTION_RUNS or selection_size(selection) * info.dtype.itemsize < MIN_SELECTION_RUN_BYTES * runs:
+        return None
+    return selection
+
+
+def part_selections(
+    info: DerivedTensor, box: Box, selection: Selection
+) -> dict[str, tuple[TensorInfo | DerivedTensor, Box, Selection]]:
+    """``{role: (part, part box, part selection)}`` of a derived tensor: each part's selection is the
+    union of the part boxes of the selection's boxes."""
+    boxes = [info.part_boxes(b) for b in selection_boxes(selection)]
+    return {
+        role: (part, pbox, selection_union([box_selection(parts[role][1]) for parts in boxes]))
+        for role, (part, pbox) in info.part_boxes(box).items()
+    }
+
+
+def stored_box_bytes(info: TensorInfo | DerivedTensor, box: Box) -> int:
+    """Stored bytes a read of ``box`` of ``info`` needs (for a derived tensor: every part's box)."""
+    if is_derived(info):
+        return sum(stored_box_bytes(part, pbox) for part, pbox in info.part_boxes(box).values())
+    return box_nbytes(box, info.dtype.itemsize)
+
+
+def needed_bytes(info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None) -> int:
+    """Stored bytes a read of ``box`` (``selection`` in it) of ``info`` needs: the selected elements
+    (a selection too fragmented to read apart counts whole), every part of a derived tensor —
+    without the pages or gaps a source fetches around them."""
+    selection = useful_selection(info, box, selection)
+    if is_derived(info):
+        if selection is None:
+            return stored_box_bytes(info, box)
+        parts = part_selections(info, box, selection).values()
+        return sum(needed_bytes(part, pbox, psel) for part, pbox, psel in parts)
+    return (selection_size(selection) if selection is not None else math.prod(box_shape(box))) * info.dtype.itemsize
+
+
+def leaf_reads(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection, list[int]]:
+    """What the builder reads for ``boxes`` of ``plan``'s leaf: the union box of each source tensor,
+    the selection inside it, and the indices of the stacked source tensors read (row-major)."""
+    n = len(plan.stack_axes)
+    inner = list(dict.fromkeys(box[n:] for box in boxes))
+    union = bounding_box([chain_needed(plan.hooks, plan.shapes, box) for box in inner])
+    selection = selection_union([chain_selection(plan.hooks, plan.shapes, box) for box in inner])
+    if not n:
+        return union, selection, [0]
+    flat = [np.ravel_multi_index(np.ix_(*(np.arange(a, b) for a, b in stack)), plan.stack_shape).ravel()
+            for stack in dict.fromkeys(box[:n] for box in boxes)]
+    return union, selection, [int(i) for i in np.unique(np.concatenate(flat))]
+
+
+def leaf_needed(plan: LeafPlan, boxes: Sequence[Box]) -> int:
+    """Stored bytes of the source elements ``boxes`` of ``plan``'s leaf need (each HF tensor once),
+    without pages or gaps."""
+    if not boxes or not plan.sources:
+        return 0
+    union, selection, indices = leaf_reads(plan, boxes)
+    return sum(needed_bytes(plan.sources[i], union, selection) for i in indices)
+
+
+def leaf_ideal(plan: LeafPlan, devices: Devices | None = None) -> int:
+    """Source bytes of the elements of ``plan``'s leaf that ``devices`` hold, each distinct shard once."""
+    if not plan.sources:
+        return 0
+    held = sum(box_size(box) for box in device_boxes(plan.leaf, None, devices))
+    source_elements = len(plan.sources) * math.prod(plan.shapes[0])
+    return plan.source_bytes * held // source_elements if source_elements else 0
+
+
+@functools.lru_cache(maxsize=INDEX_MAP_CACHE_SIZE)
+def _indices_map(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Mapping[jax.Device, tuple[slice, ...]]:
+    return sharding.devices_indices_map(shape)
+
+
+def shard_bytes(leaf: AbstractLeaf) -> int:
+    """Bytes of ``leaf``'s largest device shard, in its dtype (what one device holds of it)."""
+    return max(box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
+               for index in _indices_map(tuple(leaf.shape), leaf.sharding).values())
+
+
+def placed_per_device(leaves: Iterable[AbstractLeaf]) -> dict[int, int]:
+    """Bytes each device (by id) holds once every one of ``leaves`` is placed."""
+    out: dict[int, int] = {}
+    for leaf in leaves:
+        for device, index in _indices_map(tuple(leaf.shape), leaf.sharding).items():
+            out[device.id] = out.get(device.id, 0) + box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
+    return dict(sorted(out.items()))
