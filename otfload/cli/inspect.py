@@ -75,13 +75,14 @@ def process_leaves(plan, reader, devices, process_of, policy: str, platform: str
     out, memo = {}, {}
     for path, p in plan.leaves.items():
         choice = choices.get(path)
-        key = (leaf_signature(p), None if choice is None else str(choice.sharding.spec))
+        band = None if choice is None else choice.sharding
+        key = (leaf_signature(p), None if band is None else str(band.spec))
         if key not in memo:
-            read = p.device_boxes(devices, choice.sharding) if choice else p.device_boxes(devices)
+            read = p.device_boxes(devices, band)
             fetched, requests = leaf_planned(p, read, reader)
             memo[key] = {"process_bytes": p.process_bytes(devices), "fetch_bytes": fetched, "requests": requests,
                          "ideal_bytes": p.ideal_bytes(devices),
-                         "read_as": None if choice is None else str(choice.sharding.spec)}
+                         "read_as": None if band is None else str(band.spec)}
         out[path] = memo[key]
     return out
 
@@ -285,7 +286,8 @@ def _ranges(values: list[int]) -> str:
     for prev, cur in zip(values, [*values[1:], None], strict=True):
         if cur is None or cur != prev + 1:
             parts.append(str(start) if start == prev else f"{start}..{prev}")
-            start = cur
+            if cur is not None:
+                start = cur
     return "{" + ",".join(parts) + "}"
 
 

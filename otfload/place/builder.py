@@ -51,10 +51,11 @@ class ByteBudget:
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> None:
-        if self.limit is None:
+        limit = self.limit
+        if limit is None:
             return
         with self._cond:
-            self._cond.wait_for(lambda: self._held == 0 or self._held + nbytes <= self.limit)
+            self._cond.wait_for(lambda: self._held == 0 or self._held + nbytes <= limit)
             self._held += nbytes
 
     def release(self, nbytes: int) -> None:
@@ -107,7 +108,7 @@ def build_boxes(
             for box in boxes:
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
         finally:
-            parts = None
+            parts = {}  # drop the pieces (views of scratch and mapped pages) before releasing them
             try:
                 for i in indices.values():
                     reader.release(plan.sources[i], union)
@@ -146,7 +147,8 @@ def build_leaf(
     leaf = plan.leaf
     devices_by_box: dict[Box, list] = defaultdict(list)
     for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
-        devices_by_box[box_from_index(index, leaf.shape)].append(device)
+        if index is not None:  # always, for addressable devices
+            devices_by_box[box_from_index(index, leaf.shape)].append(device)
     built = build_boxes(plan, list(devices_by_box), reader, arena, budget)
     arrays = []
     for box, devices in devices_by_box.items():

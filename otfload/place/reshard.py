@@ -29,9 +29,10 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from otfload.errors import InvalidOptionError
 from otfload.place.report import leaf_planned
@@ -136,7 +137,7 @@ def band_shardings(leaf) -> list[NamedSharding]:
         for axes in options:
             ways = math.prod(mesh.shape[a] for a in axes)
             if ways > 1 and size % ways == 0:
-                spec = [None] * len(leaf.shape)
+                spec: list[str | tuple[str, ...] | None] = [None] * len(leaf.shape)
                 spec[d] = axes if len(axes) > 1 else axes[0]
                 out.append(NamedSharding(mesh, PartitionSpec(*spec)))
     return out
@@ -174,12 +175,13 @@ def choose_leaf(plan, reader, groups: Mapping[int, list], model: CostModel, poli
     if len(groups) < 2 or policy == "never" or not plan.sources:
         return best
     moved = max(leaf_moved_bytes(plan, groups[p]) for p in sample)
-    best_key = (direct[0], direct[1]) if policy == "always" else t_direct * (1 - MIN_SAVING)
+    # "always": fewest bytes, then requests; "auto": least time, below MIN_SAVING of the direct read's
+    best_key = (float(direct[0]), float(direct[1])) if policy == "always" else (t_direct * (1 - MIN_SAVING), 0.0)
     for candidate in band_shardings(plan.leaf):
         band = _fetch(plan, candidate, groups, reader, sample)
         compiled = _signature(plan.leaf.shape, plan.leaf.dtype, candidate, plan.leaf.sharding) in _compiled
         t_band = model.fetch_seconds(*band) + model.reshard_seconds(moved, 0 if compiled else same)
-        key = (band[0], band[1]) if policy == "always" else t_band
+        key = (float(band[0]), float(band[1])) if policy == "always" else (t_band, 0.0)
         if key < best_key:
             best, best_key = Choice(candidate, direct[0], band[0], t_direct, t_band), key
     return best
@@ -242,8 +244,11 @@ def with_sharding(plan, sharding):
     return dataclasses.replace(plan, leaf=plan.leaf._replace(sharding=sharding))
 
 
-def reshard(array: jax.Array, target) -> jax.Array:
-    """``array`` moved to ``target`` over the interconnect (a collective: every process calls it)."""
+def reshard(array: jax.Array, target: Sharding) -> jax.Array:
+    """``array`` (read as a band: a :func:`band_shardings` layout) moved to ``target`` over the
+    interconnect (a collective: every process calls it). Only leaves with a ``NamedSharding`` get
+    bands, so both are named shardings."""
     out = jax.device_put(array, target)
-    _compiled.add(_signature(array.shape, array.dtype, array.sharding, target))
+    _compiled.add(_signature(array.shape, array.dtype, cast(NamedSharding, array.sharding),
+                             cast(NamedSharding, target)))
     return out

@@ -15,6 +15,8 @@ scratch memory: each tile is one ``np.copyto`` between views, so the memory budg
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 # Source rows per tile (the destination's columns): the L2 stream prefetcher tracks on the order of
@@ -26,6 +28,8 @@ TILE_SOURCE_ROWS = 16
 TILE_SOURCE_BYTES = 2048
 # Below this many elements the whole copy fits in L2 and one plain ``np.copyto`` is as fast.
 MIN_TILED_ELEMENTS = 1 << 15
+
+Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]  # numpy's casting rules
 
 
 def _coalesced(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -57,7 +61,7 @@ def transposed_axis(src: np.ndarray) -> tuple[list[int], list[int], int] | None:
     return shape, strides, axis
 
 
-def _tiled_2d(dst: np.ndarray, src: np.ndarray, casting: str) -> None:
+def _tiled_2d(dst: np.ndarray, src: np.ndarray, casting: Casting) -> None:
     """``dst[...] = src`` for 2-D views where ``src``'s first axis is its contiguous one."""
     rows, cols = src.shape
     step = max(1, TILE_SOURCE_BYTES // src.itemsize)
@@ -67,7 +71,7 @@ def _tiled_2d(dst: np.ndarray, src: np.ndarray, casting: str) -> None:
             np.copyto(d[:, c0 : c0 + TILE_SOURCE_ROWS], s[:, c0 : c0 + TILE_SOURCE_ROWS], casting=casting)
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray, casting: str = "unsafe") -> None:
+def copy_into(dst: np.ndarray, src: np.ndarray, casting: Casting = "unsafe") -> None:
     """``np.copyto(dst, src, casting=casting)`` into a C-contiguous ``dst``, tile by tile when ``src``
     is a transposed view (see the module docstring); any other copy is one ``np.copyto``."""
     found = transposed_axis(src) if dst.flags.c_contiguous and src.size >= MIN_TILED_ELEMENTS else None

@@ -8,6 +8,7 @@ faster than into fresh ones, and host memory stays bounded by the largest shard'
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 # numpy views of the scratch as float types are fastest (and SIMD friendly) when aligned.
 ALIGNMENT = 64
@@ -15,7 +16,7 @@ ALIGNMENT = 64
 # during loads — direct compaction while the page cache is full — so plain allocations are used.)
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     """A fresh uninitialised array whose data starts on a 64-byte boundary.
 
     JAX's CPU backend adopts such buffers without copying (``device_put`` aliases them), so a

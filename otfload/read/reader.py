@@ -33,14 +33,13 @@ from otfload.plan.boxes import (
     box_shape,
     box_to_slices,
     byte_runs,
-    merge_run_arrays,
     page_run_arrays,
     selection_piece_arrays,
 )
 from otfload.plan.cost import part_selections, useful_selection
 from otfload.read.arena import Arena
 from otfload.sources.base import MappedSource, PageGranularSource, RangePrefetchingSource, RangeRead, Source
-from otfload.sources.ranges import coalesced_extents, expected_fetch, gap_policy
+from otfload.sources.ranges import coalesced_extents, expected_fetch, gap_policy, merge_run_arrays
 
 # The gap *inside one tensor's box* that reading the box as one span (first element to last) may
 # read per run it merges, instead of one read per run: a gap costs gap / ~10 GB/s, a separate read
@@ -197,12 +196,12 @@ class TensorReader:
         strides = element_strides(info.shape, info.dtype.itemsize)
         if mapped is not None:
             if fetch:
-                ranges = [(info.offset + run.offset, run.length) for run in fetch]
+                spans = [(info.offset + run.offset, run.length) for run in fetch]
                 with expected_fetch(fetched, len(fetch)):
                     if self._ranges_prefetch is not None:
-                        self._ranges_prefetch.prefetch_ranges(info.file, ranges)
+                        self._ranges_prefetch.prefetch_ranges(info.file, spans)
                     elif self._mapping is not None:
-                        for offset, length in ranges:
+                        for offset, length in spans:
                             self._mapping.prefetch(info.file, offset, length)
             whole = np.frombuffer(mapped, info.dtype, math.prod(info.shape), info.offset).reshape(info.shape)
             return whole[box_to_slices(box)]
@@ -212,15 +211,15 @@ class TensorReader:
             run = fetch[0]
             buffer = arena.take(run.length)
             with expected_fetch(run.length):
-                self.source.read_into(info.file, info.offset + run.offset, memoryview(buffer))
+                self.source.read_into(info.file, info.offset + run.offset, buffer.data)
             return np.ndarray(box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides)
         dense = arena.take(box_nbytes(box, info.dtype.itemsize))
         if selection is not None:
             dense[:] = 0  # the holes: defined values for hooks and decoders that touch the whole box
         if mode == "pieces":
-            targets = [memoryview(dense[dst : dst + n]) for _, dst, n in pieces]
+            targets = [dense[dst : dst + n].data for _, dst, n in pieces]
         else:  # page ranges hold the pieces and more: read them apart, then copy the pieces out
-            targets = [memoryview(arena.take(run.length)) for run in fetch]
+            targets = [arena.take(run.length).data for run in fetch]
         reads = [RangeRead(info.file, info.offset + run.offset, t) for run, t in zip(fetch, targets, strict=True)]
         with expected_fetch(fetched, len(reads)), gap_policy(MAX_OVERREAD_FRACTION):  # the gaps are others' bytes
             self.source.read_many(reads)
@@ -233,10 +232,12 @@ class TensorReader:
         # mapped view (decoding touches the whole box: the holes' pages would be faulted in).
         arrays = {}
         for role, (part, pbox, psel) in part_selections(info, box, selection).items():
-            if is_derived(part) or (psel := useful_selection(part, pbox, psel)) is None:
+            if is_derived(part):
                 arrays[role] = self.read_box(part, pbox, arena, psel)
+            elif (useful := useful_selection(part, pbox, psel)) is None:
+                arrays[role] = self.read_box(part, pbox, arena)
             else:
-                arrays[role] = self._read_plain(part, pbox, arena, psel, view_ok=False)
+                arrays[role] = self._read_plain(part, pbox, arena, useful, view_ok=False)
         return info.decode(arrays, box)
 
     def planned(
