@@ -101,10 +101,9 @@ def build_boxes(
         indices: dict = {}
         try:
             indices = {c: sum(k * s for k, s in zip(c, strides, strict=True)) for c in chunk}
-            parts = {
-                c: reader.read_box(plan.sources[i], union, arena, selection)
-                for c, i in indices.items()
-            }
+            # One call for the chunk: a remote source has every tensor's requests in flight together.
+            read = reader.read_boxes([plan.sources[i] for i in indices.values()], union, arena, selection)
+            parts = dict(zip(indices, read, strict=True))
             for box in boxes:
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
         finally:

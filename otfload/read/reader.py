@@ -18,7 +18,9 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -124,6 +126,16 @@ def _span(info: TensorInfo, box: Box, pieces: Pieces) -> tuple[int, int] | None:
     return None
 
 
+class _PendingRead(NamedTuple):
+    """A plain tensor's box, planned: the reads to send (``span``: one range the box is a view of),
+    the bytes they fetch, and what makes the box once they are in."""
+
+    reads: list[RangeRead]
+    fetched: int
+    span: bool
+    finish: Callable[[], np.ndarray]
+
+
 class TensorReader:
     """Reads boxes of tensors from a :class:`~otfload.sources.Source`."""
 
@@ -180,9 +192,49 @@ class TensorReader:
         _, merged, requests = coalesced_extents(starts[order], lengths[order], MAX_OVERREAD_FRACTION, 0)
         return int(merged.sum()), requests
 
+    def read_boxes(
+        self, infos: Sequence[TensorInfo | DerivedTensor], box: Box, arena: Arena, selection: Selection | None = None
+    ) -> list[np.ndarray]:
+        """:meth:`read_box` of ``box`` (``selection`` in it) of each of ``infos`` (the stacked tensors
+        of one chunk of layers or experts). From a remote source the stored tensors' ranges go to
+        the source in one ``read_many``, so their requests are in flight together instead of one
+        tensor's after another's; mapped and local files are read tensor by tensor."""
+        if self.maps or self.pages:
+            return [self.read_box(info, box, arena, selection) for info in infos]
+        out: list[np.ndarray | None] = [None] * len(infos)
+        pending: list[tuple[int, _PendingRead]] = []
+        for k, info in enumerate(infos):
+            if is_derived(info):
+                out[k] = self.read_box(info, box, arena, selection)
+            else:
+                pending.append((k, self._start_plain(info, box, arena, useful_selection(info, box, selection), True)))
+        reads = [r for _, p in pending for r in p.reads]
+        if reads:
+            fetched = sum(p.fetched for _, p in pending)
+            with expected_fetch(fetched, len(reads)), gap_policy(MAX_OVERREAD_FRACTION):  # the gaps are others' bytes
+                self.source.read_many(reads)
+        for k, p in pending:
+            out[k] = p.finish()
+        return [a for a in out if a is not None]
+
     def _read_plain(
         self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool
     ) -> np.ndarray:
+        p = self._start_plain(info, box, arena, selection, view_ok)
+        if p.span:  # one range: the box is a strided view of it
+            read = p.reads[0]
+            with expected_fetch(p.fetched):
+                self.source.read_into(read.file, read.offset, read.out)
+        elif p.reads:
+            with expected_fetch(p.fetched, len(p.reads)), gap_policy(MAX_OVERREAD_FRACTION):  # others' bytes
+                self.source.read_many(p.reads)
+        return p.finish()
+
+    def _start_plain(
+        self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool
+    ) -> _PendingRead:
+        """What reading ``box`` of ``info`` asks the source for (none for a mapped view, which is
+        prefetched here), and how the box is made from the bytes once they are in."""
         arrays = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
         needed = int(arrays[2].sum())
         mode, *ranges = self._fetch_plan(info, box, arrays, view_ok)
@@ -204,15 +256,15 @@ class TensorReader:
                         for offset, length in spans:
                             self._mapping.prefetch(info.file, offset, length)
             whole = np.frombuffer(mapped, info.dtype, math.prod(info.shape), info.offset).reshape(info.shape)
-            return whole[box_to_slices(box)]
+            view = whole[box_to_slices(box)]
+            return _PendingRead([], 0, False, lambda: view)
         origin = sum(b[0] * st for b, st in zip(box, strides, strict=True))
         if len(fetch) == 1 and fetch[0].offset <= origin and mode != "pieces":
-            # One range from the box's first byte to its last: the box is a strided view of it.
             run = fetch[0]
             buffer = arena.take(run.length)
-            with expected_fetch(run.length):
-                self.source.read_into(info.file, info.offset + run.offset, buffer.data)
-            return np.ndarray(box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides)
+            read = RangeRead(info.file, info.offset + run.offset, buffer.data)
+            return _PendingRead([read], run.length, True, lambda: np.ndarray(
+                box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides))
         dense = arena.take(box_nbytes(box, info.dtype.itemsize))
         if selection is not None:
             dense[:] = 0  # the holes: defined values for hooks and decoders that touch the whole box
@@ -221,11 +273,13 @@ class TensorReader:
         else:  # page ranges hold the pieces and more: read them apart, then copy the pieces out
             targets = [arena.take(run.length).data for run in fetch]
         reads = [RangeRead(info.file, info.offset + run.offset, t) for run, t in zip(fetch, targets, strict=True)]
-        with expected_fetch(fetched, len(reads)), gap_policy(MAX_OVERREAD_FRACTION):  # the gaps are others' bytes
-            self.source.read_many(reads)
-        if mode != "pieces":
-            _scatter(pieces, fetch, targets, dense)
-        return dense.view(info.dtype).reshape(box_shape(box))
+
+        def finish() -> np.ndarray:
+            if mode != "pieces":
+                _scatter(pieces, fetch, targets, dense)
+            return dense.view(info.dtype).reshape(box_shape(box))
+
+        return _PendingRead(reads, fetched, False, finish)
 
     def _read_derived_selection(self, info: DerivedTensor, box: Box, arena: Arena, selection: Selection) -> np.ndarray:
         # Each part is read with the union of the part boxes of the selection's boxes; never as a

@@ -9,6 +9,7 @@ stalled answer its client hung up on (``abandoned``), which the server counts.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import tracemalloc
@@ -23,6 +24,7 @@ import pytest
 import otfload
 from otfload.errors import SourceProtocolError
 from otfload.place.loader import execute_plan
+from otfload.plan.planner import LoadPlan
 from otfload.sources.base import RangeRead, Source
 from otfload.sources.fsspec_source import FsspecSource
 from otfload.sources.hub import HubSource
@@ -326,3 +328,27 @@ def test_a_leaf_read_whole_from_the_hub_arrives_in_chunks(hub: HubServer, tiny_c
     assert got.keys() == want.keys() and got
     for name in want:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+
+
+def test_a_stacked_leaf_has_every_layers_requests_in_flight_together(hub: HubServer, tiny_checkpoints, tmp_path):
+    """One builder thread, one device: the 3 layers of each scanned leaf are one request each, and the
+    server answers none until all 3 are in flight (``gather``): read one after another, each would
+    wait out the server's gather timeout and count as missed."""
+    path, _ = tiny_checkpoints("llama")
+    repo = hub.add_repo("org/stacked-llama", path)
+    mesh = otfload.make_mesh({"fsdp": 1}, jax.devices()[:1])
+    source = HubSource(repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=RETRY)
+    _, plan, _ = otfload.plan_model(source, mesh=mesh, scan_layers=True)
+    stacked = LoadPlan({path: p for path, p in plan.leaves.items() if p.stack_axes == ("layer",)})
+    assert len(stacked.leaves) >= 5 and all(p.stack_shape == (3,) for p in stacked.leaves.values())
+    hub.reset()
+    hub.faults.gather = 3
+    got, report = execute_plan(stacked, source, workers=1)
+    assert hub.gather_missed == 0 and hub.peak_in_flight >= 3
+    assert report.requests == len(hub.requests("GET", "/resolve/")) >= 3 * len(stacked.leaves)
+    _, local_plan, local = otfload.plan_model(path, mesh=mesh, scan_layers=True)
+    with contextlib.closing(local):
+        want, _ = execute_plan(LoadPlan({k: local_plan.leaves[k] for k in stacked.leaves}), local)
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+    source.close()
