@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from otfload.cli import bench, export, inspect, load, options, reshard
 from otfload.cli import eval as eval_
@@ -33,8 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     options.simulate_devices(getattr(args, "devices", None))
     from otfload.errors import OtfloadError
 
+    run: Callable[[argparse.Namespace], int] = args.run  # each subcommand's ``run`` (``set_defaults``)
     try:
-        return args.run(args)
+        return run(args)
     except BrokenPipeError:  # the reader of stdout stopped early (``otfload inspect ... | head``)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 0

@@ -9,7 +9,7 @@ import statistics
 from otfload.cli import options
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("bench", help="time loads of a checkpoint (GB/s)", description=options.description(__doc__),
                             parents=[options.common_parser()])
     options.add_source_args(p)
@@ -20,17 +20,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from otfload.api import from_pretrained
-    from otfload.sources import open_source
+    from otfload.sources.owned import owned_source
 
-    source = open_source(args.source, **options.source_options(args))
     kwargs = options.layout_kwargs(args)
-    speeds, report = [], None
-    for i in range(args.repeats):
-        model, report = from_pretrained(source, return_report=True, progress=False, **kwargs)
-        del model
-        gc.collect()
-        speeds.append(report.gbps)
-        print(f"run {i + 1}: {report.bytes_read / 1e9:.3f} GB in {report.seconds:.3f} s = {report.gbps:.2f} GB/s")
+    speeds: list[float] = []
+    with owned_source(args.source, **options.source_options(args)) as source:  # closed on return or error
+        for i in range(args.repeats):  # at least one (``positive_int``)
+            model, report = from_pretrained(source, return_report=True, progress=False, **kwargs)
+            del model
+            gc.collect()
+            speeds.append(report.gbps)
+            print(f"run {i + 1}: {report.bytes_read / 1e9:.3f} GB in {report.seconds:.3f} s = {report.gbps:.2f} GB/s")
     print(f"best {max(speeds):.2f} GB/s, median {statistics.median(speeds):.2f} GB/s over {args.repeats} load(s)")
     print(report.summary())
     return 0

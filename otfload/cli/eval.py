@@ -15,7 +15,7 @@ import json
 from otfload.cli import options
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("eval", help="score texts: NLL, tokens, perplexity, tokens/s",
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)

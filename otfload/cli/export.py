@@ -13,7 +13,7 @@ import argparse
 from otfload.cli import options
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("export", help="write a checkpoint back as HF safetensors",
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p, "src")

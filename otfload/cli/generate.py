@@ -16,7 +16,7 @@ import numpy as np
 from otfload.cli import options
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("generate", help="greedy continuation of a prompt (decoded text)",
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)

@@ -15,12 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from otfload.cli import options
 
+if TYPE_CHECKING:  # the command imports JAX and the pipeline only when it runs
+    import jax
+    from jax.sharding import Mesh
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+    from otfload.errors import CheckpointMismatchError
+    from otfload.plan.planner import LoadPlan
+    from otfload.read.reader import TensorReader
+
+Info = dict[str, Any]  # JSON-able
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("inspect", help="print the load plan (reads headers and config only)",
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
@@ -46,7 +57,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def process_devices(mesh, process_index: int | None, process_count: int | None):
+def process_devices(
+    mesh: Mesh, process_index: int | None, process_count: int | None
+) -> tuple[list[jax.Device], Callable[[jax.Device], int] | None]:
     """``(devices, process_of)`` of one process: this one's (``process_of`` None), or block
     ``process_index`` of ``process_count`` equal blocks of the mesh's devices in mesh order."""
     from otfload.errors import OtfloadError
@@ -65,7 +78,10 @@ def process_devices(mesh, process_index: int | None, process_count: int | None):
     return flat[index * per : (index + 1) * per], lambda d: position[d] // per
 
 
-def process_leaves(plan, reader, devices, process_of, policy: str, platform: str | None = None) -> dict[str, dict]:
+def process_leaves(
+    plan: LoadPlan, reader: TensorReader, devices: list[jax.Device], process_of: Callable[[jax.Device], int] | None,
+    policy: str, platform: str | None = None,
+) -> dict[str, Info]:
     """Per leaf of ``plan``: the bytes one process needs, fetches (and in how many requests, in
     which layout) and ideally holds; leaves that read alike (unscanned layers) are counted once."""
     from otfload.place.report import leaf_planned
@@ -89,8 +105,8 @@ def process_leaves(plan, reader, devices, process_of, policy: str, platform: str
 
 def inspect_source(
     source: Any, *, process_index: int | None = None, process_count: int | None = None, reshard: str = "auto",
-    platform: str | None = None, **kwargs,
-) -> dict:
+    platform: str | None = None, **kwargs: Any,
+) -> Info:
     """The plan of ``source`` as a JSON-able dict; ``kwargs`` go to :func:`otfload.plan_model`.
 
     Reads headers and ``config.json`` only; a checkpoint that does not fit the model raises
@@ -127,7 +143,7 @@ def load_object(spec: str) -> Any:
     return obj
 
 
-def inspect_custom(source: Any, mapping: str, target: str, mesh: Any, **source_options) -> dict:
+def inspect_custom(source: Any, mapping: str, target: str, mesh: Mesh, **source_options: Any) -> Info:
     """The plan of ``source`` for a model brought by the user (:func:`otfload.plan_params`): ``mapping``
     and ``target`` are ``MODULE:NAME`` specs; the target factory gets ``(config, mesh)`` (or as many
     leading ones as it takes) under ``jax.set_mesh(mesh)``."""
@@ -152,16 +168,19 @@ def inspect_custom(source: Any, mapping: str, target: str, mesh: Any, **source_o
 
 
 def describe_plan(
-    plan, description: str, model_type: str | None, family: str, scan_layers: bool | None, *, reader=None,
-    process: tuple[int | None, int | None] = (None, None), reshard: str = "auto", platform: str | None = None,
-) -> dict:
+    plan: LoadPlan, description: str, model_type: str | None, family: str, scan_layers: bool | None, *,
+    reader: TensorReader | None = None, process: tuple[int | None, int | None] = (None, None),
+    reshard: str = "auto", platform: str | None = None,
+) -> Info:
     """A plan as the JSON-able dict ``otfload inspect`` prints; with ``reader`` (of the plan's
     source), what one process (``process``: index and count, see :func:`process_devices`) fetches."""
     import jax
 
     from otfload.plan.cost import placed_per_device
 
-    mesh = next(iter(plan.leaves.values())).leaf.sharding.mesh if plan.leaves else None
+    first = next(iter(plan.leaves.values())).leaf.sharding if plan.leaves else None
+    mesh = first.mesh if isinstance(first, jax.sharding.NamedSharding) else None  # planned leaves: named
+    mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None  # ... on a concrete mesh
     devices, process_of = process_devices(mesh, *process) if mesh is not None else ([], None)
     if reader is not None:
         counts = process_leaves(plan, reader, devices, process_of, reshard, platform)
@@ -204,7 +223,7 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_plan(info: dict) -> str:
+def format_plan(info: Info) -> str:
     """The human-readable plan."""
     mesh = ", ".join(f"{k}={v}" for k, v in info["mesh"].items())
     lines = [
@@ -241,7 +260,7 @@ def format_plan(info: dict) -> str:
     return "\n".join(lines)
 
 
-def _kept_lines(info: dict) -> list[str]:
+def _kept_lines(info: Info) -> list[str]:
     """``quantized="keep"``: the leaves placed packed, why others were not, and bytes per device."""
     kept, notes = info.get("quantized_kept", {}), info.get("quantized_notes", {})
     if not kept and not notes:
@@ -291,14 +310,14 @@ def _ranges(values: list[int]) -> str:
     return "{" + ",".join(parts) + "}"
 
 
-def format_problems(error) -> str:
+def format_problems(error: CheckpointMismatchError) -> str:
     lines = [f"the checkpoint does not fit the model: {len(error.problems)} problem(s)"]
     for kind in ("unmapped", "missing", "shape", "unexpected"):
         lines += [f"  {p.describe()}" for p in error.problems if p.kind == kind]
     return "\n".join(lines)
 
 
-def problems_json(error) -> dict:
+def problems_json(error: CheckpointMismatchError) -> Info:
     fields = ("kind", "hf_key", "leaf", "expected", "actual", "file")
     return {"problems": [{f: _jsonable(getattr(p, f)) for f in fields} for p in error.problems]}
 

@@ -14,16 +14,22 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from otfload.cli import options
 
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from otfload.sources import Source
+
 TOLERANCE = {np.dtype(np.float32): 1e-3}
 LOW_PRECISION_TOLERANCE = 5e-2
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("load", help="load a checkpoint and print the load report",
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
@@ -41,7 +47,7 @@ def verify_ids(vocab_size: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, vocab_size, (2, 16))
 
 
-def model_logits(model, ids: np.ndarray) -> np.ndarray:
+def model_logits(model: nnx.Module, ids: np.ndarray) -> np.ndarray:
     import jax
     import jax.numpy as jnp
 
@@ -54,7 +60,8 @@ def transformers_logits(directory: str, ids: np.ndarray, adapters: list[str] | N
     import torch
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    reference = loaded.eval()  # type: ignore[no-untyped-call]  # transformers overrides eval() unannotated
     if adapters:
         from peft import PeftModel
 
@@ -62,7 +69,8 @@ def transformers_logits(directory: str, ids: np.ndarray, adapters: list[str] | N
             reference = PeftModel.from_pretrained(reference, adapter)
             reference = reference.merge_and_unload() if i < len(adapters) - 1 else reference.eval()
     with torch.no_grad():
-        return reference(torch.as_tensor(ids)).logits.float().numpy()
+        logits: np.ndarray = reference(torch.as_tensor(ids)).logits.float().numpy()
+    return logits
 
 
 def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -86,7 +94,7 @@ def reference_unavailable(source: str, adapters: list[str] | None = None) -> str
     return None
 
 
-def verify(model, source: str, vocab_size: int, adapters: list[str] | None = None) -> bool:
+def verify(model: nnx.Module, source: str, vocab_size: int, adapters: list[str] | None = None) -> bool:
     """Print the verification of ``model`` (loaded from ``source``); True when it passed."""
     from flax import nnx
 
@@ -109,20 +117,30 @@ def verify(model, source: str, vocab_size: int, adapters: list[str] | None = Non
     return ok
 
 
+def config_vocab_size(source: Source) -> int:
+    """``vocab_size`` of the checkpoint's config.json."""
+    from otfload.errors import CheckpointIndexError
+    from otfload.index.checkpoint import CONFIG_FILE, read_json
+
+    config = read_json(source, CONFIG_FILE)
+    if not isinstance(config, dict):  # the load has checked it already
+        raise CheckpointIndexError(f"{CONFIG_FILE}: not a JSON object")
+    return int(config["vocab_size"])
+
+
 def run(args: argparse.Namespace) -> int:
     from otfload.api import from_pretrained
-    from otfload.index.checkpoint import CONFIG_FILE, read_json
-    from otfload.sources import open_source
+    from otfload.sources.owned import owned_source
 
-    source = open_source(args.source, **options.source_options(args))
-    model, report = from_pretrained(source, return_report=True, reshard=args.reshard, **options.layout_kwargs(args),
-                                    **options.adapter_kwargs(args))
-    print(report.summary())
-    if not args.merge_adapter:
-        from otfload.adapters.kept import kept_record
+    with owned_source(args.source, **options.source_options(args)) as source:  # closed on return or error
+        model, report = from_pretrained(source, return_report=True, reshard=args.reshard,
+                                        **options.layout_kwargs(args), **options.adapter_kwargs(args))
+        print(report.summary())
+        if not args.merge_adapter:
+            from otfload.adapters.kept import kept_record
 
-        print(f"adapter kept: LoRA factors on {len(kept_record(model).leaves)} leaves")
-    if args.verify and not verify(model, args.source, int(read_json(source, CONFIG_FILE)["vocab_size"]), args.adapter):
-        print("otfload: verification failed", file=sys.stderr)
-        return 1
+            print(f"adapter kept: LoRA factors on {len(kept_record(model).leaves)} leaves")
+        if args.verify and not verify(model, args.source, config_vocab_size(source), args.adapter):
+            print("otfload: verification failed", file=sys.stderr)
+            return 1
     return 0

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
@@ -90,14 +93,14 @@ def simulate_devices(n: int | None) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_platforms", "cpu")  # type: ignore[no-untyped-call]  # jax's Config.update is unannotated
 
 
 def source_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("revision", "token") if getattr(args, k, None) is not None}
 
 
-def mesh_of(args: argparse.Namespace):
+def mesh_of(args: argparse.Namespace) -> Mesh:
     """The ``Mesh`` of ``--mesh`` (every device on ``fsdp`` when not given)."""
     from otfload.plan.sharding import make_mesh
 

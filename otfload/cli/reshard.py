@@ -7,7 +7,7 @@ import argparse
 from otfload.cli import options
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("reshard", help="re-save a native checkpoint for a target mesh",
                             description=options.description(__doc__), parents=[options.common_parser()])
     p.add_argument("src", help="native (Orbax) checkpoint directory")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,8 @@ Q_CHUNK = 512
 # query) gets finite, ignored values instead of NaNs that 0 * NaN would spread.
 MASKED = float(np.finfo(np.float32).min)
 # Logical axes of the cache leaves, for sharding on the model's mesh (see otfload.generate).
+# A layer's sliding window: static (an int or a numpy integer; 0 or less: none) or a traced scalar.
+Window = int | np.integer[Any] | jax.Array
 CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
               "v": ("layers", "batch", None, "kv_heads", "head_dim"),
               "mask": ("batch", None), "index": ()}
@@ -64,7 +67,7 @@ def make_context(
     input_ids: jax.Array,
     attention_mask: jax.Array | np.ndarray | None,
     positions: jax.Array | np.ndarray | None,
-    cache: Mapping | None,
+    cache: Mapping[str, Any] | None,
     attention_impl: str | None = None,
     moe_impl: str | None = None,
 ) -> Context:
@@ -91,13 +94,14 @@ def make_context(
 
 def write_cache(layer_cache: Mapping[str, jax.Array], name: str, value: jax.Array, ctx: Context) -> jax.Array:
     """``layer_cache[name] [b, slots, ...]`` with ``value [b, s, ...]`` written at the call's slots."""
+    assert ctx.cache_index is not None, "a context made without a cache writes none"
     start = (0, ctx.cache_index) + (0,) * (value.ndim - 2)
     return jax.lax.dynamic_update_slice(layer_cache[name], value.astype(layer_cache[name].dtype), start)
 
 
 def self_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, ctx: Context, layer_cache: Mapping | None, **kw
-) -> tuple[jax.Array, dict | None]:
+    q: jax.Array, k: jax.Array, v: jax.Array, ctx: Context, layer_cache: Mapping[str, jax.Array] | None, **kw: Any
+) -> tuple[jax.Array, dict[str, jax.Array] | None]:
     """:func:`attention` of this call's ``q, k, v`` (``[b, s, heads, dim]``), through the cache
     when there is one: returns ``(out, updated layer cache or None)``."""
     if layer_cache is None:
@@ -113,7 +117,7 @@ def attention(
     ctx: Context,
     *,
     scale: float,
-    window: int | jax.Array | None = None,
+    window: Window | None = None,
     softcap: float | None = None,
     sinks: jax.Array | None = None,
     q_chunk: int = Q_CHUNK,
@@ -137,7 +141,10 @@ def attention(
     qg = q.reshape(b, s, kv_heads, groups, dk).transpose(0, 2, 3, 1, 4)
     sinks = None if sinks is None else sinks.reshape(kv_heads, groups)
     static_window = window if isinstance(window, int) else None
-    attend = lambda qc, qi: _attend(qc, qi, k, v, ctx.kv_mask, scale, window, static_window, softcap, sinks)  # noqa: E731
+
+    def attend(qc: jax.Array, qi: jax.Array) -> jax.Array:
+        return _attend(qc, qi, k, v, ctx.kv_mask, scale, window, static_window, softcap, sinks)
+
     if s <= q_chunk:
         out = attend(qg, ctx.q_index)
     else:
@@ -151,7 +158,18 @@ def attention(
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, heads, v.shape[-1])
 
 
-def _attend(qg, q_index, k, v, mask, scale, window, static_window, softcap, sinks) -> jax.Array:
+def _attend(
+    qg: jax.Array,
+    q_index: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    scale: float,
+    window: int | jax.Array | None,
+    static_window: int | None,
+    softcap: float | None,
+    sinks: jax.Array | None,
+) -> jax.Array:
     """One query chunk ``qg [b, kv, g, c, dk]`` (slots ``q_index [c]``) against the keys
     ``[b, slots, kv, d]`` → ``[b, kv, g, c, dv]``."""
     b, kv_heads, groups, c, dk = qg.shape
@@ -185,7 +203,9 @@ def _attend(qg, q_index, k, v, mask, scale, window, static_window, softcap, sink
     return out.reshape(b, kv_heads, groups, c, v.shape[-1])
 
 
-def _dpa(q, k, v, ctx: Context, scale: float, window) -> jax.Array:
+def _dpa(
+    q: jax.Array, k: jax.Array, v: jax.Array, ctx: Context, scale: float, window: int | jax.Array | None
+) -> jax.Array:
     """``jax.nn.dot_product_attention`` with the same mask (a boolean ``[b, 1, s, slots]``)."""
     k_index = jnp.arange(k.shape[1])
     visible = k_index[None, :] <= ctx.q_index[:, None]

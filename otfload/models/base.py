@@ -10,17 +10,33 @@ returns ``(logits, cache)`` with this call's keys and values written after the c
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from otfload.models.attention import Context, make_context
+from otfload.models.layers import Dense, Embed
 
-Cache = dict
+# ``{"index": [], "mask": [b, slots], "layers": {group: GroupCache}}`` (a pytree of arrays).
+Cache = dict[str, Any]
+# One layer group's cache: ``{"k": [layers, b, slots, kv_heads, k_dim], "v": ...}`` (``v`` absent when
+# values are read from the keys); a layer's own slice has no leading layers axis.
+GroupCache = dict[str, jax.Array]
+# The per-group caches a model's :meth:`~CausalLM.forward` reads and returns.
+GroupCaches = dict[str, GroupCache]
 # A layer group's cache: (layers, kv heads, key dim, value dim; 0 = values are read from the keys).
 CacheLayout = tuple[int, int, int, int]
+
+
+class ModelConfig(Protocol):
+    """What :class:`CausalLM` itself reads of a model's config (each family's config has more)."""
+
+    @property
+    def tie_word_embeddings(self) -> bool: ...
 
 
 class CausalLM(nnx.Module):
@@ -33,6 +49,11 @@ class CausalLM(nnx.Module):
 
     attention_impl: str | None = None
     moe_impl: str | None = None
+    # Set by every subclass's ``__init__`` (which narrows ``cfg`` to its family's config): the config,
+    # the token embedding and, for untied embeddings, the output projection.
+    cfg: ModelConfig
+    embed: Embed
+    lm_head: Dense
 
     def __call__(
         self,
@@ -44,7 +65,7 @@ class CausalLM(nnx.Module):
         """Logits ``[b, s, vocab]``; ``(logits, cache)`` when a ``cache`` is given. ``input_ids``,
         ``attention_mask`` (int or bool) and ``positions`` may be numpy or jax arrays."""
         logits, new_cache = self.run(input_ids, attention_mask, positions, cache)
-        return logits if cache is None else (logits, new_cache)
+        return logits if new_cache is None else (logits, new_cache)  # run returns a cache iff given one
 
     def run(
         self,
@@ -62,9 +83,12 @@ class CausalLM(nnx.Module):
         logits = self.head(x[:, -1:] if last_only else x)
         if cache is None:
             return logits, None
+        assert ctx.cache_index is not None  # make_context sets it for a call with a cache
         return logits, {"index": ctx.cache_index + ids.shape[1], "mask": ctx.kv_mask, "layers": layers}
 
-    def forward(self, input_ids: jax.Array, ctx: Context, caches: Mapping | None) -> tuple[jax.Array, dict | None]:
+    def forward(
+        self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCaches | None]:
         """The final-normed hidden states of ``input_ids`` and the updated per-group layer caches
         (None without a cache)."""
         raise NotImplementedError
@@ -79,11 +103,11 @@ class CausalLM(nnx.Module):
         """Each layer group's cache shape (see :data:`CacheLayout`)."""
         raise NotImplementedError
 
-    def init_cache(self, batch: int, slots: int, dtype=None) -> Cache:
+    def init_cache(self, batch: int, slots: int, dtype: DTypeLike | None = None) -> Cache:
         """An empty cache of ``slots`` key/value slots per row (prompt plus new tokens), in the
         embedding's dtype unless ``dtype`` is given."""
         dtype = self.embed.embedding.get_value().dtype if dtype is None else dtype
-        layers = {}
+        layers: GroupCaches = {}
         for group, (n, kv_heads, k_dim, v_dim) in self.cache_layout().items():
             layers[group] = {"k": jnp.zeros((n, batch, slots, kv_heads, k_dim), dtype)}
             if v_dim:
@@ -91,6 +115,6 @@ class CausalLM(nnx.Module):
         return {"index": jnp.zeros((), jnp.int32), "mask": jnp.zeros((batch, slots), bool), "layers": layers}
 
 
-def group_cache(caches: Mapping | None, group: str) -> Mapping | None:
+def group_cache(caches: Mapping[str, GroupCache] | None, group: str) -> GroupCache | None:
     """One group's cache (None without a cache)."""
     return None if caches is None else caches[group]

@@ -22,11 +22,14 @@ hidden)``), so loading needs only slices and reshapes. Experts are stacked on an
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from otfload.config import (
     BOOL,
@@ -49,12 +52,14 @@ from otfload.config import (
 from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
 from otfload.errors import ConfigError
 from otfload.models.attention import Context, attention, write_cache
-from otfload.models.base import CacheLayout, CausalLM, group_cache
+from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
 from otfload.models.experts import expert_ffn
 from otfload.models.layers import (
     Dense,
     Embed,
     Norm,
+    ParamOptions,
+    Params,
     apply_rope,
     dense,
     make_param,
@@ -83,6 +88,8 @@ DENSE_LAYERS = Int(0, MAX_LAYERS)
 V3_MTP_LAYERS = 1
 # Only every layer after the dense ones being MoE is implemented (the published models' layout).
 MOE_LAYER_FREQ = Int(1, 1)
+# What every layer's attention shares: RoPE ``(cos, sin)`` of the call's positions and the softmax scale.
+MlaRope = tuple[jax.Array, jax.Array, float]
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class DeepseekConfig:
     routed_scaling_factor: float
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict[str, Any] | None
     rope_interleave: bool
     tie_word_embeddings: bool
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (never loaded)
@@ -127,7 +134,7 @@ class DeepseekConfig:
         return self.num_layers - self.first_k_dense_replace
 
     @classmethod
-    def from_hf(cls, hf: dict) -> DeepseekConfig:
+    def from_hf(cls, hf: Mapping[str, Any]) -> DeepseekConfig:
         """Parse and check ``config.json`` (absent fields take transformers' defaults)."""
         f = Fields(hf)
         model_type = f.get("model_type", NAME)
@@ -185,7 +192,7 @@ class DeepseekConfig:
             mtp_layers=f.get("num_nextn_predict_layers", DENSE_LAYERS, V3_MTP_LAYERS) if v3 else 0,
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "qk_head_dim": self.qk_head_dim}
 
 
@@ -199,7 +206,7 @@ def _rope_kind(cfg: DeepseekConfig) -> str:
 
 def softmax_scale(cfg: DeepseekConfig) -> float:
     """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for scaled RoPE."""
-    scale = cfg.qk_head_dim**-0.5
+    scale: float = cfg.qk_head_dim**-0.5
     mscale_all_dim = (cfg.rope_scaling or {}).get("mscale_all_dim")
     factor = (cfg.rope_scaling or {}).get("factor", 1.0)
     if _rope_kind(cfg) != "default" and mscale_all_dim and factor > 1:
@@ -224,9 +231,11 @@ class MLAttention(nnx.Module):
     """Multi-head latent attention parameters; ``kv_a_proj_with_mqa`` and ``kv_b_proj`` are split
     into per-role leaves (``kv_a``/``k_rope`` and ``k_b``/``v_b``) by the mapping's hooks."""
 
-    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
+    def __init__(
+        self, cfg: DeepseekConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+    ) -> None:
         h, n = cfg.hidden_size, cfg.num_heads
-        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         if cfg.q_lora_rank is None:
             self.q = Dense((n, cfg.qk_head_dim, h), ("heads", "head_dim", "embed"), **kw)
         else:
@@ -244,8 +253,10 @@ class MLAttention(nnx.Module):
 class Mlp(nnx.Module):
     """SwiGLU MLP (the dense layers' MLP and the shared experts)."""
 
-    def __init__(self, hidden: int, inner: int, *, dtype, rngs, stack=None):
-        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+    def __init__(
+        self, hidden: int, inner: int, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+    ) -> None:
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         self.gate = Dense((inner, hidden), ("mlp", "embed"), **kw)
         self.up = Dense((inner, hidden), ("mlp", "embed"), **kw)
         self.down = Dense((hidden, inner), ("embed", "mlp"), **kw)
@@ -254,26 +265,32 @@ class Mlp(nnx.Module):
 class Experts(nnx.Module):
     """Routed experts' SwiGLU kernels (``[out, in]`` each) stacked on a leading ``experts`` axis."""
 
-    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
+    def __init__(
+        self, cfg: DeepseekConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+    ) -> None:
         e, h, m = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        kw = dict(bias=False, dtype=dtype, rngs=rngs, stack=stack)
-        self.gate = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
-        self.up = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
-        self.down = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
+        self.gate = ExpertDense(e, (m, h), ("mlp", "embed"), bias=False, **kw)
+        self.up = ExpertDense(e, (m, h), ("mlp", "embed"), bias=False, **kw)
+        self.down = ExpertDense(e, (h, m), ("embed", "mlp"), bias=False, **kw)
 
 
 class Router(nnx.Module):
     """Router kernel ``[experts, hidden]``; V3 adds the (always float32) ``e_score_correction_bias``."""
 
-    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
+    def __init__(
+        self, cfg: DeepseekConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+    ) -> None:
         self.kernel = make_param(rngs, (cfg.n_routed_experts, cfg.hidden_size), (None, "embed"), dtype, stack)
         if cfg.model_type == "deepseek_v3":
             self.bias = make_param(rngs, (cfg.n_routed_experts,), (None,), jnp.float32, stack)
 
 
 class Moe(nnx.Module):
-    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs, stack=None):
-        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+    def __init__(
+        self, cfg: DeepseekConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+    ) -> None:
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         self.router = Router(cfg, **kw)
         self.experts = Experts(cfg, **kw)
         if cfg.n_shared_experts:
@@ -283,8 +300,10 @@ class Moe(nnx.Module):
 class DecoderLayer(nnx.Module):
     """One layer (``stack=L``: L layers on a leading axis); ``moe`` picks routed MoE over dense MLP."""
 
-    def __init__(self, cfg: DeepseekConfig, *, moe: bool, dtype, rngs, stack=None):
-        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+    def __init__(
+        self, cfg: DeepseekConfig, *, moe: bool, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+    ) -> None:
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         self.input_norm = Norm(cfg.hidden_size, **kw)
         self.attn = MLAttention(cfg, **kw)
         self.post_attn_norm = Norm(cfg.hidden_size, **kw)
@@ -298,8 +317,8 @@ class DecoderLayer(nnx.Module):
 
 
 def mla_forward(
-    a: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, ctx: Context, cache: dict | None
-) -> tuple[jax.Array, dict | None]:
+    a: Params, x: jax.Array, cfg: DeepseekConfig, rope: MlaRope, ctx: Context, cache: GroupCache | None
+) -> tuple[jax.Array, GroupCache | None]:
     """Multi-head latent attention in its absorbed form: ``k_b`` is folded into the queries and
     ``v_b`` applied after attending, so keys and values are the compressed latent itself (one shared
     "head" of ``kv_lora_rank + qk_rope_head_dim`` dims, the latent doubling as the value) and the
@@ -324,7 +343,7 @@ def mla_forward(
     return dense(a["o"], out, "bsnd,hnd->bsh"), cache
 
 
-def mlp_forward(m: dict, x: jax.Array) -> jax.Array:
+def mlp_forward(m: Params, x: jax.Array) -> jax.Array:
     act = jax.nn.silu(dense(m["gate"], x, "...h,mh->...m")) * dense(m["up"], x, "...h,mh->...m")
     return dense(m["down"], act, "...m,hm->...h")
 
@@ -337,7 +356,7 @@ def _keep_top_groups(choice: jax.Array, group_scores: jax.Array, cfg: DeepseekCo
     return jnp.where(kept, choice, fill)
 
 
-def route(router: dict, x: jax.Array, cfg: DeepseekConfig) -> tuple[jax.Array, jax.Array]:
+def route(router: Params, x: jax.Array, cfg: DeepseekConfig) -> tuple[jax.Array, jax.Array]:
     """Each token's top-k experts ``(weights, idx)`` (``[tokens, k]``, float32, routed scaling applied)."""
     logits = jnp.einsum("th,eh->te", x.astype(jnp.float32), router["kernel"].astype(jnp.float32))
     tokens, experts = logits.shape
@@ -359,7 +378,7 @@ def route(router: dict, x: jax.Array, cfg: DeepseekConfig) -> tuple[jax.Array, j
     return weights * cfg.routed_scaling_factor, idx
 
 
-def moe_forward(p: dict, x: jax.Array, cfg: DeepseekConfig, impl: str | None = None) -> jax.Array:
+def moe_forward(p: Params, x: jax.Array, cfg: DeepseekConfig, impl: str | None = None) -> jax.Array:
     """Routed experts (each token through its top-k only, :func:`~otfload.models.experts.expert_ffn`)
     plus the shared experts."""
     flat = x.reshape(-1, x.shape[-1])
@@ -370,8 +389,8 @@ def moe_forward(p: dict, x: jax.Array, cfg: DeepseekConfig, impl: str | None = N
 
 
 def layer_forward(
-    p: dict, x: jax.Array, cfg: DeepseekConfig, rope: tuple, ctx: Context, cache: dict | None
-) -> tuple[jax.Array, dict | None]:
+    p: Params, x: jax.Array, cfg: DeepseekConfig, rope: MlaRope, ctx: Context, cache: GroupCache | None
+) -> tuple[jax.Array, GroupCache | None]:
     """One decoder layer (dense or MoE, by which parameters ``p`` holds): ``(x, updated cache)``."""
     out, cache = mla_forward(p["attn"], rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps), cfg, rope, ctx, cache)
     x = x + out
@@ -382,7 +401,9 @@ def layer_forward(
 # --- model ---------------------------------------------------------------------------------------
 
 
-def _layer_group(cfg: DeepseekConfig, count: int, moe: bool, scan: bool, dtype, rngs):
+def _layer_group(
+    cfg: DeepseekConfig, count: int, moe: bool, scan: bool, dtype: DTypeLike, rngs: nnx.Rngs | None
+) -> nnx.Module | None:
     if count == 0:
         return None
     if scan:
@@ -397,7 +418,11 @@ class DeepseekForCausalLM(CausalLM):
     with ``scan_layers`` each group is stacked on a leading ``layers`` axis and run by its own scan.
     """
 
-    def __init__(self, cfg: DeepseekConfig, *, scan_layers: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+    cfg: DeepseekConfig
+
+    def __init__(
+        self, cfg: DeepseekConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
+    ) -> None:
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
@@ -413,22 +438,26 @@ class DeepseekForCausalLM(CausalLM):
         counts = {"dense_layers": cfg.first_k_dense_replace, "moe_layers": cfg.num_moe_layers}
         return {group: (n, *latent) for group, n in counts.items() if n}
 
-    def _run_group(self, name: str, x: jax.Array, rope: tuple, ctx: Context, caches: dict | None):
-        group = getattr(self, name)
+    def _run_group(
+        self, name: str, x: jax.Array, rope: MlaRope, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCache | None]:
+        group = self.dense_layers if name == "dense_layers" else self.moe_layers
         if group is None:
             return x, None
-        params = pure(group) if self.scan_layers else [pure(layer) for layer in group]
+        params = [pure(layer) for layer in group] if isinstance(group, nnx.List) else pure(group)
         return run_layers(params, x, lambda p, h, c: layer_forward(p, h, self.cfg, rope, ctx, c),
                           group_cache(caches, name))
 
-    def forward(self, input_ids: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
+    def forward(
+        self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
         x = embedding[input_ids]
         inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_tables(ctx.positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
         rope = (cos, sin, softmax_scale(cfg))
-        new = {}
+        new: dict[str, GroupCache | None] = {}
         for name in ("dense_layers", "moe_layers"):
             x, new[name] = self._run_group(name, x, rope, ctx, caches)
         x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)

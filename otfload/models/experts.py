@@ -45,6 +45,8 @@ PADDING_FRACTION = 1
 RAGGED_BACKENDS = ("gpu", "tpu", "cuda", "rocm")
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]
+# ``gate``, ``up`` and ``down``, each ``{"kernel": [E, ...], "bias": [E, out]}`` (bias optional).
+Experts = Mapping[str, Mapping[str, jax.Array]]
 
 
 def default_impl() -> str:
@@ -63,7 +65,7 @@ def expert_ffn(
     x: jax.Array,
     idx: jax.Array,
     weights: jax.Array,
-    experts: Mapping[str, Mapping[str, jax.Array]],
+    experts: Experts,
     *,
     in_first: bool,
     activation: Activation,
@@ -86,14 +88,17 @@ def expert_ffn(
     if ep == 1 or num_experts % ep:
         return _routed(x, idx, weights, experts, 0, in_first, activation, impl)
 
-    def local(x, idx, weights, experts):
+    def local(x: jax.Array, idx: jax.Array, weights: jax.Array, experts: Experts) -> jax.Array:
         first = jax.lax.axis_index(EP_AXIS) * (num_experts // ep)
         out = _routed(x, idx, weights, experts, first, in_first, activation, impl)
-        return jax.lax.psum(out, EP_AXIS)
+        summed: jax.Array = jax.lax.psum(out, EP_AXIS)  # type: ignore[no-untyped-call]  # unannotated in jax
+        return summed
 
-    expert_specs = jax.tree.map(lambda _: P(EP_AXIS), experts)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), expert_specs), out_specs=P(),
-                         axis_names={EP_AXIS}, check_vma=False)(x, idx, weights, experts)
+    # jax's PartitionSpec.__init__ is unannotated.
+    expert_specs = jax.tree.map(lambda _: P(EP_AXIS), experts)  # type: ignore[no-untyped-call]
+    replicated = P()  # type: ignore[no-untyped-call]
+    return jax.shard_map(local, mesh=mesh, in_specs=(replicated, replicated, replicated, expert_specs),
+                         out_specs=replicated, axis_names={EP_AXIS}, check_vma=False)(x, idx, weights, experts)
 
 
 def _project(kernel: jax.Array, bias: jax.Array | None, x: jax.Array, in_first: bool) -> jax.Array:
@@ -102,12 +107,15 @@ def _project(kernel: jax.Array, bias: jax.Array | None, x: jax.Array, in_first: 
     return y if bias is None else y + bias
 
 
-def _dense(x, idx, weights, experts, num_experts, in_first, activation) -> jax.Array:
+def _dense(
+    x: jax.Array, idx: jax.Array, weights: jax.Array, experts: Experts, num_experts: int, in_first: bool,
+    activation: Activation,
+) -> jax.Array:
     """Every expert on every token; routing weights zero outside the top k."""
     dense_w = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * weights[..., None], axis=-2)
     up_spec, down_spec = ("th,ehm->tem", "tem,emh->teh") if in_first else ("th,emh->tem", "tem,ehm->teh")
 
-    def proj(p, h, spec):
+    def proj(p: Mapping[str, jax.Array], h: jax.Array, spec: str) -> jax.Array:
         y = jnp.einsum(spec, h, p["kernel"])
         return y + p["bias"] if "bias" in p else y
 
@@ -116,7 +124,10 @@ def _dense(x, idx, weights, experts, num_experts, in_first, activation) -> jax.A
     return jnp.einsum("teh,te->th", out, dense_w.astype(out.dtype))
 
 
-def _routed(x, idx, weights, experts, first, in_first: bool, activation: Activation, impl: str) -> jax.Array:
+def _routed(
+    x: jax.Array, idx: jax.Array, weights: jax.Array, experts: Experts, first: int | jax.Array, in_first: bool,
+    activation: Activation, impl: str,
+) -> jax.Array:
     """The rows routed to experts ``first .. first + E_local - 1`` (the experts held here), sorted
     by expert, through a grouped matmul, then weighted back into token order (f32 sum over k)."""
     tokens, k = idx.shape
@@ -142,20 +153,21 @@ def _expert_of_rows(sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right")
 
 
-def _ragged(rows, sizes, experts, in_first: bool, activation: Activation) -> jax.Array:
+def _ragged(rows: jax.Array, sizes: jax.Array, experts: Experts, in_first: bool, activation: Activation) -> jax.Array:
     contract = 1 if in_first else 2
-    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [contract]), ([], [])),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    dims = jax.lax.RaggedDotDimensionNumbers(  # type: ignore[no-untyped-call]  # unannotated in jax
+        dot_dimension_numbers=(([1], [contract]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
     expert = jnp.minimum(_expert_of_rows(sizes, rows.shape[0]), sizes.shape[0] - 1)
 
-    def proj(p, h):
+    def proj(p: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
         y = jax.lax.ragged_dot_general(h, p["kernel"], sizes, dims, preferred_element_type=h.dtype)
         return y + p["bias"][expert] if "bias" in p else y
 
     return proj(experts["down"], activation(proj(experts["gate"], rows), proj(experts["up"], rows)))
 
 
-def _blocks(rows, sizes, experts, in_first: bool, activation: Activation) -> jax.Array:
+def _blocks(rows: jax.Array, sizes: jax.Array, experts: Experts, in_first: bool, activation: Activation) -> jax.Array:
     """Grouped matmul by expert-homogeneous blocks, one ``fori_loop`` step per occupied block."""
     n, hidden = rows.shape
     num_experts = sizes.shape[0]
@@ -176,11 +188,11 @@ def _blocks(rows, sizes, experts, in_first: bool, activation: Activation) -> jax
         p = experts[name]
         return _project(p["kernel"][i], p["bias"][i] if "bias" in p else None, h, in_first)
 
-    def step(j, out):
+    def step(j: jax.Array, out: jax.Array) -> jax.Array:
         i = block_expert[j]
         h = jax.lax.dynamic_slice_in_dim(laid_out, j * block, block)
         y = proj("down", activation(proj("gate", h, i), proj("up", h, i)), i)
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), j * block, 0)
 
-    out = jax.lax.fori_loop(0, block_ends[-1], step, jnp.zeros_like(laid_out))
+    out: jax.Array = jax.lax.fori_loop(0, block_ends[-1], step, jnp.zeros_like(laid_out))
     return out.at[slot].get(mode="fill", fill_value=0)

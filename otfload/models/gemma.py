@@ -10,12 +10,15 @@ shape); the per-layer attention type is scanned over as data beside them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from otfload.config import (
     BOOL,
@@ -38,13 +41,15 @@ from otfload.config import (
 from otfload.config.fields import MAX_FACTOR
 from otfload.config.rope import THETA
 from otfload.errors import ConfigError
-from otfload.models.attention import Context, self_attention
-from otfload.models.base import CacheLayout, CausalLM, group_cache
+from otfload.models.attention import Context, Window, self_attention
+from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
 from otfload.models.gpt_oss import FULL, LAYER_TYPES, SLIDING  # transformers' layer_types names, defined once
 from otfload.models.layers import (
     Dense,
     Embed,
     Norm,
+    ParamOptions,
+    Params,
     apply_rope,
     dense,
     pure,
@@ -60,7 +65,7 @@ _GELU_APPROXIMATE = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu_fast": T
 ACTIVATIONS = Choice(*_GELU_APPROXIMATE)
 SOFTCAP = Float(0.0, MAX_FACTOR, exclusive_min=True)
 
-Rope = tuple[float, dict | None]  # (theta, scaling)
+Rope = tuple[float, dict[str, Any] | None]  # (theta, scaling)
 
 
 def _rope_of(params: Fields | None, default_theta: float) -> Rope:
@@ -86,7 +91,7 @@ def _gemma3_ropes(f: Fields) -> tuple[Rope, Rope]:
 
 def _layer_types(f: Fields, model_type: str, num_layers: int) -> tuple[str, ...]:
     """Each layer's attention type; without ``layer_types``, every ``pattern``-th layer is global."""
-    types = f.get("layer_types", LAYER_TYPES, None)
+    types: tuple[str, ...] | None = f.get("layer_types", LAYER_TYPES, None)
     if types is None:
         default = 2 if model_type == "gemma2" else 6
         _, pattern = f.first(("sliding_window_pattern", "_sliding_window_pattern"), LAYERS, default)
@@ -125,7 +130,7 @@ class GemmaConfig:
     mlp_bias: bool = False
 
     @classmethod
-    def from_hf(cls, hf: dict, path: str = "") -> GemmaConfig:
+    def from_hf(cls, hf: Mapping[str, Any], path: str = "") -> GemmaConfig:
         """Parse and check ``config.json`` (``path`` names a nested text config in errors); absent
         fields take transformers' Gemma defaults."""
         f = Fields(hf, path)
@@ -171,21 +176,22 @@ class GemmaConfig:
             o_bias=bias,
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 class GemmaDecoderLayer(nnx.Module):
     """One layer's parameters (``stack=L`` gives all L layers stacked on a leading axis)."""
 
-    def __init__(self, cfg: GemmaConfig, *, dtype, rngs, stack=None):
+    def __init__(self, cfg: GemmaConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         h = cfg.hidden_size
-        self.input_norm = Norm(h, dtype=dtype, rngs=rngs, stack=stack)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs, stack=stack)
-        self.post_attn_norm = Norm(h, dtype=dtype, rngs=rngs, stack=stack)
-        self.pre_ffw_norm = Norm(h, dtype=dtype, rngs=rngs, stack=stack)
-        self.mlp = Mlp(cfg, dtype=dtype, rngs=rngs, stack=stack)
-        self.post_ffw_norm = Norm(h, dtype=dtype, rngs=rngs, stack=stack)
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
+        self.input_norm = Norm(h, **kw)
+        self.attn = Attention(cfg, **kw)
+        self.post_attn_norm = Norm(h, **kw)
+        self.pre_ffw_norm = Norm(h, **kw)
+        self.mlp = Mlp(cfg, **kw)
+        self.post_ffw_norm = Norm(h, **kw)
 
 
 def gemma_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -199,9 +205,9 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def layer_forward(
-    p: dict, x: jax.Array, cfg: GemmaConfig, rope: tuple, ctx: Context, cache: dict | None,
-    window: int | jax.Array,
-) -> tuple[jax.Array, dict | None]:
+    p: Params, x: jax.Array, cfg: GemmaConfig, rope: tuple[jax.Array, jax.Array], ctx: Context,
+    cache: GroupCache | None, window: Window,
+) -> tuple[jax.Array, GroupCache | None]:
     """One decoder layer as a pure function of its parameter dict ``p``: ``(x, updated cache)``;
     ``rope`` is ``(cos, sin)`` and ``window`` the sliding window (0: global) of this layer's type."""
     a, m, eps = p["attn"], p["mlp"], cfg.rms_norm_eps
@@ -225,7 +231,12 @@ def layer_forward(
 class GemmaForCausalLM(CausalLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for Gemma 2 and Gemma 3 text."""
 
-    def __init__(self, cfg: GemmaConfig, *, scan_layers: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+    cfg: GemmaConfig
+    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
+
+    def __init__(
+        self, cfg: GemmaConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
+    ) -> None:
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
@@ -241,7 +252,9 @@ class GemmaForCausalLM(CausalLM):
         cfg = self.cfg
         return {"layers": (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)}
 
-    def forward(self, input_ids: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
+    def forward(
+        self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
         # transformers multiplies by √hidden rounded to the activation dtype.
@@ -252,12 +265,15 @@ class GemmaForCausalLM(CausalLM):
         flags = np.array([t == SLIDING for t in cfg.layer_types])
         windows = np.where(flags, cfg.sliding_window or 0, 0).astype(np.int32)
 
-        def run_layer(p: dict, h: jax.Array, xs: tuple) -> tuple[jax.Array, dict | None]:
+        def run_layer(
+            p: Params, h: jax.Array, xs: tuple[jax.Array | np.bool_, Window, GroupCache | None]
+        ) -> tuple[jax.Array, GroupCache | None]:
             is_sliding, window, cache = xs
             rope = jax.tree.map(lambda s, f: jnp.where(is_sliding, s, f), sliding, full)
             return layer_forward(p, h, cfg, rope, ctx, cache, window)
 
-        params = pure(self.layers) if self.scan_layers else [pure(layer) for layer in self.layers]
+        layers = self.layers
+        params = [pure(layer) for layer in layers] if isinstance(layers, nnx.List) else pure(layers)
         x, cache = run_layers(params, x, run_layer, (flags, windows, group_cache(caches, "layers")))
         x = gemma_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
         return x, None if caches is None else {"layers": cache}

@@ -5,6 +5,8 @@ checkpoint's ``[E, in, out]`` orientation (``experts_in_first``), so loading the
 
 from __future__ import annotations
 
+from typing import Any
+
 from otfload.config import EXPERTS, POSITIVE, WINDOW, Choice, Fields, List, require
 from otfload.models.llama import LlamaConfig
 from otfload.models.mixtral import top_k
@@ -16,13 +18,13 @@ LAYER_TYPES = List(Choice(SLIDING, FULL))
 
 def layer_types(f: Fields, num_layers: int, default: list[str]) -> tuple[str, ...]:
     """``layer_types`` (one per layer) or ``default``."""
-    types = f.get("layer_types", LAYER_TYPES, tuple(default))
+    types: tuple[str, ...] = f.get("layer_types", LAYER_TYPES, tuple(default))
     require(len(types) == num_layers, f.name("layer_types"), list(types),
             f"must list one type per layer (num_hidden_layers = {num_layers})")
     return types
 
 
-def gpt_oss_config(hf: dict) -> MoeConfig:
+def gpt_oss_config(hf: dict[str, Any]) -> MoeConfig:
     """The :class:`MoeConfig` of a GPT-OSS ``config.json``."""
     base, f = LlamaConfig.from_hf(hf), Fields(hf)
     n = base.num_layers

@@ -7,20 +7,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from otfload.models.weights import materialize
 
-Params = Mapping[str, object]
+# One module's parameters as a pure pytree: nested dicts (``{"attn": {"q": {"kernel": ...}}}``) whose
+# depth varies by key, with arrays (or stored weights) at the leaves; hence values typed Any.
+Params = Mapping[str, Any]
+# A pytree of arrays (a layer's cache, its attention type, ...): any nesting of tuples and dicts.
+Tree = Any
+
+
+class ParamOptions(TypedDict):
+    """The keyword arguments every parameter module passes on to its parts (``**kw``)."""
+
+    dtype: DTypeLike
+    rngs: nnx.Rngs | None
+    stack: int | None
 
 
 def make_param(
-    rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype, stack: int | None = None
-) -> nnx.Param:
+    rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype: DTypeLike,
+    stack: int | None = None,
+) -> nnx.Param[jax.Array]:
     """A normally initialised ``nnx.Param`` annotated with ``logical_axes``; ``stack`` prepends a
     ``layers`` axis (scanned models). ``rngs=None`` gives zeros: an abstract model (built under
     ``nnx.eval_shape`` to be planned, then loaded) draws no random numbers, whose traced key splits
@@ -43,7 +58,10 @@ class Dense(nnx.Module):
     ``bias_dims=(0, 1)`` then gives ``q`` a ``(heads, head_dim)`` bias.
     """
 
-    def __init__(self, shape, axes, *, bias_dims: Sequence[int] = (), dtype, rngs, stack=None):
+    def __init__(
+        self, shape: Sequence[int], axes: Sequence[str | None], *, bias_dims: Sequence[int] = (), dtype: DTypeLike,
+        rngs: nnx.Rngs | None, stack: int | None = None,
+    ) -> None:
         self.kernel = make_param(rngs, shape, axes, dtype, stack)
         if bias_dims:
             self.bias = make_param(rngs, [shape[d] for d in bias_dims], [axes[d] for d in bias_dims], dtype, stack)
@@ -52,26 +70,26 @@ class Dense(nnx.Module):
 class Norm(nnx.Module):
     """An RMSNorm ``scale``."""
 
-    def __init__(self, dim: int, *, dtype, rngs, stack=None):
+    def __init__(self, dim: int, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         self.scale = make_param(rngs, (dim,), ("norm",), dtype, stack)
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, dtype, rngs):
+    def __init__(self, vocab: int, dim: int, *, dtype: DTypeLike, rngs: nnx.Rngs | None) -> None:
         self.embedding = make_param(rngs, (vocab, dim), ("vocab", "embed"), dtype)
 
 
-def pure(module: nnx.Module) -> dict:
+def pure(module: nnx.Module) -> dict[str, Any]:
     """The module's parameters as a nested dict of arrays (what the pure layer functions take)."""
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
 def run_layers(
-    params: Mapping | Sequence[Mapping],
+    params: Params | Sequence[Params],
     x: jax.Array,
-    forward: Callable[[Mapping, jax.Array, object], tuple[jax.Array, object]],
-    xs: object = None,
-) -> tuple[jax.Array, object]:
+    forward: Callable[[Params, jax.Array, Tree], tuple[jax.Array, Tree]],
+    xs: Tree = None,
+) -> tuple[jax.Array, Tree]:
     """``x`` through every layer: ``forward(p, x, xs_i) -> (x, y_i)`` scanned (``jax.lax.scan``)
     over stacked parameters (a dict whose leaves have a leading ``layers`` axis) or looped over a
     list of per-layer dicts; ``xs`` (a pytree with a leading layer axis, or None) gives each layer
@@ -100,10 +118,11 @@ def dense(p: Params, x: jax.Array, spec: str) -> jax.Array:
     return y + p["bias"] if "bias" in p else y
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> np.ndarray:
     """Inverse frequencies for RoPE, including Llama 3 ``rope_type="llama3"`` scaling."""
     inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -123,7 +142,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None) -> np.nd
     return inv.astype(np.float32)
 
 
-def _yarn_inv_freq(inv: np.ndarray, head_dim: int, theta: float, scaling: Mapping) -> np.ndarray:
+def _yarn_inv_freq(inv: np.ndarray, head_dim: int, theta: float, scaling: Mapping[str, Any]) -> np.ndarray:
     """YaRN: interpolate low frequencies by ``factor``, keep high ones, blend linearly between the
     ``beta_fast``/``beta_slow`` correction dims (transformers' ``_compute_yarn_parameters``)."""
     factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
@@ -136,7 +155,8 @@ def _yarn_inv_freq(inv: np.ndarray, head_dim: int, theta: float, scaling: Mappin
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     ramp = np.clip((np.arange(head_dim // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
-    return inv / factor * ramp + inv * (1 - ramp)
+    blended: np.ndarray = inv / factor * ramp + inv * (1 - ramp)
+    return blended
 
 
 def yarn_mscale(factor: float, m: float = 1.0) -> float:
@@ -144,7 +164,7 @@ def yarn_mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
-def rope_attention_factor(scaling: Mapping | None) -> float:
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
     """The factor YaRN multiplies cos/sin by (``attention_factor`` or ``0.1 ln(factor) + 1``); 1 otherwise."""
     scaling = scaling or {}
     if scaling.get("rope_type", scaling.get("type")) != "yarn":

@@ -7,12 +7,14 @@ Kernels keep HF's ``[out, in]`` orientation (output dims first), so loading copi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from otfload.config import (
     BOOL,
@@ -30,12 +32,14 @@ from otfload.config import (
     require,
 )
 from otfload.config import rope_params as config_rope_params
-from otfload.models.attention import Context, self_attention
-from otfload.models.base import CacheLayout, CausalLM, group_cache
+from otfload.models.attention import Context, Window, self_attention
+from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
 from otfload.models.layers import (
     Dense,
     Embed,
     Norm,
+    ParamOptions,
+    Params,
     apply_rope,
     dense,
     pure,
@@ -51,7 +55,7 @@ Rope = tuple[jax.Array, jax.Array]
 ACTIVATIONS = Choice("silu", "swish")
 
 
-def rope_params(hf: dict | Fields) -> tuple[float, dict | None]:
+def rope_params(hf: Mapping[str, Any] | Fields) -> tuple[float, dict[str, Any] | None]:
     """``(theta, scaling)`` from either the transformers 5 ``rope_parameters`` or older fields."""
     return config_rope_params(hf if isinstance(hf, Fields) else Fields(hf))
 
@@ -71,6 +75,29 @@ def attention_shape(f: Fields) -> tuple[int, int, int, int]:
     return hidden, heads, kv_heads, head_dim
 
 
+class LayerShape(Protocol):
+    """The config fields :class:`Attention` and :class:`Mlp` read (Gemma's config has them too)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def o_bias(self) -> bool: ...
+    @property
+    def mlp_bias(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
@@ -83,7 +110,7 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
     qkv_bias: bool = False
     o_bias: bool = False
@@ -92,7 +119,7 @@ class LlamaConfig:
     sliding_window: int | None = None
 
     @classmethod
-    def from_hf(cls, hf: dict) -> LlamaConfig:
+    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         """Parse and check ``config.json`` (absent fields take transformers' defaults)."""
         f = Fields(hf)
         model_type = f.get("model_type", NAME)
@@ -121,16 +148,18 @@ class LlamaConfig:
             sliding_window=f.nullable("sliding_window", WINDOW, None) if use_window else None,
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 class Attention(nnx.Module):
     """q/k/v kernels ``(heads, head_dim, hidden)``, o ``(hidden, heads, head_dim)`` (HF's ``[out, in]``)."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
+    sinks: nnx.Param[jax.Array]  # GPT-OSS's per-head attention sinks (set by its MoE decoder layer)
+
+    def __init__(self, cfg: LayerShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        kw = dict(dtype=dtype, rngs=rngs, stack=stack)
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         qkv_bias = (0, 1) if cfg.qkv_bias else ()
         self.q = Dense((n, d, h), ("heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
         self.k = Dense((kv, d, h), ("kv_heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
@@ -144,18 +173,19 @@ class Attention(nnx.Module):
 class Mlp(nnx.Module):
     """gate/up kernels ``(intermediate, hidden)``, down ``(hidden, intermediate)``."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
+    def __init__(self, cfg: LayerShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         h, m = cfg.hidden_size, cfg.intermediate_size
-        kw = dict(bias_dims=(0,) if cfg.mlp_bias else (), dtype=dtype, rngs=rngs, stack=stack)
-        self.gate = Dense((m, h), ("mlp", "embed"), **kw)
-        self.up = Dense((m, h), ("mlp", "embed"), **kw)
-        self.down = Dense((h, m), ("embed", "mlp"), **kw)
+        bias = (0,) if cfg.mlp_bias else ()
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
+        self.gate = Dense((m, h), ("mlp", "embed"), bias_dims=bias, **kw)
+        self.up = Dense((m, h), ("mlp", "embed"), bias_dims=bias, **kw)
+        self.down = Dense((h, m), ("embed", "mlp"), bias_dims=bias, **kw)
 
 
 class DecoderLayer(nnx.Module):
     """One layer's parameters (``stack=L`` gives all L layers stacked on a leading axis)."""
 
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs, stack=None):
+    def __init__(self, cfg: LlamaConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         self.input_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
         self.attn = Attention(cfg, dtype=dtype, rngs=rngs, stack=stack)
         self.post_attn_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
@@ -163,9 +193,9 @@ class DecoderLayer(nnx.Module):
 
 
 def attention_block(
-    a: dict, h: jax.Array, cfg: LlamaConfig, rope: Rope, ctx: Context, cache: dict | None,
-    window: int | jax.Array | None = None,
-) -> tuple[jax.Array, dict | None]:
+    a: Params, h: jax.Array, cfg: LlamaConfig, rope: Rope, ctx: Context, cache: GroupCache | None,
+    window: Window | None = None,
+) -> tuple[jax.Array, GroupCache | None]:
     """Self-attention of the normed input ``h``: GQA, optional q/k norm, RoPE, optional ``sinks``;
     returns the output and the layer's updated cache."""
     q = dense(a["q"], h, "bsh,ndh->bsnd")
@@ -179,22 +209,22 @@ def attention_block(
     return dense(a["o"], out, "bsnd,hnd->bsh"), cache
 
 
-def swiglu(m: dict, h: jax.Array) -> jax.Array:
+def swiglu(m: Params, h: jax.Array) -> jax.Array:
     """The SwiGLU MLP ``down(silu(gate(h)) * up(h))``."""
     act = jax.nn.silu(dense(m["gate"], h, "bsh,mh->bsm")) * dense(m["up"], h, "bsh,mh->bsm")
     return dense(m["down"], act, "bsm,hm->bsh")
 
 
 def layer_forward(
-    p: dict,
+    p: Params,
     x: jax.Array,
     cfg: LlamaConfig,
     rope: Rope,
     ctx: Context,
-    cache: dict | None = None,
-    window: int | jax.Array | None = None,
-    ffn: Callable[[dict, jax.Array], jax.Array] | None = None,
-) -> tuple[jax.Array, dict | None]:
+    cache: GroupCache | None = None,
+    window: Window | None = None,
+    ffn: Callable[[Params, jax.Array], jax.Array] | None = None,
+) -> tuple[jax.Array, GroupCache | None]:
     """One decoder layer as a pure function of its parameter dict ``p``: ``(x, updated cache)``;
     ``ffn(p, h)`` replaces the SwiGLU MLP of ``p["mlp"]`` (MoE layers)."""
     h = rms_norm(x, p["input_norm"]["scale"], cfg.rms_norm_eps)
@@ -211,7 +241,12 @@ class LlamaForCausalLM(CausalLM):
     Subclasses with other kinds of layers override :meth:`init_layers` and :meth:`decode`.
     """
 
-    def __init__(self, cfg: LlamaConfig, *, scan_layers: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+    cfg: LlamaConfig
+    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
+
+    def __init__(
+        self, cfg: LlamaConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
+    ) -> None:
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
@@ -220,7 +255,7 @@ class LlamaForCausalLM(CausalLM):
         if not cfg.tie_word_embeddings:
             self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
-    def init_layers(self, dtype, rngs: nnx.Rngs) -> None:
+    def init_layers(self, dtype: DTypeLike, rngs: nnx.Rngs | None) -> None:
         """Create ``self.layers``: one stacked :class:`DecoderLayer` (scanned) or a list of them."""
         cfg = self.cfg
         if self.scan_layers:
@@ -234,11 +269,14 @@ class LlamaForCausalLM(CausalLM):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return rope_tables(positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
 
-    def decode(self, x: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
+    def decode(
+        self, x: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCaches | None]:
         """Run every decoder layer on the embedded tokens ``x [batch, seq, hidden]``."""
         cfg = self.cfg
         rope = self.rope(ctx.positions)
-        params = pure(self.layers) if self.scan_layers else [pure(layer) for layer in self.layers]
+        layers = self.layers
+        params = [pure(layer) for layer in layers] if isinstance(layers, nnx.List) else pure(layers)
         x, cache = run_layers(params, x, lambda p, h, c: layer_forward(p, h, cfg, rope, ctx, c, cfg.sliding_window),
                               group_cache(caches, "layers"))
         return x, None if caches is None else {"layers": cache}
@@ -247,8 +285,10 @@ class LlamaForCausalLM(CausalLM):
         cfg = self.cfg
         return {"layers": (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)}
 
-    def forward(self, input_ids: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
+    def forward(
+        self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
         embedding = self.embed.embedding[...]
-        x, caches = self.decode(embedding[input_ids], ctx, caches)
-        return rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps), caches
+        x, new = self.decode(embedding[input_ids], ctx, caches)
+        return rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps), new

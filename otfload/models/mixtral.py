@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from otfload.config import EXPERTS, WINDOW, Fields, require
 from otfload.models.llama import LlamaConfig
 from otfload.models.moe import MoeConfig
@@ -10,12 +12,12 @@ from otfload.models.moe import MoeConfig
 
 def top_k(f: Fields, experts: int, experts_field: str) -> int:
     """``num_experts_per_tok``, checked to pick no more experts than there are."""
-    k = f.get("num_experts_per_tok", EXPERTS)
+    k: int = f.get("num_experts_per_tok", EXPERTS)
     require(k <= experts, f.name("num_experts_per_tok"), k, f"must be at most {experts_field} ({experts})")
     return k
 
 
-def mixtral_config(hf: dict) -> MoeConfig:
+def mixtral_config(hf: dict[str, Any]) -> MoeConfig:
     """The :class:`MoeConfig` of a Mixtral ``config.json``."""
     base, f = LlamaConfig.from_hf(hf), Fields(hf)
     experts = f.get("num_local_experts", EXPERTS)

@@ -18,18 +18,20 @@ group is one stack, run in HF layer order one homogeneous run at a time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
-from otfload.models.attention import Context
-from otfload.models.base import CacheLayout
+from otfload.models.attention import Context, Window
+from otfload.models.base import CacheLayout, GroupCache, GroupCaches
 from otfload.models.experts import expert_ffn
-from otfload.models.layers import Dense, Norm, dense, make_param, pure, run_layers
+from otfload.models.layers import Dense, Norm, ParamOptions, Params, dense, make_param, pure, run_layers
 from otfload.models.llama import Attention, DecoderLayer, LlamaConfig, LlamaForCausalLM, layer_forward
 
 SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
@@ -65,7 +67,7 @@ class MoeConfig(LlamaConfig):
     experts_in_first: bool = False
 
     @classmethod
-    def extend(cls, base: LlamaConfig, **fields) -> MoeConfig:
+    def extend(cls, base: LlamaConfig, **fields: Any) -> MoeConfig:
         """``base``'s fields plus (or overridden by) ``fields``."""
         return cls(**{**dataclasses.asdict(base), **fields})
 
@@ -74,8 +76,10 @@ class ExpertDense(Dense):
     """Per-expert weights on a leading experts axis. ``shape``/``axes`` are ``(out, in)``; the kernel is
     ``[E, out, in]``, or ``[E, in, out]`` with ``in_first``; the optional bias is ``[E, out]``."""
 
-    def __init__(self, num_experts: int, shape, axes, *, bias: bool, in_first: bool = False, dtype, rngs,
-                 stack=None):
+    def __init__(
+        self, num_experts: int, shape: tuple[int, int], axes: tuple[str | None, str | None], *, bias: bool,
+        in_first: bool = False, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None,
+    ) -> None:
         (out, inp), (out_axis, in_axis) = shape, axes
         if in_first:
             dims, names, out_dim = (inp, out), (in_axis, out_axis), 2
@@ -88,20 +92,21 @@ class ExpertDense(Dense):
 class SparseMoe(nnx.Module):
     """Router ``[E, hidden]`` and the experts' ``gate``/``up``/``down`` weights."""
 
-    def __init__(self, cfg: MoeConfig, *, dtype, rngs, stack=None):
+    def __init__(self, cfg: MoeConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         h, m, e = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
         self.router = Dense((e, h), (None, "embed"), bias_dims=(0,) if cfg.router_bias else (), dtype=dtype,
                             rngs=rngs, stack=stack)
-        kw = dict(bias=cfg.expert_bias, in_first=cfg.experts_in_first, dtype=dtype, rngs=rngs, stack=stack)
-        self.gate = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
-        self.up = ExpertDense(e, (m, h), ("mlp", "embed"), **kw)
-        self.down = ExpertDense(e, (h, m), ("embed", "mlp"), **kw)
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
+        bias, in_first = cfg.expert_bias, cfg.experts_in_first
+        self.gate = ExpertDense(e, (m, h), ("mlp", "embed"), bias=bias, in_first=in_first, **kw)
+        self.up = ExpertDense(e, (m, h), ("mlp", "embed"), bias=bias, in_first=in_first, **kw)
+        self.down = ExpertDense(e, (h, m), ("embed", "mlp"), bias=bias, in_first=in_first, **kw)
 
 
 class MoeDecoderLayer(nnx.Module):
     """A decoder layer whose feed-forward is :class:`SparseMoe` (optionally with attention sinks)."""
 
-    def __init__(self, cfg: MoeConfig, *, dtype, rngs, stack=None):
+    def __init__(self, cfg: MoeConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         self.input_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
         self.attn = Attention(cfg, dtype=dtype, rngs=rngs, stack=stack)
         if cfg.attention_sinks:
@@ -131,7 +136,7 @@ def expert_activation(gate: jax.Array, up: jax.Array, cfg: MoeConfig) -> jax.Arr
     return jax.nn.silu(gate) * up
 
 
-def moe_forward(p: dict, h: jax.Array, cfg: MoeConfig, impl: str | None = None) -> jax.Array:
+def moe_forward(p: Params, h: jax.Array, cfg: MoeConfig, impl: str | None = None) -> jax.Array:
     """The MoE feed-forward of ``h [batch, seq, hidden]`` from a :class:`SparseMoe` param dict:
     each token through its top-k experts only (:func:`~otfload.models.experts.expert_ffn`)."""
     flat = h.reshape(-1, h.shape[-1])
@@ -159,22 +164,28 @@ def layer_runs(cfg: MoeConfig) -> list[tuple[str, int, int, int]]:
 class MoeForCausalLM(LlamaForCausalLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for an MoE decoder."""
 
-    def init_layers(self, dtype, rngs: nnx.Rngs) -> None:
+    cfg: MoeConfig
+    dense_layers: nnx.Module  # like ``layers``, of the dense layers (absent when there are none)
+
+    def init_layers(self, dtype: DTypeLike, rngs: nnx.Rngs | None) -> None:
         """``layers`` (the MoE layers) and, when the config has any, ``dense_layers``."""
         self.layers = self._group(MoeDecoderLayer, len(self.cfg.moe_layers), dtype, rngs)
         if self.cfg.dense_layers:
             self.dense_layers = self._group(DecoderLayer, len(self.cfg.dense_layers), dtype, rngs)
 
-    def _group(self, layer_cls: type, n: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    def _group(
+        self, layer_cls: type[MoeDecoderLayer] | type[DecoderLayer], n: int, dtype: DTypeLike, rngs: nnx.Rngs | None
+    ) -> nnx.Module:
         if self.scan_layers:
             return layer_cls(self.cfg, dtype=dtype, rngs=rngs, stack=n)
         return nnx.List([layer_cls(self.cfg, dtype=dtype, rngs=rngs) for _ in range(n)])
 
-    def _params(self, group: str, start: int, stop: int) -> dict | Sequence[dict]:
-        layers = getattr(self, group)
-        if self.scan_layers:
-            return jax.tree.map(lambda a: a[start:stop], pure(layers))
-        return [pure(layers[i]) for i in range(start, stop)]
+    def _params(self, group: str, start: int, stop: int) -> Params | list[Params]:
+        layers = self.layers if group == "layers" else self.dense_layers
+        if isinstance(layers, nnx.List):
+            return [pure(layers[i]) for i in range(start, stop)]
+        sliced: Params = jax.tree.map(lambda a: a[start:stop], pure(layers))
+        return sliced
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg
@@ -184,7 +195,9 @@ class MoeForCausalLM(LlamaForCausalLM):
             layout["dense_layers"] = (len(cfg.dense_layers), *shape)
         return layout
 
-    def decode(self, x: jax.Array, ctx: Context, caches: dict | None) -> tuple[jax.Array, dict | None]:
+    def decode(
+        self, x: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
         rope = self.rope(ctx.positions)
         sliding = range(cfg.num_layers) if cfg.sliding_layers is None else cfg.sliding_layers
@@ -193,12 +206,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         windows = np.array([(cfg.sliding_window or 0) if i in sliding else 0 for i in range(cfg.num_layers)], np.int32)
         shared = int(windows[0]) if (windows == windows[0]).all() else None
 
-        def forward(p: dict, h: jax.Array, xs: tuple) -> tuple[jax.Array, dict | None]:
+        def forward(
+            p: Params, h: jax.Array, xs: tuple[Window, GroupCache | None]
+        ) -> tuple[jax.Array, GroupCache | None]:
             window, cache = xs
             ffn = (lambda q, y: moe_forward(q["moe"], y, cfg, ctx.moe_impl)) if "moe" in p else None
             return layer_forward(p, h, cfg, rope, ctx, cache, window if shared is None else shared, ffn)
 
-        pieces: dict[str, list] = {}
+        pieces: dict[str, list[GroupCache | None]] = {}
         for group, start, stop, first in layer_runs(cfg):
             cache = None if caches is None else jax.tree.map(lambda a, i=start, j=stop: a[i:j], caches[group])
             xs = (windows[first : first + stop - start], cache)

@@ -16,14 +16,14 @@ from typing import Any
 class ModelOrigin:
     """The HF config a model was built from (a private copy) and its family's name."""
 
-    config: dict
+    config: dict[str, Any]
     family: str
 
 
 _ORIGINS: weakref.WeakKeyDictionary[Any, ModelOrigin] = weakref.WeakKeyDictionary()
 
 
-def remember_origin(model: Any, config: dict, family: str) -> None:
+def remember_origin(model: Any, config: dict[str, Any], family: str) -> None:
     """Record that ``model`` was built from ``config`` by ``family``."""
     _ORIGINS[model] = ModelOrigin(copy.deepcopy(config), family)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from otfload.config import BOOL, INTERMEDIATE, LAYERS, Fields, Int, List
 from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
 from otfload.models.llama import LlamaConfig
@@ -16,7 +18,7 @@ NUM_EXPERTS = Int(0, MAX_EXPERTS)
 LAYER_INDICES = List(Int(0, MAX_LAYERS - 1))
 
 
-def qwen3_moe_config(hf: dict) -> MoeConfig:
+def qwen3_moe_config(hf: dict[str, Any]) -> MoeConfig:
     """The :class:`MoeConfig` of a Qwen3-MoE ``config.json``: layer ``i`` is MoE unless it is in
     ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0`` (transformers' rule)."""
     base, f = LlamaConfig.from_hf(hf), Fields(hf)

@@ -96,8 +96,10 @@ class LocalSource:
     """Files under a local directory, read through a bounded pool of descriptors shared by threads."""
 
     page_granular = True  # the kernel reads these files in whole pages: readers plan their ranges so
+    # Declared here, where ``mmap`` is still the module (``__init__``'s parameter of that name hides it).
+    _regions: weakref.WeakSet[mmap.mmap]  # mapped, ours or kept by views
 
-    def __init__(self, root: str | os.PathLike, *, mmap: bool = True, max_open_files: int | None = None):
+    def __init__(self, root: str | os.PathLike[str], *, mmap: bool = True, max_open_files: int | None = None):
         self.root = Path(root).expanduser().resolve()
         if not self.root.is_dir():
             raise SourceNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
@@ -107,7 +109,7 @@ class LocalSource:
         self._max_maps = self.max_open_files // 2
         self._max_fds = self.max_open_files - self._max_maps
         self._open: OrderedDict[str, _Open] = OrderedDict()  # least recently used first
-        self._regions: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # mapped, ours or kept by views
+        self._regions = weakref.WeakSet()
         self._identity: dict[str, tuple[int, int]] = {}  # (device, inode) when first opened
         self._cond = threading.Condition()
         self._populate = True  # cleared when the kernel predates MADV_POPULATE_READ
