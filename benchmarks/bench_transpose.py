@@ -11,7 +11,12 @@ fresh process, warm page cache, interleaved rounds, medians:
   ``[out, in]`` (HF's orientation: hooks are reshapes, the copy is contiguous);
 * ``transposed`` — the same with ``[in, out]`` kernels: ``otfload.mappings.maxtext_llama``'s
   table, ``Transpose`` on every projection (the builder's tiled copy, :mod:`otfload.place.transpose`);
-* ``untiled`` — ``transposed`` with the tiled copy switched off (one ``np.copyto`` per slice, as before);
+* ``tiled`` — ``transposed`` with numpy's tiled copy instead of XLA's host transpose
+  (:data:`otfload.place.transpose.XLA_TRANSPOSE` off: the kernel of 2026-11-24);
+* ``untiled`` — ``transposed`` with the tiled copy switched off too (one ``np.copyto`` per slice);
+* ``numpy_alloc`` — ``contiguous`` with every shard buffer from ``np.empty`` (which asks for
+  transparent huge pages from 4 MiB) instead of populated 4 KiB mappings
+  (:data:`otfload.read.arena.OWN_MAPPING_BYTES`): the allocation before 2026-11-25;
 * ``transposed_unscanned`` — ``transposed`` with one leaf per layer (what tunix's models hold);
 * ``tunix_style`` — a re-implementation of tunix 0.1.7's ``load_and_create_model_opt`` on that
   unscanned tree: every file ``mmap``-ed and viewed with ``np.frombuffer``, each HF tensor a view,
@@ -27,6 +32,7 @@ import gc
 import json
 import math
 import mmap
+import os
 import statistics
 import struct
 import subprocess
@@ -35,7 +41,7 @@ import time
 from pathlib import Path
 
 RESULT_PREFIX = "BENCH_RESULT "
-METHODS = ("contiguous", "transposed", "untiled", "transposed_unscanned", "tunix_style")
+METHODS = ("contiguous", "numpy_alloc", "transposed", "tiled", "untiled", "transposed_unscanned", "tunix_style")
 GIB = 2**30
 KERNEL_SHAPE = (2048, 5632)  # a 22 MiB bf16 matrix, the issue's example
 
@@ -133,11 +139,12 @@ def tunix_style_load(directory: Path, abstract: dict, config: dict) -> dict:
 # --- child: one method, one load -------------------------------------------------------------------
 
 
-def _cpu_seconds() -> float:
+def _usage() -> tuple[float, int]:
+    """CPU seconds (user + system, every thread) and minor page faults of this process so far."""
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
 def child(method: str, directory: Path, devices: int) -> dict:
@@ -151,6 +158,7 @@ def child(method: str, directory: Path, devices: int) -> dict:
     from benchmarks.common import RssSampler, bench_mesh, current_rss, peak_rss
     from otfload.mappings import maxtext_llama as mt
     from otfload.place import transpose
+    from otfload.read import arena
 
     if len(jax.devices()) != devices:
         raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
@@ -158,12 +166,16 @@ def child(method: str, directory: Path, devices: int) -> dict:
     config = json.loads((directory / "config.json").read_text())
     dtype = np.dtype(jax.numpy.bfloat16)
     unscanned = method in ("transposed_unscanned", "tunix_style")
-    if method == "contiguous":
+    if method in ("contiguous", "numpy_alloc"):
         abstract, table = contiguous_target(config, mesh, dtype)
     else:
         abstract, table = mt.abstract_params(config, mesh, dtype, scan_layers=not unscanned), mt.TABLE
+    if method in ("tiled", "untiled"):
+        transpose.XLA_TRANSPOSE = False  # numpy's copies, as before XLA's host transpose was used
     if method == "untiled":
         transpose.MIN_TILED_ELEMENTS = math.inf  # every copy is one np.copyto, as before the tiled kernel
+    if method == "numpy_alloc":
+        arena.OWN_MAPPING_BYTES = math.inf  # np.empty (THP-advised from 4 MiB), as before 2026-11-25
 
     def run():
         if method == "tunix_style":
@@ -174,14 +186,15 @@ def child(method: str, directory: Path, devices: int) -> dict:
     gc.collect()
     rss_before = current_rss()
     with RssSampler() as sampler:
-        start, cpu_start = time.perf_counter(), _cpu_seconds()
+        start, (cpu_start, faults_start) = time.perf_counter(), _usage()
         loaded = run()
         jax.block_until_ready(loaded)
-        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
+        seconds, (cpu, faults) = time.perf_counter() - start, _usage()
+        cpu, faults = cpu - cpu_start, faults - faults_start
     checkpoint_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     return {
         "method": method, "seconds": seconds, "cpu_seconds": cpu, "checkpoint_bytes": checkpoint_bytes,
-        "placed_bytes": placed_bytes(loaded), "rss_before": rss_before,
+        "placed_bytes": placed_bytes(loaded), "rss_before": rss_before, "minor_faults": faults,
         "peak_rss": max(peak_rss(), sampler.peak),
     }
 
@@ -216,6 +229,8 @@ def measure(methods: list[str], directory: Path, devices: int, repeat: int) -> d
             **rs[0],
             "seconds": statistics.median(r["seconds"] for r in rs),
             "cpu_seconds": statistics.median(r["cpu_seconds"] for r in rs),
+            "all_cpu_seconds": [round(r["cpu_seconds"], 2) for r in rs],
+            "minor_faults": statistics.median(r["minor_faults"] for r in rs),
             "all_seconds": [round(r["seconds"], 2) for r in rs],
             "transient": statistics.median(r["peak_rss"] - r["rss_before"] - r["placed_bytes"] for r in rs),
             "peak_over_before": statistics.median(r["peak_rss"] - r["rss_before"] for r in rs),
@@ -225,21 +240,23 @@ def measure(methods: list[str], directory: Path, devices: int, repeat: int) -> d
 
 def table(results: dict[str, dict]) -> str:
     base = results.get("contiguous")
-    rows = ["| method | seconds (median) | runs (s) | GB/s | CPU s | peak − before GiB | transient GiB | "
-            "speed / contiguous (wall, CPU) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    rows = ["| method | seconds (median) | runs (s) | GB/s | CPU s (median) | CPU runs (s) | minor faults | "
+            "peak − before GiB | transient GiB | speed / contiguous (wall, CPU) |",
+            "|---|---:|---|---:|---:|---|---:|---:|---:|---:|"]
     for method, r in results.items():
         ratio = "" if base is None else \
             f"{base['seconds'] / r['seconds']:.2f}×, {base['cpu_seconds'] / r['cpu_seconds']:.2f}×"
         rows.append(
             f"| {method} | {r['seconds']:.2f} | {', '.join(f'{s:.2f}' for s in r['all_seconds'])} | "
             f"{r['checkpoint_bytes'] / r['seconds'] / 1e9:.2f} | {r['cpu_seconds']:.2f} | "
+            f"{', '.join(f'{s:.2f}' for s in r['all_cpu_seconds'])} | {r['minor_faults']:,.0f} | "
             f"{r['peak_over_before'] / GIB:.2f} | {r['transient'] / GIB:.2f} | {ratio} |"
         )
     return "\n".join(rows)
 
 
 def kernel_bench(repeat: int = 7) -> str:
-    """One bf16 matrix copied transposed: plain, tiled (and its tile sizes), XLA's strided device_put."""
+    """One bf16 matrix copied transposed: plain, through XLA, tiled (and its tile sizes), device_put."""
     import jax
     import ml_dtypes
     import numpy as np
@@ -261,16 +278,19 @@ def kernel_bench(repeat: int = 7) -> str:
     lines = [f"{rows}×{cols} bf16 ({src.nbytes / 2**20:.0f} MiB), best of {repeat}, ms:",
              f"  contiguous np.copyto         {best(lambda: np.copyto(dst, src.reshape(cols, rows))):7.2f}",
              f"  transposed np.copyto         {best(lambda: np.copyto(dst, src.T)):7.2f}",
-             f"  transposed copy_into (tiled) {best(lambda: transpose.copy_into(dst, src.T)):7.2f}",
+             f"  transposed copy_into (XLA)   {best(lambda: transpose.copy_into(dst, src.T)):7.2f}",
              f"  jax.device_put(src.T)        {best(lambda: jax.device_put(src.T).block_until_ready()):7.2f}"]
     np.testing.assert_array_equal(dst.view(np.uint16), src.T.view(np.uint16))
     defaults = transpose.TILE_SOURCE_ROWS, transpose.TILE_SOURCE_BYTES
+    transpose.XLA_TRANSPOSE = False  # numpy's tiled copy from here on
+    lines.append(f"  transposed copy_into (tiled) {best(lambda: transpose.copy_into(dst, src.T)):7.2f}")
     for tile_rows in (8, 16, 32):
         for tile_bytes in (512, 2048, 8192):
             transpose.TILE_SOURCE_ROWS, transpose.TILE_SOURCE_BYTES = tile_rows, tile_bytes
             lines.append(f"  tiles of {tile_rows:2d} source rows × {tile_bytes:4d} B  "
                          f"{best(lambda: transpose.copy_into(dst, src.T)):7.2f}")
     transpose.TILE_SOURCE_ROWS, transpose.TILE_SOURCE_BYTES = defaults
+    transpose.XLA_TRANSPOSE = True
     return "\n".join(lines)
 
 
@@ -299,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     results = measure(methods, directory, args.devices, args.repeat)
     print(table(results))
+    print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ For one leaf:
    it — into reusable scratch, so replicated and column-split shards never read a byte twice;
 4. per device box, the pieces go forwards through the hooks (views where possible), are cropped,
    and one ``np.stack`` writes them, cast to the target dtype, into a fresh 64-byte-aligned buffer
-   — the only full copy of the data — which JAX's CPU backend adopts without copying.
+   (populated up front, :func:`~otfload.read.arena.aligned_empty`) — the only full copy of the
+   data — which JAX's CPU backend adopts without copying. Transposed pieces are copied by XLA's
+   host transpose (:mod:`otfload.place.transpose`); an unstacked one's copy is the shard itself;
+5. each leaf is placed with one call for all its device shards (:mod:`otfload.place.put`).
 
 Scratch is bounded: stack slices are processed in chunks whose source bytes fit each thread's share
 of ``budget`` (default: the largest leaf, so transient memory stays within one leaf), and a thread's
@@ -23,14 +26,14 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import defaultdict
 
 import jax
 import numpy as np
 
-from otfload.place.transpose import copy_into, transposed_axis
+from otfload.place.put import place_shards
+from otfload.place.transpose import copy_into, host_transposed, transposed_axis
 from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop, selection_union
-from otfload.plan.cost import bounding_box
+from otfload.plan.cost import bounding_box, leaf_sibling_selection
 from otfload.plan.hooks import chain_apply, chain_needed, chain_selection
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
@@ -83,7 +86,8 @@ def _chunks(combos: list[tuple[int, ...]], per_combo: int, limit: int | None) ->
 def build_boxes(
     plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None = None
 ) -> dict[Box, np.ndarray]:
-    """The values of ``plan``'s leaf inside each of ``boxes``, in fresh aligned target-dtype arrays."""
+    """The values of ``plan``'s leaf inside each of ``boxes``, in fresh aligned target-dtype arrays
+    (a transposed unstacked box: XLA's host copy, read-only; JAX adopts either without copying)."""
     budget = budget or ByteBudget(None)
     n_stack = len(plan.stack_axes)
     strides = [int(np.prod(plan.stack_shape[d + 1 :], dtype=np.int64)) for d in range(n_stack)]
@@ -91,9 +95,10 @@ def build_boxes(
     union = bounding_box(list(need.values()))
     # What the boxes really need inside ``union``: widening hooks (kv_b heads, strided slices) leave holes.
     selection = selection_union([chain_selection(plan.hooks, plan.shapes, box[n_stack:]) for box in boxes])
+    shared = leaf_sibling_selection(plan, boxes)  # ... and sibling leaves read there (the pages they count)
     combos_of = {box: list(itertools.product(*(range(a, b) for a, b in box[:n_stack]))) for box in boxes}
     all_combos = sorted(set().union(*combos_of.values()))
-    results = {box: aligned_empty(box_shape(box), plan.leaf.dtype) for box in boxes}
+    results: dict[Box, np.ndarray] = {}  # made at a box's first piece (see _stack_into)
     per_combo = box_nbytes(union, plan.sources[0].dtype.itemsize) if plan.sources else 0
     for chunk in _chunks(all_combos, per_combo, budget.share):
         held = per_combo * len(chunk)
@@ -102,10 +107,10 @@ def build_boxes(
         try:
             indices = {c: sum(k * s for k, s in zip(c, strides, strict=True)) for c in chunk}
             # One call for the chunk: a remote source has every tensor's requests in flight together.
-            read = reader.read_boxes([plan.sources[i] for i in indices.values()], union, arena, selection)
+            read = reader.read_boxes([plan.sources[i] for i in indices.values()], union, arena, selection, shared)
             parts = dict(zip(indices, read, strict=True))
             for box in boxes:
-                _stack_into(plan, box, need[box], union, combos_of[box], parts, results[box])
+                _stack_into(plan, box, need[box], union, combos_of[box], parts, results)
         finally:
             parts = {}  # drop the pieces (views of scratch and mapped pages) before releasing them
             try:
@@ -115,11 +120,19 @@ def build_boxes(
                 arena.reset()
                 arena.trim(budget.share)
                 budget.release(held)
-    return results
+    return {box: _result(plan, box, results) for box in boxes}
 
 
-def _stack_into(plan: LeafPlan, box: Box, need: Box, union: Box, combos, parts, result: np.ndarray) -> None:
-    """Write the pieces of ``box`` present in ``parts`` into their rows of ``result`` (one np.stack)."""
+def _result(plan: LeafPlan, box: Box, results: dict[Box, np.ndarray]) -> np.ndarray:
+    """``box``'s buffer in ``results``, made (fresh, aligned, target dtype) if it has none yet."""
+    if box not in results:
+        results[box] = aligned_empty(box_shape(box), plan.leaf.dtype)
+    return results[box]
+
+
+def _stack_into(plan: LeafPlan, box: Box, need: Box, union: Box, combos, parts, results: dict) -> None:
+    """Write the pieces of ``box`` present in ``parts`` into their rows of ``results[box]`` (one
+    np.stack). An unstacked transposed piece becomes XLA's transposed copy itself (no second copy)."""
     inner = box[len(plan.stack_axes) :]
     rows = [i for i, c in enumerate(combos) if c in parts]  # consecutive: chunks follow row-major order
     if not rows:
@@ -129,9 +142,13 @@ def _stack_into(plan: LeafPlan, box: Box, need: Box, union: Box, combos, parts, 
         out, have = chain_apply(plan.hooks, plan.shapes, crop(parts[combos[i]], union, need), need)
         pieces.append(crop(out, have, inner))
     if not plan.stack_axes:
-        copy_into(result, pieces[0])
+        adopted = host_transposed(pieces[0], plan.leaf.dtype)
+        if adopted is not None:
+            results[box] = adopted
+        else:
+            copy_into(_result(plan, box, results), pieces[0])
         return
-    flat = result.reshape((-1, *box_shape(inner)))
+    flat = _result(plan, box, results).reshape((-1, *box_shape(inner)))
     if transposed_axis(pieces[0]) is not None:  # a transposing hook: tile by tile, not one strided copy
         for row, piece in zip(rows, pieces, strict=True):
             copy_into(flat[row], piece)
@@ -144,16 +161,17 @@ def build_leaf(
 ) -> jax.Array:
     """The leaf as a ``jax.Array`` with its target sharding, built from the bytes local devices need."""
     leaf = plan.leaf
-    devices_by_box: dict[Box, list] = defaultdict(list)
-    for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
-        if index is not None:  # always, for addressable devices
-            devices_by_box[box_from_index(index, leaf.shape)].append(device)
-    built = build_boxes(plan, list(devices_by_box), reader, arena, budget)
-    arrays = []
-    for box, devices in devices_by_box.items():
-        for i, device in enumerate(devices):
-            arrays.append(jax.device_put(built[box] if i == 0 else _aligned_copy(built[box]), device))
-    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+    box_of = {  # every addressable device, in the sharding's order (place_shards wants it)
+        device: box_from_index(index, leaf.shape)
+        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()
+        if index is not None  # always, for addressable devices
+    }
+    built = build_boxes(plan, list(dict.fromkeys(box_of.values())), reader, arena, budget)
+    arrays, placed = [], set()
+    for box in box_of.values():  # a box's first device adopts its buffer, the others get copies
+        arrays.append(_aligned_copy(built[box]) if box in placed else built[box])
+        placed.add(box)
+    return place_shards(leaf.shape, leaf.dtype, leaf.sharding, arrays, list(box_of))
 
 
 def _aligned_copy(data: np.ndarray) -> np.ndarray:

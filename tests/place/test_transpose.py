@@ -98,3 +98,33 @@ def _get(tree, dotted_name):
     for part in dotted_name.split("."):
         tree = tree[part]
     return tree
+
+
+@pytest.mark.parametrize("xla", [True, False])
+@pytest.mark.parametrize("piece_bytes", [1 << 22, 1000])  # one piece, and many pieces of a few rows
+def test_xla_and_numpy_copies_agree(monkeypatch, xla, piece_bytes):
+    monkeypatch.setattr(transpose, "XLA_TRANSPOSE", xla)
+    monkeypatch.setattr(transpose, "XLA_PIECE_BYTES", piece_bytes)
+    src = _random((96, 40, 130), ml_dtypes.bfloat16)
+    view = src.transpose(2, 0, 1)[3:120]
+    dst = np.empty(view.shape, np.float32)
+    copy_into(dst, view)
+    np.testing.assert_array_equal(dst, np.ascontiguousarray(view).astype(np.float32))
+
+
+def test_dtypes_jax_would_change_stay_in_numpy():
+    src = _random((300, 517), np.float64)  # float64 without jax_enable_x64 would become float32
+    dst = np.empty((517, 300), np.float64)
+    copy_into(dst, src.T)
+    np.testing.assert_array_equal(dst, src.T)
+    assert transpose.host_transposed(src.T, np.dtype(np.float64)) is None
+
+
+def test_host_transposed_only_for_large_transposed_views_without_a_cast():
+    src = _random((300, 517), ml_dtypes.bfloat16)
+    out = transpose.host_transposed(src.T, src.dtype)
+    assert out is not None and out.flags.c_contiguous
+    np.testing.assert_array_equal(out.view(np.uint16), np.ascontiguousarray(src.T).view(np.uint16))
+    assert transpose.host_transposed(src.T, np.dtype(np.float32)) is None  # a cast: the builder's copy
+    assert transpose.host_transposed(src, src.dtype) is None  # not transposed
+    assert transpose.host_transposed(src[:10, :10].T, src.dtype) is None  # small: one np.copyto
