@@ -32,13 +32,21 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from otfload.errors import EvalDataError, TokenizerError
+from otfload.models.base import CausalLM
+from otfload.sources.base import Source
+
+if TYPE_CHECKING:  # tokenizers is imported when first used
+    from tokenizers import Tokenizer
+
+    from otfload.tokenizer import TokenizerSpec
 
 DEFAULT_BATCH_SIZE = 8  # rows per forward pass; a multiple of the usual data-parallel mesh sizes
 # Narrowest bucket: shorter batches are padded to this many slots (a shape of its own per power of
@@ -102,7 +110,7 @@ class EvalResult:
         return "\n".join(lines)
 
 
-def read_texts(path: str | os.PathLike, fmt: str = "auto", key: str = "text") -> list[str]:
+def read_texts(path: str | os.PathLike[str], fmt: str = "auto", key: str = "text") -> list[str]:
     """The texts of a data file (a local path or an fsspec URL).
 
     ``fmt="jsonl"``: one JSON object per line, the text under ``key`` (blank lines are ignored);
@@ -143,12 +151,13 @@ def _read_lines(name: str) -> list[str]:
         import fsspec
 
         with fsspec.open(name, "rt", encoding="utf-8", newline="") as f:
-            return f.read().splitlines(keepends=True)
+            text: str = f.read()
+            return text.splitlines(keepends=True)
     with open(Path(name).expanduser(), encoding="utf-8", newline="") as f:
         return list(f)
 
 
-def encode(tokenizer, texts: Sequence[str], max_len: int | None) -> tuple[list[np.ndarray], int]:
+def encode(tokenizer: Tokenizer, texts: Sequence[str], max_len: int | None) -> tuple[list[np.ndarray], int]:
     """Each text's ids (special tokens as the tokenizer's post-processor adds them), cut to their
     first ``max_len``; and how many texts were cut."""
     ids = [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch(list(texts))]
@@ -162,9 +171,11 @@ def bucket(length: int, max_len: int | None) -> int:
     return min(width, max_len) if max_len is not None else width
 
 
-def _nll_of_batch(model, ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _nll_of_batch(model: CausalLM, ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per row: summed NLL of each real id predicted from the real ids before it, and their count."""
-    logits = model(ids, attention_mask=mask)[:, :-1].astype(jnp.float32)
+    out = model(ids, attention_mask=mask)
+    assert not isinstance(out, tuple)  # without a cache the model returns the logits alone
+    logits = out[:, :-1].astype(jnp.float32)
     target = ids[:, 1:]
     picked = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
     nll = jax.nn.logsumexp(logits, axis=-1) - picked
@@ -176,8 +187,8 @@ _score = jax.jit(_nll_of_batch)
 
 
 def score(
-    model, sequences: Sequence[np.ndarray], *, batch_size: int = DEFAULT_BATCH_SIZE, max_len: int | None = None,
-    progress: bool | None = None,
+    model: CausalLM, sequences: Sequence[np.ndarray], *, batch_size: int = DEFAULT_BATCH_SIZE,
+    max_len: int | None = None, progress: bool | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Summed NLL (float64) and predicted-token count of each id sequence, scored independently,
     and the seconds spent compiling (once per batch width, ahead of running it).
@@ -242,13 +253,13 @@ def _pack(rows: list[np.ndarray], batch_size: int, width: int) -> tuple[np.ndarr
     return ids, mask
 
 
-def _batch_sharding(shape: tuple[int, ...], mesh):
+def _batch_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
     from otfload.plan.sharding import logical_to_sharding
 
     return logical_to_sharding(("batch", None), shape, mesh)
 
 
-def _check_vocab(model, sequences: Sequence[np.ndarray]) -> None:
+def _check_vocab(model: CausalLM, sequences: Sequence[np.ndarray]) -> None:
     """A tokenizer id beyond the embedding would be clamped silently by the lookup: refuse it."""
     embedding = getattr(getattr(model, "embed", None), "embedding", None)
     if embedding is None:
@@ -260,7 +271,7 @@ def _check_vocab(model, sequences: Sequence[np.ndarray]) -> None:
                              "(a tokenizer of another model?)")
 
 
-def model_config(model) -> dict:
+def model_config(model: CausalLM) -> dict[str, Any]:
     """The ``config.json`` a bundled model was built from (its ``text_config`` for multimodal
     checkpoints); empty for a model otfload did not build."""
     from otfload.models.origin import origin_of
@@ -272,13 +283,15 @@ def model_config(model) -> dict:
     return config
 
 
-def load_with_tokenizer(location, tokenizer=None, **load_options):
+def load_with_tokenizer(
+    location: str | os.PathLike[str] | Source, tokenizer: TokenizerSpec | None = None, **load_options: Any
+) -> tuple[CausalLM, Tokenizer, float]:
     """``(model, tokenizer, seconds)``: the checkpoint at ``location`` loaded with
     :func:`~otfload.api.from_pretrained` (``load_options`` are its keyword arguments, source options
     included) and its ``tokenizer.json`` read from the same source, before any weight (a missing
     tokenizer fails fast). ``tokenizer`` (a ``tokenizers.Tokenizer`` or another location) overrides it."""
     from otfload.api import from_pretrained
-    from otfload.sources import Source, open_source
+    from otfload.sources.owned import owned_source
     from otfload.tokenizer import as_tokenizer, tokenizer_from_source
 
     if load_options.pop("return_report", False):
@@ -286,25 +299,22 @@ def load_with_tokenizer(location, tokenizer=None, **load_options):
     own = set(inspect.signature(from_pretrained).parameters) - {"source", "source_options", "return_report"}
     source_options = {k: v for k, v in load_options.items() if k not in own}
     start = time.perf_counter()
-    source = open_source(location, **source_options)
-    try:
+    with owned_source(location, **source_options) as source:
         tok = tokenizer_from_source(source) if tokenizer is None else as_tokenizer(tokenizer, **source_options)
         model = from_pretrained(source, **{k: v for k, v in load_options.items() if k in own})
-    finally:
-        if not isinstance(location, Source):
-            source.close()
+    assert isinstance(model, CausalLM)  # from_pretrained builds a bundled family model
     return model, tok, time.perf_counter() - start
 
 
 def evaluate(
-    source_or_model,
+    source_or_model: CausalLM | str | os.PathLike[str] | Source,
     texts: Iterable[str],
     *,
-    tokenizer=None,
+    tokenizer: TokenizerSpec | None = None,
     max_len: int | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool | None = None,
-    **load_options,
+    **load_options: Any,
 ) -> EvalResult:
     """Score ``texts`` with a checkpoint (any location :func:`~otfload.api.from_pretrained` takes,
     loaded with ``load_options``: ``mesh``, ``dtype``, ``revision``, ...) or with a bundled model.

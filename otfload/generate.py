@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,9 @@ from otfload.models.attention import CACHE_AXES
 from otfload.models.base import CausalLM
 from otfload.models.origin import origin_of
 from otfload.plan.sharding import logical_to_sharding
+
+# A model's KV cache (``CausalLM.init_cache``): ``{"index", "mask", "layers": {group: {"k", "v"}}}``.
+KVCache = dict[str, Any]
 
 
 def generate(
@@ -81,15 +85,29 @@ def generate(
 
 
 @functools.partial(jax.jit, static_argnames=("eos", "pad", "mesh"), donate_argnames=("cache",))
-def _step(model, tokens, step_mask, step_positions, cache, unfinished, *, eos: tuple[int, ...], pad: int | None,
-          mesh: Mesh | None):
+def _step(
+    model: CausalLM,
+    tokens: jax.Array | np.ndarray,
+    step_mask: np.ndarray,
+    step_positions: np.ndarray,
+    cache: KVCache,
+    unfinished: jax.Array,
+    *,
+    eos: tuple[int, ...],
+    pad: int | None,
+    mesh: Mesh | None,
+) -> tuple[jax.Array, KVCache, jax.Array]:
     """One decoding step (prefill or decode: two shapes, two compilations): the next token of every
     row and the updated cache. Compiled once per model structure, special tokens and mesh."""
-    logits, cache = model.run(tokens, step_mask, step_positions, cache, last_only=True)
+    logits, updated = model.run(tokens, step_mask, step_positions, cache, last_only=True)
+    assert updated is not None  # run returns the cache it was given, updated
+    cache = updated
     if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+        # jax leaves with_sharding_constraint unannotated (pytree in, same pytree out).
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))  # type: ignore[no-untyped-call]
     nxt = jnp.argmax(logits[:, -1].astype(jnp.float32), axis=-1).astype(jnp.int32)
     if eos:
+        assert pad is not None  # special_tokens falls back to the first EOS id
         nxt = jnp.where(unfinished, nxt, pad)
         unfinished = unfinished & ~jnp.isin(nxt, jnp.asarray(eos, jnp.int32))
     return nxt, cache, unfinished
@@ -123,11 +141,13 @@ def model_mesh(model: nnx.Module) -> Mesh | None:
     return None
 
 
-def cache_shardings(cache: dict, mesh: Mesh) -> dict:
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """Each cache leaf's ``NamedSharding``: batch on the batch axes, kv heads on ``tp`` (by the
     default logical-axis rules; a dimension the mesh does not divide stays replicated)."""
-    def sharding(path, leaf):
-        name = getattr(path[-1], "key", None)
-        return logical_to_sharding(CACHE_AXES[name], leaf.shape, mesh)
+    def sharding(path: tuple[Any, ...], leaf: jax.Array) -> NamedSharding:
+        key = path[-1]
+        assert isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, str)  # nested dicts of arrays
+        return logical_to_sharding(CACHE_AXES[key.key], leaf.shape, mesh)
 
-    return jax.tree_util.tree_map_with_path(sharding, cache)
+    shardings: KVCache = jax.tree_util.tree_map_with_path(sharding, cache)
+    return shardings

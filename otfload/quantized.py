@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import EllipsisType
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,8 @@ FLOAT32_MANTISSA_BITS = 23
 # E8M0 byte 0 is 2**-127, a float32 subnormal: only the top mantissa bit set.
 E8M0_ZERO_BITS = 1 << (FLOAT32_MANTISSA_BITS - 1)
 ROLES = ("codes", "scale", "zero_point", "global_scale")
+# What ``QuantizedArray.__getitem__`` accepts for one leading axis (or a tuple of them).
+AxisIndex = int | slice | jax.Array | np.ndarray | EllipsisType | None
 
 
 @dataclass(frozen=True)
@@ -91,15 +94,16 @@ class QuantizedArray:
     def materialize(self) -> jax.Array:
         return dequantize(self)
 
-    def __getitem__(self, index) -> QuantizedArray:
+    def __getitem__(self, key: AxisIndex | tuple[AxisIndex, ...]) -> QuantizedArray:
         """Index the leading (layer / expert) axes only: ``w[i]`` is layer ``i``'s weight."""
-        index = index if isinstance(index, tuple) else (index,)
+        index = key if isinstance(key, tuple) else (key,)
         lead = self.codes.ndim - len(self.shape_tail)
         if len(index) == 1 and index[0] is Ellipsis:
             return self
         if len([i for i in index if i is not None]) > lead or any(i is Ellipsis or i is None for i in index):
             raise IndexError(f"a QuantizedArray indexes only its {lead} leading axes, got {index}")
-        return jax.tree.map(lambda a: a[index], self)
+        sliced: QuantizedArray = jax.tree.map(lambda a: a[index], self)
+        return sliced
 
 
 def _part_layout(q: QuantizedArray, role: str) -> PartLayout:
@@ -112,13 +116,15 @@ def _unpack(words: jax.Array, layout: PartLayout) -> jax.Array:
     per = width // layout.bits
     unsigned = jnp.dtype(f"uint{width}")
     bits = jax.lax.bitcast_convert_type(words, unsigned) if words.dtype != unsigned else words
+    assert layout.pack_axis is not None  # only packed parts are unpacked
     axis = words.ndim + layout.pack_axis
     shifts = (jnp.arange(per, dtype=unsigned) * layout.bits).reshape((per,) + (1,) * (words.ndim - axis - 1))
     fields = (jnp.expand_dims(bits, axis + 1) >> shifts) & jnp.asarray((1 << layout.bits) - 1, unsigned)
     fields = fields.reshape((*words.shape[:axis], words.shape[axis] * per, *words.shape[axis + 1 :]))
     if layout.codec == "e2m1":
         return jnp.asarray(E2M1_VALUES)[fields.astype(jnp.int32)]
-    return fields.astype(jnp.float32) - jnp.float32(1 << (layout.bits - 1))
+    offset: jax.Array = jnp.float32(1 << (layout.bits - 1))
+    return fields.astype(jnp.float32) - offset
 
 
 def _e8m0(scales: jax.Array) -> jax.Array:

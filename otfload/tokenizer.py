@@ -13,32 +13,35 @@ text becomes exactly the ids its normalizer, pre-tokenizer, model and post-proce
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from otfload.errors import TokenizerError, TokenizerNotFoundError
-from otfload.sources import Source, open_source, read_bytes
+from otfload.sources import Source, read_bytes
+from otfload.sources.owned import owned_source
+
+if TYPE_CHECKING:  # tokenizers is imported when first used: it is not needed to load weights
+    from tokenizers import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 # Largest tokenizer.json accepted: published ones are 2-35 MB (Gemma 3's 262k-token vocabulary is
 # the largest); a much larger file is not a tokenizer, and must not be read into memory unbounded.
 MAX_TOKENIZER_BYTES = 1 << 30
+# What a ``tokenizer=`` argument may be: a tokenizer, or a location holding its ``tokenizer.json``.
+TokenizerSpec: TypeAlias = "Tokenizer | str | os.PathLike[str] | Source"
 
 
-def load_tokenizer(location: str | os.PathLike | Source, **source_options):
+def load_tokenizer(location: str | os.PathLike[str] | Source, **source_options: Any) -> Tokenizer:
     """The ``tokenizers.Tokenizer`` of the checkpoint at ``location`` (a :class:`Source` or anything
     :func:`~otfload.sources.open_source` opens, with its ``source_options``).
 
     Raises :class:`TokenizerNotFoundError` when the source has no ``tokenizer.json`` and
     :class:`TokenizerError` when the file is not one the ``tokenizers`` library can load.
     """
-    source = open_source(location, **source_options)
-    try:
+    with owned_source(location, **source_options) as source:
         return tokenizer_from_source(source)
-    finally:
-        if source is not location:
-            source.close()
 
 
-def tokenizer_from_source(source: Source):
+def tokenizer_from_source(source: Source) -> Tokenizer:
     """The tokenizer in ``tokenizer.json`` of an open ``source`` (left open)."""
     from tokenizers import Tokenizer
 
@@ -61,7 +64,7 @@ def tokenizer_from_source(source: Source):
     return tokenizer
 
 
-def as_tokenizer(tokenizer, **source_options):
+def as_tokenizer(tokenizer: TokenizerSpec, **source_options: Any) -> Tokenizer:
     """``tokenizer`` itself when it is a ``tokenizers.Tokenizer``, else the one at that location."""
     from tokenizers import Tokenizer
 

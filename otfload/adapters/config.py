@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any, TypeGuard, TypeVar
 
 from otfload.errors import AdapterError
 
@@ -39,21 +40,27 @@ UNSUPPORTED_FLAGS = {
 # ``init_lora_weights`` values that are LoRA variants (a different forward), not initialisations.
 VARIANT_INITS = frozenset({"mica"})
 
+T = TypeVar("T")
+
 
 def _fail(where: str, field_name: str, message: str) -> AdapterError:
     return AdapterError(f"adapter {where}: {CONFIG_FILE} field {field_name!r}: {message}")
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: object) -> bool:
+def _is_positive_int(x: object) -> TypeGuard[int]:
+    return _is_int(x) and x > 0
+
+
+def _is_number(x: object) -> TypeGuard[float]:
     return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
 
 @lru_cache(maxsize=256)
-def _pattern(key: str) -> re.Pattern:
+def _pattern(key: str) -> re.Pattern[str]:
     # PEFT's ``get_pattern_key``: the key, as a regex, must match a dotted suffix of the module name.
     return re.compile(rf"(.*\.)?({key})$")
 
@@ -94,7 +101,7 @@ class AdapterConfig:
         return any(key == t or key.endswith(f".{t}") for t in self.target_parameters)
 
 
-def _str_list(raw: Mapping, name: str, where: str) -> tuple[str, ...]:
+def _str_list(raw: Mapping[str, Any], name: str, where: str) -> tuple[str, ...]:
     value = raw.get(name)
     if value is None:
         return ()
@@ -105,7 +112,9 @@ def _str_list(raw: Mapping, name: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _patterns(raw: Mapping, name: str, where: str, check, rule: str) -> dict:
+def _patterns(
+    raw: Mapping[str, Any], name: str, where: str, check: Callable[[object], TypeGuard[T]], rule: str
+) -> dict[str, T]:
     value = raw.get(name)
     if value is None:
         return {}
@@ -121,7 +130,7 @@ def _patterns(raw: Mapping, name: str, where: str, check, rule: str) -> dict:
     return dict(value)
 
 
-def _optional_str(raw: Mapping, name: str, where: str) -> str | None:
+def _optional_str(raw: Mapping[str, Any], name: str, where: str) -> str | None:
     value = raw.get(name)
     if value is not None and not isinstance(value, str):
         raise _fail(where, name, f"{value!r} is not a string or null")
@@ -145,7 +154,7 @@ def parse_adapter_config(raw: object, where: str) -> AdapterConfig:
     if isinstance(init, str) and init in VARIANT_INITS:
         raise _fail(where, "init_lora_weights", f"{init!r} is a LoRA variant, not supported")
     r = raw.get("r")
-    if not _is_int(r) or r <= 0:
+    if not _is_positive_int(r):
         raise _fail(where, "r", f"{r!r} is not a positive integer")
     alpha = raw.get("lora_alpha", 8)  # PEFT's default
     if not _is_number(alpha):
@@ -163,7 +172,7 @@ def parse_adapter_config(raw: object, where: str) -> AdapterConfig:
         r=r,
         lora_alpha=alpha,
         use_rslora=use_rslora,
-        rank_pattern=_patterns(raw, "rank_pattern", where, lambda v: _is_int(v) and v > 0, "a positive integer"),
+        rank_pattern=_patterns(raw, "rank_pattern", where, _is_positive_int, "a positive integer"),
         alpha_pattern=_patterns(raw, "alpha_pattern", where, _is_number, "a finite number"),
         target_parameters=_str_list(raw, "target_parameters", where),
         modules_to_save=_str_list(raw, "modules_to_save", where),

@@ -29,8 +29,8 @@ from otfload.adapters.config import CONFIG_FILE, WEIGHTS_FILE, AdapterConfig
 from otfload.adapters.kept import kept_record
 from otfload.adapters.merge import PEFT_PREFIX
 from otfload.adapters.weight import LoraWeight
+from otfload.atomic import atomic_dir
 from otfload.errors import AdapterError
-from otfload.export.writer import atomic_dir
 from otfload.index.dtypes import to_numpy_dtype
 from otfload.plan.abstract import dotted
 
@@ -101,7 +101,7 @@ def adapter_tensors(model: nnx.Module, dtype: Any = None) -> tuple[dict[str, np.
     return tensors, modules
 
 
-def export_adapter(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: Any = None,
+def export_adapter(model: nnx.Module, out_dir: str | os.PathLike[str], *, dtype: Any = None,
                    overwrite: bool = False) -> Path:
     """Write the kept LoRA adapter of ``model`` (loaded with ``merge_adapter=False``, maybe trained
     since) to ``out_dir`` as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``)

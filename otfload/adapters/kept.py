@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +50,11 @@ from otfload.adapters.tensor import AdaptedTensor, LoraTerm
 from otfload.adapters.weight import KernelLayout, LoraWeight
 from otfload.errors import AdapterError
 from otfload.index.checkpoint import CheckpointIndex, read_json, read_values
+from otfload.index.derived import DerivedTensor
 from otfload.index.header import TensorInfo
 from otfload.models.origin import origin_of
 from otfload.plan.abstract import dotted
-from otfload.plan.hooks import Reshape, Scale, Slice, Transpose
+from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
 from otfload.plan.planner import LeafPlan, LoadPlan
 from otfload.sources import Source
 from otfload.sources.owned import owned
@@ -61,6 +62,8 @@ from otfload.sources.owned import owned
 FACTOR_DTYPE = np.dtype(np.float32)  # trainable factors are kept in float32 whatever the base dtype
 LAYOUT_HOOKS = (Reshape, Transpose, Slice)  # hooks that move elements only (traced on index views)
 LORA_A_SUFFIX = ".lora_A.weight"
+# A kept leaf's placed factors: ``(a, b, scale)``.
+Factors = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def _in_layer_loop(path: str) -> bool:
@@ -89,7 +92,7 @@ class KeptLeaf:
     a_index: np.ndarray  # [*in_dims] columns of A
     hook_scale: float  # product of the leaf's Scale hooks (they scale the delta as they scale the base)
     stack_shape: tuple[int, ...]
-    sharding: Any
+    sharding: NamedSharding
     terms: tuple[SliceTerm | None, ...]
 
     @property
@@ -97,7 +100,7 @@ class KeptLeaf:
         return max(t.rank for t in self.terms if t is not None)
 
 
-def trace_layout(hooks: Sequence, shapes: Sequence[tuple[int, ...]], where: str
+def trace_layout(hooks: Sequence[Hook], shapes: Sequence[tuple[int, ...]], where: str
                  ) -> tuple[KernelLayout, np.ndarray, np.ndarray, float]:
     """``(layout, b_index, a_index, hook_scale)`` of a leaf built from 2-D ``[out, in]`` tensors
     through ``hooks`` (see the module docstring)."""
@@ -161,24 +164,28 @@ def keep_leaf(plan: LeafPlan) -> tuple[LeafPlan, KeptLeaf | None]:
         name = next(s.name for s in plan.sources if isinstance(s, AdaptedTensor))
         raise AdapterError(f"leaf {plan.path!r}: the adapter has a LoRA on {name!r}, a weight used outside the "
                            "layer loop (embedding, lm_head); it cannot be kept separate (merge the adapter)")
-    terms = tuple(_slice_term(s, plan.path) if a else None for s, a in zip(plan.sources, adapted, strict=True))
+    terms = tuple(_slice_term(s, plan.path) if isinstance(s, AdaptedTensor) else None for s in plan.sources)
     layout, b_index, a_index, hook_scale = trace_layout(plan.hooks, plan.shapes, f"leaf {plan.path!r}")
+    sharding = plan.leaf.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise AdapterError(f"leaf {plan.path!r}: its sharding {type(sharding).__name__} is not a NamedSharding; "
+                           "kept LoRA factors are placed on the base leaf's mesh")
     bases = tuple(s.base if isinstance(s, AdaptedTensor) else s for s in plan.sources)
-    kept = KeptLeaf(plan.path, layout, b_index, a_index, hook_scale, tuple(plan.stack_shape), plan.leaf.sharding,
-                    terms)
+    kept = KeptLeaf(plan.path, layout, b_index, a_index, hook_scale, tuple(plan.stack_shape), sharding, terms)
     return dataclasses.replace(plan, sources=bases), kept
 
 
 def keep_plan(plan: LoadPlan) -> tuple[LoadPlan, dict[str, KeptLeaf]]:
     """``plan`` reading every base tensor unmerged, and the kept factors of each adapted leaf."""
-    leaves, kept = {}, {}
+    leaves: dict[str, LeafPlan] = {}
+    kept: dict[str, KeptLeaf] = {}
     for path, leaf in plan.leaves.items():
         leaves[path], factors = keep_leaf(leaf)
         if factors is not None:
             kept[path] = factors
     used: dict[str, str] = {}
-    for path, leaf in kept.items():
-        for term in leaf.terms:
+    for path, kept_leaf in kept.items():
+        for term in kept_leaf.terms:
             if term is not None and used.setdefault(term.a.name, path) != path:
                 raise AdapterError(f"module {term.module!r} feeds leaves {used[term.a.name]!r} and {path!r}; its "
                                    "kept factors would be duplicated (merge the adapter instead)")
@@ -195,28 +202,29 @@ def require_merged(merge_adapter: bool) -> None:
 def _specs(leaf: KeptLeaf) -> tuple[PartitionSpec, PartitionSpec]:
     """Shardings of ``a`` and ``b``: the base's stack dims, then its input (output) dims; rank replicated."""
     stack = len(leaf.stack_shape)
-    spec = tuple(getattr(leaf.sharding, "spec", ()))
+    spec = tuple(leaf.sharding.spec)
     spec = spec + (None,) * (stack + leaf.layout.ndim - len(spec))
-    a = PartitionSpec(*spec[:stack], None, *(spec[stack + d] for d in leaf.layout.in_dims))
-    b = PartitionSpec(*spec[:stack], *(spec[stack + d] for d in leaf.layout.out_dims), None)
+    # jax leaves PartitionSpec.__init__ unannotated.
+    a = PartitionSpec(*spec[:stack], None, *(spec[stack + d] for d in leaf.layout.in_dims))  # type: ignore[no-untyped-call]
+    b = PartitionSpec(*spec[:stack], *(spec[stack + d] for d in leaf.layout.out_dims), None)  # type: ignore[no-untyped-call]
     return a, b
 
 
-def _place(host: np.ndarray, sharding: Any) -> jax.Array:
+def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def place_factors(kept: Mapping[str, KeptLeaf], source: Source) -> tuple[dict[str, tuple], int]:
+def place_factors(kept: Mapping[str, KeptLeaf], source: Source) -> tuple[dict[str, Factors], int]:
     """``({path: (a, b, scale)}, bytes read)``: every factor read whole, gathered into the kernel
     layout, stacked and placed with the base leaf's sharding."""
-    infos = {}
+    infos: dict[tuple[str, str], TensorInfo] = {}
     for leaf in kept.values():
         for term in leaf.terms:
             if term is not None:
                 infos.setdefault((term.a.file, term.a.name), term.a)
                 infos.setdefault((term.b.file, term.b.name), term.b)
     values = dict(zip(infos, read_values(source, list(infos.values())), strict=True))
-    placed = {}
+    placed: dict[str, Factors] = {}
     for path, leaf in kept.items():
         r = leaf.rank
         a = np.zeros((*leaf.stack_shape, r, *leaf.a_index.shape), FACTOR_DTYPE)
@@ -234,7 +242,7 @@ def place_factors(kept: Mapping[str, KeptLeaf], source: Source) -> tuple[dict[st
         mesh = leaf.sharding.mesh
         a_spec, b_spec = _specs(leaf)
         placed[path] = (_place(a, NamedSharding(mesh, a_spec)), _place(b, NamedSharding(mesh, b_spec)),
-                        _place(scale, NamedSharding(mesh, PartitionSpec())))
+                        _place(scale, NamedSharding(mesh, PartitionSpec())))  # type: ignore[no-untyped-call]  # as in _specs
     return placed, sum(info.nbytes for info in infos.values())
 
 
@@ -264,14 +272,14 @@ def kept_record(model: Any) -> KeptRecord:
     return record
 
 
-def _values(model: nnx.Module, paths: set[str], replace) -> None:
+def _values(model: nnx.Module, paths: set[str], replace: Callable[[str, Any], Any]) -> None:
     state = nnx.state(model, nnx.Param)
     flat = [(path, var.replace(replace(dotted(path), var.get_value())) if dotted(path) in paths else var)
             for path, var in nnx.to_flat_state(state)]
     nnx.update(model, nnx.from_flat_state(flat))
 
 
-def _install(model: nnx.Module, record: KeptRecord, placed: Mapping[str, tuple]) -> None:
+def _install(model: nnx.Module, record: KeptRecord, placed: Mapping[str, Factors]) -> None:
     """Put the factors in ``placed`` on the model's leaves; leaves adapted before and not now get
     their base back."""
     def value(path: str, current: Any) -> Any:
@@ -284,10 +292,10 @@ def _install(model: nnx.Module, record: KeptRecord, placed: Mapping[str, tuple])
     _values(model, set(record.leaves) | set(placed), value)
 
 
-def wrap_arrays(arrays: dict[str, jax.Array], kept: Mapping[str, KeptLeaf], placed: Mapping[str, tuple]
+def wrap_arrays(arrays: dict[str, jax.Array], kept: Mapping[str, KeptLeaf], placed: Mapping[str, Factors]
                 ) -> dict[str, Any]:
     """The loaded leaf arrays with each kept leaf's base wrapped into its :class:`LoraWeight`."""
-    out = dict(arrays)
+    out: dict[str, Any] = dict(arrays)
     for path, (a, b, scale) in placed.items():
         out[path] = LoraWeight(arrays[path], a, b, scale, kept[path].layout)
     return out
@@ -300,7 +308,7 @@ class KeptLoad:
 
     plan: LoadPlan
     leaves: dict[str, KeptLeaf]
-    placed: dict[str, tuple]
+    placed: dict[str, Factors]
     adapter: AdapterConfig | None
     bytes_read: int
 
@@ -309,7 +317,9 @@ class KeptLoad:
         :func:`load_adapter` and :func:`~otfload.adapters.export.export_adapter` and counts the factor
         bytes in ``report``."""
         origin = origin_of(model)
-        tensors = {info.name: info for leaf in self.plan.leaves.values() for info in leaf.sources}
+        tensors: dict[str, TensorInfo | DerivedTensor] = {
+            info.name: info for leaf in self.plan.leaves.values() for info in leaf.sources
+        }
         index = CheckpointIndex(source=None, config=dict(origin.config if origin else {}), tensors=tensors,
                                 headers={})
         _RECORDS[model] = KeptRecord(self.plan, index, self.adapter, self.leaves)
@@ -340,7 +350,9 @@ def prepare_kept(plan: LoadPlan, source: Source, given: object) -> KeptLoad:
     return KeptLoad(base_plan, kept, placed, adapter, nbytes)
 
 
-def load_adapter(model: nnx.Module, adapter: str | os.PathLike | Source | None, **source_options) -> nnx.Module:
+def load_adapter(
+    model: nnx.Module, adapter: str | os.PathLike[str] | Source | None, **source_options: Any
+) -> nnx.Module:
     """Replace the kept LoRA adapter of ``model`` (loaded with ``merge_adapter=False``) by ``adapter``
     (any location ``from_pretrained`` takes one from), or remove it (``None``); the base weights stay
     on the devices untouched. Returns ``model``, changed in place. ``source_options`` (``revision=``,
@@ -352,8 +364,7 @@ def load_adapter(model: nnx.Module, adapter: str | os.PathLike | Source | None, 
         _install(model, record, {})
         record.adapter, record.leaves = None, {}
         return model
-    src = open_adapter_source(adapter, **source_options)
-    try:
+    with owned(open_adapter_source(adapter, **source_options), adapter) as src:  # closed unless the caller's
         opened: Adapter = read_adapter(src, 0)
         check_architecture(opened.config, record.index.config)
         merged = merge_adapters(record.index, [opened])
@@ -366,9 +377,6 @@ def load_adapter(model: nnx.Module, adapter: str | os.PathLike | Source | None, 
         check_adapted_are_mapped(plan, merged)
         _, kept = keep_plan(plan)
         placed, _ = place_factors(kept, CombinedSource(src, [src]))
-    finally:
-        if not isinstance(adapter, Source):
-            src.close()
     old = record.leaves
     record.leaves = {**old, **kept}  # old leaves stay known until their bases are restored
     _install(model, record, placed)

@@ -17,8 +17,9 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from otfload.adapters.config import CONFIG_FILE, WEIGHTS_FILE, AdapterConfig, parse_adapter_config
 from otfload.adapters.merge import Adapter, merge_adapters, strip_prefix
@@ -29,8 +30,9 @@ from otfload.index.checkpoint import CheckpointIndex, open_index, read_json
 from otfload.index.header import read_header
 from otfload.sources import Source, open_source
 from otfload.sources.formats import check_safe_format
+from otfload.sources.owned import is_owned
 
-AdapterSpec = str | os.PathLike | Source
+AdapterSpec = str | os.PathLike[str] | Source
 # "org/name@revision": a Hub adapter at a revision (branch, tag or commit).
 HUB_AT_REVISION = re.compile(r"^([\w.-]+/[\w.-]+)@([\w./-]+)$")
 # A local base_model_name_or_path's config.json is read for its model_type; anything larger is not one.
@@ -48,7 +50,7 @@ def adapter_specs(adapter: AdapterSpec | Sequence[AdapterSpec] | None) -> list[A
     raise TypeError(f"adapter= must be a location, a Source or a list of them, not {adapter!r}")
 
 
-def open_adapter_source(spec: AdapterSpec, **options) -> Source:
+def open_adapter_source(spec: AdapterSpec, **options: Any) -> Source:
     """Open one adapter location; ``revision`` in ``options`` is the base's and is not passed on."""
     options = {k: v for k, v in options.items() if k != "revision"}
     if isinstance(spec, Source):
@@ -103,7 +105,7 @@ def _local_model_type(path: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def check_architecture(config: AdapterConfig, base_config: dict) -> None:
+def check_architecture(config: AdapterConfig, base_config: Mapping[str, Any]) -> None:
     """Raise if the adapter says it was made for another architecture than the base's."""
     architectures = base_config.get("architectures")
     cls = config.base_model_class
@@ -119,21 +121,23 @@ def check_architecture(config: AdapterConfig, base_config: dict) -> None:
 
 
 def open_adapted(
-    source: str | os.PathLike | Source,
+    source: str | os.PathLike[str] | Source,
     adapter: AdapterSpec | Sequence[AdapterSpec] | None,
     open_base: Callable[..., Source],
     *,
     merge_adapter: bool = True,
     require_config: bool = True,
-    **options,
+    **options: Any,
 ) -> tuple[Source, CheckpointIndex, bool]:
     """``(source, index, owned)``: the base checkpoint's source and index with ``adapter`` merged in
     (with ``merge_adapter=False`` too: :mod:`otfload.adapters.kept` takes the terms back out of the plan).
 
     ``open_base(location, **options)`` opens a base checkpoint (the API's source and cache options).
     With adapters the source is a :class:`CombinedSource` (``owned``: the caller closes it; it closes
-    only what was opened here). Without any, it is the base's own source, ``owned`` unless the caller
-    passed a :class:`Source`.
+    only what was opened here). Without any, it is the base's source, ``owned`` unless it *is* the
+    :class:`Source` the caller passed (a shard cache ``open_base`` put around that one is owned).
+    Ownership follows :func:`otfload.sources.owned.is_owned`; on an error everything opened here is
+    closed again.
     """
     specs = adapter_specs(adapter)
     if not merge_adapter and len(specs) > 1:
@@ -142,31 +146,37 @@ def open_adapted(
     opened: list[Source] = []
     try:
         src = open_base(source, **options)
-        if not isinstance(source, Source):
+        if is_owned(src, source):  # opened here, or a cache around the caller's source
             opened.append(src)
-        first = None
+        first: tuple[Source, Adapter] | None = None  # the source itself is an adapter (and names its base)
         if not specs and is_adapter_source(src):
-            first = read_adapter(src, 0)
-            base = first.config.base_model_name_or_path
+            first = (src, read_adapter(src, 0))
+            config = first[1].config
+            base = config.base_model_name_or_path
             if base is None:
-                raise AdapterError(f"adapter {first.where}: field base_model_name_or_path is not set: pass the base "
-                                   "checkpoint as the source and this adapter as adapter=")
+                raise AdapterError(f"adapter {config.where}: field base_model_name_or_path is not set: pass the "
+                                   "base checkpoint as the source and this adapter as adapter=")
             specs = [src]
             base_options = {k: v for k, v in options.items() if k != "revision"}
-            if first.config.revision:
-                base_options["revision"] = first.config.revision
+            if config.revision:
+                base_options["revision"] = config.revision
             src = open_base(base, **base_options)
             opened.append(src)
         index = open_index(src, require_config=require_config)
         if not specs:
-            return src, index, not isinstance(source, Source)
-        sources, adapters = [], []
+            return src, index, is_owned(src, source)
+        sources: list[Source] = []
+        adapters: list[Adapter] = []
         for i, spec in enumerate(specs):
-            adapter_src = spec if first is not None and i == 0 else open_adapter_source(spec, **options)
-            if adapter_src is not spec:
+            if first is not None and i == 0:  # read above, through a source already in ``opened`` if owned
+                sources.append(first[0])
+                adapters.append(first[1])
+                continue
+            adapter_src = open_adapter_source(spec, **options)
+            if is_owned(adapter_src, spec):
                 opened.append(adapter_src)
             sources.append(adapter_src)
-            adapters.append(first if first is not None and i == 0 else read_adapter(adapter_src, i))
+            adapters.append(read_adapter(adapter_src, i))
         for one in adapters:
             check_architecture(one.config, index.config)
         merged = merge_adapters(index, adapters)

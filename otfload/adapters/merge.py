@@ -112,7 +112,8 @@ class _Merger:
     def __init__(self, index: CheckpointIndex):
         self.tensors: dict[str, TensorInfo | DerivedTensor] = dict(index.tensors)
         self.config = dict(index.config)
-        self.layout = LAYOUTS.get(self.config.get("model_type"), ExpertLayout())
+        model_type = self.config.get("model_type")
+        self.layout = LAYOUTS.get(model_type, ExpertLayout()) if isinstance(model_type, str) else ExpertLayout()
         self.children: dict[str, set[str]] = defaultdict(set)
         for key in self.tensors:
             parent, _, name = key.rpartition(".")
@@ -162,7 +163,7 @@ class _Merger:
 
     def expert_keys(self, container: str, part: str) -> list[str]:
         """``container.{e}.part.weight`` for e = 0, 1, ... while the checkpoint has them."""
-        keys = []
+        keys: list[str] = []
         while f"{container}.{len(keys)}.{part}.weight" in self.tensors:
             keys.append(f"{container}.{len(keys)}.{part}.weight")
         return keys

@@ -162,7 +162,8 @@ class AdaptedTensor:
             base = self.base.decode({k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}, box)
         else:
             base = arrays[BASE]
-        return np.add(values, base, out=values)
+        np.add(values, base, out=values)
+        return values
 
 
 __all__ = ["AdaptedTensor", "LoraTerm"]

@@ -61,7 +61,7 @@ class LoraWeight:
         return tuple(self.base.shape)
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype[Any]:
         return self.base.dtype
 
     @property

@@ -107,7 +107,7 @@ class Float:
         return f"a finite number in {'(' if self.exclusive_min else '['}{self.min:g}, {self.max:g}]"
 
     def check(self, field: str, value: object) -> float:
-        if type(value) not in (int, float):
+        if not (type(value) is int or type(value) is float):
             raise _wrong(self, field, value, f", not {_type_name(value)}")
         # Compare before converting: float() of a 400-digit integer overflows.
         if isinstance(value, float) and not math.isfinite(value):
@@ -171,7 +171,7 @@ class List:
     def describe(self) -> str:
         return f"a list of at most {self.max_len} items, each {self.item.describe()}"
 
-    def check(self, field: str, value: object) -> tuple:
+    def check(self, field: str, value: object) -> tuple[Any, ...]:
         if not isinstance(value, list) or len(value) > self.max_len:
             raise _wrong(self, field, value)
         return tuple(self.item.check(f"{field}[{i}]", v) for i, v in enumerate(value))
@@ -184,7 +184,7 @@ class Object:
     def describe(self) -> str:
         return "a JSON object"
 
-    def check(self, field: str, value: object) -> Mapping:
+    def check(self, field: str, value: object) -> Mapping[str, Any]:
         if not isinstance(value, Mapping):
             raise _wrong(self, field, value, f", not {_type_name(value)}")
         return value
@@ -221,8 +221,7 @@ class Fields:
     """
 
     def __init__(self, data: object, path: str = ""):
-        OBJECT.check(path or "config", data)
-        self.data: Mapping = data  # type: ignore[assignment]
+        self.data: Mapping[str, Any] = OBJECT.check(path or "config", data)
         self.path = path
 
     def name(self, key: str) -> str:

@@ -7,6 +7,8 @@ is a :class:`~otfload.errors.ConfigError` instead of silently plain RoPE.
 
 from __future__ import annotations
 
+from typing import Any
+
 from otfload.config.fields import BOOL, MAX_ROPE_THETA, POSITIVE, WINDOW, Choice, Fields, Float, Spec, require
 
 DEFAULT = "default"
@@ -39,7 +41,7 @@ def rope_kind(f: Fields) -> str:
     The kind is found as the models find it: ``rope_type``, else ``type``, else default (``null`` is
     default too)."""
     key = "rope_type" if "rope_type" in f.data else "type"
-    kind = f.get(key, KIND, DEFAULT)
+    kind: str = f.get(key, KIND, DEFAULT)
     required, optional = ROPE_KINDS[kind]
     for name, spec in required.items():
         f.get(name, spec)
@@ -53,7 +55,7 @@ def rope_kind(f: Fields) -> str:
     return kind
 
 
-def rope_params(f: Fields) -> tuple[float, dict | None]:
+def rope_params(f: Fields) -> tuple[float, dict[str, Any] | None]:
     """``(theta, scaling)`` from ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``;
     ``scaling`` is None for plain RoPE."""
     params = f.object("rope_parameters")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from otfload.errors import ConfigError
 from otfload.plan.mapping import MappingTable
@@ -20,6 +21,17 @@ from otfload.plan.mapping import MappingTable
 # enough that int() never meets Python's digit limit on a hostile name.
 _INDEX = r"(0|[1-9][0-9]{0,17})"
 _PLACEHOLDER = re.compile(r"\\\{(\w+)\\\}")
+
+
+@runtime_checkable
+class Shaped(Protocol):
+    """What a size check reads of a checkpoint tensor (a header's ``TensorInfo``, a derived tensor)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,7 @@ class Dim:
 TensorCheck = Count | Dim
 
 
-def _index_regex(table: MappingTable, placeholder: str) -> re.Pattern | None:
+def _index_regex(table: MappingTable, placeholder: str) -> re.Pattern[str] | None:
     """Matches the tensor names of ``table``'s sources up to ``{placeholder}``, capturing its value."""
     prefixes = set()
     for rule in table.rules:
@@ -114,8 +126,10 @@ def _check_count(check: Count, present: set[int]) -> None:
 def _check_dim(check: Dim, tensors: Mapping[str, object], layers: Sequence[int]) -> None:
     names = [check.tensor.format(layer=i) for i in layers] if "{layer}" in check.tensor else [check.tensor]
     info = next((tensors[n] for n in names if n in tensors), None)
-    shape = getattr(info, "shape", None)
-    if shape is None or len(shape) <= check.axis or shape[check.axis] == check.expected:
+    if not isinstance(info, Shaped):
+        return  # absent: the planner reports the missing tensor
+    shape = info.shape
+    if len(shape) <= check.axis or shape[check.axis] == check.expected:
         return  # absent or of another rank: the planner reports the tensor itself
     per = f" × {check.per[0]} ({check.per[1]})" if check.per else ""
     raise ConfigError(

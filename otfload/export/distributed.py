@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from otfload.atomic import commit, output_dir, temp_dir
 from otfload.cache import assign_files
 from otfload.export import writer
 from otfload.export.gather import device_slice, gather_slice
@@ -105,11 +106,11 @@ def write_export(
     """Write ``job`` from ``arrays`` (dotted leaf path → array) to ``out_dir``, atomically; every
     process of the job must call it with the same arguments."""
     me = jax.process_index()
-    target = writer.output_dir(out_dir, overwrite)
+    target = output_dir(out_dir, overwrite)
     files = writer.plan_shards(job.specs, max_shard_size)
     owners = assign_files({name: sum(s.nbytes for s in shard) for name, shard in files.items()}, jax.process_count())
     token = _shared_token()
-    tmp = writer.temp_dir(target, token)
+    tmp = temp_dir(target, token)
     if me == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -128,7 +129,7 @@ def write_export(
         if me == 0:
             writer.write_index(tmp, files)
             writer.write_config(tmp, job.config)
-            writer.commit(tmp, target)
+            commit(tmp, target)
         _barrier(f"otfload-export-{token}-done")
     except BaseException:
         if me == 0:

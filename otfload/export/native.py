@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from otfload.atomic import atomic_dir
 from otfload.errors import MappingError, NativeCheckpointError, ScanLayersMismatchError
 from otfload.export.api import load_config
 from otfload.export.gather import gather_slice
 from otfload.export.job import ExportJob
-from otfload.export.writer import ShardFiles, atomic_dir, write_config
+from otfload.export.writer import ShardFiles, write_config
 from otfload.index.checkpoint import CONFIG_FILE
 
 if TYPE_CHECKING:  # otfload.checkpoint imports Orbax: only when a native checkpoint is exported

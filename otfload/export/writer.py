@@ -5,25 +5,20 @@ than ``max_shard_size`` gets a shard of its own) and named ``model-0000i-of-0000
 one shard is written as ``model.safetensors`` with no index. Each tensor is produced on demand,
 written and dropped, so the host holds one tensor at a time; :class:`ShardFiles` lays the files
 out first so tensors can also be written in any order. Everything is written into a temporary
-directory beside the target, which is renamed into place only when complete.
+directory beside the target, which is renamed into place only when complete (:mod:`otfload.atomic`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
-import shutil
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from otfload.errors import OutputExistsError
 from otfload.index.dtypes import safetensors_name
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -169,46 +164,3 @@ class ShardFiles:
 
 def write_config(out: Path, config: Mapping) -> None:
     (out / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
-
-
-def output_dir(target: str | os.PathLike, overwrite: bool = False) -> Path:
-    """``target`` as an absolute path; ``OutputExistsError`` if it exists and not ``overwrite``."""
-    target = Path(target).absolute()
-    if target.exists() and not overwrite:
-        raise OutputExistsError(f"{target} exists; pass overwrite=True to replace it")
-    return target
-
-
-def temp_dir(target: Path, token: str | None = None) -> Path:
-    """The temporary directory beside ``target`` an export is written into (``token``: its suffix)."""
-    return target.parent / f".{target.name}.tmp-{token or uuid.uuid4().hex[:8]}"
-
-
-def commit(tmp: Path, target: Path) -> None:
-    """Rename the finished ``tmp`` to ``target``, replacing what is there."""
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        target.rename(old)
-        tmp.rename(target)
-        if old.is_dir():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-    else:
-        tmp.rename(target)
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside ``target``; on success it replaces ``target``, on
-    failure it is removed (``target`` is never left half-written)."""
-    target = output_dir(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(target)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit(tmp, target)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from otfload.errors import CheckpointIndexError
+from otfload.index.derived import DerivedTensor
 from otfload.index.header import FileHeader, TensorInfo, read_header, reject_duplicate_keys
-from otfload.index.quant import QuantizedTensor, dequantized_view
+from otfload.index.quant import dequantized_view
 from otfload.sources.base import Source, read_bytes
 from otfload.sources.formats import is_checkpoint_file
 from otfload.sources.names import check_member_name, checked_listing
@@ -34,14 +36,16 @@ class CheckpointIndex:
     """Config and tensor locations of one checkpoint, built from headers alone.
 
     ``tensors`` holds what the model sees: a quantized weight is one
-    :class:`~otfload.index.quant.QuantizedTensor` (decoded on read) in place of its stored parts;
+    :class:`~otfload.index.quant.QuantizedTensor` (decoded on read) in place of its stored parts, and
+    a weight with LoRA adapters merged in an :class:`~otfload.adapters.tensor.AdaptedTensor` (both
+    :class:`~otfload.index.derived.DerivedTensor`);
     ``activation`` holds the activation-side scales (``input_scale``, ``k_scale``, ...), which no
-    weight uses.
+    weight uses. ``source`` is None for an index kept after its load (a kept-LoRA model's record).
     """
 
-    source: Source
-    config: dict
-    tensors: dict[str, TensorInfo | QuantizedTensor]
+    source: Source | None
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo | DerivedTensor]
     headers: dict[str, FileHeader] = field(repr=False)
     quant_method: str | None = None
     activation: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
@@ -57,7 +61,7 @@ class CheckpointIndex:
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
 
-    def __getitem__(self, key: str) -> TensorInfo | QuantizedTensor:
+    def __getitem__(self, key: str) -> TensorInfo | DerivedTensor:
         return self.tensors[key]
 
 
@@ -125,18 +129,20 @@ def _merge(headers: dict[str, FileHeader], weight_map: dict[str, str] | None) ->
 def open_index(source: Source, *, require_config: bool = True) -> CheckpointIndex:
     """Read ``config.json``, the shard index and every safetensors header of ``source``."""
     available = set(checked_listing(source.list_files(), source.description, keep=is_checkpoint_file))
-    config: dict = {}
+    config: dict[str, Any] = {}
     if CONFIG_FILE in available:
-        config = read_json(source, CONFIG_FILE)
-        if not isinstance(config, dict):
+        parsed = read_json(source, CONFIG_FILE)
+        if not isinstance(parsed, dict):
             raise CheckpointIndexError(f"{CONFIG_FILE}: not a JSON object")
+        config = parsed
     elif require_config:
         raise CheckpointIndexError(f"no {CONFIG_FILE} in {source.description}")
     files, weight_map = _safetensors_files(source, available)
     with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(files))) as pool:
         headers = dict(zip(files, pool.map(lambda f: read_header(source, f), files), strict=True))
     view = dequantized_view(config, _merge(headers, weight_map), lambda infos: read_values(source, infos))
-    return CheckpointIndex(source, config, view.tensors, headers, view.method, view.activation)
+    tensors: dict[str, TensorInfo | DerivedTensor] = dict(view.tensors)  # a QuantizedTensor is derived
+    return CheckpointIndex(source, config, tensors, headers, view.method, view.activation)
 
 
 def read_values(source: Source, infos: list[TensorInfo]) -> list[np.ndarray]:

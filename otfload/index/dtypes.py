@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
-SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype(np.uint8),
     "I8": np.dtype(np.int8),
@@ -32,7 +35,7 @@ _USER_DTYPES = {
 }
 
 
-def safetensors_name(dtype: np.dtype) -> str:
+def safetensors_name(dtype: npt.DTypeLike) -> str:
     """The safetensors dtype string of a numpy dtype."""
     try:
         return _NAME_BY_DTYPE[np.dtype(dtype)]
@@ -40,7 +43,7 @@ def safetensors_name(dtype: np.dtype) -> str:
         raise ValueError(f"dtype {dtype} has no safetensors equivalent") from None
 
 
-def to_numpy_dtype(dtype: object) -> np.dtype:
+def to_numpy_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     """Accept numpy/jax dtypes and names such as ``"bf16"``, ``"float32"``, ``"BF16"``."""
     if isinstance(dtype, str):
         key = _USER_DTYPES.get(dtype.lower(), dtype.upper())

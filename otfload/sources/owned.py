@@ -8,13 +8,17 @@ closes what it opened and leaves the borrowed source open.
 
 The rule is therefore an identity test — a call owns the source it holds unless that source *is*
 what it was given — and :func:`owned` applies it as a context manager.
+
+The context managers are classes, not ``@contextmanager`` generators, so that the "close it on
+error only" idiom is safe: ``on_error.enter_context(owned(src, given))`` then, once the call
+succeeds, ``on_error.pop_all()`` hands ``src`` to the caller. A generator popped that way would
+still close the source when it is garbage-collected (its ``finally`` runs on ``GeneratorExit``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 from otfload.sources.base import Source
@@ -26,22 +30,29 @@ def is_owned(source: Source, given: object) -> bool:
     return source is not given
 
 
-@contextmanager
-def owned(source: Source, given: object) -> Iterator[Source]:
+class owned:  # noqa: N801 - a context manager used like a function: ``with owned(src, given):``
     """``source`` for the ``with`` block, closed on exit (error included) when :func:`is_owned`;
-    a :class:`Source` the caller passed in (``given``) is left open."""
-    try:
-        yield source
-    finally:
-        if is_owned(source, given):
-            source.close()
+    a :class:`Source` the caller passed in (``given``) is left open. Nothing happens unless the
+    block is exited: popped from an ``ExitStack`` and dropped, it closes nothing."""
+
+    def __init__(self, source: Source, given: object) -> None:
+        self.source = source
+        self.given = given
+
+    def __enter__(self) -> Source:
+        return self.source
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if is_owned(self.source, self.given):
+            self.source.close()
 
 
-@contextmanager
-def owned_source(location: str | os.PathLike[str] | Source, **options: Any) -> Iterator[Source]:
+def owned_source(location: str | os.PathLike[str] | Source, **options: Any) -> owned:
     """:func:`~otfload.sources.open_source` ``(location, **options)`` for the ``with`` block: closed
-    on exit (error included) if it was opened here, left open if ``location`` was a :class:`Source`."""
+    on exit (error included) if it was opened here, left open if ``location`` was a :class:`Source`.
+    The source is opened at this call (so an unknown option or a missing location fails here)."""
     from otfload.sources import open_source
 
-    with owned(open_source(location, **options), location) as source:
-        yield source
+    return owned(open_source(location, **options), location)

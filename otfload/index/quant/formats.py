@@ -29,6 +29,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from otfload.index.quant.tensor import (
     MX_BLOCK,
     MX_BLOCK_BYTES,
     BlockScales,
+    Codes,
     Mxfp4Codes,
     PackedFp4Codes,
     PackedIntCodes,
@@ -48,6 +50,8 @@ from otfload.index.quant.tensor import (
 
 Tensor = TensorInfo | QuantizedTensor
 ReadValues = Callable[[list[TensorInfo]], list[np.ndarray]]
+# A parsed ``quantization_config`` (JSON: values are checked where they are read).
+QuantConfig = Mapping[str, Any]
 
 # DeepSeek-V3's ``weight_block_size``, for FP8 ``_scale_inv`` checkpoints whose config omits it.
 DEFAULT_FP8_BLOCK = (128, 128)
@@ -83,7 +87,17 @@ def _fail(method: str | None, message: str) -> QuantizationError:
     return QuantizationError(f"quantization {method or '(no quantization_config)'}: {message}")
 
 
-def _int_list(qc: Mapping, name: str, length: int | None = None) -> tuple[int, ...] | None:
+def _stored(method: str | None, key: str, tensor: Tensor) -> TensorInfo:
+    """A companion of a quantized weight (scale, zero point, packed codes, ...) as it is stored.
+
+    Only the weight a companion belongs to is decoded, never the companion itself: one that is
+    already a :class:`QuantizedTensor` means two layouts claimed the same name."""
+    if isinstance(tensor, TensorInfo):
+        return tensor
+    raise _fail(method, f"{key!r} is both a decoded weight and a companion of one")
+
+
+def _int_list(qc: QuantConfig, name: str, length: int | None = None) -> tuple[int, ...] | None:
     value = qc.get(name)
     if value is None:
         return None
@@ -141,7 +155,7 @@ def _fp8_pairs(method: str | None, tensors: dict[str, Tensor], suffix: str,
         if not isinstance(weight, TensorInfo) or not _is_fp8(weight):
             what = "is missing" if weight is None else f"has dtype {weight.dtype}"
             raise _fail(method, f"scale {key!r} belongs to {name!r}, which {what} (expected an FP8 weight)")
-        scale = tensors.pop(key)
+        scale = _stored(method, key, tensors.pop(key))
         wblock = _per_tensor_or_block(method, weight, scale, block)
         scales = BlockScales(_checked_scale(method, weight, scale, wblock), wblock)
         what = f"{storage} {weight.dtype.name}, {scale.dtype.name} scale per {_blk(wblock, weight.shape)}"
@@ -156,7 +170,7 @@ def _blk(block: tuple[int, ...], shape: tuple[int, ...]) -> str:
     return "x".join(map(str, block)) + " block"
 
 
-def _fp8(qc: Mapping, tensors: dict[str, Tensor], _read: ReadValues) -> None:
+def _fp8(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
     block = _int_list(qc, "weight_block_size", 2) if "weight_block_size" in qc else DEFAULT_FP8_BLOCK
     _fp8_pairs("fp8", tensors, "_scale_inv", block, "fp8")
     _unscaled_fp8("fp8", tensors)
@@ -167,13 +181,13 @@ def _legacy_fp8(tensors: dict[str, Tensor]) -> None:
     _fp8_pairs(None, tensors, "_scale_inv", DEFAULT_FP8_BLOCK, "fp8")
 
 
-def _fbgemm_fp8(qc: Mapping, tensors: dict[str, Tensor], _read: ReadValues) -> None:
+def _fbgemm_fp8(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
     for key in [k for k in tensors if k.endswith(".weight_scale")]:
         name = key[: -len("_scale")]
         weight = tensors.get(name)
         if not isinstance(weight, TensorInfo) or not _is_fp8(weight):
             raise _fail("fbgemm_fp8", f"scale {key!r} has no FP8 weight {name!r}")
-        scale = tensors.pop(key)
+        scale = _stored("fbgemm_fp8", key, tensors.pop(key))
         block = (*(1,) * (len(weight.shape) - 1), weight.shape[-1])
         scales = BlockScales(_checked_scale("fbgemm_fp8", weight, scale, block), block)
         tensors[name] = QuantizedTensor(name, weight.shape, PlainCodes(weight), scales,
@@ -187,12 +201,13 @@ def _unscaled_fp8(method: str, tensors: dict[str, Tensor]) -> None:
         raise _fail(method, f"{len(raw)} FP8 tensor(s) have no scale, e.g. {raw[0]!r}")
 
 
-def _mxfp4(qc: Mapping, tensors: dict[str, Tensor], _read: ReadValues) -> None:
+def _mxfp4(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
     for key in [k for k in tensors if k.endswith("_blocks")]:
         name = key[: -len("_blocks")]
-        blocks, scales = tensors[key], tensors.get(f"{name}_scales")
-        if scales is None:
+        blocks, stored_scales = _stored("mxfp4", key, tensors[key]), tensors.get(f"{name}_scales")
+        if stored_scales is None:
             raise _fail("mxfp4", f"{key!r} has no {name + '_scales'!r}")
+        scales = _stored("mxfp4", f"{name}_scales", stored_scales)
         if (blocks.dtype != np.uint8 or scales.dtype != np.uint8 or len(blocks.shape) < 3
                 or blocks.shape[-1] != MX_BLOCK_BYTES or scales.shape != blocks.shape[:-1]):
             raise _fail("mxfp4", f"{key!r} {blocks.dtype}{list(blocks.shape)} and {name}_scales "
@@ -255,7 +270,9 @@ class _WeightArgs:
         if self.strategy == "channel":
             return (*lead, shape[-1])
         if self.strategy in ("group", "tensor_group"):
+            assert self.group_size is not None  # parse() requires one for group strategies
             return (*lead, self.group_size)
+        assert self.block is not None  # parse() requires block_structure for the block strategy
         return _fit_block(self.block, len(shape))
 
 
@@ -270,7 +287,7 @@ def _targets_match(targets: object, module: str) -> bool:
     return False
 
 
-def _compressed_tensors(qc: Mapping, tensors: dict[str, Tensor], read: ReadValues) -> None:
+def _compressed_tensors(qc: QuantConfig, tensors: dict[str, Tensor], read: ReadValues) -> None:
     groups = qc.get("config_groups", {})
     if not isinstance(groups, Mapping):
         raise ConfigError("quantization_config.config_groups", groups, "an object of quantization groups")
@@ -293,30 +310,34 @@ def _compressed_tensors(qc: Mapping, tensors: dict[str, Tensor], read: ReadValue
 
 def _packed_shapes(tensors: dict[str, Tensor], modules: list[str], read: ReadValues) -> dict[str, tuple[int, ...]]:
     """``weight_shape`` of every pack-quantized module, read in one batch (they are tiny)."""
-    infos = [tensors[f"{m}.weight_shape"] for m in modules if f"{m}.weight_shape" in tensors]
+    method = "compressed-tensors"
+    infos = [_stored(method, f"{m}.weight_shape", tensors[f"{m}.weight_shape"])
+             for m in modules if f"{m}.weight_shape" in tensors]
     for info in infos:
         if info.dtype.kind not in "iu" or len(info.shape) != 1 or info.shape[0] > 8:
-            raise _fail("compressed-tensors", f"{info.name!r} {info.dtype}{list(info.shape)} is not an integer shape")
+            raise _fail(method, f"{info.name!r} {info.dtype}{list(info.shape)} is not an integer shape")
     out = {}
     for info, values in zip(infos, read(infos), strict=True):
         shape = tuple(int(v) for v in values)
         if any(d <= 0 for d in shape):
-            raise _fail("compressed-tensors", f"{info.name!r} holds an invalid shape {list(shape)}")
+            raise _fail(method, f"{info.name!r} holds an invalid shape {list(shape)}")
         out[info.name[: -len(".weight_shape")]] = shape
     return out
 
 
-def _ct_weight(module: str, args: _WeightArgs, tensors: dict[str, Tensor], packed_shape) -> QuantizedTensor:
+def _ct_weight(module: str, args: _WeightArgs, tensors: dict[str, Tensor],
+               packed_shape: tuple[int, ...] | None) -> QuantizedTensor:
     method = "compressed-tensors"
-    scale = tensors.pop(f"{module}.weight_scale")
-    zero = tensors.pop(f"{module}.weight_zero_point", None)
-    global_scale = tensors.pop(f"{module}.weight_global_scale", None)
-    packed = tensors.pop(f"{module}.weight_packed", None)
-    tensors.pop(f"{module}.weight_shape", None)
+    companions = {role: tensors.pop(f"{module}.weight_{role}", None)
+                  for role in ("scale", "zero_point", "global_scale", "packed", "shape")}
+    stored = {role: _stored(method, f"{module}.weight_{role}", t) for role, t in companions.items() if t is not None}
+    scale = stored["scale"]
+    zero, global_scale, packed = stored.get("zero_point"), stored.get("global_scale"), stored.get("packed")
     if f"{module}.weight_g_idx" in tensors:
         raise UnsupportedQuantizationError(f"compressed-tensors: {module}.weight_g_idx (activation order) "
                                            "is not supported yet")
     name = f"{module}.weight"
+    codes: Codes
     if packed is not None:
         if name in tensors:
             raise _fail(method, f"{module!r} has both 'weight' and 'weight_packed'")
@@ -376,7 +397,7 @@ def _ct_weight(module: str, args: _WeightArgs, tensors: dict[str, Tensor], packe
     return QuantizedTensor(name, shape, codes, scales, f"compressed-tensors {storage}")
 
 
-HANDLERS: dict[str, Callable[[Mapping, dict[str, Tensor], ReadValues], None]] = {
+HANDLERS: dict[str, Callable[[QuantConfig, dict[str, Tensor], ReadValues], None]] = {
     "fp8": _fp8,
     "fbgemm_fp8": _fbgemm_fp8,
     "mxfp4": _mxfp4,
@@ -384,7 +405,7 @@ HANDLERS: dict[str, Callable[[Mapping, dict[str, Tensor], ReadValues], None]] = 
 }
 
 
-def quantization_method(config: Mapping) -> tuple[str | None, Mapping]:
+def quantization_method(config: Mapping[str, Any]) -> tuple[str | None, QuantConfig]:
     """``quantization_config.quant_method`` and the config itself, type-checked."""
     qc = config.get("quantization_config")
     if qc is None:
@@ -403,14 +424,14 @@ def quantization_method(config: Mapping) -> tuple[str | None, Mapping]:
     return method, qc
 
 
-def dequantized_view(config: Mapping, tensors: Mapping[str, TensorInfo], read: ReadValues) -> QuantizedView:
+def dequantized_view(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo], read: ReadValues) -> QuantizedView:
     """The checkpoint's tensors as the model sees them: quantized weights decoded on read.
 
     ``read`` returns the values of small tensors (compressed-tensors' ``weight_shape``).
     """
     method, qc = quantization_method(config)
-    work: dict[str, Tensor] = dict(tensors)
-    activation = {k: work.pop(k) for k in [k for k in work if ACTIVATION.search(k)]}
+    activation = {k: v for k, v in tensors.items() if ACTIVATION.search(k)}
+    work: dict[str, Tensor] = {k: v for k, v in tensors.items() if k not in activation}
     if method is None:
         _legacy_fp8(work)
     else:

@@ -100,13 +100,13 @@ def stored_parts(q: QuantizedTensor) -> dict[str, StoredPart]:
     elif isinstance(codes, Mxfp4Codes):
         *lead, out, groups, _ = codes.blocks.shape
         swap = (*range(n - 2), n - 1, n - 2)
-        block = [1] * n
-        block[n - 2] = 2
-        parts["codes"] = StoredPart("codes", codes.blocks, tuple(block), "e2m1",
+        mx_block = [1] * n
+        mx_block[n - 2] = 2
+        parts["codes"] = StoredPart("codes", codes.blocks, tuple(mx_block), "e2m1",
                                     view=(*lead, out, groups * MX_BLOCK_BYTES), perm=swap, bits=FP4_BITS,
                                     pack_axis=n - 2)
-        block[n - 2] = MX_BLOCK
-        parts["scale"] = StoredPart("scale", codes.scales, tuple(block), "e8m0", perm=swap)
+        mx_block[n - 2] = MX_BLOCK
+        parts["scale"] = StoredPart("scale", codes.scales, tuple(mx_block), "e8m0", perm=swap)
     else:  # pragma: no cover - every codec of tensor.py is listed above
         raise NotKeepable(f"{q.name!r}: codes {type(codes).__name__} cannot be kept")
     scales = q.scales
