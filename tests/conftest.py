@@ -1,4 +1,4 @@
-"""Test-wide setup: 8 simulated CPU devices and shared tiny-checkpoint fixtures.
+"""Test-wide setup: 8 simulated CPU devices, shared tiny-checkpoint fixtures and a descriptor-leak report.
 
 XLA_FLAGS must be set before JAX initialises its backend, hence at import time here.
 """
@@ -11,9 +11,61 @@ os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
 
 from tests.helpers import save_tiny_hf_model  # noqa: E402
+
+# Descriptors a test module may leave open: servers and the JAX backend start once per session (a
+# listening socket, a few pipes) in whichever module first needs them. A module that leaves sources
+# open holds one or more per file it read, so leaks of a few sources already pass this.
+FD_GROWTH_PER_MODULE = 16
+# Modules that left more open, with what the new descriptors point at: listed at the end of the run
+# (a report, not a failure, until every module is clean: see the terminal summary hook below).
+DESCRIPTOR_LEAKS: list[str] = []
+
+
+def open_fds() -> dict[int, str]:
+    """This process's open descriptors and what each points at."""
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return fds
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_descriptor_leak(request):
+    """Record a test module that leaves more than ``FD_GROWTH_PER_MODULE`` descriptors open (sources it
+    opened and never closed) in ``DESCRIPTOR_LEAKS``, with what they point at."""
+    if not os.path.isdir("/proc/self/fd"):
+        yield
+        return
+    before = open_fds()
+    yield
+    if len(open_fds()) - len(before) > FD_GROWTH_PER_MODULE:
+        gc.collect()  # only objects that close on collection; a plain descriptor stays counted
+        after = open_fds()
+        new = sorted(t for fd, t in after.items() if before.get(fd) != t)
+        if len(after) - len(before) > FD_GROWTH_PER_MODULE:
+            DESCRIPTOR_LEAKS.append(f"{request.module.__name__}: {len(after) - len(before)} more open: {new[:8]}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """List the modules that leaked descriptors (``DESCRIPTOR_LEAKS``)."""
+    if DESCRIPTOR_LEAKS:
+        terminalreporter.section(f"descriptor leaks (modules leaving > {FD_GROWTH_PER_MODULE} open)")
+        for line in DESCRIPTOR_LEAKS:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def closing():
+    """``closing(thing) -> thing``: ``thing.close()`` when the test ends (a source the test reads after use)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda thing: stack.enter_context(contextlib.closing(thing))
 
 
 @pytest.fixture(scope="session")

@@ -27,25 +27,41 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoints, tmp_path_factory):
+    """``quantized(name) -> (checkpoint, adapter, PEFT's logits)``, built once per case for both scan values."""
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            kind, select, quantize, config, lora, mesh = CASES[name]
+            src, torch_model = tiny_checkpoints(kind)
+            root = tmp_path_factory.mktemp(name)
+            reference = layouts.quantize_checkpoint(src, root / "ckpt", select, quantize, config)
+            ref_model = layouts.load_reference(torch_model, reference, src, root / "reference")
+            adapter = make_adapter(torch_model, root / "adapter", **lora)
+            made[name] = root / "ckpt", adapter, peft_logits(ref_model, [adapter], token_ids())
+        return made[name]
+
+    return get
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_quantized_base_with_adapter_matches_peft(tiny_checkpoints, tmp_path, name, scan_layers):
-    kind, select, quantize, config, lora, mesh = CASES[name]
-    src, torch_model = tiny_checkpoints(kind)
-    reference = layouts.quantize_checkpoint(src, tmp_path / "ckpt", select, quantize, config)
-    ref_model = layouts.load_reference(torch_model, reference, src, tmp_path / "reference")
-    adapter = make_adapter(torch_model, tmp_path / "adapter", **lora)
-    _, plan, source = otfload.plan_model(tmp_path / "ckpt", adapter=adapter, mesh=make_mesh(mesh), dtype="float32")
+def test_quantized_base_with_adapter_matches_peft(quantized, name, scan_layers):
+    *_, lora, mesh = CASES[name]
+    ckpt, adapter, want = quantized(name)
+    _, plan, source = otfload.plan_model(ckpt, adapter=adapter, mesh=make_mesh(mesh), dtype="float32")
     source.close()
     adapted_quantized = [p for p in plan.leaves.values() if p.storage.startswith(QUANTIZED[name])]
     assert adapted_quantized and all(p.storage.endswith("+ LoRA rank {} (merged in float32)".format(lora["r"]))
                                      for p in adapted_quantized)
-    model = otfload.from_pretrained(tmp_path / "ckpt", adapter=adapter, mesh=make_mesh(mesh), dtype="float32",
+    model = otfload.from_pretrained(ckpt, adapter=adapter, mesh=make_mesh(mesh), dtype="float32",
                                     scan_layers=scan_layers)
     ids = token_ids()
-    want = peft_logits(ref_model, [adapter], ids)
     diff = max_rel_diff(jax_logits(model, ids), want)
     assert diff <= TOLERANCE, diff
-    assert max_rel_diff(jax_logits(otfload.from_pretrained(tmp_path / "ckpt", mesh=make_mesh(mesh), dtype="float32"),
-                                   ids), want) > 1e-3
+    if scan_layers:  # the adapter moves the logits past the tolerance (the base alone, once per case)
+        base = otfload.from_pretrained(ckpt, mesh=make_mesh(mesh), dtype="float32")
+        assert max_rel_diff(jax_logits(base, ids), want) > 1e-3
     assert np.isfinite(want).all()

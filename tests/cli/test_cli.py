@@ -54,7 +54,8 @@ def test_inspect_json_matches_the_abstract_model(llama, mesh_2x4):
     out = otfload_cli("inspect", llama, "--devices", "8", "--mesh", "fsdp=2,tp=4", "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    model, plan, _ = otfload.plan_model(llama, mesh=mesh_2x4, scan_layers=True)
+    model, plan, source = otfload.plan_model(llama, mesh=mesh_2x4, scan_layers=True)
+    source.close()
     params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     got = {leaf["leaf"]: leaf for leaf in info["leaves"]}
     assert set(got) == set(params)
@@ -107,11 +108,11 @@ class RecordingSource:
         self.inner.close()
 
 
-def test_inspect_reads_no_tensor_bytes(llama, mesh_2x4, monkeypatch):
+def test_inspect_reads_no_tensor_bytes(llama, mesh_2x4, monkeypatch, closing):
     # The index speculatively reads 256 KiB per file to get the header in one request, which on
     # tiny files is the whole file; read exactly the header instead so the claim can be checked.
     monkeypatch.setattr("otfload.index.header.HEADER_PREFETCH_BYTES", 8)
-    source = RecordingSource(LocalSource(llama))
+    source = closing(RecordingSource(LocalSource(llama)))
     info = inspect_source(source, mesh=mesh_2x4)
     assert info["totals"]["leaves"] == 12
     data = [span for f in llama.glob("*.safetensors") for span in _tensor_spans(f)]

@@ -23,9 +23,10 @@ MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
 
 
 def parity_cases(kind: str, variant: str) -> list[tuple[str, bool, str]]:
-    """``(kind, scan_layers, mesh)``: ``kind`` with both scan values on both meshes, ``variant``
-    (another config of the family) once, scanned with experts on ``ep``."""
-    return [(kind, scan, mesh) for scan in (True, False) for mesh in MESHES] + [(variant, True, "fsdp2_ep4")]
+    """``(kind, scan_layers, mesh)``: ``kind`` unscanned with experts on ``ep`` and scanned on ``tp``,
+    ``variant`` (another config of the family) scanned on ``ep``: both scan values and both meshes for the
+    family, scanned on both meshes, without every combination."""
+    return [(kind, False, "fsdp2_ep4"), (kind, True, "fsdp2_tp4"), (variant, True, "fsdp2_ep4")]
 
 
 

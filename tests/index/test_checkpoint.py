@@ -43,13 +43,19 @@ def _header_end(path: Path) -> int:
     return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
 
 
-def _open_recorded(root: Path) -> tuple[RecordingSource, Exception | None]:
-    source = RecordingSource(LocalSource(root))
-    try:
-        open_index(source)
-    except Exception as e:  # noqa: BLE001 - returned for the test to check its type
-        return source, e
-    return source, None
+@pytest.fixture
+def open_recorded(closing):
+    """``open_recorded(root) -> (source, error)``: ``open_index`` on a recording source, closed after the test."""
+
+    def _open(root: Path) -> tuple[RecordingSource, Exception | None]:
+        source = closing(RecordingSource(LocalSource(root)))
+        try:
+            open_index(source)
+        except Exception as e:  # noqa: BLE001 - returned for the test to check its type
+            return source, e
+        return source, None
+
+    return _open
 
 
 def _assert_no_tensor_bytes_read(source: RecordingSource, root: Path) -> None:
@@ -60,8 +66,8 @@ def _assert_no_tensor_bytes_read(source: RecordingSource, root: Path) -> None:
             assert offset + length <= max(_header_end(root / file), HEADER_PREFETCH_BYTES), (file, offset, length)
 
 
-def test_valid_checkpoint_reads_headers_only(checkpoint: Path):
-    source = RecordingSource(LocalSource(checkpoint))
+def test_valid_checkpoint_reads_headers_only(closing, checkpoint: Path):
+    source = closing(RecordingSource(LocalSource(checkpoint)))
     index = open_index(source)
     assert {k: t.file for k, t in index.tensors.items()} == {"a": SHARD1, "b": SHARD1, "c": SHARD2}
     assert index.config == {"model_type": "llama"}
@@ -83,9 +89,11 @@ def test_valid_checkpoint_reads_headers_only(checkpoint: Path):
         (None, "not a string"),
     ],
 )
-def test_bad_weight_map_targets_are_refused_before_any_shard_is_read(checkpoint: Path, target: object, message: str):
+def test_bad_weight_map_targets_are_refused_before_any_shard_is_read(
+    open_recorded, checkpoint: Path, target: object, message: str
+):
     _write_index(checkpoint, {"a": SHARD1, "b": target, "c": SHARD2})
-    source, error = _open_recorded(checkpoint)
+    source, error = open_recorded(checkpoint)
     assert isinstance(error, CheckpointIndexError) and message in str(error), error
     assert source.read_files() == {CONFIG_FILE, INDEX_FILE}
 
@@ -105,9 +113,11 @@ def test_bad_weight_map_targets_are_refused_before_any_shard_is_read(checkpoint:
     ],
     ids=["one-tensor-two-files", "truncated", "not-utf8", "list", "string", "missing", "not-object", "empty", "deep"],
 )
-def test_malformed_index_is_refused_before_any_shard_is_read(checkpoint: Path, index_text: str, message: str):
+def test_malformed_index_is_refused_before_any_shard_is_read(
+    open_recorded, checkpoint: Path, index_text: str, message: str
+):
     (checkpoint / INDEX_FILE).write_bytes(index_text.encode("latin-1"))
-    source, error = _open_recorded(checkpoint)
+    source, error = open_recorded(checkpoint)
     assert isinstance(error, CheckpointIndexError) and message in str(error), error
     assert source.read_files() <= {CONFIG_FILE, INDEX_FILE}
 
@@ -117,9 +127,11 @@ def test_malformed_index_is_refused_before_any_shard_is_read(checkpoint: Path, i
     [{"a": SHARD1, "b": SHARD1, "c": SHARD2, "d": SHARD2}, {"a": SHARD2, "b": SHARD1, "c": SHARD2}],
     ids=["absent-everywhere", "in-another-shard"],
 )
-def test_tensor_missing_from_its_named_shard_is_found_from_headers_alone(checkpoint: Path, weight_map: dict):
+def test_tensor_missing_from_its_named_shard_is_found_from_headers_alone(
+    open_recorded, checkpoint: Path, weight_map: dict
+):
     _write_index(checkpoint, weight_map)
-    source, error = _open_recorded(checkpoint)
+    source, error = open_recorded(checkpoint)
     assert isinstance(error, CheckpointIndexError) and "is not in model-0000" in str(error), error
     _assert_no_tensor_bytes_read(source, checkpoint)
 
@@ -129,21 +141,23 @@ def test_tensor_missing_from_its_named_shard_is_found_from_headers_alone(checkpo
     [(None, f"no {CONFIG_FILE}"), ("[1, 2]", "not a JSON object"), ('{"model_type": ', "not valid JSON")],
     ids=["missing", "not-object", "invalid"],
 )
-def test_bad_config_is_refused_before_any_shard_is_read(checkpoint: Path, config: str | None, message: str):
+def test_bad_config_is_refused_before_any_shard_is_read(
+    open_recorded, checkpoint: Path, config: str | None, message: str
+):
     if config is None:
         (checkpoint / CONFIG_FILE).unlink()
     else:
         (checkpoint / CONFIG_FILE).write_text(config)
-    source, error = _open_recorded(checkpoint)
+    source, error = open_recorded(checkpoint)
     assert isinstance(error, CheckpointIndexError) and message in str(error), error
     assert not any(f.endswith(".safetensors") for f in source.read_files())
 
 
-def test_shard_symlinked_outside_the_directory_is_refused(checkpoint: Path, tmp_path_factory):
+def test_shard_symlinked_outside_the_directory_is_refused(open_recorded, checkpoint: Path, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside") / "stolen.safetensors"
     (checkpoint / SHARD2).rename(outside)
     (checkpoint / SHARD2).symlink_to(outside)
-    source, error = _open_recorded(checkpoint)
+    source, error = open_recorded(checkpoint)
     assert isinstance(error, SourceNotFoundError) and "outside" in str(error), error
     assert SHARD2 not in source.read_files()
 
@@ -156,10 +170,10 @@ def test_pickle_only_checkpoint_is_refused(tmp_path: Path, name: str):
         open_source(tmp_path)
 
 
-def test_weight_map_pointing_at_a_non_safetensors_file_is_refused(tmp_path):
+def test_weight_map_pointing_at_a_non_safetensors_file_is_refused(closing, tmp_path):
     path = write_checkpoint(tmp_path / "c", {"w": np.ones(2, np.float32)}, files=1)
     index = json.loads((path / INDEX_FILE).read_text())
     index["weight_map"]["w"] = CONFIG_FILE
     (path / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(CheckpointIndexError, match="not a .safetensors file"):
-        open_index(LocalSource(path))
+        open_index(closing(LocalSource(path)))

@@ -139,7 +139,7 @@ def test_huge_dimensions_fail_fast():
 
 
 @pytest.mark.parametrize("dtype_name", sorted(SAFETENSORS_DTYPES))
-def test_save_file_round_trip(tmp_path, dtype_name: str):
+def test_save_file_round_trip(closing, tmp_path, dtype_name: str):
     """Files written by ``safetensors.numpy.save_file`` parse to the reference's names, dtypes, shapes and bytes."""
     dtype = SAFETENSORS_DTYPES[dtype_name]
     rng = np.random.default_rng(0)
@@ -149,7 +149,7 @@ def test_save_file_round_trip(tmp_path, dtype_name: str):
         for k, s in shapes.items()
     }
     safetensors.numpy.save_file(tensors, tmp_path / FILE, metadata={"format": "np"})
-    source = RecordingSource(LocalSource(tmp_path))
+    source = closing(RecordingSource(LocalSource(tmp_path)))
     header = read_header(source, FILE)
     assert header.metadata == {"format": "np"}
     assert not source.out_of_bounds() and source.reads[0][1] == 0
@@ -184,14 +184,14 @@ def test_accepts_iff_reference_accepts(blob: bytes):
         assert_same_as_reference(ours, theirs, source)
 
 
-def test_empty_file_says_so(tmp_path):
+def test_empty_file_says_so(closing, tmp_path):
     """A 0-byte file is reported as empty, naming it (not as a header length or JSON problem)."""
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(CorruptFileError, match=r"^model.safetensors: empty file \(0 bytes\)") as caught:
-        read_header(LocalSource(tmp_path), "model.safetensors")
+        read_header(closing(LocalSource(tmp_path)), "model.safetensors")
     assert caught.value.file == "model.safetensors"
     with pytest.raises(CorruptFileError, match="empty file"):
-        open_index(LocalSource(tmp_path), require_config=False)
+        open_index(closing(LocalSource(tmp_path)), require_config=False)
 
 
 def test_header_length_limits():

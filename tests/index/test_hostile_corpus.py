@@ -3,10 +3,12 @@ test checkpoints): each raises its expected typed error, and the script rebuilds
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,9 @@ CONFIG_CASE_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def source() -> RecordingSource:
-    return RecordingSource(LocalSource(CORPUS))
+def source() -> Iterator[RecordingSource]:
+    with contextlib.closing(RecordingSource(LocalSource(CORPUS))) as recording:
+        yield recording
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -14,7 +14,9 @@ seconds it took.
 With ``loads`` (a list of ``{"reshard": POLICY}`` — passed as ``from_pretrained(reshard=...)`` — or
 ``{"env": POLICY}`` — set as ``$OTFLOAD_RESHARD``, ``reshard=None``), the processes run those loads
 one after the other in one job (each cold when ``evict``; load ``k`` gathers to ``params<k>.npz``),
-and ``proc<i>.json`` is ``{"loads": [one result per load]}``.
+and ``proc<i>.json`` is ``{"loads": [one result per load]}``. A load's entry may also set any of the
+spec's keys for that load alone (``mesh``, ``source``, ``endpoint``, ``evict``, ``gather``): one job
+then checks several meshes and checkpoints, paying for process start-up and ``initialize`` once.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def load(spec: dict, pid: int, out: Path) -> None:
         os.environ.pop("OTFLOAD_RESHARD", None)
         if "env" in how:
             os.environ["OTFLOAD_RESHARD"] = how["env"]
-        results.append(load_once(spec, pid, out, how.get("reshard"), f"params{k}.npz", f"-{k}"))
+        results.append(load_once({**spec, **how}, pid, out, how.get("reshard"), f"params{k}.npz", f"-{k}"))
     (out / f"proc{pid}.json").write_text(json.dumps({"loads": results}))
 
 

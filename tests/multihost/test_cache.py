@@ -24,9 +24,9 @@ SHARD = "model-00002-of-00012.safetensors"
 
 
 @pytest.fixture
-def open_hub(hub: HubServer, llama_repo: str, tmp_path: Path, fast_retry):
-    def _open(**kw) -> HubSource:
-        return HubSource(llama_repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=fast_retry, **kw)
+def open_hub(hub: HubServer, llama_repo: str, tmp_path: Path, fast_retry, closing):
+    def _open(**kw) -> HubSource:  # closed when the test ends
+        return closing(HubSource(llama_repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=fast_retry, **kw))
 
     return _open
 
@@ -59,9 +59,9 @@ def test_assignment_is_deterministic_complete_and_size_balanced():
 # --- fill and reuse --------------------------------------------------------------------------------
 
 
-def test_fill_fetches_each_file_once_then_reuses_the_committed_copies(open_hub, hub, llama, tmp_path):
+def test_fill_fetches_each_file_once_then_reuses_the_committed_copies(open_hub, hub, llama, tmp_path, closing):
     files = checkpoint_bytes(llama)
-    cache = ShardCache(open_hub(), tmp_path / "cache")
+    cache = closing(ShardCache(open_hub(), tmp_path / "cache"))
     gets = hub.requests("GET", "/resolve/")
     assert sorted(r.path.rsplit("/", 1)[1] for r in gets) == sorted(files)
     assert sorted(cache.fetched) == sorted(files) and cache.reused == []
@@ -69,21 +69,21 @@ def test_fill_fetches_each_file_once_then_reuses_the_committed_copies(open_hub, 
     assert_complete(cache_folder(tmp_path / "cache", cache.source), files)
 
     hub.log.clear()
-    again = ShardCache(open_hub(), tmp_path / "cache")
+    again = closing(ShardCache(open_hub(), tmp_path / "cache"))
     assert hub.requests("GET", "/resolve/") == [] and sorted(again.reused) == sorted(files)
     assert read_bytes(again, SHARD, 100, 50) == files[SHARD][100:150]
 
 
-def test_damaged_copies_are_fetched_again(open_hub, hub, llama, tmp_path):
+def test_damaged_copies_are_fetched_again(open_hub, hub, llama, tmp_path, closing):
     files = checkpoint_bytes(llama)
-    folder = cache_folder(tmp_path / "cache", ShardCache(open_hub(), tmp_path / "cache").source)
+    folder = cache_folder(tmp_path / "cache", closing(ShardCache(open_hub(), tmp_path / "cache")).source)
     (folder / "config.json").write_bytes(b"{}")  # wrong size
     flipped = bytearray(files[SHARD])
     flipped[-1] ^= 1
     (folder / SHARD).write_bytes(bytes(flipped))  # right size, wrong bytes: the sha256 record must not be trusted
     (folder / f"{SHARD}.sha256").unlink()
     hub.log.clear()
-    cache = ShardCache(open_hub(), tmp_path / "cache")
+    cache = closing(ShardCache(open_hub(), tmp_path / "cache"))
     assert sorted(cache.fetched) == ["config.json", SHARD]
     assert sorted(r.path.rsplit("/", 1)[1] for r in hub.requests("GET", "/resolve/")) == ["config.json", SHARD]
     assert_complete(folder, files)
@@ -97,17 +97,17 @@ def test_bytes_that_fail_the_hubs_sha256_are_never_committed(open_hub, hub, llam
     assert SHARD not in visible_files(folder) and not any(folder.glob(f".{SHARD}*"))  # no temporary left either
 
 
-def test_gs_cache_commits_whole_objects_and_reuses_them(open_hub, gcs_server: GcsServer, llama, tmp_path):
+def test_gs_cache_commits_whole_objects_and_reuses_them(open_hub, gcs_server: GcsServer, llama, tmp_path, closing):
     files = checkpoint_bytes(llama)
     fs = gcs_server.filesystem()
     fs.mkdir("otfload-cache1")
     prefix = f"gs://otfload-cache1/{tmp_path.name}"
-    cache = ShardCache(open_hub(), prefix, storage_options=gcs_server.storage_options)
+    cache = closing(ShardCache(open_hub(), prefix, storage_options=gcs_server.storage_options))
     assert all(read_bytes(cache, f) == data for f, data in files.items())
     fs.invalidate_cache()
     names = sorted(p.rsplit("/", 1)[1] for p in fs.find(prefix))
     assert names == sorted([*files, *(f"{f}.sha256" for f in files)])  # a record per file, no partials
-    again = ShardCache(open_hub(), prefix, storage_options=gcs_server.storage_options)
+    again = closing(ShardCache(open_hub(), prefix, storage_options=gcs_server.storage_options))
     assert again.fetched == [] and sorted(again.reused) == sorted(files)
 
 
@@ -189,13 +189,13 @@ def test_a_server_gone_for_good_fails_the_fill_within_the_retry_deadline(open_hu
 # --- choosing the route ----------------------------------------------------------------------------
 
 
-def test_wrap_with_cache_picks_direct_reads_hf_cache_or_shard_cache(open_hub, llama, tmp_path, monkeypatch):
-    local = open_source(llama)
+def test_wrap_with_cache_picks_direct_reads_hf_cache_or_shard_cache(open_hub, llama, tmp_path, monkeypatch, closing):
+    local = closing(open_source(llama))
     assert wrap_with_cache(local, tmp_path / "c") is local  # already local: nothing to cache
     hub_source = open_hub()
     assert wrap_with_cache(hub_source) is hub_source  # no cache asked for: direct range reads
     assert wrap_with_cache(hub_source, True) is hub_source  # one host: whole files into the HF cache
     snapshot = tmp_path / "hf" / "models--org--llama-mh" / "snapshots" / hub_source.commit
     assert {p.name: p.read_bytes() for p in snapshot.iterdir()} == checkpoint_bytes(llama)
-    cached = wrap_with_cache(open_hub(), tmp_path / "shared")
+    cached = closing(wrap_with_cache(open_hub(), tmp_path / "shared"))
     assert isinstance(cached, ShardCache) and cached.store.description.startswith(str(tmp_path / "shared"))

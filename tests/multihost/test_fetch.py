@@ -6,18 +6,25 @@ process fetches its share — within 1.25× the ideal — and the report says wh
 bytes the Hub server sent, and the kernel's ``/proc/self/io`` for cold local files. Leaves several
 processes hold (replicated, or split on mesh axes inside one process only) are read once cluster-wide
 the same way: all processes together read the checkpoint's bytes once, within 5 %.
+
+Starting 4 JAX processes costs more than a tiny load, so the loads share jobs: one job loads from two
+Hub servers (one per mesh, so each server's counts are one load's), one job runs every cold local
+load (both meshes' shares, then both read-once meshes, per-process then read-once); the tests check
+their own loads' results.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.make_checkpoint import Dims, write_checkpoint
+from tests.multihost.conftest import flat_params
 from tests.multihost.fetch import run_fetch_workers
 from tests.servers.hub_server import HubServer
 
@@ -33,6 +40,14 @@ ONCE = 1.05
 ONCE_MESHES = {"tp8": {"tp": 8}, "fsdp4_tp2": {"fsdp": 4, "tp": 2}}
 # One 128 MB file: the 256 KiB header prefix each process reads (HEADER_PREFETCH_BYTES) is < 1 % of it.
 ONCE_DIMS = Dims(hidden=1024, intermediate=2816, layers=4, vocab=8192)
+# Each read-once job runs two cold loads: the per-process mode and the read-once mode, asked for through
+# ``from_pretrained(reshard=...)`` (tp8) or ``$OTFLOAD_RESHARD`` under an explicit ``reshard=`` (fsdp4_tp2).
+ONCE_LOADS = {
+    "tp8": [{"reshard": "never"}, {"reshard": "always"}],
+    "fsdp4_tp2": [{"env": "always", "reshard": "never"}, {"env": "always"}],
+}
+# Several loads per job: well past one load's time on a loaded 2-core machine.
+JOB_TIMEOUT_S = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -45,23 +60,23 @@ def once_checkpoint(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("once") / "llama", ONCE_DIMS)
 
 
-def test_band_reads_resharded_on_the_devices_load_the_same_model(llama, reference_params, tmp_path):
-    results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "mesh": MESHES["fsdp2_tp4"], "source": str(llama),
-                                 "reshard": "always", "gather": True}, PROCESSES, tmp_path / "out")  # fmt: skip
-    assert all(r["resharded"] for r in results)
-    assert len({tuple(r["resharded"]) for r in results}) == 1  # the same choices everywhere
-    with np.load(tmp_path / "out" / "params.npz") as gathered:
-        assert sorted(gathered.files) == sorted(reference_params)
-        for name, want in reference_params.items():
-            np.testing.assert_array_equal(gathered[name], want, err_msg=name)
+@pytest.fixture(scope="module")
+def hub_job(checkpoint, tmp_path_factory) -> Iterator[dict]:
+    """Both meshes' loads from the Hub in one job, each from its own server: ``{mesh: (results, server)}``."""
+    # Remote column reads cost a request per row: the cost model reads those leaves as bands.
+    root = tmp_path_factory.mktemp("hub-fetch")
+    with HubServer(root / "fsdp8") as first, HubServer(root / "fsdp2_tp4") as second:
+        servers = dict(zip(MESHES, (first, second), strict=True))
+        loads = [{"mesh": MESHES[m], "source": s.add_repo(f"org/fetch-{m}", checkpoint), "endpoint": s.url,
+                  "env": "auto"} for m, s in servers.items()]  # fmt: skip
+        results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "loads": loads}, PROCESSES, root / "out",
+                                    JOB_TIMEOUT_S)  # fmt: skip
+        yield {m: ([r["loads"][k] for r in results], s) for k, (m, s) in enumerate(servers.items())}
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_each_process_fetches_its_share_from_the_hub(hub: HubServer, checkpoint, tmp_path, mesh):
-    # Remote column reads cost a request per row: the cost model reads those leaves as bands.
-    repo = hub.add_repo(f"org/fetch-{mesh}", checkpoint)
-    results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "mesh": MESHES[mesh], "source": repo,
-                                 "endpoint": hub.url, "reshard": "auto"}, PROCESSES, tmp_path / "out")  # fmt: skip
+def test_each_process_fetches_its_share_from_the_hub(hub_job, checkpoint, mesh):
+    results, hub = hub_job[mesh]
     reported = sum(r["bytes_read"] for r in results)
     assert reported <= hub.body_bytes <= reported + PROCESSES * served_headers(checkpoint)  # headers: before the load
     gets = len(hub.requests("GET", "/resolve/"))
@@ -100,49 +115,66 @@ def accounts_disk_reads(directory: Path) -> bool:
     return disk_read_bytes() > before
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_each_process_fetches_its_share_of_cold_local_files(checkpoint, tmp_path, mesh):
-    # Separate hosts do not share a page cache: each process reads its own copy.
-    for i in range(PROCESSES):
-        shutil.copytree(checkpoint, tmp_path / f"copy{i}")
-    if not accounts_disk_reads(tmp_path / "copy0"):
-        pytest.skip("reads on this filesystem do not show in /proc/self/io")
+@pytest.fixture(scope="module")
+def cold_job(checkpoint, once_checkpoint, tmp_path_factory) -> dict:
+    """Every cold local load in one job, each process reading its own copy (separate hosts do not share a
+    page cache): ``{"loads": {(kind, mesh): [(results, gathered .npz) per load]}, "accounted": whether
+    reads show in /proc/self/io}``; kind ``share`` (``always``) or ``once`` (per-process, then read-once)."""
+    root = tmp_path_factory.mktemp("cold")
+    for name, source in (("share", checkpoint), ("once", once_checkpoint)):
+        for i in range(PROCESSES):
+            shutil.copytree(source, root / f"{name}{i}")
+    accounted = accounts_disk_reads(root / "share0")
     os.sync()  # clean pages only can be evicted
-    results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "mesh": MESHES[mesh],
-                                 "source": str(tmp_path / "copy{i}"), "reshard": "always", "evict": True},
-                                PROCESSES, tmp_path / "out")  # fmt: skip
+    jobs = [("share", m, {"mesh": MESHES[m], "source": str(root / "share{i}"), "env": "always",
+                          "gather": m == "fsdp2_tp4"}) for m in MESHES]  # fmt: skip
+    jobs += [("once", m, {"mesh": ONCE_MESHES[m], "source": str(root / "once{i}"), "gather": True, **how})
+             for m in ONCE_MESHES for how in ONCE_LOADS[m]]  # fmt: skip
+    results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "evict": True, "loads": [how for *_, how in jobs]},
+                                PROCESSES, root / "out", JOB_TIMEOUT_S)  # fmt: skip
+    loads: dict[tuple[str, str], list] = {}
+    for k, (kind, mesh, _) in enumerate(jobs):
+        loads.setdefault((kind, mesh), []).append(([r["loads"][k] for r in results], root / "out" / f"params{k}.npz"))
+    return {"loads": loads, "accounted": accounted}
+
+
+def test_band_reads_resharded_on_the_devices_load_the_same_model(cold_job, checkpoint, mesh_2x4):
+    import otfload
+
+    ((results, gathered_file),) = cold_job["loads"]["share", "fsdp2_tp4"]  # "always": column splits as bands
+    assert all(r["resharded"] for r in results)
+    assert len({tuple(r["resharded"]) for r in results}) == 1  # the same choices everywhere
+    reference = flat_params(otfload.from_pretrained(checkpoint, mesh=mesh_2x4))  # one process, read in place
+    with np.load(gathered_file) as gathered:
+        assert sorted(gathered.files) == sorted(reference)
+        for name, want in reference.items():  # np.savez keeps bfloat16 as 2-byte voids: compare the bits
+            np.testing.assert_array_equal(gathered[name].view(want.dtype), want, err_msg=name)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_each_process_fetches_its_share_of_cold_local_files(cold_job, checkpoint, mesh):
+    ((results, _),) = cold_job["loads"]["share", mesh]
     for r in results:
         assert r["bytes_read"] == r["bytes_planned"] <= TARGET * r["bytes_ideal"], r["summary"]
-        headers = served_headers(checkpoint) + 3 * 4096 * len(list(checkpoint.glob("*.safetensors")))
+    if not cold_job["accounted"]:
+        pytest.skip("reads on this filesystem do not show in /proc/self/io")
+    headers = served_headers(checkpoint) + 3 * 4096 * len(list(checkpoint.glob("*.safetensors")))
+    for r in results:
         assert abs(r["kernel_read_bytes"] - r["bytes_read"]) <= 0.05 * r["bytes_read"] + headers, r
 
 
-# Each job runs two cold loads: the per-process mode and the read-once mode, asked for through
-# ``from_pretrained(reshard=...)`` (tp8) or ``$OTFLOAD_RESHARD`` under an explicit ``reshard=`` (fsdp4_tp2).
-ONCE_LOADS = {
-    "tp8": [{"reshard": "never"}, {"reshard": "always"}],
-    "fsdp4_tp2": [{"env": "always", "reshard": "never"}, {"env": "always"}],
-}
-
-
 @pytest.mark.parametrize("mesh", list(ONCE_MESHES))
-def test_each_byte_is_read_once_cluster_wide_and_resharded_to_the_same_arrays(once_checkpoint, tmp_path, mesh):
-    for i in range(PROCESSES):  # separate hosts: a copy each, cold
-        shutil.copytree(once_checkpoint, tmp_path / f"copy{i}")
-    if not accounts_disk_reads(tmp_path / "copy0"):
-        pytest.skip("reads on this filesystem do not show in /proc/self/io")
-    os.sync()
-    results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "mesh": ONCE_MESHES[mesh], "evict": True,
-                                 "source": str(tmp_path / "copy{i}"), "loads": ONCE_LOADS[mesh], "gather": True},
-                                PROCESSES, tmp_path / "out")  # fmt: skip
-    per_process, once = zip(*(r["loads"] for r in results), strict=True)
-    size = sum(p.stat().st_size for p in once_checkpoint.glob("*.safetensors"))
+def test_each_byte_is_read_once_cluster_wide_and_resharded_to_the_same_arrays(cold_job, once_checkpoint, mesh):
+    (per_process, direct_file), (once, moved_file) = cold_job["loads"]["once", mesh]
     assert not any(r["resharded"] for r in per_process)  # "never" reached the loader
     assert all(r["resharded"] for r in once) and len({tuple(r["resharded"]) for r in once}) == 1
-    read_once = sum(r["kernel_read_bytes"] for r in once) / size  # what the disk really served
-    read_each = sum(r["kernel_read_bytes"] for r in per_process) / size
-    assert read_once <= ONCE < 1.5 < read_each, (read_once, read_each, [r["summary"] for r in once])
-    with np.load(tmp_path / "out" / "params0.npz") as direct, np.load(tmp_path / "out" / "params1.npz") as moved:
+    with np.load(direct_file) as direct, np.load(moved_file) as moved:
         assert sorted(direct.files) == sorted(moved.files)
         for name in direct.files:  # bit-identical to the per-process mode
             np.testing.assert_array_equal(moved[name], direct[name], err_msg=name)
+    if not cold_job["accounted"]:
+        pytest.skip("reads on this filesystem do not show in /proc/self/io")
+    size = sum(p.stat().st_size for p in once_checkpoint.glob("*.safetensors"))
+    read_once = sum(r["kernel_read_bytes"] for r in once) / size  # what the disk really served
+    read_each = sum(r["kernel_read_bytes"] for r in per_process) / size
+    assert read_once <= ONCE < 1.5 < read_each, (read_once, read_each, [r["summary"] for r in once])

@@ -2,6 +2,8 @@
 load_params and come back in their own kind; shardings come from values, out_sharding names or
 logical rules; every bad target is a typed error at plan time (plan_params), before any byte."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +33,8 @@ Q = "model.layers.{layer}.self_attn.q_proj.weight"
 def llama_parts(path):
     """The family's config dict (its table's hooks name its fields), table and an abstract otfload
     Llama (logical_axes metadata, no mesh)."""
-    index = open_index(open_source(path))
+    with contextlib.closing(open_source(path)) as source:  # headers and config only
+        index = open_index(source)
     family = family_for(index.config)
     cfg = family.config_for(index.config, index.tensors)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, scan_layers=True, dtype=np.float32, rngs=nnx.Rngs(0)))

@@ -1,3 +1,5 @@
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -43,7 +45,8 @@ def leaves_of(tree, mesh):
 
 
 def plan(checkpoint, tree, mesh, **kw):
-    index = open_index(LocalSource(checkpoint), require_config=False)
+    with contextlib.closing(LocalSource(checkpoint)) as source:  # planning reads headers only
+        index = open_index(source, require_config=False)
     return build_plan(index, leaves_of(tree, mesh), TABLE, index.config, **kw)
 
 

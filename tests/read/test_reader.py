@@ -10,13 +10,13 @@ from tests.synthetic import write_checkpoint
 
 
 @pytest.fixture
-def index(tmp_path):
+def index(tmp_path, closing):
     rng = np.random.default_rng(0)
     tensors = {
         "wide": rng.standard_normal((8, 5000), dtype=np.float32),  # rows of 20 KB
         "tall": rng.standard_normal((40, 20000), dtype=np.float32),  # rows of 80 KB: runs read apart
     }
-    source = LocalSource(write_checkpoint(tmp_path / "c", tensors, files=1), mmap=False)
+    source = closing(LocalSource(write_checkpoint(tmp_path / "c", tensors, files=1), mmap=False))
     return open_index(source, require_config=False), tensors
 
 
@@ -49,10 +49,10 @@ def test_arena_reuses_memory_and_aligns():
     assert aligned_empty((3, 7), np.float32).ctypes.data % ALIGNMENT == 0
 
 
-def test_mapped_source_gives_zero_copy_views_and_releases_pages(tmp_path):
+def test_mapped_source_gives_zero_copy_views_and_releases_pages(tmp_path, closing):
     big = np.random.default_rng(1).standard_normal((2048, 4096), dtype=np.float32)  # 32 MiB
     path = write_checkpoint(tmp_path / "m", {"big": big}, files=1)
-    index = open_index(LocalSource(path), require_config=False)
+    index = open_index(closing(LocalSource(path)), require_config=False)
     reader = TensorReader(index.source)
     box = ((0, 2048), (1024, 3072))
     view = reader.read_box(index["big"], box, Arena())

@@ -104,10 +104,10 @@ def test_residency_follows_the_page_cache(blob):
     assert file_resident_fraction(path) == 1.0
 
 
-def test_local_source_advise_reads_ahead_exactly_the_range(blob):
+def test_local_source_advise_reads_ahead_exactly_the_range(blob, closing):
     path, data = blob
     cold_or_skip(path)
-    source = LocalSource(path.parent)
+    source = closing(LocalSource(path.parent))
     start, length = 2 * MIB, MIB
     assert source.resident_fraction(path.name, start, length) < 0.5
     source.advise(path.name, [(start, length)])
@@ -121,9 +121,9 @@ def test_local_source_advise_reads_ahead_exactly_the_range(blob):
     assert bytes(out) == data[start : start + length].tobytes()
 
 
-def test_residency_of_a_truncated_range_is_unknown_and_reads_stay_typed(blob):
+def test_residency_of_a_truncated_range_is_unknown_and_reads_stay_typed(blob, closing):
     path, _ = blob
-    source = LocalSource(path.parent)
+    source = closing(LocalSource(path.parent))
     size = path.stat().st_size
     assert source.resident_fraction(path.name, size - 100, 1000) is None
     with pytest.raises(TruncatedFileError):
@@ -146,11 +146,11 @@ def _shards(path: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("use_mmap", [True, False])
-def test_read_ahead_announces_cold_ranges_then_reads_equal_bytes(stacked_checkpoint, use_mmap):
+def test_read_ahead_announces_cold_ranges_then_reads_equal_bytes(stacked_checkpoint, use_mmap, closing):
     path, tensors = stacked_checkpoint
     for shard in _shards(path):
         cold_or_skip(shard)
-    index = open_index(LocalSource(path, mmap=use_mmap), require_config=False)
+    index = open_index(closing(LocalSource(path, mmap=use_mmap)), require_config=False)
     reader = TensorReader(index.source)
     names = sorted(tensors)
     leaves = [(name, index[name].nbytes) for name in names]
@@ -176,11 +176,11 @@ def test_read_ahead_announces_cold_ranges_then_reads_equal_bytes(stacked_checkpo
     assert warm.announced == 0 and warm.skipped == expected
 
 
-def test_read_ahead_stays_within_its_lead(stacked_checkpoint):
+def test_read_ahead_stays_within_its_lead(stacked_checkpoint, closing):
     path, tensors = stacked_checkpoint
     for shard in _shards(path):
         cold_or_skip(shard)
-    index = open_index(LocalSource(path), require_config=False)
+    index = open_index(closing(LocalSource(path)), require_config=False)
     reader = TensorReader(index.source)
     names = sorted(tensors)
     sizes = {name: index[name].nbytes for name in names}
@@ -228,12 +228,13 @@ def _leaves(model) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
 
 
-def test_leaf_ranges_are_what_the_builder_fetches(tiny_checkpoints, mesh_2x4):
+def test_leaf_ranges_are_what_the_builder_fetches(tiny_checkpoints, mesh_2x4, closing):
     from otfload.place.report import planned_bytes
 
     directory, _ = tiny_checkpoints("llama")
-    _, plan, _ = otfload.plan_model(directory, mesh=mesh_2x4)
-    reader = TensorReader(LocalSource(directory))
+    _, plan, planned_from = otfload.plan_model(directory, mesh=mesh_2x4)
+    planned_from.close()
+    reader = TensorReader(closing(LocalSource(directory)))
     total = sum(n for p in plan.leaves.values() for _, _, n in leaf_ranges(p, reader))
     assert total == planned_bytes(plan, reader)
     for p in plan.leaves.values():
@@ -258,12 +259,13 @@ def test_sampled_residency_estimates_a_half_warm_file(blob):
         assert resident_fraction(region, 0, 4096 * 8, max_pages=64) == 1.0  # small: probed exactly
 
 
-def test_read_ahead_starts_only_when_a_file_is_cold(tiny_checkpoints, mesh_2x4):
+def test_read_ahead_starts_only_when_a_file_is_cold(tiny_checkpoints, mesh_2x4, closing):
     from otfload.read.readahead import cold_files, start_read_ahead
 
     directory, _ = tiny_checkpoints("llama")
-    _, plan, _ = otfload.plan_model(directory, mesh=mesh_2x4)
-    source = LocalSource(directory)
+    _, plan, planned_from = otfload.plan_model(directory, mesh=mesh_2x4)
+    planned_from.close()
+    source = closing(LocalSource(directory))
     reader = TensorReader(source)
     files = _shards(directory)
     for shard in files:

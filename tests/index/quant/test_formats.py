@@ -1,6 +1,7 @@
 """Layout detection: every quantized checkpoint is either decoded or a typed error naming the method
 and the tensor — never raw codes loaded as weights, whatever ``strict`` says."""
 
+import contextlib
 import json
 
 import ml_dtypes
@@ -22,7 +23,8 @@ def checkpoint(tmp_path, tensors: dict, quantization_config=None, **config):
     if quantization_config is not None:
         cfg["quantization_config"] = quantization_config
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return open_index(open_source(tmp_path))
+    with contextlib.closing(open_source(tmp_path)) as source:  # the index is headers and config only
+        return open_index(source)
 
 
 def w8(shape=(64, 96)):
