@@ -1,7 +1,9 @@
 """Mapping table for GPT-OSS: the Llama attention keys (with biases) plus ``self_attn.sinks``, the
 biased router, and the fused experts. ``gate_up_proj [E, hidden, 2 * inter]`` is stored in x out
 with gate and up interleaved on the last axis, so the ``gate`` leaf takes ``[..., ::2]`` and ``up``
-``[..., 1::2]`` (each shard reads only its columns); ``down_proj [E, inter, hidden]`` is as is. The
+``[..., 1::2]``: each shard needs only its columns (in MXFP4, every other 1,440-byte row of the
+stored blocks), and the two leaves, siblings of one stride-2 slice, split the pages that hold rows
+of both (:func:`otfload.read.reader.charged_page_bytes`); ``down_proj [E, inter, hidden]`` is as is. The
 model keeps these expert kernels in x out (``experts_in_first``) and the router ``[E, hidden]`` as
 stored, so no tensor is transposed."""
 

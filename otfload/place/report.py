@@ -93,13 +93,14 @@ def leaf_planned(plan, boxes: list[Box], reader) -> tuple[int, int]:
     total_bytes = total_requests = 0
     seen: dict = {}
     paged = reader.maps or reader.pages
+    shared = cost.leaf_sibling_selection(plan, boxes) if paged else None  # siblings' pages are theirs
     for i in indices:
         info = plan.sources[i]
         # Stacked tensors share shape (and, but for mixed checkpoints, dtype and kind): for local
         # files only where a page boundary falls in the tensor can differ.
         key = (type(info), info.dtype, info.offset % mmap.PAGESIZE if paged and hasattr(info, "offset") else 0)
         if key not in seen:
-            seen[key] = reader.planned(info, union, selection)
+            seen[key] = reader.planned(info, union, selection, shared=shared)
         total_bytes += seen[key][0]
         total_requests += seen[key][1]
     return total_bytes, total_requests

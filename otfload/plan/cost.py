@@ -8,7 +8,9 @@ cost model, ``otfload inspect``, the benchmarks and the bytes-per-process tests 
 * :func:`leaf_reads` — those boxes carried back through the hooks: the bounding box of each HF
   tensor, the *selection* inside it (widening hooks leave holes) and which stacked tensors are read;
 * :func:`needed_bytes` / :func:`leaf_needed` — the stored bytes of the selected elements (every
-  part of a quantized or adapted tensor), without the pages or gaps a source fetches around them;
+  part of a quantized or adapted tensor), without the pages, gaps or whole boxes a source fetches
+  around them: exact however fragmented the selection (a stride-2 slice of GPT-OSS's interleaved
+  ``gate_up_proj`` needs every other row, and counts every other row);
 * :func:`leaf_ideal` — the source bytes of the elements the devices hold, each distinct shard once:
   what no reader can go below;
 * :func:`shard_bytes` / :func:`placed_per_device` — the device memory a leaf takes.
@@ -16,15 +18,21 @@ cost model, ``otfload inspect``, the benchmarks and the bytes-per-process tests 
 What a *reader* fetches for those bytes (pages, merged gaps, requests) depends on the source and
 lives with the reader (:meth:`~otfload.read.reader.TensorReader.planned`). The one reading decision
 made here is which selections are worth reading piece by piece (:func:`useful_selection`): a
-selection too fragmented to read apart is read, and counted, as its bounding box.
+selection too fragmented to read apart is read, and fetched, as its bounding box (what it *needs*
+stays the selection).
+
+A derived tensor's selection reaches its stored parts axis by axis (:func:`part_selections`): each
+part axis follows one axis of the tensor (MXFP4 codes: ``out`` → rows, ``in`` → 16-byte groups;
+scale grids, packed words and LoRA factors alike), so each interval of each axis is mapped once —
+a sum over the axes' intervals, not a product (2,880 strided columns × the other axes' intervals).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, cast
 
 import jax
 import numpy as np
@@ -39,12 +47,13 @@ from otfload.plan.boxes import (
     box_selection,
     box_shape,
     box_size,
+    merge_intervals,
     selection_boxes,
     selection_run_count,
     selection_size,
     selection_union,
 )
-from otfload.plan.hooks import chain_needed, chain_selection
+from otfload.plan.hooks import chain_needed, chain_selection, chain_sibling_selection
 
 if TYPE_CHECKING:
     from otfload.plan.abstract import AbstractLeaf
@@ -57,8 +66,12 @@ MAX_SELECTION_RUNS = 1 << 16
 # ~1 µs, a range entry remotely), more than reading a hole this small (~0.03 µs at 10 GB/s) — below it
 # only reading the box once and sharing it would help (a stride-2 slice of bf16 pairs: 2-byte runs).
 MIN_SELECTION_RUN_BYTES = 256
-# A derived tensor's selection is carried to its parts box by box, up to this many boxes.
+# A derived tensor whose part axes do not each follow one axis of it (none in otfload: a guard for
+# other DerivedTensor types) has its selection carried to its parts box by box, up to this many boxes.
 MAX_DERIVED_SELECTION_BOXES = 4096
+# Derived-tensor selections whose part selections are kept (a leaf's stacked tensors, sampled
+# processes and candidate read layouts: a few hundred per plan; each a few KB of intervals).
+AXIS_MAP_CACHE_SIZE = 1024
 # Distinct (shape, sharding) pairs whose device -> index maps are kept: an unscanned 671B model has
 # ~1,200 leaves of a few dozen distinct shapes; at 2,048 devices each map is ~100 KB.
 INDEX_MAP_CACHE_SIZE = 256
@@ -90,23 +103,59 @@ def useful_selection(info: TensorInfo | DerivedTensor, box: Box, selection: Sele
     if selection is None or selection == box_selection(box):
         return None
     if is_derived(info):
-        return selection if len(selection_boxes(selection)) <= MAX_DERIVED_SELECTION_BOXES else None
+        return selection if _axis_map(info, box, selection) is not None or \
+            math.prod(len(spans) for spans in selection) <= MAX_DERIVED_SELECTION_BOXES else None
     runs = selection_run_count(selection, info.shape)
     if runs > MAX_SELECTION_RUNS or selection_size(selection) * info.dtype.itemsize < MIN_SELECTION_RUN_BYTES * runs:
         return None
     return selection
 
 
+def _axis_map(info: DerivedTensor, box: Box, selection: Selection) -> dict[str, Selection] | None:
+    """:func:`_carry_axes`, remembered: a read asks it for the same selection several times (is it
+    worth reading apart, the parts' selections, their siblings')."""
+    try:
+        return _carry_axes_cached(info, box, selection)
+    except TypeError:  # a derived tensor that cannot be hashed
+        return _carry_axes(info, box, selection)
+
+
+def _carry_axes(info: DerivedTensor, box: Box, selection: Selection) -> dict[str, Selection] | None:
+    """Each part's selection, carried axis by axis: every interval of axis ``d`` of ``selection``
+    (the other axes at ``box``'s bounds) gives the part boxes' spans on the part axes that follow
+    ``d``. None when a part axis moves with two axes of ``info`` (then it is not separable)."""
+    parts = info.part_boxes(box)
+    spans = {role: [[span] for span in pbox] for role, (_, pbox) in parts.items()}
+    owner: dict[tuple[str, int], int] = {}
+    for d, intervals in enumerate(selection):
+        if intervals == (box[d],):
+            continue
+        moved = [info.part_boxes((*box[:d], interval, *box[d + 1 :])) for interval in intervals]
+        for role, (_, pbox) in parts.items():
+            for k, bound in enumerate(pbox):
+                got = [m[role][1][k] for m in moved]
+                if any(span != bound for span in got):
+                    if owner.setdefault((role, k), d) != d:
+                        return None
+                    spans[role][k] = got
+    return {role: tuple(merge_intervals(axis) for axis in per_axis) for role, per_axis in spans.items()}
+
+
+_carry_axes_cached = cast(Callable[[DerivedTensor, Box, Selection], "dict[str, Selection] | None"],
+                          functools.lru_cache(maxsize=AXIS_MAP_CACHE_SIZE)(_carry_axes))
+
+
 def part_selections(
     info: DerivedTensor, box: Box, selection: Selection
 ) -> dict[str, tuple[TensorInfo | DerivedTensor, Box, Selection]]:
     """``{role: (part, part box, part selection)}`` of a derived tensor: each part's selection is the
-    union of the part boxes of the selection's boxes."""
-    boxes = [info.part_boxes(b) for b in selection_boxes(selection)]
-    return {
-        role: (part, pbox, selection_union([box_selection(parts[role][1]) for parts in boxes]))
-        for role, (part, pbox) in info.part_boxes(box).items()
-    }
+    union of the part boxes of the selection's boxes (carried axis by axis, see the module doc)."""
+    parts = info.part_boxes(box)
+    carried = _axis_map(info, box, selection)
+    if carried is None:
+        boxes = [info.part_boxes(b) for b in selection_boxes(selection)]
+        carried = {role: selection_union([box_selection(p[role][1]) for p in boxes]) for role in parts}
+    return {role: (part, pbox, carried[role]) for role, (part, pbox) in parts.items()}
 
 
 def stored_box_bytes(info: TensorInfo | DerivedTensor, box: Box) -> int:
@@ -117,11 +166,14 @@ def stored_box_bytes(info: TensorInfo | DerivedTensor, box: Box) -> int:
 
 
 def needed_bytes(info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None) -> int:
-    """Stored bytes a read of ``box`` (``selection`` in it) of ``info`` needs: the selected elements
-    (a selection too fragmented to read apart counts whole), every part of a derived tensor —
-    without the pages or gaps a source fetches around them."""
-    selection = useful_selection(info, box, selection)
+    """Stored bytes a read of ``box`` (``selection`` in it) of ``info`` needs: exactly the selected
+    elements (however fragmented), every part of a derived tensor (the part elements covering them)
+    — without the pages, gaps or whole boxes a source fetches around them."""
+    if selection is not None and selection == box_selection(box):
+        selection = None
     if is_derived(info):
+        if selection is not None and _axis_map(info, box, selection) is None:
+            selection = useful_selection(info, box, selection)  # not separable: box by box, or whole
         if selection is None:
             return stored_box_bytes(info, box)
         parts = part_selections(info, box, selection).values()
@@ -141,6 +193,15 @@ def leaf_reads(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection, li
     flat = [np.ravel_multi_index(np.ix_(*(np.arange(a, b) for a, b in stack)), plan.stack_shape).ravel()
             for stack in dict.fromkeys(box[:n] for box in boxes)]
     return union, selection, [int(i) for i in np.unique(np.concatenate(flat))]
+
+
+def leaf_sibling_selection(plan: LeafPlan, boxes: Sequence[Box]) -> Selection:
+    """The elements of each source tensor that ``boxes`` of ``plan``'s leaf and its sibling leaves
+    (the other offsets of a strided slice) read — :func:`leaf_reads`' selection and its holes that
+    those siblings fill, on the same pages (up to one stride past the union box)."""
+    n = len(plan.stack_axes)
+    inner = list(dict.fromkeys(box[n:] for box in boxes))
+    return selection_union([chain_sibling_selection(plan.hooks, plan.shapes, box) for box in inner])
 
 
 def leaf_needed(plan: LeafPlan, boxes: Sequence[Box]) -> int:

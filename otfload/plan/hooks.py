@@ -88,6 +88,12 @@ class Hook:
         """The input elements ``out_sel`` needs (inside :meth:`needed` of its bounds); default: all of them."""
         return box_selection(self.needed(selection_bounds(out_sel), in_shape))
 
+    def sibling_selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        """:meth:`selection` together with the input elements the hook's *siblings* need for the same
+        ``out_sel`` — the other leaves that split the same tensor this way (a strided slice's other
+        offsets) and so read the same pages; default: none beyond :meth:`selection`."""
+        return self.selection(out_sel, in_shape)
+
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         if not is_full(in_box, in_shape):
             raise MappingError(f"{self} needs the whole input tensor, got box {in_box}")
@@ -107,10 +113,8 @@ class Transpose(Hook):
         """Output dim ``i`` is input dim ``permutation(ndim)[i]``."""
         return tuple(range(ndim))[::-1] if self.perm is None else tuple(self.perm)
 
-    _perm = permutation  # the former private name, still used by otfload/plan/keep.py
-
     def out_shape(self, in_shape: Shape) -> Shape:
-        return tuple(in_shape[p] for p in self._perm(len(in_shape)))
+        return tuple(in_shape[p] for p in self.permutation(len(in_shape)))
 
     def in_shape(self, out_shape: Shape) -> Shape:
         shape = [0] * len(out_shape)
@@ -119,7 +123,7 @@ class Transpose(Hook):
         return tuple(shape)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        return x.transpose(self._perm(x.ndim))
+        return x.transpose(self.permutation(x.ndim))
 
     def _out_dim_of(self, ndim: int) -> list[int]:
         """For each input dim, the output dim it becomes."""
@@ -135,11 +139,11 @@ class Transpose(Hook):
         return tuple(out_sel[d] for d in self._out_dim_of(len(in_shape)))  # the dims permuted, whatever they hold
 
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
-        perm = self._perm(len(in_shape))
+        perm = self.permutation(len(in_shape))
         return x.transpose(perm), tuple(in_box[p] for p in perm)
 
     def inverse(self, in_shape: Shape) -> Hook:
-        return Transpose(tuple(int(i) for i in np.argsort(self._perm(len(in_shape)))))
+        return Transpose(tuple(int(i) for i in np.argsort(self.permutation(len(in_shape)))))
 
 
 def head_run(spec: tuple[int | str, ...]) -> tuple[int, int] | None:
@@ -373,6 +377,20 @@ class Slice(Hook):
         sel[axis] = merge_intervals(spans)
         return tuple(sel)
 
+    def sibling_selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        """A strided slice (``step`` > 1, the whole axis) interleaves ``step`` sibling slices, one per
+        offset (GPT-OSS ``gate_up_proj``: ``gate`` even, ``up`` odd): for each kept element, its whole
+        group of ``step`` elements."""
+        axis = self.axis % len(in_shape)
+        if self.step <= 1 or self.stop is not None or not isinstance(self.start, int) or self.start >= self.step:
+            return self.selection(out_sel, in_shape)
+        n, kept = in_shape[axis], self.positions(in_shape[axis])
+        spans = [(kept[lo] - self.start, min(n, kept[hi - 1] - self.start + self.step))
+                 for lo, hi in out_sel[axis] if hi > lo]
+        sel = list(out_sel)
+        sel[axis] = merge_intervals(spans)
+        return tuple(sel)
+
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         axis = self.axis % len(in_shape)
         kept = self.positions(in_shape[axis])
@@ -433,6 +451,15 @@ def chain_selection(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box
     sel = box_selection(out_box)
     for hook, in_shape in zip(reversed(hooks), reversed(shapes[:-1]), strict=True):
         sel = hook.selection(sel, in_shape)
+    return sel
+
+
+def chain_sibling_selection(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box) -> Selection:
+    """:func:`chain_selection` with the elements sibling leaves read through the same hooks
+    (:meth:`Hook.sibling_selection`): the holes of the selection inside it are theirs."""
+    sel = box_selection(out_box)
+    for hook, in_shape in zip(reversed(hooks), reversed(shapes[:-1]), strict=True):
+        sel = hook.sibling_selection(sel, in_shape)
     return sel
 
 

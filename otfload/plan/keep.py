@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from jax.sharding import NamedSharding, PartitionSpec
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from otfload.errors import InvalidOptionError
 from otfload.index.quant.parts import NotKeepable, StoredPart, stored_parts
@@ -46,6 +48,8 @@ QUANTIZED_MODES = ("dequantize", "keep")
 LAYER_LEAF = re.compile(r"^[A-Za-z_]*layers\.")
 
 Shape = tuple[int, ...]
+# A mesh axis entry of a PartitionSpec: one axis name, several, or None (not split).
+SpecEntry = str | tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class KeptLeaf:
     spec: PartitionSpec
     note: str = ""
 
-    def assemble(self, arrays: dict) -> QuantizedArray:
+    def assemble(self, arrays: dict[str, Any]) -> QuantizedArray:
         """The QuantizedArray from the placed part arrays (removed from ``arrays``)."""
         placed = {role: arrays.pop(path) for role, path in self.parts.items()}
         return QuantizedArray(placed["codes"], placed.get("scale"), placed.get("zero_point"),
@@ -82,7 +86,7 @@ class KeptLeaf:
 
 
 def _transpose(hook: Transpose, state: PartState) -> tuple[Hook, PartState]:
-    perm = hook._perm(len(state.logical))
+    perm = hook.permutation(len(state.logical))
     pack = None if state.pack_axis is None else perm.index(state.pack_axis)
     return Transpose(perm), PartState(tuple(state.logical[p] for p in perm), tuple(state.block[p] for p in perm), pack)
 
@@ -125,7 +129,7 @@ def _merge(blocks: Shape, dims: Shape) -> int:
 
 def _reshape(hook: Reshape, state: PartState) -> tuple[Hook, PartState]:
     out_shape = hook.out_shape(state.logical)
-    block: list = [1] * len(out_shape)
+    block: list[int] = [1] * len(out_shape)
     pack = None
     for gi, gj in reshape_groups(state.logical, out_shape):
         blocks = tuple(state.block[i] for i in gi)
@@ -151,7 +155,7 @@ def _reshape(hook: Reshape, state: PartState) -> tuple[Hook, PartState]:
 def _slice(hook: Slice, state: PartState) -> tuple[Hook, PartState]:
     axis = hook.axis % len(state.logical)
     d, b = state.logical[axis], state.block[axis]
-    kept = range(d)[slice(hook.start, hook.stop, hook.step)]
+    kept = hook.positions(d)
     logical = list(state.logical)
     logical[axis] = len(kept)
     block = list(state.block)
@@ -193,17 +197,19 @@ def part_hooks(part: StoredPart, plan: LeafPlan, logical: Shape) -> tuple[tuple[
     return tuple(hooks), state
 
 
-def _mesh_size(mesh, entry) -> int:
+def _mesh_size(mesh: Mesh | AbstractMesh, entry: SpecEntry) -> int:
     names = (entry,) if isinstance(entry, str) else tuple(entry or ())
     return math.prod(mesh.shape[a] for a in names)
 
 
-def kept_spec(leaf: AbstractLeaf, n_stack: int, states: dict[str, PartState]) -> tuple[PartitionSpec, dict, str]:
+def kept_spec(
+    leaf: AbstractLeaf, n_stack: int, states: dict[str, PartState]
+) -> tuple[PartitionSpec, dict[str, PartitionSpec], str]:
     """The leaf's spec with axes that would cut a block unsplit, per-part specs, and the note."""
     sharding = leaf.sharding
     if not isinstance(sharding, NamedSharding):
         raise NotKeepable(f"its sharding {type(sharding).__name__} is not a NamedSharding")
-    spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
+    spec: list[SpecEntry] = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
     notes = []
     for k, d in enumerate(leaf.shape[n_stack:]):
         axis, entry = n_stack + k, spec[n_stack + k]
@@ -223,20 +229,25 @@ def kept_spec(leaf: AbstractLeaf, n_stack: int, states: dict[str, PartState]) ->
         for k, n in enumerate(s.part_shape):
             if n == 1:
                 ps[n_stack + k] = None
-        part_specs[role] = PartitionSpec(*ps)
-    return PartitionSpec(*spec), part_specs, "; ".join(notes)
+        part_specs[role] = PartitionSpec(*ps)  # type: ignore[no-untyped-call]  # jax: unannotated __init__
+    return PartitionSpec(*spec), part_specs, "; ".join(notes)  # type: ignore[no-untyped-call]  # as above
+
+
+def _layout(part: StoredPart) -> tuple[object, ...]:
+    """Everything about a part but the stored tensor it reads: equal for slices stored alike."""
+    return tuple(getattr(part, f.name) for f in dataclasses.fields(part) if f.name != "info")
 
 
 def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
     """The part leaves of a leaf whose sources are all quantized; :class:`NotKeepable` otherwise."""
-    sources = plan.sources
-    if not sources or not all(isinstance(s, QuantizedTensor) for s in sources):
+    sources = [s for s in plan.sources if isinstance(s, QuantizedTensor)]
+    if not sources or len(sources) != len(plan.sources):
         raise NotKeepable("its tensors are not all quantized")
     per_slice = [stored_parts(s) for s in sources]
     first = per_slice[0]
-    layout_of = {role: dataclasses.replace(p, info=None) for role, p in first.items()}
+    layout_of = {role: _layout(p) for role, p in first.items()}
     for parts in per_slice[1:]:
-        if {r: dataclasses.replace(p, info=None) for r, p in parts.items()} != layout_of or \
+        if {r: _layout(p) for r, p in parts.items()} != layout_of or \
                 any(parts[r].info.shape != first[r].info.shape for r in parts):
             raise NotKeepable("its slices (layers / experts) are stored in different layouts")
     n_stack = len(plan.stack_axes)
@@ -246,6 +257,8 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
         if states[role].logical != plan.slice_shape:  # pragma: no cover - the hooks' shapes are checked
             raise NotKeepable(f"{role} ends as {states[role].logical}, not {plan.slice_shape}")
     spec, part_specs, note = kept_spec(plan.leaf, n_stack, states)
+    sharding = plan.leaf.sharding
+    assert isinstance(sharding, NamedSharding)  # kept_spec refuses any other
     leaves, paths, layouts = {}, {}, []
     for role, part in first.items():
         state = states[role]
@@ -255,7 +268,7 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
         if shapes[-1] != state.part_shape:  # pragma: no cover - part_hooks keeps them in step
             raise NotKeepable(f"{role} part shape {shapes[-1]} is not {state.part_shape}")
         leaf = AbstractLeaf(path, (*plan.stack_shape, *state.part_shape), part.info.dtype,
-                            NamedSharding(plan.leaf.sharding.mesh, part_specs[role]))
+                            NamedSharding(sharding.mesh, part_specs[role]))
         leaves[path] = LeafPlan(leaf, plan.rule, plan.stack_axes, infos, hooks[role], shapes)
         paths[role] = path
         n = len(state.logical)
@@ -297,9 +310,9 @@ def keep_quantized(plan: LoadPlan, eligible: Callable[[str], bool] = lambda path
 
 def check_quantized_mode(quantized: object) -> str:
     """``quantized`` if it is a mode otfload knows; :class:`InvalidOptionError` otherwise."""
-    if quantized not in QUANTIZED_MODES:
+    if not isinstance(quantized, str) or quantized not in QUANTIZED_MODES:
         raise InvalidOptionError(f"quantized={quantized!r}: expected one of {', '.join(map(repr, QUANTIZED_MODES))}")
-    return quantized  # type: ignore[return-value]
+    return quantized
 
 
 def keep_plan(plan: LoadPlan, quantized: str, eligible: Callable[[str], bool] = lambda path: True) -> LoadPlan:
@@ -307,9 +320,12 @@ def keep_plan(plan: LoadPlan, quantized: str, eligible: Callable[[str], bool] = 
     return keep_quantized(plan, eligible) if check_quantized_mode(quantized) == "keep" else plan
 
 
-def assemble_kept(plan: LoadPlan, arrays: dict) -> dict:
-    """``arrays`` (placed leaves by path) with each kept leaf's parts assembled under its path."""
-    arrays = dict(arrays)
+def assemble_kept(plan: LoadPlan, arrays: Mapping[str, jax.Array]) -> dict[str, Any]:
+    """``arrays`` (placed leaves by path) with each kept leaf's parts assembled under its path.
+
+    The values are leaf values: ``jax.Array``, and a :class:`QuantizedArray` for each kept leaf.
+    """
+    out: dict[str, Any] = dict(arrays)
     for path, kept in plan.kept.items():
-        arrays[path] = kept.assemble(arrays)
-    return arrays
+        out[path] = kept.assemble(out)
+    return out

@@ -37,11 +37,12 @@ from otfload.plan.boxes import (
     byte_runs,
     page_run_arrays,
     selection_piece_arrays,
+    selection_size,
 )
 from otfload.plan.cost import part_selections, useful_selection
 from otfload.read.arena import Arena
 from otfload.sources.base import MappedSource, PageGranularSource, RangePrefetchingSource, RangeRead, Source
-from otfload.sources.ranges import coalesced_extents, expected_fetch, gap_policy, merge_run_arrays
+from otfload.sources.ranges import coalesced_extents, expected_fetch, fetching, gap_policy, merge_run_arrays
 
 # The gap *inside one tensor's box* that reading the box as one span (first element to last) may
 # read per run it merges, instead of one read per run: a gap costs gap / ~10 GB/s, a separate read
@@ -110,6 +111,79 @@ def page_fetch_runs(info: TensorInfo, pieces: Pieces) -> tuple[np.ndarray, np.nd
     return merge_run_arrays(starts, lengths, MAPPED_GAP_BYTES, int(MAX_OVERREAD_FRACTION * int(length.sum())))
 
 
+def charged_page_bytes(
+    info: TensorInfo, pieces: Pieces, shared: Pieces, starts: np.ndarray, lengths: np.ndarray
+) -> int:
+    """Bytes of the page runs ``starts, lengths`` (relative to the tensor) that a read of ``pieces``
+    is charged with when sibling leaves read the same pages: each page in proportion to this leaf's
+    bytes in it against the bytes of it that this leaf and its siblings read (``shared``, see
+    :meth:`~otfload.plan.hooks.Hook.sibling_selection`); a page none of them needs (a merged gap)
+    whole.
+
+    GPT-OSS's ``gate`` and ``up`` read every other 1,440-byte row of ``gate_up_proj``: each 4 KiB page
+    holds rows of both, is fetched from the disk once, by whichever leaf reads it first, and is in
+    the page cache when the other reads it. Splitting each page between the siblings counts it once
+    over them — what the kernel really reads (``/proc/self/io``) — instead of once per leaf, and
+    charges both alike, so that both choose the same read layout (the split assumes they read the
+    same pages). Bytes of a page that no sibling reads (other processes' rows) are charged as
+    fetched: another host reads that page again."""
+    if len(starts) == 0:
+        return 0
+    page, base = PAGE_BYTES, info.offset
+    first_page = (base + starts) // page
+    count = -(-(base + starts + lengths) // page) - first_page
+    run = np.repeat(np.arange(len(starts)), count)
+    k = np.arange(len(run)) - np.repeat(np.cumsum(count) - count, count)
+    lo = np.maximum(starts[run], (first_page[run] + k) * page - base)
+    hi = np.minimum(starts[run] + lengths[run], (first_page[run] + k + 1) * page - base)
+    own = _covered(hi, pieces) - _covered(lo, pieces)
+    theirs = _covered(hi, shared) - _covered(lo, shared)
+    share = np.where(theirs > own, own / np.maximum(theirs, 1), 1.0)
+    return int(round(float(((hi - lo) * share).sum())))
+
+
+def _covered(x: np.ndarray, pieces: Pieces) -> np.ndarray:
+    """Bytes of ``pieces`` (disjoint) below each of ``x``."""
+    starts, _, lengths = pieces
+    if len(starts) == 0:
+        return np.zeros(len(x), np.int64)
+    if np.any(starts[1:] < starts[:-1]):  # selection pieces come in row-major order: sorted already
+        order = np.argsort(starts, kind="stable")
+        starts, lengths = starts[order], lengths[order]
+    before = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    j = np.maximum(np.searchsorted(starts, x, side="right") - 1, 0)
+    return np.where(x > starts[0], before[j] + np.clip(x - starts[j], 0, lengths[j]), 0)
+
+
+# What a page read is charged with when sibling leaves read the same pages: ``(the leaf's own exact
+# selection, the selection it and its siblings read)`` — the first even when the read fetches the
+# whole box (a selection too fragmented to read apart).
+Charge = tuple[Selection, Selection]
+
+
+def _charged(
+    info: TensorInfo, box: Box, charge: Charge, starts: np.ndarray, lengths: np.ndarray, read: Selection | None,
+    pieces: Pieces,
+) -> int:
+    """:func:`charged_page_bytes` of a read of ``read`` (None: the box) whose ``pieces`` are known."""
+    if charge[0] == charge[1]:  # no sibling fills a hole: every page counts
+        return int(lengths.sum())
+    own = pieces if read == charge[0] else selection_piece_arrays(info.shape, info.dtype.itemsize, charge[0], box)
+    shared = selection_piece_arrays(info.shape, info.dtype.itemsize, charge[1], box)
+    return charged_page_bytes(info, own, shared, starts, lengths)
+
+
+def _charge(selection: Selection | None, shared: Selection | None) -> Charge | None:
+    return (selection, shared) if selection is not None and shared is not None else None
+
+
+def _with_shared(info: DerivedTensor, box: Box, selection: Selection, shared: Selection | None):
+    """``(role, (part, part box, part selection), part's shared selection or None)`` of each part."""
+    parts = part_selections(info, box, selection)
+    theirs = part_selections(info, box, shared) if shared is not None else {}
+    return [(role, p, theirs[role][2] if role in theirs else None) for role, p in parts.items()]
+
+
 def _span(info: TensorInfo, box: Box, pieces: Pieces) -> tuple[int, int] | None:
     """``(start, length)`` of one read from the box's first element to its last selected byte, when
     the gaps it reads are small enough to save the requests; else None."""
@@ -134,6 +208,13 @@ class _PendingRead(NamedTuple):
     fetched: int
     span: bool
     finish: Callable[[], np.ndarray]
+    charged: bool = False  # ``fetched`` is a share of pages sibling leaves read too: it counts, not the source's
+
+
+def _counting(charged: bool):
+    """How a read is metered: as the source records it, or (pages shared with sibling leaves) as
+    the share it is charged with, whatever the source records inside."""
+    return fetching if charged else expected_fetch
 
 
 class TensorReader:
@@ -156,20 +237,23 @@ class TensorReader:
         return isinstance(self.source, PageGranularSource) and self.source.page_granular
 
     def read_box(
-        self, info: TensorInfo | DerivedTensor, box: Box, arena: Arena, selection: Selection | None = None
+        self, info: TensorInfo | DerivedTensor, box: Box, arena: Arena, selection: Selection | None = None,
+        shared: Selection | None = None,
     ) -> np.ndarray:
         """The elements of ``info`` inside ``box``, as an array of the box's shape (in scratch).
 
         With ``selection`` (inside ``box``), only the selected elements are fetched; the others hold
-        arbitrary values (zeros or neighbouring bytes) and must not be used.
+        arbitrary values (zeros or neighbouring bytes) and must not be used. ``shared`` (a superset of
+        ``selection``) adds the elements sibling leaves read: pages holding them are theirs to count
+        (:func:`charged_page_bytes`).
         """
-        selection = useful_selection(info, box, selection)
+        useful = useful_selection(info, box, selection)
         if is_derived(info):
-            if selection is not None:
-                return self._read_derived_selection(info, box, arena, selection)
+            if useful is not None:
+                return self._read_derived_selection(info, box, arena, useful, shared)
             parts = info.part_boxes(box)
             return info.decode({role: self.read_box(part, pbox, arena) for role, (part, pbox) in parts.items()}, box)
-        return self._read_plain(info, box, arena, selection, view_ok=True)
+        return self._read_plain(info, box, arena, useful, view_ok=True, charge=_charge(selection, shared))
 
     def _fetch_plan(
         self, info: TensorInfo, box: Box, pieces: Pieces, view_ok: bool
@@ -183,9 +267,14 @@ class TensorReader:
             return "span", np.array([span[0]], np.int64), np.array([span[1]], np.int64)
         return "pieces", pieces[0], pieces[2]
 
-    def _source_fetches(self, starts: np.ndarray, lengths: np.ndarray, mode: str) -> tuple[int, int]:
+    def _source_fetches(
+        self, starts: np.ndarray, lengths: np.ndarray, mode: str, charged: int | None = None
+    ) -> tuple[int, int]:
         """``(bytes, requests)`` the source fetches for the ranges the reader asks in ``mode``: a
-        remote source merges the pieces of one ``read_many`` (:func:`~otfload.sources.ranges.coalesce`)."""
+        remote source merges the pieces of one ``read_many`` (:func:`~otfload.sources.ranges.coalesce`);
+        page reads of a selection with holes count ``charged`` (:func:`charged_page_bytes`)."""
+        if charged is not None:
+            return charged, len(lengths)
         if mode != "pieces" or self.pages or len(starts) < 2:
             return int(lengths.sum()), len(lengths)
         order = np.argsort(starts, kind="stable")
@@ -193,14 +282,15 @@ class TensorReader:
         return int(merged.sum()), requests
 
     def read_boxes(
-        self, infos: Sequence[TensorInfo | DerivedTensor], box: Box, arena: Arena, selection: Selection | None = None
+        self, infos: Sequence[TensorInfo | DerivedTensor], box: Box, arena: Arena, selection: Selection | None = None,
+        shared: Selection | None = None,
     ) -> list[np.ndarray]:
         """:meth:`read_box` of ``box`` (``selection`` in it) of each of ``infos`` (the stacked tensors
         of one chunk of layers or experts). From a remote source the stored tensors' ranges go to
         the source in one ``read_many``, so their requests are in flight together instead of one
         tensor's after another's; mapped and local files are read tensor by tensor."""
         if self.maps or self.pages:
-            return [self.read_box(info, box, arena, selection) for info in infos]
+            return [self.read_box(info, box, arena, selection, shared) for info in infos]
         out: list[np.ndarray | None] = [None] * len(infos)
         pending: list[tuple[int, _PendingRead]] = []
         for k, info in enumerate(infos):
@@ -218,20 +308,22 @@ class TensorReader:
         return [a for a in out if a is not None]
 
     def _read_plain(
-        self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool
+        self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool,
+        charge: Charge | None = None,
     ) -> np.ndarray:
-        p = self._start_plain(info, box, arena, selection, view_ok)
+        p = self._start_plain(info, box, arena, selection, view_ok, charge)
         if p.span:  # one range: the box is a strided view of it
             read = p.reads[0]
-            with expected_fetch(p.fetched):
+            with _counting(p.charged)(p.fetched):
                 self.source.read_into(read.file, read.offset, read.out)
         elif p.reads:
-            with expected_fetch(p.fetched, len(p.reads)), gap_policy(MAX_OVERREAD_FRACTION):  # others' bytes
+            with _counting(p.charged)(p.fetched, len(p.reads)), gap_policy(MAX_OVERREAD_FRACTION):  # others' bytes
                 self.source.read_many(p.reads)
         return p.finish()
 
     def _start_plain(
-        self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool
+        self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool,
+        charge: Charge | None = None,
     ) -> _PendingRead:
         """What reading ``box`` of ``info`` asks the source for (none for a mapped view, which is
         prefetched here), and how the box is made from the bytes once they are in."""
@@ -244,12 +336,16 @@ class TensorReader:
         fetch = [ByteRun(s, n) for s, n in zip(ranges[0].tolist(), ranges[1].tolist(), strict=True)]
         pieces = list(zip(*(a.tolist() for a in arrays), strict=True))
         fetched = sum(r.length for r in fetch)
+        charged = charge is not None and mode in ("mapped", "pages")
+        if charge is not None and charged:  # pages sibling leaves read too
+            fetched = _charged(info, box, charge, ranges[0], ranges[1], selection, arrays)
+            needed = selection_size(charge[0]) * info.dtype.itemsize  # the leaf's own elements, not the box
         self.stats.add(info.file, fetched, needed, len(fetch))
         strides = element_strides(info.shape, info.dtype.itemsize)
         if mapped is not None:
             if fetch:
                 spans = [(info.offset + run.offset, run.length) for run in fetch]
-                with expected_fetch(fetched, len(fetch)):
+                with _counting(charged)(fetched, len(fetch)):
                     if self._ranges_prefetch is not None:
                         self._ranges_prefetch.prefetch_ranges(info.file, spans)
                     elif self._mapping is not None:
@@ -263,8 +359,8 @@ class TensorReader:
             run = fetch[0]
             buffer = arena.take(run.length)
             read = RangeRead(info.file, info.offset + run.offset, buffer.data)
-            return _PendingRead([read], run.length, True, lambda: np.ndarray(
-                box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides))
+            return _PendingRead([read], fetched, True, lambda: np.ndarray(
+                box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides), charged)
         dense = arena.take(box_nbytes(box, info.dtype.itemsize))
         if selection is not None:
             dense[:] = 0  # the holes: defined values for hooks and decoders that touch the whole box
@@ -279,36 +375,42 @@ class TensorReader:
                 _scatter(pieces, fetch, targets, dense)
             return dense.view(info.dtype).reshape(box_shape(box))
 
-        return _PendingRead(reads, fetched, False, finish)
+        return _PendingRead(reads, fetched, False, finish, charged)
 
-    def _read_derived_selection(self, info: DerivedTensor, box: Box, arena: Arena, selection: Selection) -> np.ndarray:
-        # Each part is read with the union of the part boxes of the selection's boxes; never as a
-        # mapped view (decoding touches the whole box: the holes' pages would be faulted in).
+    def _read_derived_selection(
+        self, info: DerivedTensor, box: Box, arena: Arena, selection: Selection, shared: Selection | None = None
+    ) -> np.ndarray:
+        # Each part is read with its part selection (carried axis by axis, cost.part_selections); never
+        # as a mapped view (decoding touches the whole box: the holes' pages would be faulted in).
         arrays = {}
-        for role, (part, pbox, psel) in part_selections(info, box, selection).items():
+        for role, (part, pbox, psel), pshared in _with_shared(info, box, selection, shared):
             if is_derived(part):
-                arrays[role] = self.read_box(part, pbox, arena, psel)
-            elif (useful := useful_selection(part, pbox, psel)) is None:
-                arrays[role] = self.read_box(part, pbox, arena)
-            else:
-                arrays[role] = self._read_plain(part, pbox, arena, useful, view_ok=False)
+                arrays[role] = self.read_box(part, pbox, arena, psel, pshared)
+            else:  # a whole box may be a mapped view; never a selection (its holes' pages would fault in)
+                useful = useful_selection(part, pbox, psel)
+                arrays[role] = self._read_plain(part, pbox, arena, useful, useful is None, _charge(psel, pshared))
         return info.decode(arrays, box)
 
     def planned(
-        self, info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None, view_ok: bool = True
+        self, info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None, view_ok: bool = True,
+        shared: Selection | None = None,
     ) -> tuple[int, int]:
-        """``(bytes, requests)`` :meth:`read_box` asks the source for, computed without reading."""
-        selection = useful_selection(info, box, selection)
+        """``(bytes, requests)`` :meth:`read_box` asks the source for (``shared``: see there), computed
+        without reading."""
+        useful = useful_selection(info, box, selection)
         if is_derived(info):
-            if selection is None:
+            if useful is None:
                 return _sum_pairs(self.planned(part, pbox) for part, pbox in info.part_boxes(box).values())
             return _sum_pairs(
-                self.planned(part, pbox, psel, view_ok=is_derived(part) or useful_selection(part, pbox, psel) is None)
-                for part, pbox, psel in part_selections(info, box, selection).values()
+                self.planned(part, pbox, psel, is_derived(part) or useful_selection(part, pbox, psel) is None, pshared)
+                for _, (part, pbox, psel), pshared in _with_shared(info, box, useful, shared)
             )
-        pieces = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
+        pieces = selection_piece_arrays(info.shape, info.dtype.itemsize, useful or box_selection(box), box)
         mode, starts, lengths = self._fetch_plan(info, box, pieces, view_ok)
-        return self._source_fetches(starts, lengths, mode)
+        charge = _charge(selection, shared)
+        paged = charge is not None and mode in ("mapped", "pages")
+        charged = _charged(info, box, charge, starts, lengths, useful, pieces) if charge and paged else None
+        return self._source_fetches(starts, lengths, mode, charged)
 
     def fetch_ranges(
         self, info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None = None
