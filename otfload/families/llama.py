@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from otfload.config import Count, Dim
 from otfload.families.registry import Family, register
-from otfload.models.llama import LlamaConfig, LlamaForCausalLM
+from otfload.models.llama import HeadShape, LlamaConfig, LlamaForCausalLM
 from otfload.plan.hooks import Reshape
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -49,7 +49,7 @@ LLAMA_TABLE = MappingTable(
 )
 
 
-class AttentionConfig(Protocol):
+class AttentionConfig(HeadShape, Protocol):
     """The fields of a Llama-style attention config that :func:`attention_checks` compares
     (:class:`LlamaConfig`, and Gemma's, which shares their names)."""
 
@@ -57,14 +57,6 @@ class AttentionConfig(Protocol):
     def num_layers(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
 
 
 def attention_checks(cfg: AttentionConfig, prefix: str = "model.") -> tuple[Count | Dim, ...]:

@@ -75,19 +75,24 @@ def attention_shape(f: Fields) -> tuple[int, int, int, int]:
     return hidden, heads, kv_heads, head_dim
 
 
-class LayerShape(Protocol):
-    """The config fields :class:`Attention` and :class:`Mlp` read (Gemma's config has them too)."""
+class HeadShape(Protocol):
+    """The attention shape of a Llama-style config (Gemma's has the same names)."""
 
     @property
     def hidden_size(self) -> int: ...
-    @property
-    def intermediate_size(self) -> int: ...
     @property
     def num_heads(self) -> int: ...
     @property
     def num_kv_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
+
+
+class LayerShape(HeadShape, Protocol):
+    """The config fields :class:`Attention` and :class:`Mlp` read (Gemma's config has them too)."""
+
+    @property
+    def intermediate_size(self) -> int: ...
     @property
     def qkv_bias(self) -> bool: ...
     @property

@@ -32,9 +32,9 @@ import numpy as np
 
 from otfload.place.put import place_shards
 from otfload.place.transpose import copy_into, host_transposed, transposed_axis
-from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop, selection_union
-from otfload.plan.cost import bounding_box, leaf_sibling_selection
-from otfload.plan.hooks import chain_apply, chain_needed, chain_selection
+from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop
+from otfload.plan.cost import leaf_sibling_selection, source_region
+from otfload.plan.hooks import chain_apply, chain_needed
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
 from otfload.read.reader import TensorReader
@@ -92,9 +92,7 @@ def build_boxes(
     n_stack = len(plan.stack_axes)
     strides = [int(np.prod(plan.stack_shape[d + 1 :], dtype=np.int64)) for d in range(n_stack)]
     need = {box: chain_needed(plan.hooks, plan.shapes, box[n_stack:]) for box in boxes}
-    union = bounding_box(list(need.values()))
-    # What the boxes really need inside ``union``: widening hooks (kv_b heads, strided slices) leave holes.
-    selection = selection_union([chain_selection(plan.hooks, plan.shapes, box[n_stack:]) for box in boxes])
+    union, selection = source_region(plan, boxes)  # selection: widening hooks (kv_b heads, strided slices) leave holes
     shared = leaf_sibling_selection(plan, boxes)  # ... and sibling leaves read there (the pages they count)
     combos_of = {box: list(itertools.product(*(range(a, b) for a, b in box[:n_stack]))) for box in boxes}
     all_combos = sorted(set().union(*combos_of.values()))

@@ -123,11 +123,18 @@ def _host_device() -> jax.Device | None:
         return None
 
 
+def _xla_device(src: np.ndarray) -> jax.Device | None:
+    """The CPU device whose XLA transpose can copy ``src``: None where there is no CPU backend or
+    JAX would not hold ``src``'s dtype exactly (float64 without x64)."""
+    device = _host_device()
+    return device if device is not None and jax.dtypes.canonicalize_dtype(src.dtype) == src.dtype else None
+
+
 def _xla_copy(dst: np.ndarray, src: np.ndarray, casting: Casting) -> bool:
     """``dst[...] = src`` through XLA's host transpose, in pieces along the first axis; False (nothing
-    copied) where no CPU backend exists or JAX would not hold ``src``'s dtype exactly."""
-    device = _host_device()
-    if device is None or jax.dtypes.canonicalize_dtype(src.dtype) != src.dtype:
+    copied) where :func:`_xla_device` has none."""
+    device = _xla_device(src)
+    if device is None:
         return False
     rows = max(1, XLA_PIECE_BYTES // max(1, src.nbytes // max(1, src.shape[0])))
     for r0 in range(0, src.shape[0], rows):
@@ -143,7 +150,5 @@ def host_transposed(src: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
     ``dtype`` (no cast) large enough for :func:`copy_into` to tile it and XLA can copy it; else None."""
     if not XLA_TRANSPOSE or src.dtype != dtype or src.size < MIN_TILED_ELEMENTS or transposed_axis(src) is None:
         return None
-    device = _host_device()
-    if device is None or jax.dtypes.canonicalize_dtype(src.dtype) != src.dtype:
-        return None
-    return np.asarray(to_host_device(src, device))
+    device = _xla_device(src)
+    return None if device is None else np.asarray(to_host_device(src, device))

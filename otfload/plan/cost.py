@@ -53,7 +53,7 @@ from otfload.plan.boxes import (
     selection_size,
     selection_union,
 )
-from otfload.plan.hooks import chain_needed, chain_selection, chain_sibling_selection
+from otfload.plan.hooks import chain_needed, chain_selection
 
 if TYPE_CHECKING:
     from otfload.plan.abstract import AbstractLeaf
@@ -181,13 +181,25 @@ def needed_bytes(info: TensorInfo | DerivedTensor, box: Box, selection: Selectio
     return (selection_size(selection) if selection is not None else math.prod(box_shape(box))) * info.dtype.itemsize
 
 
-def leaf_reads(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection, list[int]]:
-    """What the builder reads for ``boxes`` of ``plan``'s leaf: the union box of each source tensor,
-    the selection inside it, and the indices of the stacked source tensors read (row-major)."""
+def _inner_boxes(plan: LeafPlan, boxes: Sequence[Box]) -> list[Box]:
+    """The distinct boxes of one stacked slice (the stack dims dropped) among ``boxes``."""
     n = len(plan.stack_axes)
-    inner = list(dict.fromkeys(box[n:] for box in boxes))
+    return list(dict.fromkeys(box[n:] for box in boxes))
+
+
+def source_region(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection]:
+    """The box of each source tensor that ``boxes`` of ``plan``'s leaf need (carried back through
+    the hooks), and the selection inside it (widening hooks leave holes)."""
+    inner = _inner_boxes(plan, boxes)
     union = bounding_box([chain_needed(plan.hooks, plan.shapes, box) for box in inner])
-    selection = selection_union([chain_selection(plan.hooks, plan.shapes, box) for box in inner])
+    return union, selection_union([chain_selection(plan.hooks, plan.shapes, box) for box in inner])
+
+
+def leaf_reads(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection, list[int]]:
+    """What the builder reads for ``boxes`` of ``plan``'s leaf: :func:`source_region`, and the
+    indices of the stacked source tensors read (row-major)."""
+    n = len(plan.stack_axes)
+    union, selection = source_region(plan, boxes)
     if not n:
         return union, selection, [0]
     flat = [np.ravel_multi_index(np.ix_(*(np.arange(a, b) for a, b in stack)), plan.stack_shape).ravel()
@@ -199,9 +211,8 @@ def leaf_sibling_selection(plan: LeafPlan, boxes: Sequence[Box]) -> Selection:
     """The elements of each source tensor that ``boxes`` of ``plan``'s leaf and its sibling leaves
     (the other offsets of a strided slice) read — :func:`leaf_reads`' selection and its holes that
     those siblings fill, on the same pages (up to one stride past the union box)."""
-    n = len(plan.stack_axes)
-    inner = list(dict.fromkeys(box[n:] for box in boxes))
-    return selection_union([chain_sibling_selection(plan.hooks, plan.shapes, box) for box in inner])
+    return selection_union([chain_selection(plan.hooks, plan.shapes, box, siblings=True)
+                            for box in _inner_boxes(plan, boxes)])
 
 
 def leaf_needed(plan: LeafPlan, boxes: Sequence[Box]) -> int:

@@ -445,21 +445,14 @@ def chain_needed(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box) -
     return box
 
 
-def chain_selection(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box) -> Selection:
+def chain_selection(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box, siblings: bool = False) -> Selection:
     """The elements of the source tensor ``out_box`` of the chain's output needs: inside
-    :func:`chain_needed`'s box, without the holes widening hooks leave."""
+    :func:`chain_needed`'s box, without the holes widening hooks leave. With ``siblings``, also the
+    elements sibling leaves read through the same hooks (:meth:`Hook.sibling_selection`): the holes
+    of the selection inside it are theirs."""
     sel = box_selection(out_box)
     for hook, in_shape in zip(reversed(hooks), reversed(shapes[:-1]), strict=True):
-        sel = hook.selection(sel, in_shape)
-    return sel
-
-
-def chain_sibling_selection(hooks: Sequence[Hook], shapes: Sequence[Shape], out_box: Box) -> Selection:
-    """:func:`chain_selection` with the elements sibling leaves read through the same hooks
-    (:meth:`Hook.sibling_selection`): the holes of the selection inside it are theirs."""
-    sel = box_selection(out_box)
-    for hook, in_shape in zip(reversed(hooks), reversed(shapes[:-1]), strict=True):
-        sel = hook.sibling_selection(sel, in_shape)
+        sel = hook.sibling_selection(sel, in_shape) if siblings else hook.selection(sel, in_shape)
     return sel
 
 

@@ -295,7 +295,7 @@ class TensorReader:
         pending: list[tuple[int, _PendingRead]] = []
         for k, info in enumerate(infos):
             if is_derived(info):
-                out[k] = self.read_box(info, box, arena, selection)
+                out[k] = self.read_box(info, box, arena, selection, shared)
             else:
                 pending.append((k, self._start_plain(info, box, arena, useful_selection(info, box, selection), True)))
         reads = [r for _, p in pending for r in p.reads]
