@@ -12,19 +12,22 @@ import mmap
 import numpy as np
 import numpy.typing as npt
 
+from otfload.pages import populate_write
+
 # numpy views of the scratch as float types are fastest (and SIMD friendly) when aligned.
 ALIGNMENT = 64
-# Buffers of at least this size get a private anonymous mapping of their own, with MAP_POPULATE, not
+# Buffers of at least this size get a private anonymous mapping of their own, populated up front, not
 # ``np.empty``: numpy asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on every array of
 # 4 MiB or more, and on this VM (THP "madvise", defrag "madvise") a huge page is found by direct
 # compaction and reclaim among the page cache the load reads, then zeroed from memory the host has to
-# fault in: ``clear_page`` was 66 % of a 1 GiB load's CPU samples (perf). Plain 4 KiB pages filled by
-# MAP_POPULATE — page tables built in one call, no fault per page while copying — took the 1 GiB
-# Llama load from 2.26 to 1.21 CPU-seconds (medians of 4; without MAP_POPULATE 1.39). Below 256 KiB
-# (64 pages) the extra mmap/munmap costs more than the faults it saves; numpy's heap is used.
+# fault in: ``clear_page`` was 66 % of a 1 GiB load's CPU samples (perf). Plain 4 KiB pages populated
+# in one call — page tables built at once, no fault per page while copying — took the 1 GiB Llama
+# load from 2.26 to 1.21 CPU-seconds (medians of 4; without populating 1.39). The populate runs
+# without the GIL (:mod:`otfload.pages`; ``MAP_POPULATE`` through Python's ``mmap`` holds it). Below
+# 256 KiB (64 pages) the extra mmap/munmap costs more than the faults it saves; numpy's heap is used.
 OWN_MAPPING_BYTES = 256 << 10
 _MAP_FLAGS = (
-    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS")
     else None  # Windows: numpy's allocation
 )
@@ -41,6 +44,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes >= OWN_MAPPING_BYTES and _MAP_FLAGS is not None:
         region = mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)  # page-aligned; freed when the last view goes
+        populate_write(region)
         return np.frombuffer(region, np.uint8, nbytes).view(dtype).reshape(shape)
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT

@@ -43,6 +43,7 @@ from otfload.errors import (
     SourceUnavailableError,
     TruncatedFileError,
 )
+from otfload.pages import MADV_POPULATE_READ, madvise
 from otfload.sources.base import RangeRead
 from otfload.sources.ranges import fetching
 from otfload.sources.residency import resident_fraction
@@ -52,9 +53,6 @@ from otfload.sources.residency import resident_fraction
 # MADV_POPULATE_READ alone fetched 8 MiB from disk (read-around), one 32 MiB advice then a read 40-44
 # MiB, 8 MiB pieces exactly 32 MiB, as fast (28 ms populate, 41 ms preadv per 32 MiB cold).
 ADVISE_CHUNK_BYTES = 8 << 20
-# Linux 5.14+: populate page tables for a range, reading pages in as needed (not in Python's mmap).
-# Unlike touching the pages, it reports a range beyond the end of the file as EFAULT instead of SIGBUS.
-MADV_POPULATE_READ = 22
 # A source takes at most this fraction (1/N) of the process's descriptor limit: the rest stays for
 # sockets, JAX, the shard cache, other sources and the caller's own files.
 FD_LIMIT_SHARE = 2
@@ -337,13 +335,14 @@ class LocalSource:
             with fetching(length):
                 if self._populate:
                     try:
-                        region.madvise(MADV_POPULATE_READ, start, offset + length - start)
+                        # Unlike touching the pages, a range beyond the end of the file is EFAULT, not SIGBUS.
+                        madvise(region, start, offset + length - start, MADV_POPULATE_READ)
                         return
                     except OSError as e:
                         if e.errno != errno.EINVAL:
                             raise
                         self._populate = False  # kernels before 5.14: ask for readahead instead
-                region.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+                madvise(region, start, offset + length - start, mmap.MADV_WILLNEED)
         except ValueError as e:
             if region.closed:  # unmapped meanwhile (evicted; views keep their own): nothing to do
                 return
@@ -365,7 +364,7 @@ class LocalSource:
         with contextlib.suppress(ValueError, OSError):  # unmapped meanwhile (evicted), or beyond the mapping
             end = min(len(region), offset + length)
             if end > start:
-                region.madvise(mmap.MADV_DONTNEED, start, end - start)
+                madvise(region, start, end - start, mmap.MADV_DONTNEED)
 
     # --- plain reads ------------------------------------------------------------------------------
 

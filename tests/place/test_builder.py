@@ -19,10 +19,10 @@ TABLE = MappingTable((Rule("layers.{layer}.o", "l.{layer}.o", (Transpose(), Resh
 
 
 @pytest.fixture
-def setup(tmp_path):
+def setup(tmp_path, closing):
     rng = np.random.default_rng(0)
     tensors = {f"l.{i}.o": rng.standard_normal((16, 32), dtype=np.float32) for i in range(6)}
-    index = open_index(LocalSource(write_checkpoint(tmp_path / "c", tensors)), require_config=False)
+    index = open_index(closing(LocalSource(write_checkpoint(tmp_path / "c", tensors))), require_config=False)
     want = np.stack([tensors[f"l.{i}.o"].T.reshape(4, 8, 16) for i in range(6)])
     return index, want
 
@@ -79,7 +79,7 @@ class _CleanupFails(LocalSource):
 
 
 @pytest.mark.parametrize("fault", ["truncated", "cleanup"])
-def test_a_failed_build_gives_back_its_budget_and_scratch(tmp_path, mesh_2x4, fault):
+def test_a_failed_build_gives_back_its_budget_and_scratch(tmp_path, mesh_2x4, fault, closing):
     import os
     import threading
 
@@ -88,7 +88,7 @@ def test_a_failed_build_gives_back_its_budget_and_scratch(tmp_path, mesh_2x4, fa
     rng = np.random.default_rng(0)
     tensors = {f"l.{i}.o": rng.standard_normal((16, 32), dtype=np.float32) for i in range(6)}
     root = write_checkpoint(tmp_path / "c", tensors, files=1)
-    source = LocalSource(root, mmap=False) if fault == "truncated" else _CleanupFails(root)
+    source = closing(LocalSource(root, mmap=False) if fault == "truncated" else _CleanupFails(root))
     index = open_index(source, require_config=False)
     leaf = jax.ShapeDtypeStruct((6, 4, 8, 16), np.float32, sharding=NamedSharding(mesh_2x4, P()))
     leaves, _ = abstract_from_pytree({"layers": {"o": leaf}})
@@ -105,3 +105,34 @@ def test_a_failed_build_gives_back_its_budget_and_scratch(tmp_path, mesh_2x4, fa
     admitted = threading.Event()
     threading.Thread(target=lambda: (budget.acquire(plan.source_bytes), admitted.set()), daemon=True).start()
     assert admitted.wait(5)
+
+
+class _Peak(ByteBudget):
+    """A budget that remembers the most bytes one chunk acquired."""
+
+    largest = 0
+
+    def acquire(self, nbytes: int) -> None:
+        self.largest = max(self.largest, nbytes)
+        super().acquire(nbytes)
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_mapped_chunks_stay_within_the_cap_whatever_the_budget(tmp_path, mesh_2x4, monkeypatch, mapped, closing):
+    from otfload.place import builder
+
+    monkeypatch.setattr(builder, "MAPPED_CHUNK_BYTES", 2 * 16 * 32 * 4)  # two layers' bytes
+    rng = np.random.default_rng(1)
+    tensors = {f"l.{i}.o": rng.standard_normal((16, 32), dtype=np.float32) for i in range(6)}
+    source = closing(LocalSource(write_checkpoint(tmp_path / "c", tensors), mmap=mapped))
+    index = open_index(source, require_config=False)
+    want = np.stack([tensors[f"l.{i}.o"].T.reshape(4, 8, 16) for i in range(6)])
+    leaf = jax.ShapeDtypeStruct(want.shape, np.float32, sharding=NamedSharding(mesh_2x4, P(None, "tp")))
+    leaves, _ = abstract_from_pytree({"layers": {"o": leaf}})
+    plan = build_plan(index, leaves, TABLE).leaves["layers.o"]
+    budget = _Peak(10 * plan.source_bytes)  # room for the whole leaf at once
+    array = build_leaf(plan, TensorReader(source), Arena(), budget)
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+    # mapped pages stay in RSS until their chunk is stacked: at most the cap; plain reads use the share
+    assert budget.largest == (2 * 16 * 32 * 4 if mapped else plan.source_bytes)
