@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import numpy as np
 
 from otfload.place.put import place_shards
-from otfload.place.transpose import copy_into, host_transposed, transposed_axis
+from otfload.place.transpose import copy_into, transposed_axis, xla_copies
 from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop
 from otfload.plan.cost import leaf_sibling_selection, source_region
 from otfload.plan.hooks import chain_apply, chain_needed
@@ -45,6 +47,8 @@ from otfload.read.reader import TensorReader
 # the 1 GiB Llama bench (2 builders, largest leaf 0.218 GiB) transient host memory was 0.111 / 0.123
 # / 0.164 / 0.22 GiB with 16 / 32 / 64 MiB / uncapped chunks, at the same speed.
 MAPPED_CHUNK_BYTES = 32 << 20
+
+T = TypeVar("T")
 
 
 class ByteBudget:
@@ -101,8 +105,21 @@ def chunk_limit(budget: ByteBudget, reader: TensorReader) -> int | None:
 def build_boxes(
     plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None = None
 ) -> dict[Box, np.ndarray]:
-    """The values of ``plan``'s leaf inside each of ``boxes``, in fresh aligned target-dtype arrays
-    (a transposed unstacked box: XLA's host copy, read-only; JAX adopts either without copying)."""
+    """The values of ``plan``'s leaf inside each of ``boxes``, in fresh aligned target-dtype arrays."""
+    return _build(plan, boxes, reader, arena, budget, _owned)
+
+
+def _owned(built: dict[Box, np.ndarray]) -> dict[Box, np.ndarray]:
+    """``built`` with each view of scratch or mapped pages (see :func:`_stack_into`) copied out."""
+    return {box: a if a.flags.c_contiguous else _aligned_copy(a) for box, a in built.items()}
+
+
+def _build(
+    plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None,
+    finish: Callable[[dict[Box, np.ndarray]], T],
+) -> T:
+    """:func:`build_boxes`, handing the boxes to ``finish`` before the last chunk's scratch and
+    mapped pages are released: a box may be a transposed view of them, which ``finish`` copies."""
     budget = budget or ByteBudget(None)
     n_stack = len(plan.stack_axes)
     strides = [int(np.prod(plan.stack_shape[d + 1 :], dtype=np.int64)) for d in range(n_stack)]
@@ -113,10 +130,11 @@ def build_boxes(
     all_combos = sorted(set().union(*combos_of.values()))
     results: dict[Box, np.ndarray] = {}  # made at a box's first piece (see _stack_into)
     per_combo = box_nbytes(union, plan.sources[0].dtype.itemsize) if plan.sources else 0
-    for chunk in _chunks(all_combos, per_combo, chunk_limit(budget, reader)):
+    chunks = _chunks(all_combos, per_combo, chunk_limit(budget, reader))
+    for k, chunk in enumerate(chunks):
         held = per_combo * len(chunk)
         budget.acquire(held)
-        indices: dict = {}
+        indices: dict[tuple[int, ...], int] = {}
         try:
             indices = {c: sum(k * s for k, s in zip(c, strides, strict=True)) for c in chunk}
             # One call for the chunk: a remote source has every tensor's requests in flight together.
@@ -124,6 +142,9 @@ def build_boxes(
             parts = dict(zip(indices, read, strict=True))
             for box in boxes:
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results)
+            if k == len(chunks) - 1:
+                finished = finish({box: _result(plan, box, results) for box in boxes})
+                results = {}
         finally:
             parts = {}  # drop the pieces (views of scratch and mapped pages) before releasing them
             try:
@@ -133,7 +154,7 @@ def build_boxes(
                 arena.reset()
                 arena.trim(budget.share)
                 budget.release(held)
-    return {box: _result(plan, box, results) for box in boxes}
+    return finished
 
 
 def _result(plan: LeafPlan, box: Box, results: dict[Box, np.ndarray]) -> np.ndarray:
@@ -143,9 +164,12 @@ def _result(plan: LeafPlan, box: Box, results: dict[Box, np.ndarray]) -> np.ndar
     return results[box]
 
 
-def _stack_into(plan: LeafPlan, box: Box, need: Box, union: Box, combos, parts, results: dict) -> None:
+def _stack_into(
+    plan: LeafPlan, box: Box, need: Box, union: Box, combos: list[tuple[int, ...]],
+    parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray],
+) -> None:
     """Write the pieces of ``box`` present in ``parts`` into their rows of ``results[box]`` (one
-    np.stack). An unstacked transposed piece becomes XLA's transposed copy itself (no second copy)."""
+    np.stack). An unstacked transposed piece that XLA copies as it places it stays a view (one copy)."""
     inner = box[len(plan.stack_axes) :]
     rows = [i for i, c in enumerate(combos) if c in parts]  # consecutive: chunks follow row-major order
     if not rows:
@@ -155,9 +179,8 @@ def _stack_into(plan: LeafPlan, box: Box, need: Box, union: Box, combos, parts, 
         out, have = chain_apply(plan.hooks, plan.shapes, crop(parts[combos[i]], union, need), need)
         pieces.append(crop(out, have, inner))
     if not plan.stack_axes:
-        adopted = host_transposed(pieces[0], plan.leaf.dtype)
-        if adopted is not None:
-            results[box] = adopted
+        if xla_copies(pieces[0], plan.leaf.dtype, plan.leaf.sharding):
+            results[box] = pieces[0]
         else:
             copy_into(_result(plan, box, results), pieces[0])
         return
@@ -179,12 +202,18 @@ def build_leaf(
         for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()
         if index is not None  # always, for addressable devices
     }
-    built = build_boxes(plan, list(dict.fromkeys(box_of.values())), reader, arena, budget)
-    arrays, placed = [], set()
-    for box in box_of.values():  # a box's first device adopts its buffer, the others get copies
-        arrays.append(_aligned_copy(built[box]) if box in placed else built[box])
-        placed.add(box)
-    return place_shards(leaf.shape, leaf.dtype, leaf.sharding, arrays, list(box_of))
+
+    def place(built: dict[Box, np.ndarray]) -> jax.Array:
+        arrays, placed = [], set()
+        for box in box_of.values():  # a box's first device adopts its buffer, the others get copies
+            data = built[box]
+            own = box in placed and data.flags.c_contiguous  # a view is copied by XLA for each device
+            arrays.append(_aligned_copy(data) if own else data)
+            placed.add(box)
+        array = place_shards(leaf.shape, leaf.dtype, leaf.sharding, arrays, list(box_of))
+        return array.block_until_ready()  # XLA has copied the views before their pages are released
+
+    return _build(plan, list(dict.fromkeys(box_of.values())), reader, arena, budget, place)
 
 
 def _aligned_copy(data: np.ndarray) -> np.ndarray:

@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import mmap
 import resource
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 import psutil
+from jax.sharding import Sharding
 
 from otfload.plan import cost
 from otfload.plan.boxes import Box
+from otfload.plan.planner import LeafPlan, LoadPlan
+from otfload.read.reader import TensorReader
 
 
 def current_rss() -> int:
-    return psutil.Process().memory_info().rss
+    rss: int = psutil.Process().memory_info().rss
+    return rss
 
 
 def peak_rss() -> int:
@@ -85,20 +90,25 @@ class LoadReport:
         )
 
 
-def leaf_planned(plan, boxes: list[Box], reader) -> tuple[int, int]:
-    """``(bytes, requests)`` ``reader`` asks its source for to build ``boxes`` of ``plan``'s leaf."""
+def leaf_planned(
+    plan: LeafPlan, boxes: list[Box], reader: TensorReader, seen: dict[Hashable, tuple[int, int]] | None = None
+) -> tuple[int, int]:
+    """``(bytes, requests)`` ``reader`` asks its source for to build ``boxes`` of ``plan``'s leaf.
+    ``seen`` (shared by the leaves of one plan) keeps the cost of each kind of read: the same leaf of
+    every layer of an unscanned tree costs the same."""
     if not boxes or not plan.sources:
         return 0, 0
     union, selection, indices = cost.leaf_reads(plan, boxes)
     total_bytes = total_requests = 0
-    seen: dict = {}
+    seen = {} if seen is None else seen
     paged = reader.maps or reader.pages
     shared = cost.leaf_sibling_selection(plan, boxes) if paged else None  # siblings' pages are theirs
     for i in indices:
         info = plan.sources[i]
         # Stacked tensors share shape (and, but for mixed checkpoints, dtype and kind): for local
         # files only where a page boundary falls in the tensor can differ.
-        key = (type(info), info.dtype, info.offset % mmap.PAGESIZE if paged and hasattr(info, "offset") else 0)
+        page_offset = info.offset % mmap.PAGESIZE if paged and hasattr(info, "offset") else 0
+        key = (type(info), info.dtype, info.shape, page_offset, union, selection, shared)
         if key not in seen:
             seen[key] = reader.planned(info, union, selection, shared=shared)
         total_bytes += seen[key][0]
@@ -106,18 +116,22 @@ def leaf_planned(plan, boxes: list[Box], reader) -> tuple[int, int]:
     return total_bytes, total_requests
 
 
-def planned_bytes(plan, reader, shardings: dict | None = None, devices: Iterable | None = None) -> int:
+def planned_bytes(
+    plan: LoadPlan, reader: TensorReader, shardings: Mapping[str, Sharding | None] | None = None,
+    devices: Iterable[jax.Device] | None = None,
+) -> int:
     """Bytes ``reader`` will fetch for every leaf of ``plan`` on ``devices`` (default: this
     process's), each leaf read under ``shardings[path]`` (default: its own sharding)."""
     shardings = shardings or {}
     devices = None if devices is None else list(devices)
+    seen: dict[Hashable, tuple[int, int]] = {}
     return sum(
-        leaf_planned(p, p.device_boxes(devices, shardings.get(path)), reader)[0]
+        leaf_planned(p, p.device_boxes(devices, shardings.get(path)), reader, seen)[0]
         for path, p in plan.leaves.items()
     )
 
 
-def ideal_bytes(plan, devices: Iterable | None = None) -> int:
+def ideal_bytes(plan: LoadPlan, devices: Iterable[jax.Device] | None = None) -> int:
     """:meth:`~otfload.plan.planner.LeafPlan.ideal_bytes` summed over the leaves of ``plan``."""
     devices = None if devices is None else list(devices)
     return sum(p.ideal_bytes(devices) for p in plan.leaves.values())

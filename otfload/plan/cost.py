@@ -53,7 +53,7 @@ from otfload.plan.boxes import (
     selection_size,
     selection_union,
 )
-from otfload.plan.hooks import chain_needed, chain_selection
+from otfload.plan.hooks import Hook, Shape, chain_needed, chain_selection
 
 if TYPE_CHECKING:
     from otfload.plan.abstract import AbstractLeaf
@@ -75,6 +75,10 @@ AXIS_MAP_CACHE_SIZE = 1024
 # Distinct (shape, sharding) pairs whose device -> index maps are kept: an unscanned 671B model has
 # ~1,200 leaves of a few dozen distinct shapes; at 2,048 devices each map is ~100 KB.
 INDEX_MAP_CACHE_SIZE = 256
+# Boxes carried back through a leaf's hooks, kept by geometry (hooks, shapes, boxes): the same leaf
+# of every layer of an unscanned tree, the report's recount after the load and the read-ahead all
+# ask again (the 1 GiB unscanned Llama: 165 leaves of 10 geometries).
+REGION_CACHE_SIZE = 4096
 
 Devices = Iterable[jax.Device]
 
@@ -187,12 +191,31 @@ def _inner_boxes(plan: LeafPlan, boxes: Sequence[Box]) -> list[Box]:
     return list(dict.fromkeys(box[n:] for box in boxes))
 
 
+def _carried_back(
+    hooks: tuple[Hook, ...], shapes: tuple[Shape, ...], inner: tuple[Box, ...], siblings: bool
+) -> tuple[Box, Selection]:
+    """The bounding box of ``inner`` carried back through ``hooks``, and the selection inside it
+    (with ``siblings``: sibling leaves' elements too, see :func:`leaf_sibling_selection`)."""
+    union = bounding_box([chain_needed(hooks, shapes, box) for box in inner])
+    return union, selection_union([chain_selection(hooks, shapes, box, siblings) for box in inner])
+
+
+_carried_back_cached = functools.lru_cache(maxsize=REGION_CACHE_SIZE)(_carried_back)
+
+
+def _region(plan: LeafPlan, boxes: Sequence[Box], siblings: bool = False) -> tuple[Box, Selection]:
+    key = (plan.hooks, plan.shapes, tuple(_inner_boxes(plan, boxes)), siblings)
+    try:
+        hash(key)
+    except TypeError:  # a family's own hook with an unhashable field: carried every time
+        return _carried_back(*key)
+    return _carried_back_cached(*key)
+
+
 def source_region(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection]:
     """The box of each source tensor that ``boxes`` of ``plan``'s leaf need (carried back through
     the hooks), and the selection inside it (widening hooks leave holes)."""
-    inner = _inner_boxes(plan, boxes)
-    union = bounding_box([chain_needed(plan.hooks, plan.shapes, box) for box in inner])
-    return union, selection_union([chain_selection(plan.hooks, plan.shapes, box) for box in inner])
+    return _region(plan, boxes)
 
 
 def leaf_reads(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection, list[int]]:
@@ -211,8 +234,7 @@ def leaf_sibling_selection(plan: LeafPlan, boxes: Sequence[Box]) -> Selection:
     """The elements of each source tensor that ``boxes`` of ``plan``'s leaf and its sibling leaves
     (the other offsets of a strided slice) read — :func:`leaf_reads`' selection and its holes that
     those siblings fill, on the same pages (up to one stride past the union box)."""
-    return selection_union([chain_selection(plan.hooks, plan.shapes, box, siblings=True)
-                            for box in _inner_boxes(plan, boxes)])
+    return _region(plan, boxes, siblings=True)[1]
 
 
 def leaf_needed(plan: LeafPlan, boxes: Sequence[Box]) -> int:

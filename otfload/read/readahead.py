@@ -25,11 +25,16 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from jax.sharding import Sharding
 
 from otfload.errors import OtfloadError
 from otfload.plan.cost import leaf_reads
-from otfload.sources.base import ResidencySource
+from otfload.plan.planner import LeafPlan, LoadPlan
+from otfload.read.reader import TensorReader
+from otfload.sources.base import ResidencySource, Source
 from otfload.sources.residency import SAMPLE_PAGES, Strategy, choose_strategy
 
 # How far (in bytes announced) the thread runs ahead of the leaves started. The page cache holds
@@ -45,13 +50,17 @@ READ_AHEAD_ENV = "OTFLOAD_READ_AHEAD"
 Range = tuple[str, int, int]  # (file, offset, length)
 
 
+class ResidentFiles(Source, ResidencySource, Protocol):
+    """A source of local files that says which pages are resident and takes read-ahead advice."""
+
+
 class ReadAhead:
     """A thread announcing to ``source`` the ranges ``ranges_of(path)`` of each of ``leaves``
     (``[(leaf path, bytes)]``, in build order; ranges are computed by the thread as it goes)."""
 
     def __init__(
         self,
-        source,
+        source: ResidencySource,
         leaves: Sequence[tuple[str, int]],
         ranges_of: Callable[[str], Sequence[Range]],
         lead_bytes: int = LEAD_BYTES,
@@ -102,7 +111,7 @@ class ReadAhead:
     def __enter__(self) -> ReadAhead:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _wait_for_room(self, i: int) -> bool:
@@ -129,7 +138,7 @@ class ReadAhead:
                     self.announced += length
 
 
-def cold_files(source) -> set[str]:
+def cold_files(source: ResidentFiles) -> set[str]:
     """The safetensors files of ``source`` worth reading ahead: each file's residency estimated from
     SAMPLE_PAGES pages (~0.1 ms a file), judged by :func:`~otfload.sources.residency.choose_strategy`."""
     cold = set()
@@ -145,7 +154,7 @@ def cold_files(source) -> set[str]:
     return cold
 
 
-def leaf_ranges(leaf_plan, reader, sharding=None) -> list[Range]:
+def leaf_ranges(leaf_plan: LeafPlan, reader: TensorReader, sharding: Sharding | None = None) -> list[Range]:
     """The ranges the builder of ``leaf_plan`` fetches through ``reader`` on this process, the leaf
     read under ``sharding`` (default: its own)."""
     boxes = leaf_plan.device_boxes(sharding=sharding)
@@ -155,13 +164,18 @@ def leaf_ranges(leaf_plan, reader, sharding=None) -> list[Range]:
     return [r for i in indices for r in reader.fetch_ranges(leaf_plan.sources[i], union, selection)]
 
 
-def start_read_ahead(plan, reader, shardings: dict | None = None, lead_bytes: int = LEAD_BYTES) -> ReadAhead | None:
+def start_read_ahead(
+    plan: LoadPlan, reader: TensorReader, shardings: Mapping[str, Sharding | None] | None = None,
+    lead_bytes: int = LEAD_BYTES,
+) -> ReadAhead | None:
     """A started :class:`ReadAhead` for ``plan``'s leaves (in plan order, leaf ``path`` read under
     ``shardings[path]``) when ``reader``'s source reads local files, else None."""
-    local = (reader.maps or reader.pages) and isinstance(reader.source, ResidencySource)
-    if not local or os.environ.get(READ_AHEAD_ENV, "1") == "0":
+    source = reader.source
+    if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):
         return None
-    cold = cold_files(reader.source)
+    if os.environ.get(READ_AHEAD_ENV, "1") == "0":
+        return None
+    cold = cold_files(source)
     if not cold:  # a warm cache: no thread, no range computed (measured: that cost 0.15 s of 1.0 s warm)
         return None
     shardings = shardings or {}
@@ -170,4 +184,4 @@ def start_read_ahead(plan, reader, shardings: dict | None = None, lead_bytes: in
     def ranges_of(path: str) -> list[Range]:
         return [r for r in leaf_ranges(plan.leaves[path], reader, shardings.get(path)) if r[0] in cold]
 
-    return ReadAhead(reader.source, leaves, ranges_of, lead_bytes).start()
+    return ReadAhead(source, leaves, ranges_of, lead_bytes).start()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import mmap
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -83,12 +84,14 @@ def element_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape)))
 
 
-def _sum_pairs(pairs) -> tuple[int, int]:
+def _sum_pairs(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
     pairs = list(pairs)
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
-def _scatter(pieces, fetch: list[ByteRun], buffers: list, dense: np.ndarray) -> None:
+def _scatter(
+    pieces: list[tuple[int, int, int]], fetch: list[ByteRun], buffers: Sequence[memoryview], dense: np.ndarray
+) -> None:
     """Copy each piece from the fetched range holding it into its place in ``dense``."""
     k = 0
     for src, dst, n in sorted(pieces):
@@ -177,7 +180,9 @@ def _charge(selection: Selection | None, shared: Selection | None) -> Charge | N
     return (selection, shared) if selection is not None and shared is not None else None
 
 
-def _with_shared(info: DerivedTensor, box: Box, selection: Selection, shared: Selection | None):
+def _with_shared(
+    info: DerivedTensor, box: Box, selection: Selection, shared: Selection | None
+) -> list[tuple[str, tuple[TensorInfo | DerivedTensor, Box, Selection], Selection | None]]:
     """``(role, (part, part box, part selection), part's shared selection or None)`` of each part."""
     parts = part_selections(info, box, selection)
     theirs = part_selections(info, box, shared) if shared is not None else {}
@@ -211,7 +216,7 @@ class _PendingRead(NamedTuple):
     charged: bool = False  # ``fetched`` is a share of pages sibling leaves read too: it counts, not the source's
 
 
-def _counting(charged: bool):
+def _counting(charged: bool) -> Callable[..., AbstractContextManager[None]]:
     """How a read is metered: as the source records it, or (pages shared with sibling leaves) as
     the share it is charged with, whatever the source records inside."""
     return fetching if charged else expected_fetch

@@ -136,3 +136,22 @@ def test_mapped_chunks_stay_within_the_cap_whatever_the_budget(tmp_path, mesh_2x
         np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
     # mapped pages stay in RSS until their chunk is stacked: at most the cap; plain reads use the share
     assert budget.largest == (2 * 16 * 32 * 4 if mapped else plan.source_bytes)
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+@pytest.mark.parametrize("spec", [P(None, "tp"), P("fsdp", "tp"), P()])
+def test_an_unstacked_transposed_leaf_is_placed_from_views_each_device_its_own_copy(
+    tmp_path, mesh_2x4, closing, mapped, spec
+):
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((256, 512), dtype=np.float32)  # large enough for XLA's transpose
+    source = closing(LocalSource(write_checkpoint(tmp_path / "c", {"w": weight}), mmap=mapped))
+    index = open_index(source, require_config=False)
+    sharding = NamedSharding(mesh_2x4, spec)
+    leaves, _ = abstract_from_pytree({"w": jax.ShapeDtypeStruct((512, 256), np.float32, sharding=sharding)})
+    plan = build_plan(index, leaves, MappingTable((Rule("w", "w", (Transpose(),)),))).leaves["w"]
+    array = build_leaf(plan, TensorReader(source), Arena(), ByteBudget(None))
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), weight.T[shard.index])
+    pointers = [shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards]
+    assert len(set(pointers)) == len(pointers)  # replicas never alias one buffer (donation writes them)

@@ -1,6 +1,7 @@
 """The tiled copy of transposed views (otfload.place.transpose) against np.transpose: every layout a
 hook chain can produce lands bit-identical, and only transposed views take the tiled path."""
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -112,19 +113,33 @@ def test_xla_and_numpy_copies_agree(monkeypatch, xla, piece_bytes):
     np.testing.assert_array_equal(dst, np.ascontiguousarray(view).astype(np.float32))
 
 
-def test_dtypes_jax_would_change_stay_in_numpy():
+def test_dtypes_jax_would_change_stay_in_numpy(cpu_sharding):
     src = _random((300, 517), np.float64)  # float64 without jax_enable_x64 would become float32
     dst = np.empty((517, 300), np.float64)
     copy_into(dst, src.T)
     np.testing.assert_array_equal(dst, src.T)
-    assert transpose.host_transposed(src.T, np.dtype(np.float64)) is None
+    assert not transpose.xla_copies(src.T, np.dtype(np.float64), cpu_sharding)
 
 
-def test_host_transposed_only_for_large_transposed_views_without_a_cast():
+@pytest.fixture
+def cpu_sharding():
+    return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+
+
+def test_xla_copies_only_large_transposed_views_without_a_cast(cpu_sharding):
     src = _random((300, 517), ml_dtypes.bfloat16)
-    out = transpose.host_transposed(src.T, src.dtype)
-    assert out is not None and out.flags.c_contiguous
-    np.testing.assert_array_equal(out.view(np.uint16), np.ascontiguousarray(src.T).view(np.uint16))
-    assert transpose.host_transposed(src.T, np.dtype(np.float32)) is None  # a cast: the builder's copy
-    assert transpose.host_transposed(src, src.dtype) is None  # not transposed
-    assert transpose.host_transposed(src[:10, :10].T, src.dtype) is None  # small: one np.copyto
+    assert transpose.xla_copies(src.T, src.dtype, cpu_sharding)
+    assert not transpose.xla_copies(src.T, np.dtype(np.float32), cpu_sharding)  # a cast: the builder's copy
+    assert not transpose.xla_copies(src, src.dtype, cpu_sharding)  # not transposed: adopted as is
+    assert not transpose.xla_copies(src[:10, :10].T, src.dtype, cpu_sharding)  # small: one np.copyto
+
+
+def test_a_transposed_view_placed_as_is_holds_the_transpose(cpu_sharding):
+    from otfload.place.put import place_shards
+
+    src = _random((300, 517), ml_dtypes.bfloat16)
+    view = src.T
+    placed = place_shards(view.shape, view.dtype, cpu_sharding, [view], list(cpu_sharding.device_set))
+    want = np.ascontiguousarray(view).view(np.uint16)
+    src[:] = 0  # the placed array is XLA's copy, not a view of ours
+    np.testing.assert_array_equal(np.asarray(placed).view(np.uint16), want)
