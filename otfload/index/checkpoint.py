@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from otfload.errors import CheckpointIndexError
+from otfload.gcpause import gc_paused
 from otfload.index.derived import DerivedTensor
 from otfload.index.header import FileHeader, TensorInfo, read_header, reject_duplicate_keys
 from otfload.index.quant import dequantized_view
@@ -91,10 +92,13 @@ def _weight_map(source: Source, available: set[str]) -> dict[str, str]:
     if not weight_map:
         raise CheckpointIndexError(f"{INDEX_FILE}: 'weight_map' is empty")
     out = {}
+    checked: set[str] = set()  # a few hundred files for ~100k tensors: each name checked once
     for key, file in weight_map.items():
-        file = _check_member_name(file, source)
-        if file not in available:
-            raise CheckpointIndexError(f"{INDEX_FILE}: tensor {key!r} maps to missing file {file!r}")
+        if not (isinstance(file, str) and file in checked):
+            file = _check_member_name(file, source)
+            if file not in available:
+                raise CheckpointIndexError(f"{INDEX_FILE}: tensor {key!r} maps to missing file {file!r}")
+            checked.add(file)
         out[key] = file
     return out
 
@@ -128,6 +132,11 @@ def _merge(headers: dict[str, FileHeader], weight_map: dict[str, str] | None) ->
 
 def open_index(source: Source, *, require_config: bool = True) -> CheckpointIndex:
     """Read ``config.json``, the shard index and every safetensors header of ``source``."""
+    with gc_paused():  # every record made here lives as long as the index
+        return _open_index(source, require_config)
+
+
+def _open_index(source: Source, require_config: bool) -> CheckpointIndex:
     available = set(checked_listing(source.list_files(), source.description, keep=is_checkpoint_file))
     config: dict[str, Any] = {}
     if CONFIG_FILE in available:
