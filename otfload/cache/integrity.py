@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Protocol, TypeGuard
 
 from otfload.sources.base import DigestSource, HashedSource, Source
 
@@ -54,13 +54,23 @@ def published_digests(source: Source, file: str) -> dict[str, str]:
     return out
 
 
+class _Crc32cHash(Protocol):
+    """What Hasher uses of ``google_crc32c.Checksum`` (whose methods are unannotated)."""
+
+    def update(self, chunk: bytes) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
 class Hasher:
     """sha256 of everything fed to it, plus md5 / crc32c when they are asked for."""
 
     def __init__(self, algorithms: Container[str] = ()):
         self._sha256 = hashlib.sha256()
         self._md5 = hashlib.md5(usedforsecurity=False) if "md5" in algorithms else None
-        self._crc32c = google_crc32c.Checksum() if google_crc32c is not None and "crc32c" in algorithms else None
+        self._crc32c: _Crc32cHash | None = None
+        if google_crc32c is not None and "crc32c" in algorithms:
+            self._crc32c = google_crc32c.Checksum()  # type: ignore[no-untyped-call]  # unannotated __init__
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._sha256.update(data)

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from otfload.errors import CacheError, CacheUnsafeNameError
 from otfload.sources.base import Source
@@ -218,7 +218,7 @@ class LocalStore:
     """A folder ``key`` in the directory ``base``, shared by every process that uses it (NFS, a shared
     volume, or one host's disk). ``base`` is the user's choice and may be a symlink; nothing below it is."""
 
-    def __init__(self, base: str | os.PathLike, key: str):
+    def __init__(self, base: str | os.PathLike[str], key: str):
         self.key = check_cache_name(key, "shard cache key")
         if "/" in key:
             raise CacheUnsafeNameError(f"shard cache key {key!r} is not a single folder name")
@@ -423,7 +423,7 @@ class LocalStore:
 class FsspecStore:
     """A prefix of an fsspec filesystem, e.g. ``gs://bucket/cache`` through gcsfs."""
 
-    def __init__(self, base_url: str, key: str, storage_options: dict | None = None):
+    def __init__(self, base_url: str, key: str, storage_options: dict[str, Any] | None = None):
         self.key = check_cache_name(key, "shard cache key")
         self.url = f"{base_url.rstrip('/')}/{key}"
         self.storage_options = storage_options
@@ -432,13 +432,15 @@ class FsspecStore:
 
     @property
     def description(self) -> str:
-        return self._fs.unstrip_protocol(self._root)  # no credentials, unlike the URL
+        url: str = self._fs.unstrip_protocol(self._root)  # no credentials, unlike the URL
+        return url
 
     def _path(self, name: str) -> str:
         return f"{self._root}/{check_cache_name(name, self.description)}"
 
     def path(self, name: str) -> str:
-        return self._fs.unstrip_protocol(self._path(name))
+        url: str = self._fs.unstrip_protocol(self._path(name))
+        return url
 
     def stat(self, name: str) -> EntryStat | None:
         path = self._path(name)
@@ -491,7 +493,8 @@ class FsspecStore:
             return None
         except OSError as e:
             raise storage_error(e, self.path(name) + RECORD_SUFFIX, "read") from None
-        return data.decode("utf-8", errors="replace")
+        text: str = data.decode("utf-8", errors="replace")
+        return text
 
     def write_record(self, name: str, text: str) -> None:
         try:
@@ -548,7 +551,7 @@ class _ObjectSink:
             raise storage_error(e, self.path, "write") from None
 
 
-def open_store(cache_dir: str | os.PathLike, key: str, storage_options: dict | None = None) -> Store:
+def open_store(cache_dir: str | os.PathLike[str], key: str, storage_options: dict[str, Any] | None = None) -> Store:
     """The folder ``key`` of ``cache_dir``: a :class:`FsspecStore` for ``scheme://`` URLs (a
     :class:`LocalStore` for ``file://``), else a :class:`LocalStore`."""
     text = os.fspath(cache_dir)

@@ -64,7 +64,7 @@ class OrbaxCheckpointManager:
     ) -> bool:
         """Start saving ``state`` as ``step``; unset metadata fields are filled in from ``state``."""
         layout = (metadata or LayoutMetadata()).completed_for(state)
-        started = self._manager.save(
+        started: bool = self._manager.save(
             step,
             args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(state)}),
             custom_metadata={METADATA_KEY: layout.to_json()},
@@ -122,7 +122,7 @@ class OrbaxCheckpointManager:
         """``{dotted path: ShapeDtypeStruct}`` (no sharding) of every leaf saved at ``step``."""
         tree = self._manager.item_metadata(self.resolve_step(step))[ITEM]
         return {
-            path: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+            path: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)  # type: ignore[no-untyped-call]  # jax: untyped
             for path, leaf in flatten_tree(tree.tree).items()
         }
 
@@ -137,7 +137,8 @@ class OrbaxCheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``."""
-        return self._manager.latest_step()
+        step: int | None = self._manager.latest_step()
+        return step
 
     def all_steps(self) -> Sequence[int]:
         """Every committed step, ascending."""

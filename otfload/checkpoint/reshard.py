@@ -30,9 +30,9 @@ def fallback_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
     size = mesh.shape[axis]
     dims = [d for d, n in enumerate(shape) if n % size == 0]
     if size == 1 or not dims:
-        return PartitionSpec()
+        return PartitionSpec()  # type: ignore[no-untyped-call]  # jax: unannotated __init__
     dim = max(dims, key=lambda d: shape[d])
-    return PartitionSpec(*([None] * dim), axis)
+    return PartitionSpec(*([None] * dim), axis)  # type: ignore[no-untyped-call]  # as above
 
 
 def target_sharding(
@@ -85,7 +85,7 @@ def reshard_checkpoint(
         resolved = resolve_checkpoint_scan_layers(source, scan_layers, step)
         layout = source.metadata(step) or LayoutMetadata()
         leaves = {
-            path: jax.ShapeDtypeStruct(
+            path: jax.ShapeDtypeStruct(  # type: ignore[no-untyped-call]  # jax: unannotated __init__
                 spec.shape, spec.dtype, sharding=target_sharding(path, spec.shape, layout, mesh, rules)
             )
             for path, spec in source.leaf_specs(step).items()

@@ -19,7 +19,9 @@ from otfload.sources import Source
 from otfload.sources.owned import owned_source
 
 
-def _reference(reference: str | os.PathLike | Source | None) -> tuple[dict | None, dict | None]:
+def _reference(
+    reference: str | os.PathLike[str] | Source | None,
+) -> tuple[dict[str, Any] | None, dict[str, tuple[int, ...]] | None]:
     """``(config.json, {key: shape})`` of the reference checkpoint, read from headers only."""
     if reference is None:
         return None, None
@@ -43,11 +45,11 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
 
 def export_hf(
     model_or_params: Any,
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
     *,
-    config: Mapping | str | os.PathLike | None = None,
-    reference: str | os.PathLike | Source | None = None,
-    family: str | Family | None = None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    reference: str | os.PathLike[str] | Source | None = None,
+    family: str | Family[Any] | None = None,
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
@@ -86,15 +88,15 @@ def export_hf(
 
 
 def export_checkpoint(
-    source: str | os.PathLike | Source,
-    out_dir: str | os.PathLike,
+    source: str | os.PathLike[str] | Source,
+    out_dir: str | os.PathLike[str],
     *,
     scan_layers: bool = True,
     mesh: Any = None,
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
-    **source_options,
+    **source_options: Any,
 ) -> Path:
     """What ``otfload export SRC OUT`` runs: load the HF checkpoint ``source`` with
     :func:`otfload.from_pretrained` (sharded on ``mesh``) and write it back with :func:`export_hf`,

@@ -21,8 +21,10 @@ _DTYPE_NAMES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "F64": "
 
 
 def _table(
-    hf_config: dict, family: str | Family | None, mapping: MappingTable | Sequence[Rule] | Mapping[str, str] | None
-) -> tuple[MappingTable, dict]:
+    hf_config: dict[str, Any],
+    family: str | Family[Any] | None,
+    mapping: MappingTable | Sequence[Rule] | Mapping[str, str] | None,
+) -> tuple[MappingTable, dict[str, Any]]:
     """The mapping table and the config its hooks are resolved against."""
     if mapping is not None:
         return as_table(mapping), hf_config
@@ -39,15 +41,15 @@ class ExportJob:
 
     plan: ExportPlan
     specs: tuple[TensorSpec, ...]
-    config: dict
+    config: dict[str, Any]
 
     @classmethod
     def build(
         cls,
         leaves: Mapping[str, Any],
-        hf_config: dict,
+        hf_config: dict[str, Any],
         *,
-        family: str | Family | None = None,
+        family: str | Family[Any] | None = None,
         mapping: MappingTable | Sequence[Rule] | Mapping[str, str] | None = None,
         hf_shapes: Mapping[str, tuple[int, ...]] | None = None,
         dtype: Any = None,

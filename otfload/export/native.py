@@ -29,13 +29,13 @@ if TYPE_CHECKING:  # otfload.checkpoint imports Orbax: only when a native checkp
     from otfload.checkpoint import LayoutMetadata, OrbaxCheckpointManager
 
 
-def _open(path: str | os.PathLike) -> OrbaxCheckpointManager:
+def _open(path: str | os.PathLike[str]) -> OrbaxCheckpointManager:
     from otfload.checkpoint import CheckpointConfig, OrbaxCheckpointManager
 
     return OrbaxCheckpointManager(CheckpointConfig(path, max_to_keep=None, async_save=False))
 
 
-def is_native_checkpoint(path: str | os.PathLike) -> bool:
+def is_native_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a local directory of committed Orbax steps (not an HF checkpoint)."""
     path = Path(path)
     if not path.is_dir() or (path / CONFIG_FILE).exists() or not any(p.name.isdigit() for p in path.iterdir()):
@@ -44,7 +44,9 @@ def is_native_checkpoint(path: str | os.PathLike) -> bool:
         return manager.has_checkpoint()
 
 
-def _hf_config(layout: LayoutMetadata | None, config: Mapping | str | os.PathLike | None, where: str) -> dict:
+def _hf_config(
+    layout: LayoutMetadata | None, config: Mapping[str, Any] | str | os.PathLike[str] | None, where: str
+) -> dict[str, Any]:
     if config is not None:
         return load_config(config)
     if layout is None or not layout.hf_config:
@@ -77,12 +79,12 @@ def _groups(job: ExportJob) -> list[tuple[set[str], list[str]]]:
 
 
 def export_native(
-    checkpoint_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     step: int | None = None,
     scan_layers: bool | None = None,
-    config: Mapping | str | os.PathLike | None = None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
@@ -124,12 +126,17 @@ def export_native(
     return Path(out_dir)
 
 
-def _restore(manager: OrbaxCheckpointManager, step: int, specs: Mapping[str, jax.ShapeDtypeStruct]) -> dict:
+def _restore(
+    manager: OrbaxCheckpointManager, step: int, specs: Mapping[str, jax.ShapeDtypeStruct]
+) -> dict[str, jax.Array]:
     """The leaves ``specs`` names, restored onto the host (the first CPU device)."""
     from otfload.checkpoint.paths import flatten_tree, unflatten_tree
 
     cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    abstract = {leaf: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu) for leaf, s in specs.items()}
+    abstract = {
+        leaf: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu)  # type: ignore[no-untyped-call]  # jax: untyped
+        for leaf, s in specs.items()
+    }
     return flatten_tree(manager.restore_leaves(step, unflatten_tree(abstract)))
 
 

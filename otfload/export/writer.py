@@ -46,7 +46,7 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def natural_key(key: str) -> list:
+def natural_key(key: str) -> list[int | str]:
     """Sort key ordering ``layers.2`` before ``layers.10``."""
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
 
@@ -162,5 +162,5 @@ class ShardFiles:
         write_index(self.out, self.files)
 
 
-def write_config(out: Path, config: Mapping) -> None:
+def write_config(out: Path, config: Mapping[str, Any]) -> None:
     (out / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")

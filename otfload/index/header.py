@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from otfload.errors import CorruptFileError, HeaderError, TruncatedFileError, UnknownDtypeError
 from otfload.index.dtypes import SAFETENSORS_DTYPES
+from otfload.sources.base import Source
 
 # The reference implementation refuses headers above 100 MB; a legitimate header of a 5 GB shard
 # with thousands of tensors is well under 1 MB, so this cap only stops hostile files.
@@ -56,6 +57,7 @@ def header_length(prefix: bytes, file: str, file_size: int) -> int:
         raise CorruptFileError(file, "empty file (0 bytes): not a safetensors file")
     if file_size < _LENGTH.size or len(prefix) < _LENGTH.size:
         raise TruncatedFileError(file, f"file is {file_size} bytes, too short for a safetensors header")
+    n: int
     (n,) = _LENGTH.unpack_from(prefix)
     if n > MAX_HEADER_BYTES:
         raise HeaderError(file, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
@@ -64,9 +66,9 @@ def header_length(prefix: bytes, file: str, file_size: int) -> int:
     return n
 
 
-def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """``json.loads`` object hook: a key given twice is ambiguous in a file from a stranger, so it is an error."""
-    out: dict = {}
+    out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
             raise ValueError(f"duplicate key {key!r}")
@@ -74,7 +76,7 @@ def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def _decode_json(raw: bytes, file: str) -> dict:
+def _decode_json(raw: bytes, file: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -176,7 +178,7 @@ def parse_header(raw_json: bytes, file: str, file_size: int) -> FileHeader:
     return FileHeader(file, tensors, dict(metadata), data_start, file_size)
 
 
-def read_header(source, file: str) -> FileHeader:
+def read_header(source: Source, file: str) -> FileHeader:
     """Read and validate the header of ``file`` from a :class:`~otfload.sources.Source`."""
     file_size = source.size(file)
     want = min(file_size, HEADER_PREFETCH_BYTES)

@@ -106,9 +106,9 @@ def logical_axes(
     return out
 
 
-def nest(flat: Mapping[str, Any]) -> dict:
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     """``{"a.b.c": x}`` → ``{"a": {"b": {"c": x}}}``."""
-    tree: dict = {}
+    tree: dict[str, Any] = {}
     for path, value in flat.items():
         *parents, name = path.split(".")
         node = tree
@@ -124,11 +124,12 @@ def abstract_params(
     dtype: Any = np.float32,
     rules: LogicalRules = LOGICAL_RULES,
     scan_layers: bool = True,
-) -> dict:
+) -> dict[str, Any]:
     """The MaxText-style parameter tree for ``config`` as ``jax.ShapeDtypeStruct`` s, sharded on
     ``mesh`` by ``rules`` (no sharding without a mesh: ``load_params(mesh=...)`` replicates them)."""
     def leaf(shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.ShapeDtypeStruct:
         sharding = None if mesh is None else logical_to_sharding(axes, shape, mesh, rules)
-        return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+        # the ignore: jax's ShapeDtypeStruct.__init__ is unannotated
+        return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)  # type: ignore[no-untyped-call]
 
     return nest({path: leaf(shape, axes) for path, (shape, axes) in logical_axes(config, scan_layers).items()})

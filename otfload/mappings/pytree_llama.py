@@ -41,15 +41,16 @@ TABLE = MappingTable(
 )
 
 # Mesh axes of each [out, in] weight on a (fsdp, tp) mesh: q/k/v/gate/up split their outputs over
-# tp, o/down their inputs (Megatron-style), and the model dimension over fsdp.
+# tp, o/down their inputs (Megatron-style), and the model dimension over fsdp. (The ignores: jax's
+# PartitionSpec.__init__ is unannotated.)
 SPECS: dict[str, PartitionSpec] = {
-    "self_attn.q_proj": PartitionSpec("tp", "fsdp"),
-    "self_attn.k_proj": PartitionSpec("tp", "fsdp"),
-    "self_attn.v_proj": PartitionSpec("tp", "fsdp"),
-    "self_attn.o_proj": PartitionSpec("fsdp", "tp"),
-    "mlp.gate_proj": PartitionSpec("tp", "fsdp"),
-    "mlp.up_proj": PartitionSpec("tp", "fsdp"),
-    "mlp.down_proj": PartitionSpec("fsdp", "tp"),
+    "self_attn.q_proj": PartitionSpec("tp", "fsdp"),  # type: ignore[no-untyped-call]
+    "self_attn.k_proj": PartitionSpec("tp", "fsdp"),  # type: ignore[no-untyped-call]
+    "self_attn.v_proj": PartitionSpec("tp", "fsdp"),  # type: ignore[no-untyped-call]
+    "self_attn.o_proj": PartitionSpec("fsdp", "tp"),  # type: ignore[no-untyped-call]
+    "mlp.gate_proj": PartitionSpec("tp", "fsdp"),  # type: ignore[no-untyped-call]
+    "mlp.up_proj": PartitionSpec("tp", "fsdp"),  # type: ignore[no-untyped-call]
+    "mlp.down_proj": PartitionSpec("fsdp", "tp"),  # type: ignore[no-untyped-call]
 }
 
 
@@ -69,21 +70,26 @@ def shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 def spec_of(path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """The :data:`SPECS` entry of ``path`` where its mesh axes divide ``shape``, else replicated."""
     name = ".".join(path.split(".")[2:-1])
-    spec = SPECS.get(name, PartitionSpec("tp", "fsdp") if path.startswith(("embed_tokens", "lm_head")) else None)
+    embedding = path.startswith(("embed_tokens", "lm_head"))
+    spec = SPECS.get(name, PartitionSpec("tp", "fsdp") if embedding else None)  # type: ignore[no-untyped-call]
     if spec is None or any(d % mesh.shape[a] for d, a in zip(shape, spec, strict=True)):
-        return PartitionSpec()
+        return PartitionSpec()  # type: ignore[no-untyped-call]  # as in SPECS
     return spec
 
 
-def abstract_params(config: Mapping[str, Any], mesh: Mesh | None = None, dtype: Any = np.float32) -> dict:
+def abstract_params(
+    config: Mapping[str, Any], mesh: Mesh | None = None, dtype: Any = np.float32
+) -> dict[str, Any]:
     """The tree as nested dicts and a list of layers of ``jax.ShapeDtypeStruct``, sharded on ``mesh``
     by :func:`spec_of` (no sharding without a mesh)."""
-    tree: dict = {"layers": [{} for _ in range(config["num_hidden_layers"])]}
+    tree: dict[str, Any] = {"layers": [{} for _ in range(config["num_hidden_layers"])]}
     for path, shape in shapes(config).items():
         sharding = None if mesh is None else NamedSharding(mesh, spec_of(path, shape, mesh))
         *parents, name = path.split(".")
         node: Any = tree
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        node[name] = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+        node[name] = jax.ShapeDtypeStruct(  # type: ignore[no-untyped-call]  # jax: unannotated __init__
+            shape, np.dtype(dtype), sharding=sharding
+        )
     return tree

@@ -27,15 +27,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from otfload.errors import InvalidOptionError
 from otfload.place.report import leaf_planned
+from otfload.plan.abstract import AbstractLeaf
+from otfload.plan.hooks import Hook, Shape
+from otfload.plan.planner import LeafPlan
+from otfload.read.reader import TensorReader
 
 # --- the cost model's constants ---------------------------------------------------------------------
 # Local files, cold: 64 MiB mapped with MADV_POPULATE_READ in 28-44 ms on this VM's virtio disk
@@ -69,6 +74,10 @@ POLICIES = ("auto", "always", "never")
 # Environment variable holding the default policy of a load (``reshard=None``).
 RESHARD_ENV = "OTFLOAD_RESHARD"
 
+# The process of a device (default: its ``process_index``), and the mesh's devices by process.
+ProcessOf = Callable[[jax.Device], int]
+Groups = Mapping[int, list[jax.Device]]
+
 
 def resolve_policy(reshard: str | None = None) -> str:
     """The reshard policy of a load: ``reshard``, else ``$OTFLOAD_RESHARD``, else ``"auto"``.
@@ -101,7 +110,7 @@ class CostModel:
         return nbytes / self.interconnect_bandwidth + self.reshard_fixed_seconds + compile_share
 
 
-def cost_model(reader, processes: int, platform: str | None = None) -> CostModel:
+def cost_model(reader: TensorReader, processes: int, platform: str | None = None) -> CostModel:
     """The model for ``reader``'s source (local files or remote) on ``processes`` processes."""
     local = reader.maps or reader.pages
     bandwidth = LOCAL_BANDWIDTH if local else REMOTE_BANDWIDTH
@@ -115,15 +124,15 @@ def cost_model(reader, processes: int, platform: str | None = None) -> CostModel
     )
 
 
-def process_devices(mesh, process_of=None) -> dict[int, list]:
+def process_devices(mesh: Mesh, process_of: ProcessOf | None = None) -> dict[int, list[jax.Device]]:
     """The mesh's devices grouped by process (``process_of(device)``; default its process index)."""
-    groups: dict[int, list] = {}
+    groups: dict[int, list[jax.Device]] = {}
     for device in mesh.devices.flat:
         groups.setdefault(process_of(device) if process_of else device.process_index, []).append(device)
     return groups
 
 
-def band_shardings(leaf) -> list[NamedSharding]:
+def band_shardings(leaf: AbstractLeaf) -> list[NamedSharding]:
     """Candidate read layouts of ``leaf``: one dimension split over all mesh axes (or over each axis
     alone), every other replicated — each device a contiguous band of that dimension."""
     sharding = leaf.sharding
@@ -139,7 +148,7 @@ def band_shardings(leaf) -> list[NamedSharding]:
             if ways > 1 and size % ways == 0:
                 spec: list[str | tuple[str, ...] | None] = [None] * len(leaf.shape)
                 spec[d] = axes if len(axes) > 1 else axes[0]
-                out.append(NamedSharding(mesh, PartitionSpec(*spec)))
+                out.append(NamedSharding(mesh, PartitionSpec(*spec)))  # type: ignore[no-untyped-call]  # jax: untyped
     return out
 
 
@@ -154,7 +163,9 @@ class Choice:
     seconds_band: float
 
 
-def _fetch(plan, sharding, groups: Mapping[int, list], reader, sample: Iterable[int]) -> tuple[int, int]:
+def _fetch(
+    plan: LeafPlan, sharding: Sharding | None, groups: Groups, reader: TensorReader, sample: Iterable[int]
+) -> tuple[int, int]:
     """The largest ``(bytes, requests)`` any sampled process fetches for ``plan``'s leaf under ``sharding``."""
     worst = (0, 0)
     for p in sample:
@@ -163,7 +174,9 @@ def _fetch(plan, sharding, groups: Mapping[int, list], reader, sample: Iterable[
     return worst
 
 
-def choose_leaf(plan, reader, groups: Mapping[int, list], model: CostModel, policy: str, same: int) -> Choice:
+def choose_leaf(
+    plan: LeafPlan, reader: TensorReader, groups: Groups, model: CostModel, policy: str, same: int
+) -> Choice:
     """Read ``plan``'s leaf directly or as a band: ``"auto"`` takes the band that the cost model says
     saves at least MIN_SAVING of the time, ``"always"`` the band fetching the fewest bytes (then
     requests), if that is fewer than direct reads fetch."""
@@ -177,9 +190,10 @@ def choose_leaf(plan, reader, groups: Mapping[int, list], model: CostModel, poli
     moved = max(leaf_moved_bytes(plan, groups[p]) for p in sample)
     # "always": fewest bytes, then requests; "auto": least time, below MIN_SAVING of the direct read's
     best_key = (float(direct[0]), float(direct[1])) if policy == "always" else (t_direct * (1 - MIN_SAVING), 0.0)
+    target = cast(NamedSharding, plan.leaf.sharding)  # band_shardings gives candidates for named shardings only
     for candidate in band_shardings(plan.leaf):
         band = _fetch(plan, candidate, groups, reader, sample)
-        compiled = _signature(plan.leaf.shape, plan.leaf.dtype, candidate, plan.leaf.sharding) in _compiled
+        compiled = _signature(plan.leaf.shape, plan.leaf.dtype, candidate, target) in _compiled
         t_band = model.fetch_seconds(*band) + model.reshard_seconds(moved, 0 if compiled else same)
         key = (float(band[0]), float(band[1])) if policy == "always" else (t_band, 0.0)
         if key < best_key:
@@ -187,7 +201,7 @@ def choose_leaf(plan, reader, groups: Mapping[int, list], model: CostModel, poli
     return best
 
 
-def leaf_moved_bytes(plan, devices) -> int:
+def leaf_moved_bytes(plan: LeafPlan, devices: Iterable[jax.Device]) -> int:
     """Target-dtype bytes of the shards ``devices`` hold: what a reshard delivers to them at most."""
     from otfload.plan.boxes import box_size
 
@@ -195,15 +209,23 @@ def leaf_moved_bytes(plan, devices) -> int:
     return sum(box_size(b) for b in plan.device_boxes(devices)) * itemsize
 
 
-_compiled: set = set()  # reshard signatures this process has run: their programs are compiled
+# A reshard's program: shape, dtype, band spec, target spec and the target mesh's identity.
+Signature = tuple[tuple[int, ...], str, str, str, int]
+_compiled: set[Signature] = set()  # reshard signatures this process has run: their programs are compiled
 
 
-def _signature(shape, dtype, band: NamedSharding, target: NamedSharding) -> tuple:
+def _signature(
+    shape: Sequence[int], dtype: np.dtype[Any], band: NamedSharding, target: NamedSharding
+) -> Signature:
     return tuple(shape), str(dtype), str(band.spec), str(target.spec), id(target.mesh)
 
 
 def choose_read_shardings(
-    plans: Mapping, reader, policy: str = "auto", process_of=None, platform: str | None = None
+    plans: Mapping[str, LeafPlan],
+    reader: TensorReader,
+    policy: str = "auto",
+    process_of: ProcessOf | None = None,
+    platform: str | None = None,
 ) -> dict[str, Choice]:
     """``{leaf path: Choice}`` for the leaves read in another layout than their target's."""
     policy = resolve_policy(policy)
@@ -217,10 +239,11 @@ def choose_read_shardings(
     if len(groups) < 2:
         return {}
     model = cost_model(reader, len(groups), platform)
-    signatures: dict = {}
+    signatures: dict[LeafSignature, list[LeafPlan]] = {}
     for p in plans.values():
         signatures.setdefault(leaf_signature(p), []).append(p)
-    chosen, memo = {}, {}
+    chosen: dict[str, Choice] = {}
+    memo: dict[LeafSignature, Choice] = {}
     for path, p in plans.items():
         key = leaf_signature(p)
         if key not in memo:  # unscanned layers repeat: each signature is costed once
@@ -230,7 +253,14 @@ def choose_read_shardings(
     return chosen
 
 
-def leaf_signature(plan) -> tuple:
+# What a leaf's reads depend on (see leaf_signature): shape, dtype, spec, hooks, shapes, sources'
+# count, storage and the first source's shape.
+LeafSignature = tuple[
+    tuple[int, ...], str, str, tuple[Hook, ...], tuple[Shape, ...], int, str, tuple[int, ...] | None
+]
+
+
+def leaf_signature(plan: LeafPlan) -> LeafSignature:
     """What a leaf's reads depend on but the tensors' names and offsets: leaves with equal
     signatures (the layers of an unscanned model) read alike."""
     leaf = plan.leaf
@@ -239,7 +269,7 @@ def leaf_signature(plan) -> tuple:
             plan.shapes, len(plan.sources), plan.storage, getattr(first, "shape", None))
 
 
-def with_sharding(plan, sharding):
+def with_sharding(plan: LeafPlan, sharding: Sharding) -> LeafPlan:
     """``plan`` with its leaf placed in ``sharding`` instead of its target sharding."""
     return dataclasses.replace(plan, leaf=plan.leaf._replace(sharding=sharding))
 
@@ -248,7 +278,7 @@ def reshard(array: jax.Array, target: Sharding) -> jax.Array:
     """``array`` (read as a band: a :func:`band_shardings` layout) moved to ``target`` over the
     interconnect (a collective: every process calls it). Only leaves with a ``NamedSharding`` get
     bands, so both are named shardings."""
-    out = jax.device_put(array, target)
+    out: jax.Array = jax.device_put(array, target)
     _compiled.add(_signature(array.shape, array.dtype, cast(NamedSharding, array.sharding),
                              cast(NamedSharding, target)))
     return out

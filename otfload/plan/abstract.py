@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import numpy as np
 from flax import nnx
+from flax.typing import PathParts
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from otfload.errors import IndivisibleShardingError, MappingError, MeshRequiredError, TensorProblem
@@ -69,7 +70,7 @@ def dotted(path: Iterable[Any]) -> str:
     return ".".join(parts)
 
 
-def _axes_of(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+def _axes_of(variable: nnx.Variable[Any]) -> tuple[str | None, ...] | None:
     meta = variable.get_metadata()
     for name in ("logical_axes", "sharding_names", "sharding", "out_sharding"):
         axes = meta.get(name)
@@ -159,7 +160,8 @@ def sharding_from_names(
     if len(names) != len(shape):
         raise MappingError(f"leaf {path!r}: {len(names)} sharding names {names} for leaf shape {tuple(shape)}")
     if _is_explicit(names, mesh, rules):
-        return check_divisible(path, shape, NamedSharding(mesh, PartitionSpec(*names)))
+        spec = PartitionSpec(*names)  # type: ignore[no-untyped-call]  # jax: unannotated __init__
+        return check_divisible(path, shape, NamedSharding(mesh, spec))
     known = {name for name, _ in rules}
     unknown = [n for n in names if n is not None and not (isinstance(n, str) and (n in known or n in mesh.shape))]
     if unknown:
@@ -197,7 +199,7 @@ def leaf_sharding(
     metadata: Mapping[str, Any],
     mesh: Mesh | None,
     rules: LogicalRules | None,
-) -> tuple[Sharding, tuple | None]:
+) -> tuple[Sharding, tuple[Any, ...] | None]:
     """One leaf's concrete sharding (checked against its shape) and the names it came from."""
     names = next((metadata[k] for k in SHARDING_METADATA if metadata.get(k) is not None), None)
     if isinstance(value_sharding, NamedSharding):
@@ -214,7 +216,7 @@ def leaf_sharding(
         return sharding_from_names(path, names, shape, mesh, _rules_for(metadata, rules)), tuple(names)
     if mesh is None:
         raise MeshRequiredError(f"leaf {path!r} has no sharding and no mesh was given: pass mesh=")
-    return NamedSharding(mesh, PartitionSpec()), None
+    return NamedSharding(mesh, PartitionSpec()), None  # type: ignore[no-untyped-call]  # jax: unannotated __init__
 
 
 def _leaf(
@@ -241,9 +243,13 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+# A flattened ``nnx.State``: (path, variable or value) pairs.
+FlatPairs = list[tuple[PathParts, Any]]
+
+
 def _from_state(
-    state: nnx.State, mesh: Mesh | None, rules: LogicalRules | None
-) -> tuple[list, dict[str, AbstractLeaf]]:
+    state: nnx.State[Any, Any], mesh: Mesh | None, rules: LogicalRules | None
+) -> tuple[FlatPairs, dict[str, AbstractLeaf]]:
     flat = list(nnx.to_flat_state(state))
     leaves = {}
     for path, var in flat:
@@ -253,7 +259,7 @@ def _from_state(
     return flat, leaves
 
 
-def _filled(flat: list, arrays: Mapping[str, jax.Array]) -> nnx.State:
+def _filled(flat: FlatPairs, arrays: Mapping[str, jax.Array]) -> nnx.State[Any, Any]:
     """The state of ``flat`` with every loaded ``nnx.Param`` holding its array."""
     pairs = [(p, v.replace(arrays[dotted(p)]) if isinstance(v, nnx.Param) else v) for p, v in flat]
     return nnx.from_flat_state(pairs)

@@ -25,7 +25,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -238,7 +238,7 @@ class Reshape(Hook):
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
         out_shape = self.out_shape(in_shape)
-        box: list = [None] * len(in_shape)
+        box: list[tuple[int, int] | None] = [None] * len(in_shape)
         for gi, gj in reshape_groups(in_shape, out_shape):
             in_dims, out_dims = [in_shape[d] for d in gi], [out_shape[d] for d in gj]
             lo, hi = flat_range(tuple(out_box[d] for d in gj), out_dims)
@@ -252,12 +252,12 @@ class Reshape(Hook):
                 lo, hi = min(lo_in, lo_out), max(hi_in, hi_out)
             for d, span in zip(gi, cover_range(lo, hi, in_dims), strict=True):
                 box[d] = span
-        return tuple(box)
+        return cast(Box, tuple(box))  # the groups cover every input dim: no None is left
 
     def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
         out_shape = self.out_shape(in_shape)
         box = self.needed(selection_bounds(out_sel), in_shape)
-        sel: list = [(span,) for span in box]
+        sel: list[tuple[tuple[int, int], ...]] = [(span,) for span in box]
         for gi, gj in reshape_groups(in_shape, out_shape):
             if len(gi) != 1:  # several input dims: a flat pattern is not a product of their intervals
                 continue
@@ -268,7 +268,7 @@ class Reshape(Hook):
 
     def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
         out_shape = self.out_shape(in_shape)
-        out_box: list = [None] * len(out_shape)
+        out_box: list[tuple[int, int] | None] = [None] * len(out_shape)
         for gi, gj in reshape_groups(in_shape, out_shape):
             in_dims, out_dims = [in_shape[d] for d in gi], [out_shape[d] for d in gj]
             lo, hi = flat_range(tuple(in_box[d] for d in gi), in_dims)
@@ -277,7 +277,7 @@ class Reshape(Hook):
                 raise MappingError(f"{self}: input box {in_box} does not map to an output box")
             for d, span in zip(gj, spans, strict=True):
                 out_box[d] = span
-        out_box_t = tuple(out_box)
+        out_box_t = cast(Box, tuple(out_box))  # the groups cover every output dim: no None is left
         return x.reshape(tuple(b - a for a, b in out_box_t)), out_box_t
 
     def inverse(self, in_shape: Shape) -> Hook:
@@ -300,7 +300,8 @@ class Scale(Hook):
         return tuple(out_shape)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        return (x * np.asarray(self.factor, dtype=x.dtype)).astype(x.dtype)
+        scaled: np.ndarray = (x * np.asarray(self.factor, dtype=x.dtype)).astype(x.dtype)
+        return scaled
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
         return out_box
@@ -404,7 +405,9 @@ class Slice(Hook):
         return x[tuple(index)], tuple(box)
 
 
-def _flat_intervals(spans: Sequence[tuple[tuple[int, int], ...]], dims: Sequence[int]) -> tuple | None:
+def _flat_intervals(
+    spans: Sequence[tuple[tuple[int, int], ...]], dims: Sequence[int]
+) -> tuple[tuple[int, int], ...] | None:
     """The row-major flat intervals of the product of ``spans`` over ``dims`` (merged), or None
     when there would be more than :data:`MAX_RESHAPE_INTERVALS`."""
     if not dims:

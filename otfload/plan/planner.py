@@ -88,7 +88,7 @@ class LeafPlan:
         """Bytes of the leaf's largest device shard in its target dtype (what one device holds)."""
         return cost.shard_bytes(self.leaf)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """A JSON-able summary (what ``otfload inspect`` prints)."""
         keys = [s.name for s in self.sources]
         return {
@@ -138,7 +138,11 @@ def _lookup(
 
 
 def plan_leaf(
-    leaf: AbstractLeaf, table: MappingTable, index: CheckpointIndex, config: Mapping, problems: list
+    leaf: AbstractLeaf,
+    table: MappingTable,
+    index: CheckpointIndex,
+    config: Mapping[str, Any],
+    problems: list[TensorProblem],
 ) -> LeafPlan | None:
     """Plan one leaf, appending any problems found; returns None when it cannot be built."""
     found = table.find(leaf.path)
@@ -193,7 +197,7 @@ def build_plan(
     index: CheckpointIndex,
     leaves: Mapping[str, AbstractLeaf],
     table: MappingTable,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     *,
     strict: bool = False,
 ) -> LoadPlan:

@@ -50,7 +50,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     return axes
 
 
-def make_mesh(axes: Mapping[str, int] | str | None = None, devices: Sequence | None = None) -> Mesh:
+def make_mesh(axes: Mapping[str, int] | str | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``Mesh`` with Auto axis types; ``None`` puts every device on one ``fsdp`` axis.
 
     One axis size may be ``-1`` and is then inferred from the device count.
@@ -82,7 +82,7 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """The ``PartitionSpec`` for a leaf of ``shape`` whose dimensions carry ``logical_axes``."""
     if logical_axes is None:
-        return PartitionSpec()
+        return PartitionSpec()  # type: ignore[no-untyped-call]  # jax: unannotated __init__
     table = dict(rules)
     used: set[str] = set()
     spec: list[str | tuple[str, ...] | None] = []
@@ -98,7 +98,7 @@ def logical_to_spec(
         spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     while spec and spec[-1] is None:
         spec.pop()
-    return PartitionSpec(*spec)
+    return PartitionSpec(*spec)  # type: ignore[no-untyped-call]  # as above
 
 
 def logical_to_sharding(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from otfload.errors import SourceNotFoundError
 from otfload.sources.base import RangeRead, Source, read_bytes
@@ -19,7 +20,7 @@ _OPTIONS = {*_HUB_OPTIONS, "storage_options", "mmap"}
 _HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub allows them
 
 
-def open_source(location: str | os.PathLike | Source, **options) -> Source:
+def open_source(location: str | os.PathLike[str] | Source, **options: Any) -> Source:
     """Open ``location`` as a :class:`Source`.
 
     - a :class:`Source`: returned as is;

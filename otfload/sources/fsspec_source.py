@@ -76,7 +76,8 @@ def open_filesystem(url: str, **options: Any) -> tuple[fsspec.AbstractFileSystem
 
         fs = GCSFileSystem(**options)
         return fs, fs._strip_protocol(url)
-    return fsspec.core.url_to_fs(url, **options)
+    found: tuple[fsspec.AbstractFileSystem, str] = fsspec.core.url_to_fs(url, **options)
+    return found
 
 
 # Listing fields holding an object's published checksums, by algorithm (GCS JSON API names).
@@ -101,7 +102,7 @@ class FsspecSource(RetriedCalls):
     def __init__(
         self,
         url: str,
-        storage_options: dict | None = None,
+        storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
     ):
@@ -213,8 +214,10 @@ class FsspecSource(RetriedCalls):
             )
         return size
 
-    def _find_sync(self) -> dict:
-        return self._fs.find(self._root, detail=True)
+    def _find_sync(self) -> dict[str, dict[str, Any]]:
+        """``{path: fsspec info}`` of every file under the root."""
+        found: dict[str, dict[str, Any]] = self._fs.find(self._root, detail=True)
+        return found
 
     def _run(self, make: Callable[[], Awaitable[T]], sync_call: Callable[[], T] | None, nbytes: int) -> T:
         """One call: on an async filesystem, ``make()`` on fsspec's loop, cancelled at the attempt's
@@ -307,7 +310,7 @@ async def _within(coro: Awaitable[T], seconds: float) -> T:
     return await asyncio.wait_for(coro, seconds)
 
 
-def _with_idle_timeouts(protocol: str, options: dict, idle_s: float) -> dict:
+def _with_idle_timeouts(protocol: str, options: dict[str, Any], idle_s: float) -> dict[str, Any]:
     """Give gcsfs and aiohttp an idle timeout (connect, next bytes) unless the caller chose one."""
     if protocol not in ("gs", "gcs", "http", "https"):
         return options

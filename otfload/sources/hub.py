@@ -40,7 +40,13 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+from huggingface_hub.utils import (  # type: ignore[attr-defined, unused-ignore]
+    # re-exported lazily (a computed __all__), which strict mypy's no_implicit_reexport rejects; the
+    # ignore is unused while the third-party module is checked leniently
+    build_hf_headers,
+    get_session,
+    hf_raise_for_status,
+)
 
 from otfload.errors import (
     ChecksumMismatchError,

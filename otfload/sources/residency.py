@@ -24,6 +24,7 @@ import ctypes.util
 import enum
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,7 +68,11 @@ def choose_strategy(resident_fraction: float | None, nbytes: int) -> Strategy:
     return Strategy.READ_AHEAD
 
 
-def _load_mincore():
+# libc's ``mincore(addr, length, vec)``: 0 on success.
+Mincore = Callable[[ctypes.c_void_p, int, int], int]
+
+
+def _load_mincore() -> Mincore | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name, use_errno=True)
@@ -120,7 +125,9 @@ def resident_fraction(region: mmap.mmap, offset: int, length: int, max_pages: in
     return float(pages.mean()) if len(pages) else 1.0
 
 
-def file_resident_fraction(path: str | os.PathLike, offset: int = 0, length: int | None = None) -> float | None:
+def file_resident_fraction(
+    path: str | os.PathLike[str], offset: int = 0, length: int | None = None
+) -> float | None:
     """:func:`resident_fraction` of a range of the file at ``path`` (the whole file by default)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
