@@ -35,8 +35,8 @@ import numpy as np
 
 from otfload.place.put import place_shards
 from otfload.place.transpose import copy_into, transposed_axis, xla_copies
-from otfload.plan.boxes import Box, box_from_index, box_nbytes, box_shape, crop
-from otfload.plan.cost import leaf_sibling_selection, source_region
+from otfload.plan.boxes import Box, box_nbytes, box_shape, crop
+from otfload.plan.cost import addressable_boxes, leaf_sibling_selection, source_region
 from otfload.plan.hooks import chain_apply, chain_needed
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
@@ -197,11 +197,7 @@ def build_leaf(
 ) -> jax.Array:
     """The leaf as a ``jax.Array`` with its target sharding, built from the bytes local devices need."""
     leaf = plan.leaf
-    box_of = {  # every addressable device, in the sharding's order (place_shards wants it)
-        device: box_from_index(index, leaf.shape)
-        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()
-        if index is not None  # always, for addressable devices
-    }
+    box_of = dict(addressable_boxes(leaf.shape, leaf.sharding))  # in the sharding's order (place_shards wants it)
 
     def place(built: dict[Box, np.ndarray]) -> jax.Array:
         arrays, placed = [], set()

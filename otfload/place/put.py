@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from otfload.plan.boxes import Box, box_from_index
+from otfload.plan.cost import addressable_boxes
 
 
 def _public_put(
@@ -32,12 +33,10 @@ def _callback_put(
     shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding, arrays: Sequence[np.ndarray],
     devices: Sequence[jax.Device],
 ) -> jax.Array:
-    index_map = sharding.addressable_devices_indices_map(shape)
+    box_of = dict(addressable_boxes(shape, sharding))
     by_box: dict[Box, list[np.ndarray]] = {}  # devices with equal boxes (replicated axes): one array each
     for device, array in zip(devices, arrays, strict=True):
-        index = index_map[device]
-        assert index is not None  # addressable devices always have one
-        by_box.setdefault(box_from_index(index, shape), []).append(array)
+        by_box.setdefault(box_of[device], []).append(array)
 
     def shard(index: tuple[slice, ...] | None) -> np.ndarray:
         return by_box[box_from_index(index or (), shape)].pop()

@@ -93,12 +93,26 @@ def device_boxes(leaf: AbstractLeaf, sharding: jax.sharding.Sharding | None = No
     """The distinct boxes of ``leaf`` on ``devices`` (default: this process's) under ``sharding``
     (default: the leaf's own), in device order."""
     sharding = leaf.sharding if sharding is None else sharding
+    key = (leaf.shape, sharding, None if devices is None else tuple(devices))
+    return list(_device_boxes(*key))
+
+
+@functools.lru_cache(maxsize=INDEX_MAP_CACHE_SIZE)  # the same shape and sharding in every layer
+def addressable_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[tuple[jax.Device, Box], ...]:
+    """``(device, box)`` of every device of this process under ``sharding``, in the sharding's order."""
+    index_map = sharding.addressable_devices_indices_map(shape)
+    return tuple((device, box_from_index(index, shape)) for device, index in index_map.items() if index is not None)
+
+
+@functools.lru_cache(maxsize=INDEX_MAP_CACHE_SIZE)
+def _device_boxes(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, devices: tuple[jax.Device, ...] | None
+) -> tuple[Box, ...]:
     if devices is None:
-        index_map = sharding.addressable_devices_indices_map(leaf.shape)
-    else:
-        wanted = set(devices)
-        index_map = {d: i for d, i in sharding.devices_indices_map(leaf.shape).items() if d in wanted}
-    return list(dict.fromkeys(box_from_index(index, leaf.shape) for index in index_map.values() if index is not None))
+        return tuple(dict.fromkeys(box for _, box in addressable_boxes(shape, sharding)))
+    wanted = set(devices)
+    index_map = {d: i for d, i in _indices_map(shape, sharding).items() if d in wanted}
+    return tuple(dict.fromkeys(box_from_index(index, shape) for index in index_map.values() if index is not None))
 
 
 def useful_selection(info: TensorInfo | DerivedTensor, box: Box, selection: Selection | None) -> Selection | None:
