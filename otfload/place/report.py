@@ -102,7 +102,7 @@ def leaf_planned(
     total_bytes = total_requests = 0
     seen = {} if seen is None else seen
     paged = reader.maps or reader.pages
-    shared = cost.leaf_sibling_selection(plan, boxes) if paged else None  # siblings' pages are theirs
+    shared = cost.leaf_sibling_selection(plan, boxes)  # siblings' pages are theirs; remotely, spans read them
     for i in indices:
         info = plan.sources[i]
         # Stacked tensors share shape (and, but for mixed checkpoints, dtype and kind): for local

@@ -170,3 +170,31 @@ def test_shared_pages_are_counted_once_as_the_kernel_reads_them(wide, mmap):
     for leaf in counted:  # each is charged its own half, not every page
         assert counted[leaf] <= 0.55 * both
     assert math.isclose(counted["gate"], counted["up"], rel_tol=0.05)
+
+
+def test_remote_reads_of_interleaved_rows_span_the_siblings(wide):
+    """From a remote store (fsspec memory://: ranges, no pages), ``gate`` and ``up`` each read their
+    rows' span — the sibling's rows between them included, so each stored byte of ``gate_up_proj``
+    is fetched twice — instead of one range per 1,440-byte row."""
+    import uuid
+
+    import fsspec
+
+    path, reference = wide
+    url = f"memory://gpt-oss-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    for p in path.iterdir():
+        fs.pipe_file(f"{url}/{p.name}", p.read_bytes())
+    mesh = make_mesh(MESHES["fsdp2_tp4"])
+    model, report = otfload.from_pretrained(url, mesh=mesh, dtype="float32", scan_layers=False, return_report=True)
+    for layer in range(LAYERS):
+        fused = reference[GATE_UP.format(layer=layer)]
+        moe = model.layers[layer].moe
+        np.testing.assert_array_equal(np.asarray(moe.gate.kernel[...]), fused[..., ::2])
+        np.testing.assert_array_equal(np.asarray(moe.up.kernel[...]), fused[..., 1::2])
+    interleaved = sum(v.nbytes for k, v in hf_tensors(path).items() if "gate_up_proj_" in k and "bias" not in k)
+    rows = LAYERS * EXPERTS * 2 * INTER * 2  # blocks and scales, one range each if read row by row
+    assert report.requests < rows / 20
+    assert report.bytes_read == report.bytes_planned
+    assert report.bytes_read <= report.bytes_needed + interleaved + 64 * report.tensors_read
+    fs.rm(url, recursive=True)
