@@ -34,8 +34,8 @@ from pathlib import Path
 from otfload.place.reshard import LOCAL_REQUEST_S, REMOTE_REQUEST_S, RESHARD_COMPILE_S
 
 MODELS = ("llama-3.1-405b", "deepseek-v3", "qwen3-235b-a22b", "gpt-oss-120b")
-# Plan time, scan_layers=True, measured on the replicas (docs/benchmarks.md, "Plans at real size").
-PLAN_SECONDS = {"deepseek-v3": 2.69, "llama-3.1-405b": 0.25, "qwen3-235b-a22b": 1.12, "gpt-oss-120b": 0.15}
+# Plan time, scan_layers=True, measured on the replicas (docs/benchmarks.md, "Plans at real size"; 2026-11-26).
+PLAN_SECONDS = {"deepseek-v3": 3.49, "llama-3.1-405b": 0.22, "qwen3-235b-a22b": 1.06, "gpt-oss-120b": 0.11}
 # A load reaches 0.80-1.11 x the raw read floor of local files and 0.98 x gcsfs' whole-file reads
 # (docs/benchmarks.md "Targets", docs/benchmarks_remote.md): the lowest of these.
 EFFICIENCY = 0.8

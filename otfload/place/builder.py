@@ -131,7 +131,7 @@ def _build(
     results: dict[Box, np.ndarray] = {}  # made at a box's first piece (see _stack_into)
     per_combo = box_nbytes(union, plan.sources[0].dtype.itemsize) if plan.sources else 0
     chunks = _chunks(all_combos, per_combo, chunk_limit(budget, reader))
-    for k, chunk in enumerate(chunks):
+    for position, chunk in enumerate(chunks):
         held = per_combo * len(chunk)
         budget.acquire(held)
         indices: dict[tuple[int, ...], int] = {}
@@ -142,7 +142,7 @@ def _build(
             parts = dict(zip(indices, read, strict=True))
             for box in boxes:
                 _stack_into(plan, box, need[box], union, combos_of[box], parts, results)
-            if k == len(chunks) - 1:
+            if position == len(chunks) - 1:  # the boxes are whole: placed while their pages are in
                 finished = finish({box: _result(plan, box, results) for box in boxes})
                 results = {}
         finally:

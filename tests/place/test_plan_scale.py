@@ -8,6 +8,7 @@ blocks would cost a request per row.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -56,7 +57,8 @@ def test_replica_is_sparse_with_the_published_layout(gpt_oss_replica):
 
 @pytest.mark.parametrize("scan", [True, False])
 def test_replica_plans_at_real_size(gpt_oss_replica, mesh_2x4, scan):
-    _, plan, _ = otfload.plan_model(gpt_oss_replica, mesh=mesh_2x4, scan_layers=scan)
+    _, plan, src = otfload.plan_model(gpt_oss_replica, mesh=mesh_2x4, scan_layers=scan)
+    src.close()
     assert plan.unused == []
     assert plan.leaves["layers.moe.gate.kernel" if scan else "layers.35.moe.gate.kernel"].storage.startswith("mxfp4")
     assert 60e9 < plan.source_bytes < 66e9
@@ -122,8 +124,10 @@ def column_split(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("cols") / "llama", Dims(512, 1408, 2, vocab=4096),
                             shard_bytes=8 * 10**6)  # fmt: skip
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    _, plan, _ = otfload.plan_model(path, mesh=mesh)
-    return plan, mesh, LocalSource(path)
+    _, plan, planned = otfload.plan_model(path, mesh=mesh)
+    planned.close()
+    with contextlib.closing(LocalSource(path)) as source:
+        yield plan, mesh, source
 
 
 def process_of(device) -> int:

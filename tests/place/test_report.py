@@ -113,13 +113,14 @@ def test_fp8_deepseek_reads_each_kv_b_block_once(tiny_checkpoints, tmp_path):
         np.testing.assert_array_equal(got, np.asarray(reference.moe_layers.attn.k_b.kernel[...])[layer])
 
 
-def test_report_matches_the_bytes_and_requests_the_hub_served(hub, tiny_checkpoints, tmp_path, mesh_2x4):
+def test_report_matches_the_bytes_and_requests_the_hub_served(hub, tiny_checkpoints, tmp_path, mesh_2x4, request):
     from otfload.sources.retry import RetryPolicy
     from tests.multihost.conftest import FAST_RETRY
 
     path, _ = tiny_checkpoints("llama")
     repo = hub.add_repo("org/report-llama", path)
     source = open_source(repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=RetryPolicy(**FAST_RETRY))
+    request.addfinalizer(source.close)
     _, plan, _ = otfload.plan_model(source, mesh=mesh_2x4)  # headers: before the count starts
     hub.reset()
     _, report = execute_plan(plan, source, workers=4)
@@ -161,9 +162,10 @@ def big_matrix(tmp_path_factory) -> tuple[Path, np.ndarray]:
 @pytest.mark.parametrize("mmap", [True, False], ids=["mmap", "preadv"])
 @pytest.mark.parametrize("box", [((0, 2048), (2048, 4096)), ((512, 1024), (0, 8192)), ((0, 2048), (0, 8192))],
                          ids=["column-block", "row-band", "whole"])
-def test_counted_bytes_are_the_bytes_the_kernel_read(big_matrix, box, mmap):
+def test_counted_bytes_are_the_bytes_the_kernel_read(big_matrix, box, mmap, request):
     path, data = big_matrix
     index = open_index(LocalSource(path, mmap=mmap), require_config=False)
+    request.addfinalizer(index.source.close)
     reader, meter = TensorReader(index.source), FetchMeter()
     evict(next(path.glob("*.safetensors")))
     before = disk_read_bytes()

@@ -311,12 +311,12 @@ def test_request_slots_stop_waiting_when_the_load_is_cancelled():
         pass
 
 
-def test_a_leaf_read_whole_from_the_hub_arrives_in_chunks(hub: HubServer, tiny_checkpoints, tmp_path):
+def test_a_leaf_read_whole_from_the_hub_arrives_in_chunks(hub: HubServer, tiny_checkpoints, tmp_path, closing):
     """One device: each leaf's box is one contiguous run of its tensor, read as chunk-sized requests."""
     path, _ = tiny_checkpoints("llama")
     repo = hub.add_repo("org/chunked-llama", path)
     mesh = otfload.make_mesh({"fsdp": 1}, jax.devices()[:1])
-    source = SmallChunkHub(repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=RETRY)
+    source = closing(SmallChunkHub(repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=RETRY))
     _, plan, _ = otfload.plan_model(source, mesh=mesh)  # headers: before the count starts
     hub.reset()
     got, report = execute_plan(plan, source, workers=4)
@@ -325,7 +325,7 @@ def test_a_leaf_read_whole_from_the_hub_arrives_in_chunks(hub: HubServer, tiny_c
     assert sum(last - first + 1 == SMALL_CHUNK for first, last in gets) >= 2  # leaves over several chunks
     assert (report.requests, report.bytes_read) == (len(gets), hub.body_bytes)
     _, local_plan, local = otfload.plan_model(path, mesh=mesh)
-    want, _ = execute_plan(local_plan, local)
+    want, _ = execute_plan(local_plan, closing(local))
     assert got.keys() == want.keys() and got
     for name in want:
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
