@@ -51,12 +51,12 @@ def test_hub_adapter_names_its_base(llama_adapter, hub, tmp_path, mesh_2x4):
     assert report.source == f"hub:org/tiny-base@main{at} + adapter hub:org/tiny-lora-named@main{at}"
 
 
-def test_local_adapter_names_its_base_and_other_location_kinds(llama_adapter, tmp_path, mesh_2x4):
+def test_local_adapter_names_its_base_and_other_location_kinds(llama_adapter, tmp_path, mesh_2x4, closing):
     path, torch_model, (adapter,) = llama_adapter
     named = set_config(shutil.copytree(adapter, tmp_path / "named"), base_model_name_or_path=str(path))
     check(otfload.from_pretrained(named, mesh=mesh_2x4), torch_model, adapter)
     check(otfload.from_pretrained(str(path), adapter=adapter.as_uri(), mesh=mesh_2x4), torch_model, adapter)
-    base, lora = open_source(path), open_source(adapter)
+    base, lora = closing(open_source(path)), closing(open_source(adapter))
     for _ in range(2):  # sources the caller passes in are not closed by the load
         check(otfload.from_pretrained(base, adapter=[lora], mesh=mesh_2x4), torch_model, adapter)
 
