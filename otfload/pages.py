@@ -11,7 +11,6 @@ held there left one core idle half the time. ``ctypes`` releases the GIL around 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -26,10 +25,9 @@ MADV_POPULATE_WRITE = 23
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        function = ctypes.CDLL(name, use_errno=True).madvise
-    except (OSError, AttributeError):  # no C library exporting madvise (Windows): mmap's own, GIL held
+    try:  # the symbols already loaded into the process (libc's among them): no library search at import
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):  # no madvise to call (Windows): mmap's own, GIL held
         return None
     function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     function.restype = ctypes.c_int

@@ -94,7 +94,7 @@ def _chunks(combos: list[tuple[int, ...]], per_combo: int, limit: int | None) ->
     return [combos[i : i + size] for i in range(0, len(combos), size)]
 
 
-def chunk_limit(budget: ByteBudget, reader: TensorReader) -> int | None:
+def _chunk_limit(budget: ByteBudget, reader: TensorReader) -> int | None:
     """The source bytes one chunk of stack slices may hold: the thread's share of the budget, and
     from mapped files at most :data:`MAPPED_CHUNK_BYTES`."""
     if not reader.maps:
@@ -130,7 +130,7 @@ def _build(
     all_combos = sorted(set().union(*combos_of.values()))
     results: dict[Box, np.ndarray] = {}  # made at a box's first piece (see _stack_into)
     per_combo = box_nbytes(union, plan.sources[0].dtype.itemsize) if plan.sources else 0
-    chunks = _chunks(all_combos, per_combo, chunk_limit(budget, reader))
+    chunks = _chunks(all_combos, per_combo, _chunk_limit(budget, reader))
     for position, chunk in enumerate(chunks):
         held = per_combo * len(chunk)
         budget.acquire(held)

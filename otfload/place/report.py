@@ -105,8 +105,8 @@ def leaf_planned(
     shared = cost.leaf_sibling_selection(plan, boxes)  # siblings' pages are theirs; remotely, spans read them
     for i in indices:
         info = plan.sources[i]
-        # Stacked tensors share shape (and, but for mixed checkpoints, dtype and kind): for local
-        # files only where a page boundary falls in the tensor can differ.
+        # Reads of one kind, shape, page offset (local files fetch whole pages) and region cost the
+        # same: a leaf's stacked tensors, and the same leaf in every layer of an unscanned tree.
         page_offset = info.offset % mmap.PAGESIZE if paged and hasattr(info, "offset") else 0
         key = (type(info), info.dtype, info.shape, page_offset, union, selection, shared)
         if key not in seen:

@@ -171,7 +171,7 @@ def start_read_ahead(
     """A started :class:`ReadAhead` for ``plan``'s leaves (in plan order, leaf ``path`` read under
     ``shardings[path]``) when ``reader``'s source reads local files, else None."""
     source = reader.source
-    if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):
+    if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):  # narrows the type
         return None
     if os.environ.get(READ_AHEAD_ENV, "1") == "0":
         return None

@@ -30,7 +30,7 @@ from otfload.read.arena import Arena
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource
 from otfload.sources.ranges import FetchMeter, metering
-from tests.helpers import evict, hf_tensors, register_hf_model
+from tests.helpers import evict, hf_tensors, memory_copy, register_hf_model
 
 HIDDEN, INTER, EXPERTS, LAYERS = 2880, 64, 4, 3
 MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}, "fsdp8": {"fsdp": 8}}
@@ -176,15 +176,10 @@ def test_remote_reads_of_interleaved_rows_span_the_siblings(wide):
     """From a remote store (fsspec memory://: ranges, no pages), ``gate`` and ``up`` each read their
     rows' span — the sibling's rows between them included, so each stored byte of ``gate_up_proj``
     is fetched twice — instead of one range per 1,440-byte row."""
-    import uuid
-
     import fsspec
 
     path, reference = wide
-    url = f"memory://gpt-oss-{uuid.uuid4().hex}"
-    fs = fsspec.filesystem("memory")
-    for p in path.iterdir():
-        fs.pipe_file(f"{url}/{p.name}", p.read_bytes())
+    url = memory_copy(path, "gpt-oss")
     mesh = make_mesh(MESHES["fsdp2_tp4"])
     model, report = otfload.from_pretrained(url, mesh=mesh, dtype="float32", scan_layers=False, return_report=True)
     for layer in range(LAYERS):
@@ -197,4 +192,4 @@ def test_remote_reads_of_interleaved_rows_span_the_siblings(wide):
     assert report.requests < rows / 20
     assert report.bytes_read == report.bytes_planned
     assert report.bytes_read <= report.bytes_needed + interleaved + 64 * report.tensors_read
-    fs.rm(url, recursive=True)
+    fsspec.filesystem("memory").rm(url, recursive=True)

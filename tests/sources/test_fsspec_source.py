@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from pathlib import Path
 
 import fsspec
@@ -12,6 +11,7 @@ import pytest
 from otfload.errors import SourceNotFoundError, SourceUnavailableError, TruncatedFileError, UnsafeFormatError
 from otfload.sources.base import RangeRead, read_bytes
 from otfload.sources.fsspec_source import FsspecSource
+from tests.helpers import memory_copy
 from tests.servers.gcs_server import GcsServer
 
 SHARD = "model-00002-of-00002.safetensors"
@@ -22,13 +22,6 @@ CHECKPOINT_FILES = ["config.json", "model-00001-of-00002.safetensors", SHARD, "m
 def gs_url(gcs_server: GcsServer, checkpoint: Path) -> str:
     return gcs_server.upload_dir(checkpoint, "otfload-test", "models/tiny")
 
-
-def memory_copy(local: Path) -> str:
-    url = f"memory://ckpt-{uuid.uuid4().hex}"
-    fs = fsspec.filesystem("memory")
-    for p in local.iterdir():
-        fs.pipe_file(f"{url}/{p.name}", p.read_bytes())
-    return url
 
 
 def check_reads(src: FsspecSource, local: Path) -> None:

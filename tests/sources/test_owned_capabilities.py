@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-import fsspec
 import pytest
 
 from otfload.cache.coordination import LocalCoordinator
@@ -25,6 +24,7 @@ from otfload.sources.base import (
 from otfload.sources.fsspec_source import FsspecSource
 from otfload.sources.hub import HubSource
 from otfload.sources.local import LocalSource
+from tests.helpers import memory_copy
 
 CAPABILITIES = (MappedSource, RangePrefetchingSource, PageGranularSource, DownloadableSource, HashedSource,
                 DigestSource, PinnedSource)
@@ -54,10 +54,7 @@ def test_hub_source_downloads_and_publishes_sha256_at_a_pinned_commit(hub, hub_s
 
 
 def test_fsspec_source_publishes_its_stores_digests(checkpoint: Path):
-    url = f"memory://caps-{uuid.uuid4().hex}"
-    for p in checkpoint.iterdir():
-        fsspec.filesystem("memory").pipe_file(f"{url}/{p.name}", p.read_bytes())
-    assert declared(FsspecSource(url)) == {"DigestSource"}
+    assert declared(FsspecSource(memory_copy(checkpoint, "caps"))) == {"DigestSource"}
 
 
 def test_a_shard_cache_declares_none_of_its_sources_capabilities(checkpoint: Path, tmp_path: Path):
