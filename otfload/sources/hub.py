@@ -23,14 +23,15 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
 
 import httpx2
-from huggingface_hub import constants, snapshot_download
+import urllib3
+from huggingface_hub import constants
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -57,6 +58,7 @@ from otfload.errors import (
     SourceProtocolError,
     TruncatedFileError,
 )
+from otfload.sources import http_body
 from otfload.sources.base import RangeRead
 from otfload.sources.formats import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
 from otfload.sources.local import LocalSource
@@ -140,6 +142,7 @@ class HubSource(RetriedCalls):
         self._storage = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
         self._cache: LocalSource | None = None
         self._slots = RequestSlots(self.max_requests_in_flight)
+        self._connections = http_body.Connections()
         self.commit, self._files, names = self._open_cached() if self.local_files_only else self._open_remote()
         check_safe_format(names, self.description)
         self._cached = {f for f in self._files if self._snapshot_path(f).is_file()}
@@ -158,6 +161,8 @@ class HubSource(RetriedCalls):
 
     def _open_cached(self) -> tuple[str, dict[str, _Entry], list[str]]:
         """The cached snapshot of the revision (no network); sha256s are not known offline."""
+        from huggingface_hub import snapshot_download  # imports HfApi (~70 ms): only offline opens need it
+
         try:
             snapshot = Path(
                 snapshot_download(
@@ -206,6 +211,7 @@ class HubSource(RetriedCalls):
         read_chunked(reads, self._read_run, self.chunk_bytes, self.max_requests_in_flight)
 
     def close(self) -> None:
+        self._connections.close()
         if self._cache is not None:
             self._cache.close()
 
@@ -317,22 +323,27 @@ class HubSource(RetriedCalls):
         headers["Accept-Encoding"] = "identity"  # byte ranges of the stored bytes, not of a compressed body
         return headers
 
+    def _idle_s(self, until: float) -> float:
+        """How long one wait (connect, headers, next bytes) may last in an attempt ending at ``until``."""
+        idle = min(self._retry.read_timeout_s, until - time.monotonic())
+        if idle <= 0:
+            raise StallError("no time left for another request")
+        return idle
+
     @contextmanager
     def _stream(
         self, url: str, headers: dict[str, str], until: float
     ) -> Iterator[tuple[httpx2.Response, Callable[[], bool]]]:
-        """GET ``url``; the response must be fully handled by monotonic time ``until``.
+        """GET ``url`` through ``huggingface_hub``'s client; the response must be fully handled by
+        monotonic time ``until``.
 
         Each wait (connect, headers, next bytes) is bounded by the idle timeout; once the headers are
         in, the socket is shut at ``until`` (or when the load is cancelled), which ends a dripping
         body. Yields the response and a function telling whether that cut happened.
         """
-        idle = min(self._retry.read_timeout_s, until - time.monotonic())
-        if idle <= 0:
-            raise StallError("no time left for another request")
-        with get_session().stream("GET", url, headers=headers, timeout=httpx2.Timeout(idle)) as r:
+        with get_session().stream("GET", url, headers=headers, timeout=httpx2.Timeout(self._idle_s(until))) as r:
             sock = _socket_of(r)
-            with interrupt_at(until, lambda: _shutdown(sock)) as cut:
+            with interrupt_at(until, lambda: http_body.shutdown(sock)) as cut:
                 yield r, cut
 
     def _get_small(self, url: str, limit: int) -> bytes:
@@ -342,7 +353,7 @@ class HubSource(RetriedCalls):
         cut: Callable[[], bool] = lambda: False  # noqa: E731 - replaced once the headers are in
         try:
             with self._stream(url, build_hf_headers(token=self._token, library_name="otfload"), until) as (r, cut):
-                _raise_for_status(r, url)
+                _raise_for_status(r.status_code, r.headers.multi_items(), r.read, url)
                 body = bytearray()
                 for chunk in r.iter_bytes():
                     body += chunk
@@ -364,6 +375,7 @@ class HubSource(RetriedCalls):
         and the retry asks only for the rest; anything else is :class:`SourceProtocolError`.
         """
         url = self._resolve_url(file)
+        where = f"{self.description}: {url}"
         headers = self._headers()
         want, size = len(out), self.size(file)
         done = 0  # bytes already in ``out``: a retry resumes after them
@@ -372,23 +384,20 @@ class HubSource(RetriedCalls):
             nonlocal done
             start, last = offset + done, offset + want - 1
             headers["Range"] = f"bytes={start}-{last}"
-            sink: RangeSink | None = None
             cut: Callable[[], bool] = lambda: False  # noqa: E731 - replaced once the headers are in
             try:
-                with self._stream(url, headers, until) as (r, cut):
-                    _raise_for_status(r, url)
-                    answer = check_range_answer(
-                        r.status_code, r.headers, f"{self.description}: {url}", start, last, size
-                    )
-                    sink = RangeSink(answer, out, done, f"{self.description}: {url} (bytes {start}-{last})")
-                    for chunk in r.iter_raw():  # as received: a broken body still keeps what arrived
-                        if sink.feed(chunk):
-                            break
-                        done = sink.done
-                    done = sink.done
-                    sink.finish()
-            except httpx2.TransportError as e:
-                done = sink.done if sink is not None else done
+                with self._connections.get(url, headers, self._idle_s(until)) as r:
+                    sock = http_body.socket_of(r)
+                    with interrupt_at(until, lambda: http_body.shutdown(sock)) as cut:
+                        _raise_for_status(r.status, r.headers.items(), lambda: http_body.error_body(r), url)
+                        answer = check_range_answer(r.status, r.headers, where, start, last, size)
+                        sink = RangeSink(answer, out, done, f"{where} (bytes {start}-{last})")
+                        try:  # a broken body keeps what arrived
+                            sink.drain(r.readinto, http_body.BODY_PIECE_BYTES)
+                        finally:
+                            done = sink.done
+                        sink.finish()
+            except urllib3.exceptions.HTTPError as e:
                 if cut():
                     raise StallError(
                         f"{type(e).__name__}: no complete answer within the attempt's time; "
@@ -438,6 +447,8 @@ class HubSource(RetriedCalls):
             if is_transient_status(status):
                 raise TransientError(f"HTTP {status}") from e
             raise SourceError(f"{what}: HTTP {status}{at}") from e
+        except urllib3.exceptions.HTTPError as e:
+            raise _from_urllib3(e, what, url, self._retry.read_timeout_s) from e
         except httpx2.TimeoutException as e:
             raise StallError(f"{type(e).__name__}: nothing received for {self._retry.read_timeout_s:g}s") from e
         except httpx2.TooManyRedirects as e:
@@ -458,20 +469,26 @@ def _socket_of(r: httpx2.Response) -> socket.socket | None:
     return stream.get_extra_info("socket") if stream is not None else None
 
 
-def _shutdown(sock: socket.socket | None) -> None:
-    """Unblock a thread reading ``sock`` (it sees the connection end); the pool then drops it."""
-    if sock is not None:
-        with suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+def _raise_for_status(status: int, headers: Iterable[tuple[str, str]], body: Callable[[], bytes], url: str) -> None:
+    """Raise the ``huggingface_hub`` error for a 4xx/5xx (``body`` gives the answer's, for its
+    message); any other non-2xx status is a protocol error."""
+    if status >= 400:
+        answer = httpx2.Response(status, headers=list(headers), content=body(), request=httpx2.Request("GET", url))
+        hf_raise_for_status(answer)
+    if not 200 <= status < 300:
+        raise SourceProtocolError(f"{url}: unexpected HTTP {status}")
 
 
-def _raise_for_status(r: httpx2.Response, url: str) -> None:
-    """Raise the ``huggingface_hub`` error for a 4xx/5xx; any other non-2xx status is a protocol error."""
-    if r.status_code >= 400:
-        r.read()
-        hf_raise_for_status(r)
-    if not 200 <= r.status_code < 300:
-        raise SourceProtocolError(f"{url}: unexpected HTTP {r.status_code}")
+def _from_urllib3(e: urllib3.exceptions.HTTPError, what: str, url: str, idle_s: float) -> Exception:
+    """The otfload error (or :class:`TransientError`) for a failed range GET."""
+    reason = e.reason if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None else e
+    if isinstance(reason, urllib3.exceptions.ResponseError):  # what MaxRetryError says of a redirect loop
+        return SourceProtocolError(f"{what}: {url or 'the request'} redirects in a loop ({reason})")
+    if isinstance(reason, urllib3.exceptions.TimeoutError):
+        return StallError(f"{type(reason).__name__}: nothing received for {idle_s:g}s")
+    if isinstance(reason, urllib3.exceptions.LocationValueError):
+        return SourceProtocolError(f"{what}: redirected to an unsupported URL ({reason})")
+    return TransientError(f"{type(reason).__name__}: {reason}")
 
 
 def _parse_revision_info(body: bytes, what: str) -> tuple[str, dict[str, _Entry], list[str]]:

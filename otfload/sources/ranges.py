@@ -13,10 +13,11 @@ save requests and pages prefetched included): sources record their own fetches w
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +45,11 @@ MAX_RUN_BYTES = 64 << 20
 # runs, few enough to stay under per-host connection limits and bound in-flight bytes
 # (MAX_CONCURRENT_READS x MAX_RUN_BYTES).
 MAX_CONCURRENT_READS = 16
+# Threads fetching runs for every read_runs call of the process, made once: a pool per call cost a
+# thread start per run (the loader's 8 builders read a stack chunk at a time), the largest user of
+# the GIL in a Hub load after the HTTP client. Above the requests in flight of a few sources (each
+# source bounds its own, MAX_REQUESTS_IN_FLIGHT); a batch queues behind the others past it.
+FETCH_THREADS = 64
 # Remote sources (hub.py, fsspec_source.py; issue 20): a large range is fetched as concurrent chunks of
 # this size straight into the caller's buffer. At a 50 MB/s stream with a 20 ms round trip a chunk takes
 # ~170 ms, so latency costs <= 11% per stream, while a 64 MiB leaf still spreads over 8 streams;
@@ -65,6 +71,15 @@ MAX_REQUESTS_IN_FLIGHT = 16
 # A server ignoring Range answers 200 with the whole file: discarding up to this many leading bytes
 # (one MAX_RUN_BYTES run) is cheaper than failing; beyond it the read is refused, typed.
 MAX_SKIP_BYTES = MAX_RUN_BYTES
+_FETCHERS: ThreadPoolExecutor | None = None
+_FETCHERS_LOCK = threading.Lock()
+
+
+class _FetchThreadState(threading.local):
+    active = False  # this thread is fetching a run now
+
+
+_IN_FETCH_THREAD = _FetchThreadState()
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 FetchInto = Callable[[str, int, memoryview], None]
@@ -304,48 +319,71 @@ def _fetch_run(run: Run, fetch_into: FetchInto) -> None:
         p.out[:] = buf[p.at : p.at + len(p.out)]
 
 
+def _fetch_threads() -> ThreadPoolExecutor:
+    """The process's fetch threads, made on first use (and again in a forked child)."""
+    global _FETCHERS
+    with _FETCHERS_LOCK:
+        if _FETCHERS is None:
+            _FETCHERS = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="otfload-read")
+        return _FETCHERS
+
+
+def _forget_fetch_threads() -> None:
+    global _FETCHERS, _FETCHERS_LOCK
+    _FETCHERS, _FETCHERS_LOCK = None, threading.Lock()  # the parent's threads do not exist in a child
+
+
+os.register_at_fork(after_in_child=_forget_fetch_threads)
+
+
 def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX_CONCURRENT_READS) -> None:
     """Fetch every run with ``fetch_into(file, offset, buffer)``, at most ``max_workers`` at a time.
 
-    The first failure cancels the runs not yet started and interrupts the running ones (their
-    retries stop and their requests are cut, see :class:`~otfload.sources.retry.CancelToken`); it
-    is raised once they have ended. Work runs under the caller's cancel token, so a load cancelled
-    from above stops here too.
+    Runs go to the process's shared fetch threads (a run's fetch that reads runs itself does so in
+    its own thread, one at a time). The first failure stops the runs not yet started and interrupts
+    the running ones (their retries stop and their requests are cut, see
+    :class:`~otfload.sources.retry.CancelToken`); it is raised once they have ended. Work runs under
+    the caller's cancel token, so a load cancelled from above stops here too.
     """
-    if len(runs) <= 1 or max_workers <= 1:
+    if len(runs) <= 1 or max_workers <= 1 or _IN_FETCH_THREAD.active:
         for run in runs:
             _fetch_run(run, fetch_into)
         return
     token = CancelToken(current_token())
-    meter = current_meter()  # the pool's threads count for the caller's load
+    meter = current_meter()  # the fetch threads count for the caller's load
 
     def fetch(run: Run) -> None:
-        if token.cancelled:  # queued before the failure, picked up after it
-            raise LoadCancelled(f"{run.file}: cancelled, another read of this batch failed")
+        _IN_FETCH_THREAD.active = True
         try:
+            if token.cancelled:  # a sibling failed while this one waited its turn
+                raise LoadCancelled(f"{run.file}: cancelled, another read of this batch failed")
             with cancel_scope(token), metering(meter):
                 _fetch_run(run, fetch_into)
         except BaseException:
-            token.cancel()  # at once, before this worker picks up a queued run
+            token.cancel()  # at once, before another run of the batch starts
             raise
+        finally:
+            _IN_FETCH_THREAD.active = False
 
-    pool = ThreadPoolExecutor(max_workers=min(max_workers, len(runs)), thread_name_prefix="otfload-read")
+    pool, queued = _fetch_threads(), list(reversed(runs))
+    running: set[Future[None]] = set()
+    failed: list[BaseException] = []
     try:
-        futures = [pool.submit(fetch, run) for run in runs]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        if any(f.exception() is not None for f in done):
-            pool.shutdown(wait=False, cancel_futures=True)  # queued runs never start
-            token.cancel()  # running ones stop
-            pool.shutdown(wait=True)
-            # Only now: a sibling it cancelled can end (LoadCancelled) before the failing run has.
-            failed = [f for f in futures if not f.cancelled() and f.exception() is not None]
-            failed.sort(key=lambda f: isinstance(f.exception(), LoadCancelled))  # a real failure first
-            error = failed[0].exception()
-            assert error is not None  # failed holds futures that raised
-            raise error
+        while queued or running:
+            while queued and len(running) < max_workers and not failed:
+                running.add(pool.submit(fetch, queued.pop()))
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            failed += [e for f in done if (e := f.exception()) is not None]
+            if failed:
+                queued.clear()  # never started
+                token.cancel()  # running ones stop
+        if failed:
+            failed.sort(key=lambda e: isinstance(e, LoadCancelled))  # a real failure first
+            raise failed[0]
     finally:
         token.cancel()  # nothing is left running; detaches the token from its parent's work
-        pool.shutdown(wait=True, cancel_futures=True)
+        if running:  # interrupted from above (KeyboardInterrupt): the cancelled runs end by themselves
+            wait(running)
 
 
 class RangeAnswer(NamedTuple):
@@ -417,6 +455,26 @@ class RangeSink:
         if self.seen > body_size:
             raise SourceProtocolError(f"{self.what}: the body is longer than the {body_size} bytes announced")
         return may_stop and self.seen >= skip + take
+
+    def drain(self, readinto: Callable[[memoryview], int], piece: int) -> None:
+        """Read the body through ``readinto`` (0 at its end), ``piece`` bytes at most per call: the
+        wanted bytes straight into ``out``, skipped and trailing ones into one scratch piece.
+        Stops at the body's end, or once the wanted bytes are in when the rest may be left unread."""
+        skip, take, body_size, may_stop = self.answer
+        scratch: memoryview | None = None
+        while not (may_stop and self.seen >= skip + take):
+            if skip <= self.seen < skip + take:
+                got = readinto(self.out[self.done : self.done + min(piece, skip + take - self.seen)])
+                self.done += got
+            else:  # before the wanted bytes (a 200's head), or after them: the rest, and one byte more is an error
+                n = min(piece, skip - self.seen if self.seen < skip else body_size - self.seen + 1)
+                scratch = scratch if scratch is not None and len(scratch) >= n else memoryview(bytearray(n))
+                got = readinto(scratch[:n])
+            if got == 0:
+                return
+            self.seen += got
+            if self.seen > body_size:
+                raise SourceProtocolError(f"{self.what}: the body is longer than the {body_size} bytes announced")
 
     def finish(self) -> None:
         """The body ended: a short one is worth a retry (what arrived is kept)."""

@@ -58,11 +58,12 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
 
 class LoggedRequest(NamedTuple):
-    """One request as the server saw it; ``range`` is the raw ``Range`` header or None."""
+    """One request as the server saw it; ``range`` and ``authorization`` are the raw headers or None."""
 
     method: str
     path: str
     range: str | None
+    authorization: str | None = None
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Faults:
     # every revision-info answer is broken as ``metadata_fault`` says (one of METADATA_FAULTS)
     metadata_fault: str = ""
     redirect_loop: bool = False  # resolve GETs answer 302 to themselves
+    redirect_to: str = ""  # resolve GETs answer 302 to this base URL + their path (a CDN's)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _link: Link = field(default_factory=Link, repr=False)
 
@@ -244,7 +246,7 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.server.hub
         url = urlsplit(self.path)
         path = unquote(url.path)
-        hub.log.append(LoggedRequest(self.command, path, self.headers.get("Range")))
+        hub.log.append(LoggedRequest(self.command, path, self.headers.get("Range"), self.headers.get("Authorization")))
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if hub.faults.delay_s:
             time.sleep(hub.faults.delay_s)
@@ -358,6 +360,9 @@ class _Handler(BaseHTTPRequestHandler):
         faults = self.server.hub.faults
         if faults.redirect_loop and self.command == "GET":
             self._send(302, b"", {"Location": self.path, **commit})
+            return
+        if faults.redirect_to and self.command == "GET":
+            self._send(302, b"", {"Location": faults.redirect_to + urlsplit(self.path).path, **commit})
             return
         folder, root = (repo.path / name).resolve(), repo.path.resolve()
         if folder.is_dir() and (folder == root or root in folder.parents):
@@ -589,6 +594,11 @@ class HubServer(GetsInFlight):
     @property
     def running(self) -> bool:
         return self._httpd is not None
+
+    def open_connections(self) -> int:
+        """Client connections open now."""
+        with self._conns_lock:
+            return len(self._conns)
 
     def _track(self, conn: socket.socket, add: bool) -> None:
         with self._conns_lock:
