@@ -85,7 +85,7 @@ class _Entry:
     key: str
     leaf: str
     index: tuple[int, ...]
-    values: dict[str, int]  # placeholder values on the HF side
+    values: dict[str, int | str]  # placeholder values on the HF side
     rule: Rule
     hooks: tuple[Hook, ...]  # resolved against the config
     cut: int | None  # position of the Slice hook, if any

@@ -155,8 +155,11 @@ def sharding_from_names(
 ) -> NamedSharding:
     """The sharding that metadata names describe: mesh axis names as they are (a dimension they do
     not divide is an error), logical names through ``rules`` (a dimension a rule cannot divide is
-    replicated, as for otfload's own models); a name that is neither is an error."""
+    replicated, as for otfload's own models); a name that is neither is an error. No names (``()``,
+    as ``PartitionSpec()``) replicate the leaf."""
     names = tuple(names)
+    if not names:  # ``out_sharding=()``: P(), every dimension replicated
+        return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]  # jax: unannotated __init__
     if len(names) != len(shape):
         raise MappingError(f"leaf {path!r}: {len(names)} sharding names {names} for leaf shape {tuple(shape)}")
     if _is_explicit(names, mesh, rules):

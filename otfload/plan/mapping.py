@@ -71,7 +71,9 @@ class Rule:
     values on the HF side (``{"layer": "first_k_dense_replace"}`` for a group of layers that
     starts after the dense ones); values may be config field names. ``indices`` give a group whose
     layers are not contiguous its HF values explicitly: ``{"layer": "moe_layers"}`` makes position
-    ``i`` of ``{layer}`` (in the leaf path or on a stack axis) read HF layer ``config["moe_layers"][i]``.
+    ``i`` of ``{layer}`` (in the leaf path or on a stack axis) read HF layer ``config["moe_layers"][i]``;
+    the values may be names: ``{"part": ("k", "v")}`` with source ``…self_attn.{part}_proj.weight``
+    stacks the k and v projections on the leaf's leading axis (a fused ``[2, heads, …]`` weight).
     ``cast=True`` says an integer, boolean or unscaled FP8 tensor is meant to become a float leaf;
     without it such a cast is an :class:`~otfload.errors.UnfaithfulCastError`.
     """
@@ -82,7 +84,7 @@ class Rule:
     fallbacks: tuple[str, ...] = ()
     stack_order: tuple[str, ...] | None = None
     offsets: MappingABC[str, int | str] = field(default_factory=dict)
-    indices: MappingABC[str, Sequence[int] | str] = field(default_factory=dict)
+    indices: MappingABC[str, Sequence[int | str] | str] = field(default_factory=dict)
     cast: bool = False
 
     def __post_init__(self) -> None:
@@ -164,17 +166,17 @@ def _resolve_offset(value: int | str, config: MappingABC[str, Any]) -> int:
     return int(value)
 
 
-def _resolve_indices(value: Sequence[int] | str, config: MappingABC[str, Any]) -> tuple[int, ...]:
+def _resolve_indices(value: Sequence[int | str] | str, config: MappingABC[str, Any]) -> tuple[int | str, ...]:
     if isinstance(value, str):
         if value not in config:
             raise MappingError(f"rule indices refer to config field {value!r}, which the config does not have")
         value = config[value]
-    return tuple(int(v) for v in value)
+    return tuple(v if isinstance(v, str) else int(v) for v in value)
 
 
 def _hf_value(
-    name: str, position: int, offsets: MappingABC[str, int], indices: MappingABC[str, tuple[int, ...]]
-) -> int:
+    name: str, position: int, offsets: MappingABC[str, int], indices: MappingABC[str, tuple[int | str, ...]]
+) -> int | str:
     """The HF value of placeholder ``name`` at ``position`` of the leaf (path index or stack index)."""
     if name not in indices:
         return position + offsets.get(name, 0)
@@ -189,7 +191,7 @@ def slice_values(
     stack_axes: Sequence[str],
     stack_shape: Sequence[int],
     config: MappingABC[str, Any],
-) -> Iterator[tuple[tuple[int, ...], dict[str, int]]]:
+) -> Iterator[tuple[tuple[int, ...], dict[str, int | str]]]:
     """For every stack slice of a leaf (row-major), its index and the HF placeholder values that
     name its tensor: leaf positions shifted by ``offsets`` or looked up in ``indices``."""
     count = math.prod(stack_shape)
@@ -205,5 +207,5 @@ def slice_values(
         yield combo, {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
 
 
-def format_key(template: str, values: MappingABC[str, int]) -> str:
+def format_key(template: str, values: MappingABC[str, int | str]) -> str:
     return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)

@@ -128,7 +128,7 @@ class LoadPlan:
 
 
 def _lookup(
-    index: CheckpointIndex, rule: Rule, values: dict[str, int]
+    index: CheckpointIndex, rule: Rule, values: dict[str, int | str]
 ) -> tuple[str, TensorInfo | DerivedTensor | None]:
     key = format_key(rule.source, values)
     for candidate in (key, *(format_key(f, values) for f in rule.fallbacks)):

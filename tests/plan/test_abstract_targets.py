@@ -55,6 +55,40 @@ PROJECTION_TABLE = [
 ]
 
 
+class FusedKV(nnx.Module):
+    """A fused k/v weight per layer (``[2, kv_out, in]``, two differently named HF tensors) and a 1-D
+    norm whose ``out_sharding=()`` says replicated (as tunix's Gemma3 norms do)."""
+
+    def __init__(self, kv_shape):
+        self.kv = nnx.List([nnx.Param(jnp.zeros((2, *kv_shape)), out_sharding=(None, "tp", None)) for _ in range(3)])
+        self.norm = nnx.Param(jnp.zeros((64,)), out_sharding=())
+
+
+FUSED_TABLE = [
+    otfload.Rule("kv.{layer}", "model.layers.{layer}.self_attn.{part}_proj.weight", indices={"part": ("k", "v")}),
+    otfload.Rule("norm", "model.norm.weight"),
+]
+
+
+def test_named_indices_stack_differently_named_tensors_and_no_names_replicate(tiny_checkpoints, mesh_2x4):
+    path, _ = tiny_checkpoints("llama")
+    hf = hf_tensors(path)
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: FusedKV(hf["model.layers.0.self_attn.k_proj.weight"].shape))
+    plan = otfload.plan_params(path, abstract, FUSED_TABLE, mesh=mesh_2x4)
+    assert [info.name for info in plan.leaves["kv.1"].sources] == [
+        "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight"]
+    model = otfload.load_params(path, abstract, FUSED_TABLE, mesh=mesh_2x4)
+    for layer in range(3):
+        kv = model.kv[layer][...]
+        expected = np.stack([hf[f"model.layers.{layer}.self_attn.{part}_proj.weight"] for part in "kv"])
+        np.testing.assert_array_equal(np.asarray(kv), expected)
+        assert kv.sharding.spec == P(None, "tp", None)
+    norm = model.norm[...]
+    assert norm.sharding.spec == P() and norm.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(norm), hf["model.norm.weight"])
+
+
 def test_abstract_module_comes_back_loaded_and_matches_transformers(tiny_checkpoints, mesh_2x4):
     path, torch_model = tiny_checkpoints("llama")
     config, table, abstract = llama_parts(path)
