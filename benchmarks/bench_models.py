@@ -69,10 +69,11 @@ def timed(fn, args, repeat: int) -> float:
     return statistics.median(runs)
 
 
-def compiled_stats(fn, args) -> tuple[float, int]:
-    """``(flops, temp bytes)`` of ``jax.jit(fn)`` compiled for ``args`` (XLA's own analyses)."""
+def compiled_stats(fn, args):
+    """``jax.jit(fn)`` compiled for ``args`` (timed and run as it is: compiled once), with XLA's own
+    analyses: ``(compiled, flops, temp bytes)``."""
     compiled = jax.jit(fn).lower(*args).compile()
-    return float(compiled.cost_analysis()["flops"]), int(compiled.memory_analysis().temp_size_in_bytes)
+    return compiled, float(compiled.cost_analysis()["flops"]), int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 # --- MoE -------------------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def _block_step_flops(params, block: int) -> float:
         return (jax.nn.silu(h @ g.T) * (h @ u.T)) @ d.T
     h = jnp.zeros((block, params["gate"]["kernel"].shape[2]), jnp.float32)
     return compiled_stats(step, (h, params["gate"]["kernel"][0], params["up"]["kernel"][0],
-                                 params["down"]["kernel"][0]))[0]
+                                 params["down"]["kernel"][0]))[1]
 
 
 def bench_moe(shapes: dict, model_shapes: dict, repeat: int) -> None:
@@ -130,8 +131,7 @@ def bench_moe(shapes: dict, model_shapes: dict, repeat: int) -> None:
         for impl in (DENSE, BLOCKS, RAGGED):
             if impl == RAGGED and tokens > shapes["tokens"][0]:
                 continue  # a masked dense dot on CPU (4x dense FLOPs): once is enough
-            fn = jax.jit(_moe_fn(impl, cfg))
-            flops, temp = compiled_stats(_moe_fn(impl, cfg), (params, x))
+            fn, flops, temp = compiled_stats(_moe_fn(impl, cfg), (params, x))
             if impl == BLOCKS:  # the loop body is counted once: add the other occupied blocks
                 blocks, block = _occupied_blocks(params, x, cfg)
                 flops += (blocks - 1) * _block_step_flops(params, block)
@@ -159,8 +159,8 @@ def bench_moe_model(shapes: dict, repeat: int) -> None:
     print("|---|---:|---:|")
     for impl in (DENSE, BLOCKS):
         model.moe_impl = impl
-        _, temp = compiled_stats(lambda m, i: m(i), (model, ids))
-        seconds = timed(jax.jit(lambda m, i: m(i)), (model, ids), repeat)
+        forward, _, temp = compiled_stats(lambda m, i: m(i), (model, ids))
+        seconds = timed(forward, (model, ids), repeat)
         print(f"| {impl} | {seconds * 1e3:.1f} | {temp / MIB:.1f} |")
 
 
@@ -200,9 +200,9 @@ def bench_attention(shapes: dict, repeat: int, max_temp_gib: float) -> None:
         k, v = (jnp.asarray(rng.normal(size=(1, seq, kv_heads, dim)), jnp.float32) for _ in range(2))
         for method in ("chunked", "eager", "dpa"):
             fn = _attention_fn(method, dim**-0.5)
-            _, temp = compiled_stats(fn, (q, k, v))
+            compiled, _, temp = compiled_stats(fn, (q, k, v))
             runs = temp <= max_temp_gib * GIB
-            seconds = f"{timed(jax.jit(fn), (q, k, v), repeat) * 1e3:.1f}" if runs else "not run"
+            seconds = f"{timed(compiled, (q, k, v), repeat) * 1e3:.1f}" if runs else "not run"
             print(f"| {seq} | {method} | {seconds} | {temp / MIB:.1f} | {temp / 1024 / seq:.1f} |")
 
 
