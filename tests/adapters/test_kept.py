@@ -96,8 +96,9 @@ def loss_weights(shape) -> np.ndarray:
     return np.random.default_rng(7).standard_normal(shape).astype(np.float32)
 
 
-def torch_factor_grads(torch_model, adapter, ids, module: str) -> tuple[np.ndarray, np.ndarray]:
-    """PyTorch gradients of ``sum(logits * w)`` w.r.t. PEFT's lora_A and lora_B of ``module``."""
+def torch_factor_grads(torch_model, adapter, ids, modules) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """PyTorch gradients of ``sum(logits * w)`` w.r.t. PEFT's lora_A and lora_B of each of ``modules``
+    (one forward and backward pass)."""
     import torch
     from peft import PeftModel
 
@@ -105,9 +106,8 @@ def torch_factor_grads(torch_model, adapter, ids, module: str) -> tuple[np.ndarr
     logits = peft(torch.as_tensor(ids)).logits
     (logits * torch.as_tensor(loss_weights(tuple(logits.shape)))).sum().backward()
     params = dict(peft.named_parameters())
-    a = params[f"base_model.model.{module}.lora_A.default.weight"].grad.numpy()
-    b = params[f"base_model.model.{module}.lora_B.default.weight"].grad.numpy()
-    return a, b
+    return {module: (params[f"base_model.model.{module}.lora_A.default.weight"].grad.numpy(),
+                     params[f"base_model.model.{module}.lora_B.default.weight"].grad.numpy()) for module in modules}
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -117,13 +117,15 @@ def test_gradients_match_torch(adapters, scan_layers):
     w = jnp.asarray(loss_weights((*ids.shape, model.cfg.vocab_size)))
     grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(ids)) * w))(model)
     layer = grads.layers if scan_layers else grads.layers[2]
-    for name, module in (("o", "self_attn.o_proj"), ("q", "self_attn.q_proj")):
+    modules = {"o": "model.layers.2.self_attn.o_proj", "q": "model.layers.2.self_attn.q_proj"}
+    reference = torch_factor_grads(torch_model, adapter, ids, modules.values())
+    for name, module in modules.items():
         attn = layer.attn if scan_layers else layer["attn"]
         grad = attn[name]["kernel"].get_value()
         g_a, g_b = (np.asarray(grad.a), np.asarray(grad.b))
         if scan_layers:
             g_a, g_b = g_a[2], g_b[2]
-        ref_a, ref_b = torch_factor_grads(torch_model, adapter, ids, f"model.layers.2.{module}")
+        ref_a, ref_b = reference[module]
         path = f"layers.attn.{name}.kernel" if scan_layers else f"layers.2.attn.{name}.kernel"
         leaf = kept_record(model).leaves[path]
         ours_a = np.empty_like(ref_a)
