@@ -3,9 +3,9 @@
 ``huggingface_hub``'s httpx client hands a body out in 64 KiB pieces through h11's parser and a
 stack of generators, each piece a new bytes object copied on into the buffer. Measured on loopback
 (8 threads reading 6 MiB ranges of one file from the local Hub server): ``HubSource`` reads took
-**6.3 CPU-s per GB** through httpx and **2.6** through this module (the rest is the source's own
-per-request work); urllib3's ``readinto`` alone costs 0.9 (``http.client`` alone 0.8): the socket
-is read (``recv_into``, the GIL released while it waits) a piece at a time into the destination.
+**6.3 CPU-s per GB** through httpx and **1.7-2.6** through this module (the rest is the
+source's own per-request work); urllib3's reads alone cost 0.7-1.0 (``http.client``'s ``readinto`` alone 0.8):
+the socket is read (the GIL released while it waits) a piece at a time, each piece copied once.
 On a 2-core machine the HTTP client, not the network, had set a Hub load's speed.
 
 What httpx did for the Hub and this module keeps: connections kept alive and shared by a source's
@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from urllib.parse import urlsplit
 
@@ -31,10 +31,9 @@ import certifi
 import urllib3
 from urllib3.util import Retry, Timeout
 
-# The granularity of ``readinto``: urllib3 reads each piece into a bytes object and copies it into
-# the destination, so pieces of 1 MiB keep that per-call work small (64 KiB pieces: 1.2 CPU-s/GB,
-# 1 MiB: 0.9, 8 MiB: 0.95 and 8 MiB of transient memory per request). It is also how much of a body
-# cut mid-piece is asked for again.
+# Most bytes taken from the socket per call: each call's bytes object is copied into the destination,
+# so larger pieces mean fewer calls (urllib3's readinto with 64 KiB pieces: 1.2 CPU-s/GB, 1 MiB:
+# 0.9, 8 MiB: 0.95 and 8 MiB of transient memory per request).
 BODY_PIECE_BYTES = 1 << 20
 # Redirects followed per request: httpx's default, which ``huggingface_hub`` used.
 MAX_REDIRECTS = 20
@@ -128,6 +127,22 @@ def shutdown(sock: socket.socket | None) -> None:
     if sock is not None:
         with suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
+
+
+def reader(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview], int]:
+    """``readinto`` over ``response``'s body: what has arrived (at most the buffer), 0 at its end.
+
+    urllib3's own ``readinto`` waits for the whole buffer and drops what it got if the body breaks
+    first; ``read1`` returns what one socket read gave, so a body cut short keeps every byte that
+    arrived (the retry asks for the rest only). A body ending before its length is a
+    ``ProtocolError`` (urllib3's ``IncompleteRead``)."""
+
+    def readinto(out: memoryview) -> int:
+        data = response.read1(len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    return readinto
 
 
 def error_body(response: urllib3.BaseHTTPResponse) -> bytes:
