@@ -1,11 +1,11 @@
-"""Range GETs whose bodies are read straight into the caller's buffer, over urllib3.
+"""Range GETs over urllib3, each body copied once into the caller's buffer as it arrives.
 
 ``huggingface_hub``'s httpx client hands a body out in 64 KiB pieces through h11's parser and a
 stack of generators, each piece a new bytes object copied on into the buffer. Measured on loopback
 (8 threads reading 6 MiB ranges of one file from the local Hub server): ``HubSource`` reads took
-**6.3 CPU-s per GB** through httpx and **1.7-2.6** through this module (the rest is the
-source's own per-request work); urllib3's reads alone cost 0.7-1.0 (``http.client``'s ``readinto`` alone 0.8):
-the socket is read (the GIL released while it waits) a piece at a time, each piece copied once.
+**6.3 CPU-s per GB** through httpx and **1.7-2.6** through this module (the rest is the source's
+own per-request work); urllib3's reads alone cost 0.7-1.0 (``http.client``'s ``readinto`` alone
+0.8): the socket is read (the GIL released while it waits) a piece at a time, each piece copied once.
 On a 2-core machine the HTTP client, not the network, had set a Hub load's speed.
 
 What httpx did for the Hub and this module keeps: connections kept alive and shared by a source's
