@@ -372,7 +372,9 @@ class HubSource(RetriedCalls):
         A ``206`` must carry the ``Content-Range`` asked for (it may end early: the rest is asked
         next), of a file of the listed size, and exactly that many bytes; a ``200`` (Range ignored) is
         sliced when it is the whole file and the skip is small. A body cut short keeps what arrived
-        and the retry asks only for the rest; anything else is :class:`SourceProtocolError`.
+        (less the piece in progress, :data:`~otfload.sources.http_body.BODY_PIECE_BYTES`, when the
+        connection breaks with an error) and the retry asks only for the rest; anything else is
+        :class:`SourceProtocolError`.
         """
         url = self._resolve_url(file)
         where = f"{self.description}: {url}"
@@ -393,7 +395,7 @@ class HubSource(RetriedCalls):
                         answer = check_range_answer(r.status, r.headers, where, start, last, size)
                         sink = RangeSink(answer, out, done, f"{where} (bytes {start}-{last})")
                         try:  # a broken body keeps what arrived
-                            sink.drain(http_body.reader(r), http_body.BODY_PIECE_BYTES)
+                            sink.drain(r.readinto, http_body.BODY_PIECE_BYTES)
                         finally:
                             done = sink.done
                         sink.finish()
