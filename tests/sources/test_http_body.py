@@ -14,10 +14,7 @@ from otfload.sources import http_body
 from otfload.sources.base import read_bytes
 from otfload.sources.hub import HubSource
 from tests.servers.hub_server import HubServer
-
-REPO = "org/tiny"
-SHARD = "model-00002-of-00002.safetensors"
-SECRET = "hf_sEcReTtOkEn0123456789"
+from tests.sources.test_hub import REPO, SECRET, SHARD  # the same tiny repo as the Hub source's own tests
 
 
 @pytest.fixture(scope="module")
