@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -120,11 +121,8 @@ def naive(target: Target) -> Run:
 
     def run():
         state = _load_all(target)
-        out = {}
-        for path, lp in target.plan.leaves.items():
-            pieces = [_hooked(lp, state, i) for i in range(len(lp.sources))]
-            x = np.stack(pieces).reshape(lp.leaf.shape) if lp.stack_axes else pieces[0]
-            out[path] = jax.device_put(x.astype(lp.leaf.dtype, copy=False), lp.leaf.sharding)
+        leaves = target.plan.leaves.items()
+        out = {path: jax.device_put(expected_leaf(lp, state), lp.leaf.sharding) for path, lp in leaves}
         jax.block_until_ready(out)
         return out, {}
 
@@ -238,6 +236,153 @@ def otfload_no_read_ahead(target: Target) -> Run:
     return otfload_load(target)
 
 
+def otfload_fresh_buffers(target: Target) -> Run:
+    """otfload with accelerators' host staging off (``builder.HOST_STAGING = False``): a fresh host
+    buffer per shard, as for CPU devices — what the reused staging and as-read views save."""
+    from otfload.place import builder
+
+    builder.HOST_STAGING = False  # this process runs this one method only
+    return otfload_load(target)
+
+
+def otfload_whole_puts(target: Target) -> Run:
+    """otfload with one ``device_put`` per accelerator shard (``put.DEVICE_PIECE_BYTES = None``),
+    not in pieces."""
+    from otfload.place import put
+
+    put.DEVICE_PIECE_BYTES = None  # this process runs this one method only
+    return otfload_load(target)
+
+
+def otfload_workers(workers: int) -> Callable[[Target], Run]:
+    """otfload with ``workers`` builder threads (default: 2 for local files)."""
+
+    def prepare(target: Target) -> Run:
+        def run():
+            loaded, report = target.load_otfload(workers=workers)
+            return loaded, {"route": target.route, "workers": workers, "load_seconds": report.seconds}
+
+        return run
+
+    return prepare
+
+
+# --- accelerators (--platform gpu): the host-to-device copy and other loaders -----------------
+
+
+def _file_bytes(target: Target) -> list[np.ndarray]:
+    return [np.fromfile(str(target.directory / f), np.uint8) for f in _files(target)]
+
+
+def pageable(target: Target) -> Run:
+    """Copy ceiling from ordinary (pageable) host memory: the checkpoint's bytes, already read into
+    numpy, ``jax.device_put`` onto the first device (no disk)."""
+    data = _file_bytes(target)
+    device = target.mesh.devices.flat[0]
+
+    def run():
+        placed = [jax.device_put(a, device) for a in data]
+        jax.block_until_ready(placed)
+        return placed, {}
+
+    return run
+
+
+def pinned(target: Target) -> Run:
+    """Copy ceiling from page-locked host memory: the checkpoint's bytes, already in pinned torch
+    buffers, copied to the GPU (no disk; torch, as JAX has no public pinned-host allocation from numpy)."""
+    import torch
+
+    data = [torch.from_numpy(a).pin_memory() for a in _file_bytes(target)]
+
+    def run():
+        placed = [t.to("cuda", non_blocking=True) for t in data]
+        torch.cuda.synchronize()
+        return placed, {}
+
+    return run
+
+
+def h2d(target: Target) -> Run:
+    """Read then copy, one after the other: ``np.fromfile`` of every file, then ``jax.device_put``
+    of its bytes (the serial floor a loader overlapping the two should beat)."""
+    device = target.mesh.devices.flat[0]
+
+    def run():
+        start = time.perf_counter()
+        data = _file_bytes(target)
+        read = time.perf_counter() - start
+        placed = [jax.device_put(a, device) for a in data]
+        jax.block_until_ready(placed)
+        return placed, {"read_seconds": read, "put_seconds": time.perf_counter() - start - read}
+
+    return run
+
+
+def _fastsafetensors_tensors(target: Target, gds: bool) -> dict[str, Any]:
+    from fastsafetensors import fastsafe_open
+
+    paths = [str(target.directory / f) for f in _files(target)]
+    with fastsafe_open(paths, framework="pt", device="cuda:0", nogds=not gds) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (fastsafe_open is no mapping)
+
+
+def fastsafetensors(target: Target, gds: bool = False) -> Run:
+    """fastsafetensors 0.5 (``fastsafe_open``, torch tensors on ``cuda:0``; ``nogds``: its own
+    parallel reads into a pinned bounce buffer): every HF tensor as stored, no hooks, no stacking."""
+    import torch
+
+    def run():
+        tensors = _fastsafetensors_tensors(target, gds)
+        torch.cuda.synchronize()
+        return tensors, {"gds": gds}
+
+    return run
+
+
+def fastsafetensors_jax(target: Target) -> Run:
+    """fastsafetensors, then each tensor into JAX by DLPack (no copy), the hooks and the stacking
+    done on the GPU (``jnp.stack`` per leaf): the leaves otfload makes, by a GPU-side route."""
+    import jax.numpy as jnp
+
+    def run():
+        tensors = _fastsafetensors_tensors(target, gds=False)
+        state = {name: jax.dlpack.from_dlpack(t) for name, t in tensors.items()}
+        out = {}
+        for path, lp in target.plan.leaves.items():
+            pieces = [run_forward(lp.hooks, state[info.name]) for info in lp.sources]
+            x = jnp.stack(pieces).reshape(lp.leaf.shape) if lp.stack_axes else pieces[0]
+            out[path] = x.astype(lp.leaf.dtype)
+        jax.block_until_ready(out)
+        del state, tensors
+        return out, {}
+
+    return run
+
+
+def expected_leaf(lp: LeafPlan, state: dict[str, np.ndarray]) -> np.ndarray:
+    """A leaf's values by numpy alone: each HF tensor through the hooks, stacked, cast."""
+    pieces = [_hooked(lp, state, i) for i in range(len(lp.sources))]
+    x = np.stack(pieces).reshape(lp.leaf.shape) if lp.stack_axes else pieces[0]
+    return x.astype(lp.leaf.dtype, copy=False)
+
+
+def verify(target: Target) -> tuple[int, list[str]]:
+    """Load with otfload and compare every leaf, bitwise, with :func:`expected_leaf`; returns the
+    number of leaves compared and the paths that differ (or are missing)."""
+    from otfload.export.gather import leaf_arrays
+
+    loaded, _ = target.load_otfload()
+    flat = leaf_arrays(loaded)
+    state = _load_all(target)
+    wrong = []
+    for path, lp in target.plan.leaves.items():
+        got = flat.get(path)
+        if got is None or np.asarray(got).tobytes() != expected_leaf(lp, state).tobytes():
+            wrong.append(path)
+    return len(target.plan.leaves), wrong
+
+
 METHODS: dict[str, Callable[[Target], Run]] = {
     "floor": floor,
     "floor1": floor_1thread,
@@ -249,6 +394,16 @@ METHODS: dict[str, Callable[[Target], Run]] = {
     "orbax": orbax,
     "otfload": otfload_load,
     "otfload-noahead": otfload_no_read_ahead,
+    "otfload-fresh": otfload_fresh_buffers,
+    "otfload-whole": otfload_whole_puts,
+    "otfload-w4": otfload_workers(4),
+    "otfload-w8": otfload_workers(8),
+    "pageable": pageable,
+    "pinned": pinned,
+    "h2d": h2d,
+    "fastsafetensors": fastsafetensors,
+    "fastsafetensors-gds": lambda target: fastsafetensors(target, gds=True),
+    "fst-jax": fastsafetensors_jax,
 }
 
 
@@ -260,6 +415,8 @@ def placed_bytes(tree: Any) -> int:
             total += sum(s.data.nbytes for s in leaf.addressable_shards)
         elif isinstance(leaf, np.ndarray):
             total += leaf.nbytes
+        elif hasattr(leaf, "nbytes"):  # torch tensors (fastsafetensors)
+            total += int(leaf.nbytes)
     return total
 
 

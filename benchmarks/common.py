@@ -51,7 +51,7 @@ class Target:
     plan: LoadPlan
     checkpoint_bytes: int
     route: str
-    load_otfload: Callable[[], tuple[Any, otfload.LoadReport]]
+    load_otfload: Callable[..., tuple[Any, otfload.LoadReport]]  # keyword options of the load call
 
 
 def _sds(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: Mesh, dtype: np.dtype) -> jax.ShapeDtypeStruct:
@@ -120,8 +120,8 @@ def _via_load_params(directory: Path, mesh: Mesh, why: str) -> Target:
     leaves, _ = abstract_from_pytree(abstract, mesh)
     plan = build_plan(index, leaves, table, index.config, strict=True)
 
-    def load():
-        return otfload.load_params(directory, abstract, table, mesh=mesh, progress=False, return_report=True)
+    def load(**options: Any):
+        return otfload.load_params(directory, abstract, table, mesh=mesh, progress=False, return_report=True, **options)
 
     return Target(directory, mesh, plan, index.total_bytes, f"load_params with the benchmark mapping ({why})", load)
 
@@ -136,8 +136,8 @@ def open_target(directory: Path, mesh: Mesh) -> Target:
             raise
         return _via_load_params(directory, mesh, f"from_pretrained: {type(e).__name__}")
 
-    def load():
-        return otfload.from_pretrained(directory, mesh=mesh, progress=False, return_report=True)
+    def load(**options: Any):
+        return otfload.from_pretrained(directory, mesh=mesh, progress=False, return_report=True, **options)
 
     return Target(directory, mesh, plan, index.total_bytes, "from_pretrained", load)
 

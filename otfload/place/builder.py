@@ -16,6 +16,12 @@ For one leaf:
    host transpose (:mod:`otfload.place.transpose`); an unstacked one's copy is the shard itself;
 5. each leaf is placed with one call for all its device shards (:mod:`otfload.place.put`).
 
+Accelerators (GPU, TPU) copy a host buffer into their own memory instead of adopting it, so for
+them the host buffer is only staging: stacked and transposed shards are written into a per-thread
+staging arena reused from leaf to leaf (pages already touched, no fresh mapping per leaf), and an
+unstacked, contiguous piece of the target dtype goes to the device as it was read (a view of the
+mapped file or of scratch): no host copy at all. Both stay alive until the device holds the leaf.
+
 Scratch is bounded: stack slices are processed in chunks whose source bytes fit each thread's share
 of ``budget`` (default: the largest leaf, so transient memory stays within one leaf; from mapped
 files at most :data:`MAPPED_CHUNK_BYTES`, whose pages count in RSS until stacked), and a thread's
@@ -47,6 +53,11 @@ from otfload.read.reader import TensorReader
 # the 1 GiB Llama bench (2 builders, largest leaf 0.218 GiB) transient host memory was 0.111 / 0.123
 # / 0.164 / 0.22 GiB with 16 / 32 / 64 MiB / uncapped chunks, at the same speed.
 MAPPED_CHUNK_BYTES = 32 << 20
+
+# Accelerators get stacked and transposed shards through a reused per-thread staging buffer, and
+# contiguous unstacked ones as read (see the module docstring). False: a fresh buffer per shard, as
+# for CPU devices (benchmarks/bench_load.py --platform gpu measures both).
+HOST_STAGING = True
 
 T = TypeVar("T")
 
@@ -102,11 +113,18 @@ def _chunk_limit(budget: ByteBudget, reader: TensorReader) -> int | None:
     return MAPPED_CHUNK_BYTES if budget.share is None else min(budget.share, MAPPED_CHUNK_BYTES)
 
 
+def host_staged(sharding: jax.sharding.Sharding) -> bool:
+    """Whether ``sharding``'s devices copy host buffers into memory of their own (accelerators),
+    so that a host buffer is free again once the leaf is placed; CPU devices adopt it instead."""
+    devices: set[jax.Device] = sharding.device_set
+    return HOST_STAGING and all(device.platform != "cpu" for device in devices)
+
+
 def build_boxes(
     plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None = None
 ) -> dict[Box, np.ndarray]:
     """The values of ``plan``'s leaf inside each of ``boxes``, in fresh aligned target-dtype arrays."""
-    return _build(plan, boxes, reader, arena, budget, _owned)
+    return _build(plan, boxes, reader, arena, budget, _owned, None)
 
 
 def _owned(built: dict[Box, np.ndarray]) -> dict[Box, np.ndarray]:
@@ -116,10 +134,12 @@ def _owned(built: dict[Box, np.ndarray]) -> dict[Box, np.ndarray]:
 
 def _build(
     plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None,
-    finish: Callable[[dict[Box, np.ndarray]], T],
+    finish: Callable[[dict[Box, np.ndarray]], T], staging: Arena | None,
 ) -> T:
     """:func:`build_boxes`, handing the boxes to ``finish`` before the last chunk's scratch and
-    mapped pages are released: a box may be a transposed view of them, which ``finish`` copies."""
+    mapped pages are released: a box may be a transposed view of them, which ``finish`` copies.
+    With ``staging`` (a device that copies what it is given), boxes are written there, or are
+    contiguous views of what was read, instead of fresh buffers."""
     budget = budget or ByteBudget(None)
     n_stack = len(plan.stack_axes)
     strides = [int(np.prod(plan.stack_shape[d + 1 :], dtype=np.int64)) for d in range(n_stack)]
@@ -141,9 +161,9 @@ def _build(
             read = reader.read_boxes([plan.sources[i] for i in indices.values()], union, arena, selection, shared)
             parts = dict(zip(indices, read, strict=True))
             for box in boxes:
-                _stack_into(plan, box, need[box], union, combos_of[box], parts, results)
+                _stack_into(plan, box, need[box], union, combos_of[box], parts, results, staging)
             if position == len(chunks) - 1:  # the boxes are whole: placed while their pages are in
-                finished = finish({box: _result(plan, box, results) for box in boxes})
+                finished = finish({box: _result(plan, box, results, staging) for box in boxes})
                 results = {}
         finally:
             parts = {}  # drop the pieces (views of scratch and mapped pages) before releasing them
@@ -157,19 +177,25 @@ def _build(
     return finished
 
 
-def _result(plan: LeafPlan, box: Box, results: dict[Box, np.ndarray]) -> np.ndarray:
-    """``box``'s buffer in ``results``, made (fresh, aligned, target dtype) if it has none yet."""
+def _result(plan: LeafPlan, box: Box, results: dict[Box, np.ndarray], staging: Arena | None) -> np.ndarray:
+    """``box``'s buffer in ``results``, made (aligned, target dtype; fresh, or in ``staging``) if it
+    has none yet."""
     if box not in results:
-        results[box] = aligned_empty(box_shape(box), plan.leaf.dtype)
+        shape, dtype = box_shape(box), plan.leaf.dtype
+        if staging is None:
+            results[box] = aligned_empty(shape, dtype)
+        else:
+            results[box] = staging.take(box_nbytes(box, dtype.itemsize)).view(dtype).reshape(shape)
     return results[box]
 
 
 def _stack_into(
     plan: LeafPlan, box: Box, need: Box, union: Box, combos: list[tuple[int, ...]],
-    parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray],
+    parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray], staging: Arena | None,
 ) -> None:
     """Write the pieces of ``box`` present in ``parts`` into their rows of ``results[box]`` (one
-    np.stack). An unstacked transposed piece that XLA copies as it places it stays a view (one copy)."""
+    np.stack). An unstacked piece that the device copies as it is placed stays a view (one copy):
+    a transposed one XLA's host transpose copies for CPU devices, a contiguous one an accelerator's."""
     inner = box[len(plan.stack_axes) :]
     rows = [i for i, c in enumerate(combos) if c in parts]  # consecutive: chunks follow row-major order
     if not rows:
@@ -179,12 +205,14 @@ def _stack_into(
         out, have = chain_apply(plan.hooks, plan.shapes, crop(parts[combos[i]], union, need), need)
         pieces.append(crop(out, have, inner))
     if not plan.stack_axes:
-        if xla_copies(pieces[0], plan.leaf.dtype, plan.leaf.sharding):
-            results[box] = pieces[0]
+        piece = pieces[0]
+        as_read = staging is not None and piece.dtype == plan.leaf.dtype and piece.flags.c_contiguous
+        if as_read or xla_copies(piece, plan.leaf.dtype, plan.leaf.sharding):
+            results[box] = piece
         else:
-            copy_into(_result(plan, box, results), pieces[0])
+            copy_into(_result(plan, box, results, staging), piece)
         return
-    flat = _result(plan, box, results).reshape((-1, *box_shape(inner)))
+    flat = _result(plan, box, results, staging).reshape((-1, *box_shape(inner)))
     if transposed_axis(pieces[0]) is not None:  # a transposing hook: tile by tile, not one strided copy
         for row, piece in zip(rows, pieces, strict=True):
             copy_into(flat[row], piece)
@@ -193,23 +221,33 @@ def _stack_into(
 
 
 def build_leaf(
-    plan: LeafPlan, reader: TensorReader, arena: Arena, budget: ByteBudget | None = None
+    plan: LeafPlan, reader: TensorReader, arena: Arena, budget: ByteBudget | None = None,
+    staging: Arena | None = None,
 ) -> jax.Array:
-    """The leaf as a ``jax.Array`` with its target sharding, built from the bytes local devices need."""
+    """The leaf as a ``jax.Array`` with its target sharding, built from the bytes local devices need.
+
+    ``staging``: the thread's reusable host buffer for devices that copy what they are given
+    (:func:`host_staged`); it is free again when this returns."""
     leaf = plan.leaf
     box_of = dict(addressable_boxes(leaf.shape, leaf.sharding))  # in the sharding's order (place_shards wants it)
+    staging = staging if host_staged(leaf.sharding) else None
 
     def place(built: dict[Box, np.ndarray]) -> jax.Array:
         arrays, placed = [], set()
         for box in box_of.values():  # a box's first device adopts its buffer, the others get copies
             data = built[box]
-            own = box in placed and data.flags.c_contiguous  # a view is copied by XLA for each device
+            # A view is copied by XLA for each device, and so is everything an accelerator is given.
+            own = box in placed and data.flags.c_contiguous and staging is None
             arrays.append(_aligned_copy(data) if own else data)
             placed.add(box)
         array = place_shards(leaf.shape, leaf.dtype, leaf.sharding, arrays, list(box_of))
-        return array.block_until_ready()  # XLA has copied the views before their pages are released
+        return array.block_until_ready()  # the device has copied views and staging before they are reused
 
-    return _build(plan, list(dict.fromkeys(box_of.values())), reader, arena, budget, place)
+    try:
+        return _build(plan, list(dict.fromkeys(box_of.values())), reader, arena, budget, place, staging)
+    finally:
+        if staging is not None:
+            staging.reset()
 
 
 def _aligned_copy(data: np.ndarray) -> np.ndarray:

@@ -82,11 +82,11 @@ def execute_plan(
         try:
             with cancel_scope(token), metering(meter):
                 if not hasattr(local, "arena"):
-                    local.arena = Arena()
+                    local.arena, local.staging = Arena(), Arena()
                 leaf_plan = plan.leaves[path]
                 if path in bands:
                     leaf_plan = with_sharding(leaf_plan, bands[path])
-                array = build_leaf(leaf_plan, reader, local.arena, budget)
+                array = build_leaf(leaf_plan, reader, local.arena, budget, local.staging)
         except BaseException:
             token.cancel()  # at once, before this worker picks up a queued leaf
             raise

@@ -17,7 +17,19 @@ def test_bench_load_runs_every_method_and_prints_the_ratio_table(tmp_path, moe):
     subprocess.run(make + kind, cwd=ROOT, check=True, capture_output=True, timeout=300)
     cmd = [sys.executable, "-m", "benchmarks.bench_load", "--size-gib", "0.02", "--repeat", "1",
            "--dir", str(tmp_path / "c"), "--methods", "floor,naive,loop,orbax,otfload"]
-    out = subprocess.run(cmd + kind, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    verify = [] if moe else ["--verify"]  # the bitwise check a GPU run starts with
+    out = subprocess.run(cmd + kind + verify, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     for row in ["| floor |", "| naive |", "| loop |", "| orbax |", "| otfload |", "otfload speed / floor"]:
         assert row in out.stdout, row
+    if verify:
+        assert "verify on cpu: otfload vs numpy, 12 leaves bitwise: all equal" in out.stdout
+
+
+def test_h2d_routes_print_both_calls_of_each_route():
+    cmd = [sys.executable, "-m", "benchmarks.h2d_routes", "--gib", "0.01", "--routes", "whole,pieces-64m-written"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith(("| whole", "| pieces"))]
+    assert [r[1].strip() for r in rows] == ["whole", "pieces-64m-written"]
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)

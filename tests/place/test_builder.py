@@ -5,7 +5,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from otfload.index.checkpoint import open_index
-from otfload.place.builder import ByteBudget, build_leaf
+from otfload.place.builder import ByteBudget, build_leaf, host_staged
 from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.hooks import Reshape, Transpose
 from otfload.plan.mapping import MappingTable, Rule
@@ -155,3 +155,9 @@ def test_an_unstacked_transposed_leaf_is_placed_from_views_each_device_its_own_c
         np.testing.assert_array_equal(np.asarray(shard.data), weight.T[shard.index])
     pointers = [shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards]
     assert len(set(pointers)) == len(pointers)  # replicas never alias one buffer (donation writes them)
+
+
+def test_cpu_devices_adopt_their_buffers_so_nothing_is_staged(mesh_2x4):
+    """Staging is reused from leaf to leaf only where devices copy what they get (accelerators): CPU
+    devices keep the buffer they are given (test_put: adopted without a copy)."""
+    assert not host_staged(NamedSharding(mesh_2x4, P("fsdp", "tp")))

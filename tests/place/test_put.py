@@ -1,11 +1,12 @@
 """Placing host shards (otfload.place.put) and the shard buffers they come in (otfload.read.arena):
 the batched placement (one make_array_from_callback) and per-device puts give the same arrays,
 every device holding exactly its numpy reference; large buffers are populated private mappings
-that JAX adopts without copying."""
+that JAX adopts without copying; a shard sent in pieces (accelerators) arrives bit for bit."""
 
 import mmap
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -65,3 +66,34 @@ def test_every_device_owns_its_shard(mesh_2x4, spec):
     assert len({s.data.unsafe_buffer_pointer() for s in out.addressable_shards}) == 8
     for shard in out.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+
+
+@pytest.mark.parametrize(("shape", "piece_bytes"), [((10, 7), 42), ((10, 7), 1), ((33, 4, 3), 100), ((5,), 4)])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.int8, ml_dtypes.float8_e4m3fn])
+def test_a_shard_sent_in_pieces_arrives_bit_for_bit(shape, piece_bytes, dtype):
+    """Row blocks (the last one overlapping the one before) of random bits, NaN payloads included."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.random.default_rng(0).integers(0, 256, size=(*shape, itemsize), dtype=np.uint8)
+    array = raw.view(dtype).reshape(shape)
+    out = put.piecewise_put(array, jax.devices()[0], piece_bytes)
+    assert out.shape == array.shape and out.dtype == array.dtype
+    assert np.asarray(out).tobytes() == array.tobytes()
+
+
+def test_a_signalling_nan_is_not_quieted_on_the_way():
+    """A float write (XLA's CPU backend computes bf16 in f32) would turn 0x7FBF into 0x7FC0."""
+    bits = np.full((12, 4), 0x3F80, np.uint16)
+    bits[[1, 6, 11], 2] = 0x7FBF
+    out = put.piecewise_put(bits.view(ml_dtypes.bfloat16), jax.devices()[0], 3 * 4 * 2)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), bits)
+
+
+@pytest.mark.parametrize(
+    ("array", "piece_bytes"),
+    [(np.float32(3.5), 4), (np.arange(6, dtype=np.float32).reshape(2, 3), 24), (np.array([True, False] * 8), 4)],
+    ids=["scalar", "fits-one-piece", "bool"],
+)
+def test_what_needs_no_pieces_goes_whole(array, piece_bytes):
+    array = np.asarray(array)
+    out = put.piecewise_put(array, jax.devices()[0], piece_bytes)
+    assert np.asarray(out).tobytes() == array.tobytes() and out.dtype == array.dtype
