@@ -5,6 +5,7 @@
 # leaves on the GPU.
 #
 #   bash benchmarks/gpu_run.sh            # SIZE_GIB=4 REPEAT=3 COLD_REPEAT=2; results under $OUT
+#                                         # (~9 min on an H200: near a device call's 10 min limit)
 #   SIZE_GIB=2 REPEAT=2 WARM_METHODS=fastsafetensors,otfload-whole,otfload COLD_METHODS= bash benchmarks/gpu_run.sh
 #
 # Wheels the image lacks (fastsafetensors; huggingface_hub 2 and httpx2, which otfload imports) travel
