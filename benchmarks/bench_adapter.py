@@ -26,14 +26,13 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.bench_load import child_env, drop_caches, machine_line, warm
 
-RESULT_PREFIX = "BENCH_RESULT "
 METHODS = ("base", "adapter")
 GIB = 2**30
 DEFAULT_RANK = 16
@@ -132,11 +131,7 @@ def run_child(method: str, directory: Path, adapter: Path, devices: int, cold: b
         drop_caches()
     cmd = [sys.executable, "-m", "benchmarks.bench_adapter", "--child", method, "--dir", str(directory),
            "--adapter-dir", str(adapter), "--devices", str(devices), *(["--cold"] if cold else [])]
-    proc = subprocess.run(cmd, env=child_env(devices), capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return harness.run_child(cmd, child_env(devices), method)
 
 
 def measure(directory: Path, adapter: Path, devices: int, repeat: int, cold: bool) -> dict[str, dict]:
@@ -162,7 +157,7 @@ def results_table(results: dict[str, dict]) -> str:
             "peak − before GiB |",
             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for method, r in results.items():
-        runs = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+        runs = harness.runs_cell(r["all_seconds"])
         rows.append(f"| {method} | {r['seconds']:.2f} | {runs} | {r['cpu_seconds']:.2f} | "
                     f"{r['bytes_read'] / GIB:.3f} | {r['bytes_placed'] / GIB:.3f} | {r['peak_rss'] / GIB:.2f} | "
                     f"{(r['peak_rss'] - r['rss_before']) / GIB:.2f} |")
@@ -190,8 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.child:
-        result = child(args.child, args.dir, args.adapter_dir, args.devices, args.cold)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        harness.report(child(args.child, args.dir, args.adapter_dir, args.devices, args.cold))
         return
     from benchmarks.make_checkpoint import ensure_checkpoint
 

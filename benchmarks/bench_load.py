@@ -30,12 +30,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULT_PREFIX = "BENCH_RESULT "
+from benchmarks import harness
+
 DEFAULT_METHODS = "floor,naive,loop,orbax,otfload"
 COLD_METHODS = "cat,dd,fromfile,floor,naive,orbax,otfload"
 SCALING_SIZES = (0.25, 0.5, 1.0, 2.0)
@@ -197,11 +197,7 @@ def run_child(method: str, directory: Path, devices: int, cold: bool, platform: 
     cmd = [sys.executable, "-m", "benchmarks.bench_load", "--child", method, "--dir", str(directory)]
     cmd += ["--cold"] if cold else []
     cmd += ["--devices", str(devices), "--platform", platform]
-    proc = subprocess.run(cmd, env=child_env(devices, platform), capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return {**json.loads(line[len(RESULT_PREFIX) :]), "cold_by": cold_by}
-    raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return {**harness.run_child(cmd, child_env(devices, platform), method), "cold_by": cold_by}
 
 
 def measure(
@@ -280,7 +276,7 @@ def results_table(results: dict[str, dict]) -> str:
     for method, r in results.items():
         gbps = r["checkpoint_bytes"] / r["seconds"] / 1e9
         held = (r["rss_after"] - r["rss_before"]) / GIB
-        runs = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+        runs = harness.runs_cell(r["all_seconds"])
         rows.append(
             f"| {method} | {r['checkpoint_bytes'] / GIB:.3f} | {r['seconds']:.2f} | {runs} | {gbps:.2f} | "
             f"{r['cpu_seconds']:.2f} | {r['peak_rss'] / GIB:.2f} | {r['placed_bytes'] / GIB:.2f} | {held:.2f} | "
@@ -429,11 +425,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.child and args.child.startswith("verify:"):
         checked = child_verify(args.dir, args.devices, args.platform, args.child.removeprefix("verify:"))
-        print(RESULT_PREFIX + json.dumps(checked), flush=True)
+        harness.report(checked)
         return
     if args.child:
-        result = child(args.child, args.dir, args.devices, args.cold, args.platform)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        harness.report(child(args.child, args.dir, args.devices, args.cold, args.platform))
         return
     from benchmarks.make_checkpoint import ensure_checkpoint
 

@@ -35,14 +35,13 @@ import math
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.bench_load import child_env, drop_caches, machine_line, warm
 
-RESULT_PREFIX = "BENCH_RESULT "
 VARIANTS = ("bf16", "fp8", "w4a16")
 QUANTIZED = VARIANTS[1:]
 DEFAULT_METHODS = ",".join([*(f"{kind}-{v}" for v in VARIANTS for kind in ("floor", "otfload")),
@@ -244,12 +243,7 @@ def decode_breakdown(directory: Path, cold: bool = False) -> dict:
 
 def _spawn(args: list[str], devices: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.bench_quantized", *args, "--devices", str(devices)]
-    proc = subprocess.run(cmd, env=child_env(devices), capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    raise RuntimeError(f"{' '.join(args)} failed (exit {proc.returncode}):\n{tail}")
+    return harness.run_child(cmd, child_env(devices), " ".join(args))
 
 
 def run_child(method: str, directory: Path, devices: int, cold: bool) -> dict:
@@ -303,7 +297,7 @@ def results_table(results: dict[str, dict]) -> str:
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for method, r in results.items():
-        runs = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+        runs = harness.runs_cell(r["all_seconds"])
         rows.append(
             f"| {method} | {_gib(r['disk_bytes'])} | {r['seconds']:.2f} | {runs} | {r['cpu_seconds']:.2f} | "
             f"{r['placed_bytes'] / r['seconds'] / 1e9:.2f} | {_gib(r['placed_bytes'])} | "
@@ -414,10 +408,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.decode_child:
-        print(RESULT_PREFIX + json.dumps(decode_breakdown(args.dir, args.cold)), flush=True)
+        harness.report(decode_breakdown(args.dir, args.cold))
         return
     if args.child:
-        print(RESULT_PREFIX + json.dumps(child(args.child, args.dir, args.devices, args.cold)), flush=True)
+        harness.report(child(args.child, args.dir, args.devices, args.cold))
         return
     from benchmarks.make_checkpoint import ensure_checkpoint
     from benchmarks.make_quantized import ensure_quantized

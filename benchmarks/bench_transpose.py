@@ -35,12 +35,12 @@ import mmap
 import os
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULT_PREFIX = "BENCH_RESULT "
+from benchmarks import harness
+
 METHODS = ("contiguous", "numpy_alloc", "transposed", "tiled", "untiled", "transposed_unscanned", "tunix_style")
 GIB = 2**30
 KERNEL_SHAPE = (2048, 5632)  # a 22 MiB bf16 matrix, the example
@@ -207,11 +207,7 @@ def run_child(method: str, directory: Path, devices: int) -> dict:
 
     cmd = [sys.executable, "-m", "benchmarks.bench_transpose", "--child", method, "--dir", str(directory),
            "--devices", str(devices)]
-    proc = subprocess.run(cmd, env=child_env(devices), capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return harness.run_child(cmd, child_env(devices), method)
 
 
 def measure(methods: list[str], directory: Path, devices: int, repeat: int) -> dict[str, dict]:
@@ -244,13 +240,11 @@ def table(results: dict[str, dict]) -> str:
             "peak − before GiB | transient GiB | speed / contiguous (wall, CPU) |",
             "|---|---:|---|---:|---:|---|---:|---:|---:|---:|"]
     for method, r in results.items():
-        ratio = "" if base is None else \
-            f"{base['seconds'] / r['seconds']:.2f}×, {base['cpu_seconds'] / r['cpu_seconds']:.2f}×"
         rows.append(
-            f"| {method} | {r['seconds']:.2f} | {', '.join(f'{s:.2f}' for s in r['all_seconds'])} | "
+            f"| {method} | {r['seconds']:.2f} | {harness.runs_cell(r['all_seconds'])} | "
             f"{r['checkpoint_bytes'] / r['seconds'] / 1e9:.2f} | {r['cpu_seconds']:.2f} | "
-            f"{', '.join(f'{s:.2f}' for s in r['all_cpu_seconds'])} | {r['minor_faults']:,.0f} | "
-            f"{r['peak_over_before'] / GIB:.2f} | {r['transient'] / GIB:.2f} | {ratio} |"
+            f"{harness.runs_cell(r['all_cpu_seconds'])} | {r['minor_faults']:,.0f} | "
+            f"{r['peak_over_before'] / GIB:.2f} | {r['transient'] / GIB:.2f} | {harness.speed_cell(base, r)} |"
         )
     return "\n".join(rows)
 
@@ -308,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         print(kernel_bench())
         return
     if args.child:
-        print(RESULT_PREFIX + json.dumps(child(args.child, args.dir, args.devices)), flush=True)
+        harness.report(child(args.child, args.dir, args.devices))
         return
     from benchmarks.make_checkpoint import ensure_checkpoint
 

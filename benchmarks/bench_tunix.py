@@ -39,13 +39,13 @@ import math
 import os
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-RESULT_PREFIX = "BENCH_TUNIX "
+from benchmarks import harness
+
 METHODS = ("tunix", "otfload_tunix", "otfload_own")
 GIB = 2**30
 DEFAULT_WORK = Path("/tmp/otfload-bench-tunix")
@@ -153,31 +153,9 @@ def _values(name: str, shape: tuple[int, ...], rng):
 
 def write_checkpoint(out: Path, shape: Qwen3Shape, shard_bytes: int, seed: int = 0) -> Path:
     """``config.json``, ``model-0000k-of-0000n.safetensors`` shards and their index, into ``out``."""
-    import numpy as np
-    from safetensors.numpy import save_file
+    from benchmarks.make_checkpoint import write_shards
 
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.safetensors"), *out.glob("*.json")]:
-        old.unlink()
-    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    filled = 0
-    for name, dims in shape.tensors():
-        nbytes = 2 * math.prod(dims)
-        if groups[-1] and filled + nbytes > shard_bytes:
-            groups.append([])
-            filled = 0
-        groups[-1].append((name, dims))
-        filled += nbytes
-    rng = np.random.default_rng(seed)
-    weight_map = {}
-    for k, group in enumerate(groups):
-        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({name: _values(name, dims, rng) for name, dims in group}, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys((name for name, _ in group), file))
-    index = {"metadata": {"total_size": shape.nbytes}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(shape.config(), indent=1))  # last: marks it complete
-    return out
+    return write_shards(out, shape.tensors(), _values, shape.config(), shard_bytes=shard_bytes, seed=seed)
 
 
 def ensure_checkpoint(directory: Path, shape: Qwen3Shape, shard_bytes: int) -> Path:
@@ -355,11 +333,7 @@ def run_child(method: str, directory: Path, warmup: Path, devices: int, check: b
 
     cmd = [sys.executable, "-m", "benchmarks.bench_tunix", "--child", method, "--dir", str(directory),
            "--warmup-dir", str(warmup), "--devices", str(devices), *(["--hash"] if check else [])]
-    proc = subprocess.run(cmd, env=child_env(devices), capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    raise RuntimeError(f"{method} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return harness.run_child(cmd, child_env(devices), method)
 
 
 def measure(methods: list[str], directory: Path, warmup: Path, devices: int, repeat: int,
@@ -410,11 +384,10 @@ def table(results: dict[str, dict]) -> str:
             "| speed / tunix (wall, CPU) | of which `nnx.eval_shape` s (apart) |",
             "|---|---:|---|---:|---|---:|---:|---:|"]
     for method, r in results.items():
-        ratio = "" if base is None else \
-            f"{base['seconds'] / r['seconds']:.2f}×, {base['cpu_seconds'] / r['cpu_seconds']:.2f}×"
-        rows.append(f"| {method} | {r['seconds']:.2f} | {', '.join(f'{s:.2f}' for s in r['all_seconds'])} | "
-                    f"{r['cpu_seconds']:.2f} | {', '.join(f'{s:.2f}' for s in r['all_cpu_seconds'])} | "
-                    f"{r['peak_over_before'] / GIB:.2f} | {ratio} | {_opt(r['eval_shape_seconds'])} |")
+        rows.append(f"| {method} | {r['seconds']:.2f} | {harness.runs_cell(r['all_seconds'])} | "
+                    f"{r['cpu_seconds']:.2f} | {harness.runs_cell(r['all_cpu_seconds'])} | "
+                    f"{r['peak_over_before'] / GIB:.2f} | {harness.speed_cell(base, r)} | "
+                    f"{_opt(r['eval_shape_seconds'])} |")
     return "\n".join(rows)
 
 
@@ -438,8 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hash", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        result = child(args.child, args.dir, args.warmup_dir, args.devices, args.hash)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        harness.report(child(args.child, args.dir, args.warmup_dir, args.devices, args.hash))
         return
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)

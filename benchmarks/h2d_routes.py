@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-RESULT_PREFIX = "H2D_RESULT "
+from benchmarks import harness
+
 MIB = 2**20
 ROUTES = (
     "numpy-copy,whole,pieces-16m,pieces-64m,pieces-256m,pieces-64m-inflight,threads-4x64m,"
@@ -148,19 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(RESULT_PREFIX + json.dumps(child(args.child, args.gib)), flush=True)
+        harness.report(child(args.child, args.gib))
         return
     rows = ["| route | first call s | GB/s | second call s | GB/s | RSS growth GiB |", "|---|---:|---:|---:|---:|---:|"]
     results = []
     for name in args.routes.split(","):
         cmd = [sys.executable, "-m", "benchmarks.h2d_routes", "--child", name, "--gib", str(args.gib)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = proc.stdout.splitlines()
-        found = [json.loads(ln[len(RESULT_PREFIX) :]) for ln in lines if ln.startswith(RESULT_PREFIX)]
-        if not found:
-            rows.append(f"| {name} | failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:100]} | | | | |")
+        try:
+            r = harness.run_child(cmd, None, name)
+        except RuntimeError as e:
+            rows.append(f"| {name} | failed: {str(e).strip().splitlines()[-1][:100]} | | | | |")
             continue
-        r = found[0]
         results.append(r)
         (a, b), gb = r["seconds"], r["bytes"] / 1e9
         rows.append(f"| {name} | {a:.3f} | {gb / a:.2f} | {b:.3f} | {gb / b:.2f} | {r['rss_growth'] / 2**30:.2f} |")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,14 +139,22 @@ def _tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.n
     return random_bf16(shape, rng)
 
 
-def write_checkpoint(out: Path, dims: Dims, *, shard_bytes: int = 500 * 10**6, seed: int = 0) -> Path:
-    """Write ``config.json``, the shards and the index into ``out``; returns ``out``."""
+Values = Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray]
+
+
+def write_shards(
+    out: Path, tensors: list[tuple[str, tuple[int, ...]]], values: Values, config: dict, *, shard_bytes: int,
+    seed: int = 0,
+) -> Path:
+    """``tensors`` (bf16 names and shapes, in file order) with ``values(name, shape, rng)`` as
+    ``model-0000k-of-0000n.safetensors`` shards of at most ``shard_bytes``, their index and
+    ``config`` (written last: it marks the checkpoint complete) into ``out``; returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.safetensors"):
+    for old in [*out.glob("*.safetensors"), *out.glob("*.json")]:
         old.unlink()
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, shape in dims.tensors():
+    for name, shape in tensors:
         nbytes = 2 * math.prod(shape)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
@@ -156,12 +165,18 @@ def write_checkpoint(out: Path, dims: Dims, *, shard_bytes: int = 500 * 10**6, s
     weight_map = {}
     for k, members in enumerate(shards):
         file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({name: _tensor(name, shape, rng) for name, shape in members}, out / file, metadata={"format": "pt"})
+        save_file({name: values(name, shape, rng) for name, shape in members}, out / file, metadata={"format": "pt"})
         weight_map.update({name: file for name, _ in members})
-    index = {"metadata": {"total_size": dims.nbytes}, "weight_map": weight_map}
+    total = sum(2 * math.prod(shape) for _, shape in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(dims.config(), indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+def write_checkpoint(out: Path, dims: Dims, *, shard_bytes: int = 500 * 10**6, seed: int = 0) -> Path:
+    """Write ``config.json``, the shards and the index into ``out``; returns ``out``."""
+    return write_shards(out, dims.tensors(), _tensor, dims.config(), shard_bytes=shard_bytes, seed=seed)
 
 
 def default_dir(size_gib: float, moe: bool) -> Path:
