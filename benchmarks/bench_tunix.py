@@ -14,19 +14,23 @@ process, warm page cache, interleaved rounds, medians:
 * ``otfload_tunix`` — ``nnx.eval_shape`` of tunix's ``Qwen3`` (``param_dtype=bfloat16``, so nothing
   is cast) and ``otfload.load_params`` with ``otfload.mappings.tunix_qwen3.TABLE``: the same tree,
   values and shardings as ``tunix``;
+* ``otfload_tunix_factory`` — the same, handing ``load_params`` the function that builds the module
+  (``lambda: Qwen3(config, rngs=nnx.Rngs(0))``): otfload makes it abstract with
+  ``otfload.abstract_module`` (``nnx.eval_shape`` without JAX ≤ 0.10's quadratic tracing cost);
 * ``otfload_own`` — ``otfload.from_pretrained(dir, mesh=mesh)``: otfload's own Qwen3 module
   (scanned layers, HF's ``[out, in]`` orientation, its default sharding rules).
 
 Timed, for every method alike: from the ``ModelConfig`` (parsed before) to a loaded ``nnx.Module``
-whose arrays are ready — building the abstract module, reading, transposing, placing (for the two
-tunix-tree methods ``nnx.eval_shape`` of tunix's ``Qwen3`` alone is timed again after the load, in the
-same process, and reported apart: it is a large share of both). Imports, the
+whose arrays are ready — building the abstract module, reading, transposing, placing (for the
+tunix-tree methods the abstract module alone — ``nnx.eval_shape`` of tunix's ``Qwen3``, or
+``otfload.abstract_module`` for ``otfload_tunix_factory`` — is timed again after the load, in the
+same process, and reported apart: it is a large share of each). Imports, the
 mesh, the page-cache warming and one warm-up load of a tiny checkpoint with the same method happen
 before the clock starts. After the clock, in the first round (``--check all``: every round), each
 process hashes every parameter back in HF's orientation (``model.layers.{i}.mlp.down_proj.weight``
 ...) and the parent compares the hashes with those of the checkpoint's own bytes: equal means
-bitwise equal to the checkpoint, hence to each other. ``tunix`` and ``otfload_tunix`` must also
-agree on every leaf's dtype and ``PartitionSpec``.
+bitwise equal to the checkpoint, hence to each other. ``tunix`` and the ``otfload_tunix`` methods
+must also agree on every leaf's dtype and ``PartitionSpec``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from pathlib import Path
 
 from benchmarks import harness
 
-METHODS = ("tunix", "otfload_tunix", "otfload_own")
+METHODS = ("tunix", "otfload_tunix", "otfload_tunix_factory", "otfload_own")
 GIB = 2**30
 DEFAULT_WORK = Path("/tmp/otfload-bench-tunix")
 MESH_AXES = ("fsdp", "tp")
@@ -297,6 +301,9 @@ def child(method: str, directory: Path, warmup: Path, devices: int, check: bool)
                 abstract = nnx.eval_shape(lambda: qwen3_model.Qwen3(config, rngs=nnx.Rngs(0)))
                 return otfload.load_params(path, abstract, tunix_qwen3.TABLE, mesh=mesh, progress=False)
             return run
+        if method == "otfload_tunix_factory":
+            return lambda: otfload.load_params(path, lambda: qwen3_model.Qwen3(config, rngs=nnx.Rngs(0)),
+                                               tunix_qwen3.TABLE, mesh=mesh, progress=False)
         return lambda: otfload.from_pretrained(path, mesh=mesh, progress=False)
 
     def ready(model) -> None:
@@ -317,8 +324,9 @@ def child(method: str, directory: Path, warmup: Path, devices: int, check: bool)
               "placed_bytes": sum(x.nbytes for x in _params(model).values())}
     if method != "otfload_own":  # the share of the timed part tunix's abstract module takes, measured apart
         config = tunix_config(json.loads((directory / "config.json").read_text()))
+        abstract = otfload.abstract_module if method == "otfload_tunix_factory" else nnx.eval_shape
         start = time.perf_counter()
-        nnx.eval_shape(lambda: qwen3_model.Qwen3(config, rngs=nnx.Rngs(0)))
+        abstract(lambda: qwen3_model.Qwen3(config, rngs=nnx.Rngs(0)))
         result["eval_shape_seconds"] = time.perf_counter() - start
     if check:
         result["hashes"], result["layout"] = loaded_hashes(method, model)
@@ -359,9 +367,10 @@ def measure(methods: list[str], directory: Path, warmup: Path, devices: int, rep
             over = (result["peak_rss"] - result["rss_before"]) / GIB
             print(f"  round {r + 1}/{repeat} {method:14s} {result['seconds']:6.2f} s  "
                   f"cpu {result['cpu_seconds']:6.2f} s  peak-before {over:5.2f} GiB", file=sys.stderr, flush=True)
-    if "tunix" in layouts and "otfload_tunix" in layouts and layouts["tunix"] != layouts["otfload_tunix"]:
-        differ = sorted(k for k in layouts["tunix"] if layouts["tunix"][k] != layouts["otfload_tunix"].get(k))
-        problems.append(f"tunix and otfload_tunix differ in dtype/PartitionSpec of {len(differ)} leaves {differ[:3]}")
+    for method in (m for m in layouts if m.startswith("otfload_tunix") and "tunix" in layouts):
+        differ = sorted(k for k in layouts["tunix"] if layouts["tunix"][k] != layouts[method].get(k))
+        if differ or layouts[method].keys() != layouts["tunix"].keys():
+            problems.append(f"tunix and {method} differ in dtype/PartitionSpec of {len(differ)} leaves {differ[:3]}")
     out = {}
     for method, rs in runs.items():
         out[method] = {
@@ -381,7 +390,7 @@ def measure(methods: list[str], directory: Path, warmup: Path, devices: int, rep
 def table(results: dict[str, dict]) -> str:
     base = results.get("tunix")
     rows = ["| method | wall s (median) | wall runs (s) | CPU s (median) | CPU runs (s) | peak RSS − before GiB "
-            "| speed / tunix (wall, CPU) | of which `nnx.eval_shape` s (apart) |",
+            "| speed / tunix (wall, CPU) | of which abstract module s (apart) |",
             "|---|---:|---|---:|---|---:|---:|---:|"]
     for method, r in results.items():
         rows.append(f"| {method} | {r['seconds']:.2f} | {harness.runs_cell(r['all_seconds'])} | "
@@ -441,16 +450,17 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['peak_over_before'] / GIB:.2f} vs {base['peak_over_before'] / GIB:.2f} GiB")
     shapes = {m: r["eval_shape_seconds"] for m, r in results.items() if r["eval_shape_seconds"] is not None}
     if shapes:
-        print("wall minus the median nnx.eval_shape of tunix's Qwen3 (measured apart, after the load, same process; "
-              "approximate): " + ", ".join(f"{m} {results[m]['seconds'] - s:.2f} s" for m, s in shapes.items()))
+        print("wall minus the median abstract module of tunix's Qwen3 (measured apart, after the load, same "
+              "process; approximate): "
+              + ", ".join(f"{m} {results[m]['seconds'] - s:.2f} s" for m, s in shapes.items()))
     n = len(file_hashes(directory))
     if problems:
         print("bitwise check FAILED:\n  " + "\n  ".join(problems))
     else:
         checked = ", ".join(f"{m} {r['checked']}/{n}" for m, r in results.items())
         print(f"bitwise check passed: every tensor of every checked load equals the checkpoint's bytes ({checked}); "
-              "tunix and otfload_tunix agree on every leaf's dtype and PartitionSpec"
-              if "tunix" in results and "otfload_tunix" in results else
+              "tunix and the otfload_tunix methods agree on every leaf's dtype and PartitionSpec"
+              if "tunix" in results and any(m.startswith("otfload_tunix") for m in results) else
               f"bitwise check passed: every tensor of every checked load equals the checkpoint's bytes ({checked})")
     print(f"load average (1, 5, 15 min): start {', '.join(f'{x:.2f}' for x in load_start)}, "
           f"end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")

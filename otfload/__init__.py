@@ -36,6 +36,7 @@ from otfload.evaluate import EvalResult, evaluate
 from otfload.export import export_checkpoint, export_hf, export_native
 from otfload.generate import generate
 from otfload.place.report import LoadReport
+from otfload.plan.eval_shape import abstract_module
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.plan.sharding import DEFAULT_RULES, logical_to_sharding, make_mesh
@@ -75,6 +76,7 @@ __all__ = [
     "UnmappedLeafError",
     "UnsafeFormatError",
     "UnsupportedModelError",
+    "abstract_module",
     "dequantize",
     "evaluate",
     "export_adapter",

@@ -30,6 +30,7 @@ from otfload.place.loader import DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
 from otfload.place.report import LoadReport
 from otfload.place.reshard import resolve_policy
 from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
+from otfload.plan.eval_shape import abstract_module
 from otfload.plan.keep import LAYER_LEAF, assemble_kept, check_quantized_mode, keep_plan
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
@@ -129,7 +130,7 @@ def plan_model(
         cfg = family.config_for(index.config, index.tensors)  # typed, bounded, matched to the tensors
         dtype = storage_dtype(index) if dtype is None else to_numpy_dtype(dtype)
         mesh = make_mesh() if mesh is None else mesh
-        model = nnx.eval_shape(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=None))
+        model = abstract_module(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=None))
         remember_origin(model, index.config, family.name)
         leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if rules is None else rules)
         plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
@@ -345,7 +346,10 @@ def load_params(
     """Fill a model the user brings from a checkpoint, and give it back in the kind it came.
 
     ``abstract`` is an abstract ``nnx.Module`` (``nnx.eval_shape``; the module comes back with its
-    ``nnx.Param`` s loaded), an ``nnx.State`` (a loaded ``nnx.State`` comes back) or a pytree of
+    ``nnx.Param`` s loaded) or the function building it (``lambda: Model(config, rngs=nnx.Rngs(0))``,
+    run under ``jax.set_mesh(mesh)`` by :func:`~otfload.plan.eval_shape.abstract_module`, several
+    times faster than ``nnx.eval_shape`` on JAX ≤ 0.10), an ``nnx.State`` (a loaded ``nnx.State``
+    comes back) or a pytree of
     ``jax.ShapeDtypeStruct`` (the same tree of ``jax.Array`` s). Shardings come from the leaves
     (an abstract mesh made concrete on ``mesh``) or their ``out_sharding``/``sharding_names``
     metadata (logical names through ``rules``); see :mod:`otfload.plan.abstract`. ``mapping``

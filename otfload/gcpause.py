@@ -10,29 +10,21 @@ collection is paused for the build and resumed (as it was) afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import threading
-from collections.abc import Iterator
 
-_lock = threading.Lock()
-_depth = 0  # nested or concurrent pauses: the collector comes back when the last one ends
-_was_enabled = False
+from otfload.held import HeldSetting
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Collection off inside the block; back to its state before the outermost pause afterwards."""
-    global _depth, _was_enabled
-    with _lock:
-        if _depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+def _pause() -> bool:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    return was_enabled
+
+
+def _resume(was_enabled: bool) -> None:
+    if was_enabled:
+        gc.enable()
+
+
+# Nested or concurrent pauses: the collector comes back (as it was) when the last one ends.
+gc_paused = HeldSetting(_pause, _resume).held

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "otfload"  # read as text: nothing 
 
 # Earliest first; a module may import from its own stage or any earlier one.
 STAGES: tuple[tuple[str, ...], ...] = (
-    ("errors", "atomic", "pages", "gcpause"),  # typed errors, atomic dirs, madvise, GC pause: for every stage
+    ("errors", "atomic", "pages", "held", "gcpause"),  # errors, atomic dirs, madvise, held settings, GC pause
     ("sources", "cache"),  # bytes by range: local / Hub / fsspec, and the shard cache in front of one
     ("index",),  # safetensors headers, config.json, quantized formats
     ("quantized",),  # the device-side array of a weight kept packed (index.quant's codes)

@@ -27,8 +27,8 @@ and ``qkv_einsum.w`` stack *different* HF tensors on their leading axis: their r
 becomes that stack axis, each part head-split on its own. ``lm_head.weight``, when a checkpoint has
 one, is the tied embedding and is not read. Load with::
 
-    abstract = nnx.eval_shape(lambda: Gemma3(config, rngs=nnx.Rngs(0)))
-    model = otfload.load_params(checkpoint, abstract, tunix_gemma3.TABLE, mesh=mesh)
+    model = otfload.load_params(checkpoint, lambda: Gemma3(config, rngs=nnx.Rngs(0)), tunix_gemma3.TABLE,
+                                mesh=mesh)
 
 Shardings come from the module's ``sharding`` metadata (tunix's ``ShardingConfig``: mesh axes
 ``fsdp`` and ``tp``; the 1-D q/k norms' ``out_sharding=()`` is replicated). ``tests/tunix`` checks

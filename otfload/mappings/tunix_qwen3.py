@@ -26,8 +26,8 @@ keys ``mlp.experts.{e}.*_proj.weight`` stacked on a leading experts axis (the ``
 placeholder, absent from the target: tunix's ``_stack_experts`` does the same with ``jnp.stack``),
 each transposed to ``[in, out]``. Load with::
 
-    abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
-    model = otfload.load_params(checkpoint, abstract, tunix_qwen3.TABLE, mesh=mesh)
+    model = otfload.load_params(checkpoint, lambda: Qwen3(config, rngs=nnx.Rngs(0)), tunix_qwen3.TABLE,
+                                mesh=mesh)
 
 Shardings come from the module's ``sharding`` metadata (tunix's ``ShardingConfig``: mesh axes
 ``fsdp`` and ``tp``). A tied checkpoint loaded into an untied model fills ``lm_head.w`` from the

@@ -3,8 +3,10 @@ allocated.
 
 Three kinds of target come in (:func:`abstract_target`), and a load gives back the same kind:
 
-* an abstract ``nnx.Module`` (``nnx.eval_shape(lambda: Model(...))``): its ``nnx.Param`` s are the
-  leaves and the module itself comes back, ready;
+* an abstract ``nnx.Module`` (``nnx.eval_shape(lambda: Model(...))``), or the function that builds
+  the module (``lambda: Model(...)``, traced by :func:`~otfload.plan.eval_shape.abstract_module`,
+  several times faster than ``nnx.eval_shape`` on JAX ≤ 0.10): its ``nnx.Param`` s are the leaves and
+  the module itself comes back, ready;
 * an ``nnx.State`` (``nnx.state(model)``, the state of ``nnx.split`` or ``nnx.get_abstract_model``):
   an ``nnx.State`` comes back with arrays in its ``nnx.Param`` s;
 * any pytree of ``jax.ShapeDtypeStruct`` (Linen, Equinox, MaxText, plain dicts): the same tree
@@ -24,6 +26,7 @@ Every problem is a typed error here, at plan time: a sharding on an abstract mes
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,6 +40,7 @@ from flax.typing import PathParts
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from otfload.errors import IndivisibleShardingError, MappingError, MeshRequiredError, TensorProblem
+from otfload.plan.eval_shape import abstract_module
 from otfload.plan.mapping import MappingTable
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, logical_to_sharding, logical_to_spec
 
@@ -270,13 +274,17 @@ def _filled(flat: FlatPairs, arrays: Mapping[str, jax.Array]) -> nnx.State[Any, 
 
 def abstract_target(target: Any, mesh: Mesh | None = None, rules: LogicalRules | None = None) -> Target:
     """Flatten an abstract ``nnx.Module``, an ``nnx.State`` or a pytree of ``ShapeDtypeStruct``
-    (``nnx.Variable`` leaves allowed) into leaves with concrete, checked shardings.
+    (``nnx.Variable`` leaves allowed) — or a function without arguments that builds one of them (run
+    under ``jax.set_mesh(mesh)``) — into leaves with concrete, checked shardings.
 
     ``mesh`` (default: the mesh of an enclosing ``jax.set_mesh``) makes abstract-mesh shardings and
     sharding names concrete; ``rules`` (default: Flax's ``logical_axis_rules`` context, else
     :data:`~otfload.plan.sharding.DEFAULT_RULES`) map logical names to mesh axes.
     """
     mesh = mesh if mesh is not None else _context_mesh()
+    if _is_factory(target):
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            target = abstract_module(target)
     if isinstance(target, nnx.Module):
         flat, leaves = _from_state(nnx.state(target), mesh, rules)
 
@@ -304,6 +312,11 @@ def abstract_target(target: Any, mesh: Mesh | None = None, rules: LogicalRules |
         return jax.tree_util.tree_unflatten(treedef, out)
 
     return Target("pytree", leaves, rebuild_tree)
+
+
+def _is_factory(target: Any) -> bool:
+    """True for a function that builds the target (a module is callable too, but is the target)."""
+    return callable(target) and not isinstance(target, (nnx.Module, nnx.State, nnx.Variable))
 
 
 def abstract_from_pytree(tree: Any, mesh: Mesh | None = None) -> tuple[dict[str, AbstractLeaf], Any]:

@@ -1,9 +1,10 @@
 """The tunix recipes (``otfload.mappings.tunix_qwen3`` / ``tunix_gemma3``) against tunix itself
 (google-tunix 0.1.7): for each tiny transformers model saved as a multi-shard safetensors
-checkpoint, (a) tunix's own ``create_model_from_safe_tensors`` and (b) ``otfload.load_params`` into
-``nnx.eval_shape`` of the same tunix module (one call, the fused Gemma3 k/v and q/k/v weights
-included) give every parameter bitwise equal, same dtype and same sharding, and (c) tunix's
-forward pass on the otfload-loaded model gives transformers' logits.
+checkpoint, (a) tunix's own ``create_model_from_safe_tensors`` and (b) ``otfload.load_params`` given
+the function building the same tunix module (``otfload.abstract_module`` makes it abstract; one
+call, the fused Gemma3 k/v and q/k/v weights included) give every parameter bitwise equal, same
+dtype and same sharding, and (c) tunix's forward pass on the otfload-loaded model gives
+transformers' logits.
 
 All on a 2x4 ``('fsdp', 'tp')`` mesh of the 8 simulated CPU devices (tests/conftest.py), with Auto
 axes (tunix's forward breaks on Explicit ones). Tunix's default sharding splits heads over ``tp``,
@@ -121,9 +122,9 @@ def checkpoint(tmp_path_factory):
 
 
 def load(path, module, config, table, mesh):
-    """The recipe of docs/byo_model.md#tunix: the abstract module, one load_params."""
-    abstract = nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(0)))
-    return otfload.load_params(path, abstract, table, mesh=mesh)
+    """The recipe of docs/byo_model.md#tunix: one load_params given the function that builds the
+    module (otfload.abstract_module makes it abstract, under the mesh)."""
+    return otfload.load_params(path, lambda: module(config, rngs=nnx.Rngs(0)), table, mesh=mesh)
 
 
 def params(model) -> dict:
