@@ -157,6 +157,8 @@ def _build(
         budget.acquire(held)
         indices: dict[tuple[int, ...], int] = {}
         try:
+            if not reader.maps:  # the chunk is read into scratch: one buffer for all of it
+                arena.reserve(held, len(chunk))
             indices = {c: sum(k * s for k, s in zip(c, strides, strict=True)) for c in chunk}
             # One call for the chunk: a remote source has every tensor's requests in flight together.
             read = reader.read_boxes([plan.sources[i] for i in indices.values()], union, arena, selection, shared)

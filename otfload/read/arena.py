@@ -73,6 +73,14 @@ class Arena:
         self._used = start + nbytes
         return self._buffer[start : start + nbytes]
 
+    def reserve(self, nbytes: int, takes: int = 1) -> None:
+        """Room for ``takes`` pieces of ``nbytes`` in all before the next :meth:`reset`, in one buffer:
+        grown once to the size, not by doubling through the takes (each step a fresh mapping whose
+        pages are faulted in anew). Call after reset."""
+        needed = nbytes + takes * ALIGNMENT
+        if self._used == 0 and needed > len(self._buffer):
+            self._buffer = aligned_empty((needed,), np.uint8)
+
     def reset(self) -> None:
         self._used = 0
 

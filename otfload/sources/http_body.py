@@ -1,11 +1,12 @@
-"""Range GETs over urllib3, each body copied once into the caller's buffer, a piece at a time.
+"""Range GETs over urllib3, each body read straight into the caller's buffer, a piece at a time.
 
 ``huggingface_hub``'s httpx client hands a body out in 64 KiB pieces through h11's parser and a
 stack of generators, each piece a new bytes object copied on into the buffer. Measured on loopback
 (8 threads reading 6 MiB ranges of one file from the local Hub server): ``HubSource`` reads took
 **6.3 CPU-s per GB** through httpx and **1.7-2.6** through this module (the rest is the source's
 own per-request work); urllib3's reads alone cost 0.7-1.0 (``http.client``'s ``readinto`` alone
-0.8): the socket is read (the GIL released while it waits) a piece at a time, each piece copied once.
+0.8): the socket is read (the GIL released while it waits) a piece at a time, straight into the
+destination (:func:`body_reader`).
 On a 2-core machine the HTTP client, not the network, had set a Hub load's speed.
 
 What httpx did for the Hub and this module keeps: connections kept alive and shared by a source's
@@ -19,25 +20,26 @@ in ``MaxRetryError``, whose ``reason`` says what).
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from typing import Any
 from urllib.parse import urlsplit
 
 import certifi
 import urllib3
 from urllib3.util import Retry, Timeout
 
-# Bytes per ``readinto`` call: urllib3 reads a piece into a bytes object and copies it into the
-# destination, so larger pieces mean fewer calls (64 KiB pieces: 1.2 CPU-s/GB, 1 MiB: 0.9, 8 MiB:
-# 0.95 and 8 MiB of transient memory per request). A body that ends early hands over what arrived;
-# one whose connection breaks with an error mid-piece loses that piece (urllib3 raises without
-# handing it over), so a retry asks again for less than this many bytes. ``read1`` would keep them
-# but returns one socket read per call: 0.80-1.07 CPU-s/GB against 0.65-0.70 on loopback (8 threads,
-# 1 MiB pieces), for a failure that costs < 1 MiB.
+# Bytes per ``readinto`` call (see :func:`body_reader`): larger pieces mean fewer calls (through
+# urllib3's read: 64 KiB pieces 1.2 CPU-s/GB, 1 MiB 0.9, 8 MiB 0.95 and 8 MiB of transient memory per
+# request). A body that ends early hands over what arrived; one whose connection breaks with an
+# error mid-piece loses that piece, so a retry asks again for less than this many bytes. ``read1``
+# would keep them but returns one socket read per call: 0.80-1.07 CPU-s/GB against 0.65-0.70 on
+# loopback (8 threads, 1 MiB pieces), for a failure that costs < 1 MiB.
 BODY_PIECE_BYTES = 1 << 20
 # Redirects followed per request: httpx's default, which ``huggingface_hub`` used.
 MAX_REDIRECTS = 20
@@ -107,9 +109,12 @@ class Connections:
         try:
             yield response
         finally:
-            if response.connection is not None:  # still held: the body was not read to its end
-                response.close()
-                response.release_conn()
+            if response.connection is not None:  # still held by this response
+                if _read_to_end(response):  # by body_reader, past urllib3's bookkeeping: reusable
+                    response.release_conn()
+                else:  # the body was not read to its end
+                    response.close()
+                    response.release_conn()
 
     def close(self) -> None:
         """Close every idle connection; one still answering is closed when its request ends."""
@@ -117,6 +122,44 @@ class Connections:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.clear()
+
+
+def body_reader(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview], int]:
+    """``readinto`` for ``response``'s body, straight from the socket into the caller's buffer.
+
+    urllib3's own ``readinto`` reads each piece into a new bytes object and copies it over: a
+    second copy of every byte, and a fresh 1 MiB allocation per piece (glibc maps and unmaps such
+    blocks, so their pages are faulted in anew each time). The ``http.client`` response under it
+    reads into the buffer itself; its errors are raised as urllib3's would be (a timeout as
+    ``ReadTimeoutError``, a broken connection or a body shorter than its ``Content-Length`` as
+    ``ProtocolError``). The body is not
+    decoded either way (``decode_content=False``). Another response type keeps its own
+    ``readinto``. Measured on the shaped Hub benchmark (556 MB, docs/benchmarks_remote.md): 12 K
+    fewer page faults and 0.3-0.6 client CPU-s less."""
+    raw = getattr(response, "_fp", None)
+    if not isinstance(raw, http.client.HTTPResponse):
+        return response.readinto
+    pool: Any = getattr(response, "_pool", None)  # what urllib3 names in its own timeout errors
+
+    def readinto(out: memoryview) -> int:
+        try:
+            got = raw.readinto(out)
+        except TimeoutError as e:
+            raise urllib3.exceptions.ReadTimeoutError(pool, None, f"Read timed out. ({e})") from e
+        except (http.client.HTTPException, OSError) as e:
+            raise urllib3.exceptions.ProtocolError(f"Connection broken: {e!r}", e) from e
+        if got == 0 and len(out) and raw.length:  # the connection ended before Content-Length said
+            short = http.client.IncompleteRead(b"", raw.length)
+            raise urllib3.exceptions.ProtocolError(f"Connection broken: {short!r}", short)
+        return got
+
+    return readinto
+
+
+def _read_to_end(response: urllib3.BaseHTTPResponse) -> bool:
+    """Whether ``http.client`` read ``response``'s whole body (it closes itself then, length 0)."""
+    raw = getattr(response, "_fp", None)
+    return isinstance(raw, http.client.HTTPResponse) and raw.isclosed() and raw.length == 0
 
 
 def socket_of(response: urllib3.BaseHTTPResponse) -> socket.socket | None:

@@ -395,7 +395,7 @@ class HubSource(RetriedCalls):
                         answer = check_range_answer(r.status, r.headers, where, start, last, size)
                         sink = RangeSink(answer, out, done, f"{where} (bytes {start}-{last})")
                         try:  # a broken body keeps what arrived
-                            sink.drain(r.readinto, http_body.BODY_PIECE_BYTES)
+                            sink.drain(http_body.body_reader(r), http_body.BODY_PIECE_BYTES)
                         finally:
                             done = sink.done
                         sink.finish()

@@ -129,3 +129,33 @@ def test_error_bodies_are_read_only_so_far(hub, repo, tmp_path, fast_retry, no_p
         body = http_body.error_body(r)
     connections.close()
     assert b"does not exist" in body and len(body) <= http_body.ERROR_BODY_BYTES
+
+
+def test_bodies_go_straight_into_the_buffer_and_a_short_one_is_urllib3s_protocol_error(
+    hub, repo, checkpoint, no_proxy_env
+):
+    """body_reader fills the caller's buffer from http.client (no bytes object per piece), the
+    connection goes back to the pool once the body is read, and a body cut before its Content-Length
+    fails as urllib3's own read fails (what the retry policy and the stall detection expect)."""
+    url = f"{hub.url}/{REPO}/resolve/main/{SHARD}"
+    data = (checkpoint / SHARD).read_bytes()
+    connections = http_body.Connections()
+
+    def read_all(headers: dict[str, str], size: int) -> bytearray:
+        out, done = bytearray(size), 0
+        with connections.get(url, headers, idle_s=5.0) as r:
+            read = http_body.body_reader(r)
+            assert read != r.readinto  # http.client's, not urllib3's copy
+            while done < size and (got := read(memoryview(out)[done:])):
+                done += got
+            assert read(memoryview(bytearray(1))) == 0  # the body's end
+        return out
+
+    hub.reset()
+    assert read_all({"Range": "bytes=100-4099"}, 4000) == data[100:4100]
+    assert read_all({"Range": "bytes=0-99"}, 100) == data[:100]
+    assert hub.connections == 1  # released to the pool after each body, not closed
+    hub.faults.truncate_next = 1
+    with pytest.raises(urllib3.exceptions.ProtocolError, match="IncompleteRead"):
+        read_all({"Range": "bytes=0-3999"}, 4000)
+    connections.close()
