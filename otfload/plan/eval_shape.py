@@ -7,7 +7,7 @@ walks every equation traced so far. Flax NNX asks on every value it assigns to a
 (``Variable.set_value`` compares shardings), and an ``nnx.Rngs`` stream assigns its counter on every
 draw, so each parameter's initialiser walks the whole trace before it: quadratic in the number of
 parameters. Measured on tunix's Qwen3 (157 parameters, 1 GB, docs/benchmarks.md "tunix itself"):
-``nnx.eval_shape`` 1.07-1.38 s, the same trace without the origin walk 0.21-0.38 s (GC-dependent).
+``nnx.eval_shape`` 1.07-1.38 s, the same trace without the origin walk 0.21-0.46 s (GC-dependent).
 
 :func:`abstract_module` runs ``nnx.eval_shape`` with the tracer origin left out of error messages
 while it runs — the one thing that changes is that an error raised by tracing the constructor lacks
