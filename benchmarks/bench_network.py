@@ -85,8 +85,7 @@ def child(spec: dict) -> dict:
 
     loader.build_leaf = timed_build_leaf
     method, out = spec["method"], {"rss_before": psutil.Process().memory_info().rss}
-    usage_start = resource.getrusage(resource.RUSAGE_SELF)
-    start, cpu_start = time.perf_counter(), time.process_time()  # all of this process's threads
+    usage_start, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()  # every thread's CPU
     if method == "otfload hub":
         otfload.from_pretrained(spec["repo"], endpoint=spec["endpoint"], cache_dir=spec["cache_dir"], mesh=mesh,
                                 progress=False)  # fmt: skip
@@ -111,11 +110,10 @@ def child(spec: dict) -> dict:
     else:
         raise ValueError(method)
     end = time.perf_counter()
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # CPU split in user and system; fresh pages faulted in
+    user, system = usage.ru_utime - usage_start.ru_utime, usage.ru_stime - usage_start.ru_stime
     out.update(total_s=end - start, first_leaf_s=first[0] - start if first else None, peak_rss=_peak_rss(),
-               client_cpu_s=time.process_time() - cpu_start)  # fmt: skip
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # the split of client_cpu_s, and fresh pages faulted in
-    out.update(client_user_s=usage.ru_utime - usage_start.ru_utime,
-               client_system_s=usage.ru_stime - usage_start.ru_stime,
+               client_cpu_s=user + system, client_user_s=user, client_system_s=system,
                minor_faults=usage.ru_minflt - usage_start.ru_minflt)  # fmt: skip
     return out
 

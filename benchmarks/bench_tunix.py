@@ -367,9 +367,10 @@ def measure(methods: list[str], directory: Path, warmup: Path, devices: int, rep
             over = (result["peak_rss"] - result["rss_before"]) / GIB
             print(f"  round {r + 1}/{repeat} {method:14s} {result['seconds']:6.2f} s  "
                   f"cpu {result['cpu_seconds']:6.2f} s  peak-before {over:5.2f} GiB", file=sys.stderr, flush=True)
-    for method in (m for m in layouts if m.startswith("otfload_tunix") and "tunix" in layouts):
-        differ = sorted(k for k in layouts["tunix"] if layouts["tunix"][k] != layouts[method].get(k))
-        if differ or layouts[method].keys() != layouts["tunix"].keys():
+    tunix_layout = layouts.get("tunix")
+    for method in (m for m in layouts if m.startswith("otfload_tunix") and tunix_layout is not None):
+        differ = sorted(k for k in tunix_layout if tunix_layout[k] != layouts[method].get(k))
+        if differ or layouts[method].keys() != tunix_layout.keys():
             problems.append(f"tunix and {method} differ in dtype/PartitionSpec of {len(differ)} leaves {differ[:3]}")
     out = {}
     for method, rs in runs.items():

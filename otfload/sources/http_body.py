@@ -110,11 +110,9 @@ class Connections:
             yield response
         finally:
             if response.connection is not None:  # still held by this response
-                if _read_to_end(response):  # by body_reader, past urllib3's bookkeeping: reusable
-                    response.release_conn()
-                else:  # the body was not read to its end
+                if not _read_to_end(response):  # read to its end by body_reader (past urllib3): reusable
                     response.close()
-                    response.release_conn()
+                response.release_conn()
 
     def close(self) -> None:
         """Close every idle connection; one still answering is closed when its request ends."""
@@ -132,12 +130,11 @@ def body_reader(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview], in
     blocks, so their pages are faulted in anew each time). The ``http.client`` response under it
     reads into the buffer itself; its errors are raised as urllib3's would be (a timeout as
     ``ReadTimeoutError``, a broken connection or a body shorter than its ``Content-Length`` as
-    ``ProtocolError``). The body is not
-    decoded either way (``decode_content=False``). Another response type keeps its own
-    ``readinto``. Measured on the shaped Hub benchmark (556 MB, docs/benchmarks_remote.md): 12 K
-    fewer page faults and 0.3-0.6 client CPU-s less."""
-    raw = getattr(response, "_fp", None)
-    if not isinstance(raw, http.client.HTTPResponse):
+    ``ProtocolError``). The body is not decoded either way (``decode_content=False``). Another
+    response type keeps its own ``readinto``. Measured on the shaped Hub benchmark (556 MB,
+    docs/benchmarks_remote.md): 12 K fewer page faults and 0.3-0.6 client CPU-s less."""
+    raw = _raw(response)
+    if raw is None:
         return response.readinto
     pool: Any = getattr(response, "_pool", None)  # what urllib3 names in its own timeout errors
 
@@ -156,10 +153,16 @@ def body_reader(response: urllib3.BaseHTTPResponse) -> Callable[[memoryview], in
     return readinto
 
 
+def _raw(response: urllib3.BaseHTTPResponse) -> http.client.HTTPResponse | None:
+    """The ``http.client`` response under urllib3's, if that is what it wraps."""
+    raw = getattr(response, "_fp", None)
+    return raw if isinstance(raw, http.client.HTTPResponse) else None
+
+
 def _read_to_end(response: urllib3.BaseHTTPResponse) -> bool:
     """Whether ``http.client`` read ``response``'s whole body (it closes itself then, length 0)."""
-    raw = getattr(response, "_fp", None)
-    return isinstance(raw, http.client.HTTPResponse) and raw.isclosed() and raw.length == 0
+    raw = _raw(response)
+    return raw is not None and raw.isclosed() and raw.length == 0
 
 
 def socket_of(response: urllib3.BaseHTTPResponse) -> socket.socket | None:
