@@ -139,7 +139,7 @@ def build_order(plan: LoadPlan, reader: TensorReader) -> list[str]:
     requests in flight at a time, so a large leaf left to the end runs at one builder's rate while
     the link idles; started first, the large leaves share the link with everything else and small
     ones end the load. On the shaped Hub of ``benchmarks/bench_network.py`` (556 MB, 8 builders)
-    this took a load from 2.41-2.65 s to 2.23-2.46 s (docs/benchmarks_remote.md).
+    this took the median load from 2.75 s to 2.41-2.45 s (docs/benchmarks_remote.md).
     """
     if reader.maps or reader.pages:
         return list(plan.leaves)
