@@ -14,8 +14,9 @@ while it runs — the one thing that changes is that an error raised by tracing 
 the "this value became a tracer due to ..." paragraph. Where JAX has no such method (a version that
 changed it) the plain ``nnx.eval_shape`` runs. The patch is process-wide — JAX code other threads
 trace meanwhile loses the same paragraph from its errors, nothing else — and concurrent and nested
-calls share it, restored when the last ends. Python's cyclic collector is paused meanwhile (``otfload.gcpause``): the
-trace's objects all live until it ends, and collections cost 10-50 % more time here.
+calls share it, restored when the last ends. Python's cyclic collector is paused meanwhile
+(``otfload.gcpause``): the trace's objects all live until it ends, and collections cost 10-50 % more
+time here.
 """
 
 from __future__ import annotations
