@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
 from typing import Any
 
-from otfload.errors import SourceNotFoundError
 from otfload.sources.base import RangeRead, Source, read_bytes
 from otfload.sources.formats import check_safe_format
 from otfload.sources.local import LocalSource
+from otfload.sources.location import Kind, classify_location
 
 __all__ = ["LocalSource", "RangeRead", "Source", "open_source", "read_bytes"]
 
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _HUB_OPTIONS = ("revision", "token", "endpoint", "cache_dir", "local_files_only", "retry", "timeout")
 _OPTIONS = {*_HUB_OPTIONS, "storage_options", "mmap"}
-_HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub allows them
 
 
 def open_source(location: str | os.PathLike[str] | Source, **options: Any) -> Source:
@@ -27,14 +23,16 @@ def open_source(location: str | os.PathLike[str] | Source, **options: Any) -> So
     - ``scheme://...`` (``gs://``, ``s3://``, ``hf://``, ``memory://``, ``file://``, ...): an
       :class:`~otfload.sources.fsspec_source.FsspecSource` with ``options["storage_options"]``;
     - an existing local directory: a :class:`LocalSource`;
-    - ``org/name``: a :class:`~otfload.sources.hub.HubSource`, with the ``revision``, ``token``,
-      ``endpoint``, ``cache_dir`` and ``local_files_only`` options.
+    - ``org/name`` that is not a local path: a :class:`~otfload.sources.hub.HubSource`, with the
+      ``revision``, ``token``, ``endpoint``, ``cache_dir`` and ``local_files_only`` options.
 
-    A location with pickle checkpoints but no safetensors raises ``UnsafeFormatError``; one that
-    does not exist raises ``SourceNotFoundError``. ``retry`` (a ``RetryPolicy``) applies to remote
-    sources, and ``timeout`` (seconds; default the ``OTFLOAD_TIMEOUT`` environment variable, else
-    no limit) is the total deadline of every remote read through the source, counted from its
-    opening: past it a read raises ``SourceTimeoutError`` naming the URL and the bytes received.
+    A location with pickle checkpoints but no safetensors raises ``UnsafeFormatError``. A local file,
+    or a path that does not exist, raises ``SourceNotFoundError`` at once, naming the nearest existing
+    parent (:mod:`otfload.sources.location` says how a path is told from a repo id). ``retry`` (a
+    ``RetryPolicy``) applies to remote sources, and ``timeout`` (seconds; default the
+    ``OTFLOAD_TIMEOUT`` environment variable, else no limit) is the total deadline of every remote
+    read through the source, counted from its opening: past it a read raises ``SourceTimeoutError``
+    naming the URL and the bytes received.
     ``mmap=False`` makes a local directory use ``preadv`` instead of a read-only mapping.
     Unknown options raise ``TypeError`` (a misspelt ``revison=`` must not be silently ignored).
     """
@@ -44,18 +42,17 @@ def open_source(location: str | os.PathLike[str] | Source, **options: Any) -> So
     if isinstance(location, Source):
         return location
     text = os.fspath(location)
-    if _URL.match(text):
+    kind = classify_location(text)
+    if kind is Kind.URL:
         from otfload.sources.fsspec_source import FsspecSource
 
         return FsspecSource(
             text, options.get("storage_options"), retry=options.get("retry"), timeout=options.get("timeout")
         )
-    if Path(text).expanduser().is_dir():
+    if kind is Kind.LOCAL:
         source = LocalSource(text, mmap=options.get("mmap", True))
         check_safe_format(source.list_files(), source.description)
         return source
-    if _HUB_REPO_ID.match(text) and not text.startswith((".", "~")):
-        from otfload.sources.hub import HubSource
+    from otfload.sources.hub import HubSource
 
-        return HubSource(text, **{k: options[k] for k in _HUB_OPTIONS if k in options})
-    raise SourceNotFoundError(f"checkpoint location {text!r} is neither a local directory, a URL nor a Hub repo id")
+    return HubSource(text, **{k: options[k] for k in _HUB_OPTIONS if k in options})
