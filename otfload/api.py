@@ -122,7 +122,7 @@ def plan_model(
     src, index, _ = open_adapted(
         source, adapter, lambda location, **options: open_cached(
             location, shard_cache, shard_cache_options, verify, **options),
-        merge_adapter=merge_adapter, **source_options,
+        merge_adapter=merge_adapter, check_config=family_for, **source_options,
     )
     with ExitStack() as on_error:  # planning fails: close what this call opened
         on_error.enter_context(owned(src, source))

@@ -127,12 +127,14 @@ def open_adapted(
     *,
     merge_adapter: bool = True,
     require_config: bool = True,
+    check_config: Callable[[dict[str, Any]], object] | None = None,
     **options: Any,
 ) -> tuple[Source, CheckpointIndex, bool]:
     """``(source, index, owned)``: the base checkpoint's source and index with ``adapter`` merged in
     (with ``merge_adapter=False`` too: :mod:`otfload.adapters.kept` takes the terms back out of the plan).
 
-    ``open_base(location, **options)`` opens a base checkpoint (the API's source and cache options).
+    ``open_base(location, **options)`` opens a base checkpoint (the API's source and cache options);
+    ``check_config`` goes to :func:`~otfload.index.checkpoint.open_index` (the family lookup).
     With adapters the source is a :class:`CombinedSource` (``owned``: the caller closes it; it closes
     only what was opened here). Without any, it is the base's source, ``owned`` unless it *is* the
     :class:`Source` the caller passed (a shard cache ``open_base`` put around that one is owned).
@@ -162,7 +164,7 @@ def open_adapted(
                 base_options["revision"] = config.revision
             src = open_base(base, **base_options)
             opened.append(src)
-        index = open_index(src, require_config=require_config)
+        index = open_index(src, require_config=require_config, check_config=check_config)
         if not specs:
             return src, index, is_owned(src, source)
         sources: list[Source] = []

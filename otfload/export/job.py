@@ -61,6 +61,9 @@ class ExportJob:
         """
         # The weights written are dequantised: a source's quantization_config no longer applies.
         hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+        text = hf_config.get("text_config")
+        if isinstance(text, Mapping) and "quantization_config" in text:  # a multimodal wrapper's text model
+            hf_config["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
         table, hook_config = _table(hf_config, family, mapping)
         shapes = {path: tuple(leaf.shape) for path, leaf in leaves.items()}
         plan = plan_export(shapes, table, hook_config, hf_shapes, tied=bool(hf_config.get("tie_word_embeddings")))

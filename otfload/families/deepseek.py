@@ -9,6 +9,12 @@ its contiguous rows: ``kv_a_proj_with_mqa`` → ``kv_a`` (latent) + ``k_rope``; 
 ``experts`` axis by the ``{expert}`` placeholder. The MTP layer of V3 checkpoints (HF index
 ``num_hidden_layers``) matches no rule: it is listed as unused and never read.
 
+Kimi-K2 (``kimi_k2``) is the DeepSeek-V3 architecture under another name (its ``architectures`` say
+``DeepseekV3ForCausalLM``): the same model and table. Kimi-K2.5 (``kimi_k25``) wraps a ``kimi_k2``
+language model (``text_config``, tensors under ``language_model.``) with a vision tower, which is
+never read (:mod:`otfload.families.multimodal`); its ``text_config`` carries the
+``quantization_config`` (int4 routed experts), which the index honours there.
+
 ``lm_head.weight`` has no fallback: tied configs build no ``lm_head`` leaf, and an untied one whose
 checkpoint lacks it is a missing tensor.
 """
@@ -20,6 +26,7 @@ from functools import partial
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.multimodal import text_model_family
 from otfload.families.registry import Family, register
 from otfload.models.deepseek import EXPERT_FIELDS, DeepseekConfig, DeepseekForCausalLM
 from otfload.plan.hooks import Reshape, Slice
@@ -77,7 +84,6 @@ DEEPSEEK_TABLE = MappingTable(
 )
 
 
-
 def deepseek_checks(cfg: DeepseekConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """Layer (plus MTP) and expert counts, vocabulary, width, heads and router rows against the tensors."""
     experts = next((k for k in EXPERT_FIELDS if config.get(k) is not None), EXPERT_FIELDS[0])
@@ -102,4 +108,25 @@ DEEPSEEK = register(
         mapping=lambda cfg: DEEPSEEK_TABLE,
         checks=deepseek_checks,
     )
+)
+
+
+def kimi_config(hf: dict[str, Any]) -> DeepseekConfig:
+    """A ``kimi_k2`` config parsed as the DeepSeek-V3 config it is."""
+    return DeepseekConfig.from_hf({**hf, "model_type": "deepseek_v3"})
+
+
+KIMI_K2 = register(
+    Family(
+        name="kimi_k2 (DeepSeek-V3 architecture)",
+        model_types=("kimi_k2",),
+        parse_config=kimi_config,
+        build=DeepseekForCausalLM,
+        mapping=lambda cfg: DEEPSEEK_TABLE,
+        checks=deepseek_checks,
+    )
+)
+
+KIMI_K25 = register(
+    text_model_family("kimi_k25 (text model of a multimodal checkpoint)", ("kimi_k25",), KIMI_K2, "kimi_k2")
 )

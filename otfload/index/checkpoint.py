@@ -8,6 +8,7 @@ exist, and every tensor it lists must be found in exactly the file it names.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,13 +131,20 @@ def _merge(headers: dict[str, FileHeader], weight_map: dict[str, str] | None) ->
     return tensors
 
 
-def open_index(source: Source, *, require_config: bool = True) -> CheckpointIndex:
-    """Read ``config.json``, the shard index and every safetensors header of ``source``."""
+def open_index(source: Source, *, require_config: bool = True,
+               check_config: Callable[[dict[str, Any]], object] | None = None) -> CheckpointIndex:
+    """Read ``config.json``, the shard index and every safetensors header of ``source``.
+
+    ``check_config`` (the API passes the family lookup) sees ``config.json`` before any header is
+    read or any quantized layout decoded, so an unsupported model type is the error a user meets
+    first, not a quantization layout its family would have explained.
+    """
     with gc_paused():  # every record made here lives as long as the index
-        return _open_index(source, require_config)
+        return _open_index(source, require_config, check_config)
 
 
-def _open_index(source: Source, require_config: bool) -> CheckpointIndex:
+def _open_index(source: Source, require_config: bool,
+                check_config: Callable[[dict[str, Any]], object] | None) -> CheckpointIndex:
     available = set(checked_listing(source.list_files(), source.description, keep=is_checkpoint_file))
     config: dict[str, Any] = {}
     if CONFIG_FILE in available:
@@ -146,6 +154,8 @@ def _open_index(source: Source, require_config: bool) -> CheckpointIndex:
         config = parsed
     elif require_config:
         raise CheckpointIndexError(f"no {CONFIG_FILE} in {source.description}")
+    if check_config is not None:
+        check_config(config)
     files, weight_map = _safetensors_files(source, available)
     with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(files))) as pool:
         headers = dict(zip(files, pool.map(lambda f: read_header(source, f), files), strict=True))

@@ -405,16 +405,27 @@ HANDLERS: dict[str, Callable[[QuantConfig, dict[str, Tensor], ReadValues], None]
 }
 
 
+def _quantization_config(config: Mapping[str, Any]) -> tuple[str, object]:
+    """Where the checkpoint's ``quantization_config`` is and its value: at the top, else in
+    ``text_config`` (multimodal wrappers such as Kimi-K2.5 quantize only their language model)."""
+    if config.get("quantization_config") is not None:
+        return "quantization_config", config["quantization_config"]
+    text = config.get("text_config")
+    if isinstance(text, Mapping) and text.get("quantization_config") is not None:
+        return "text_config.quantization_config", text["quantization_config"]
+    return "quantization_config", None
+
+
 def quantization_method(config: Mapping[str, Any]) -> tuple[str | None, QuantConfig]:
     """``quantization_config.quant_method`` and the config itself, type-checked."""
-    qc = config.get("quantization_config")
+    where, qc = _quantization_config(config)
     if qc is None:
         return None, {}
     if not isinstance(qc, Mapping):
-        raise ConfigError("quantization_config", qc, "an object with a 'quant_method'")
+        raise ConfigError(where, qc, "an object with a 'quant_method'")
     method = qc.get("quant_method")
     if not isinstance(method, str):
-        raise ConfigError("quantization_config.quant_method", method, "a string")
+        raise ConfigError(f"{where}.quant_method", method, "a string")
     method = method.lower()
     if method in NOT_YET_SUPPORTED:
         raise UnsupportedQuantizationError(f"quantization method {method!r} is not supported yet "

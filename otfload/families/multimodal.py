@@ -1,0 +1,65 @@
+"""The text model of a multimodal checkpoint, loaded with its text family's model and table.
+
+Multimodal wrappers (Gemma 3's ``Gemma3ForConditionalGeneration``, Kimi-K2.5's
+``KimiK25ForConditionalGeneration``) keep the language model's config under ``text_config`` and its
+tensors under a prefix (``language_model.model.`` and ``language_model.lm_head.`` as transformers
+and the Hub write them). :func:`text_model_family` makes a :class:`Family` from the text family:
+the config is ``text_config`` (a top-level ``tie_word_embeddings`` wins over the text config's, as
+transformers ties by the outer config), the table reads the prefixed keys, and the text family's
+checks run on the prefixed tensors with their fields named ``text_config.*``. The vision tower and
+projector match no rule: they are listed as unused tensors and never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from otfload.config import BOOL, Count, Dim, Fields
+from otfload.config.fields import OBJECT
+from otfload.errors import ConfigError
+from otfload.families.registry import Family
+
+TEXT_CONFIG = "text_config"
+# Where transformers (and the Hub's releases) keep a multimodal model's language model.
+LANGUAGE_MODEL_PREFIXES = {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."}
+
+
+def text_config(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """``text_config`` of ``hf`` as a text model's ``config.json`` of ``model_type``."""
+    f = Fields(hf)
+    text = dict(OBJECT.check(TEXT_CONFIG, f.data.get(TEXT_CONFIG)))
+    tied = f.get("tie_word_embeddings", BOOL, None)
+    if tied is not None:
+        text["tie_word_embeddings"] = tied
+    return {**text, "model_type": model_type}
+
+
+def _prefixed(check: Count | Dim, prefixes: Mapping[str, str]) -> Count | Dim:
+    """``check`` on the text config's field (counts already follow the table's prefixes)."""
+    if isinstance(check, Count):
+        return dataclasses.replace(check, field=f"{TEXT_CONFIG}.{check.field}")
+    old, new = next((o, n) for o, n in prefixes.items() if check.tensor.startswith(o))
+    return dataclasses.replace(check, field=f"{TEXT_CONFIG}.{check.field}", tensor=new + check.tensor[len(old):])
+
+
+def text_model_family(name: str, model_types: tuple[str, ...], text: Family[Any], text_model_type: str,
+                      prefixes: Mapping[str, str] = LANGUAGE_MODEL_PREFIXES) -> Family[Any]:
+    """The family of a multimodal checkpoint of ``model_types`` whose language model is a ``text``
+    model of ``text_model_type`` stored under ``prefixes``."""
+
+    def parse(hf: dict[str, Any]) -> Any:
+        try:
+            return text.parse_config(text_config(hf, text_model_type))
+        except ConfigError as e:
+            if e.field.startswith(f"{TEXT_CONFIG}."):
+                raise
+            raise ConfigError(f"{TEXT_CONFIG}.{e.field}", e.value, e.rule) from None
+
+    def checks(cfg: Any, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
+        inner = text_config(config, text_model_type)
+        return tuple(_prefixed(c, prefixes) for c in text.checks(cfg, inner))
+
+    return Family(name=name, model_types=model_types, parse_config=parse, build=text.build,
+                  mapping=lambda cfg: text.mapping(cfg).with_source_prefixes(prefixes), checks=checks)
