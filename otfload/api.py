@@ -29,6 +29,7 @@ from otfload.models.origin import remember_origin
 from otfload.place.loader import DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
 from otfload.place.report import LoadReport
 from otfload.place.reshard import resolve_policy
+from otfload.place.warmup import start_first_transfers
 from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
 from otfload.plan.eval_shape import abstract_module
 from otfload.plan.keep import LAYER_LEAF, assemble_kept, check_quantized_mode, keep_plan
@@ -255,6 +256,7 @@ def from_pretrained(
     """
     resolve_policy(reshard)  # a bad value fails before anything is opened
     check_quantized_mode(quantized)
+    start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
     model, plan, src = plan_model(
         source, adapter=adapter, merge_adapter=merge_adapter, mesh=mesh, rules=rules, scan_layers=scan_layers,
         dtype=dtype, strict=strict, shard_cache=shard_cache, shard_cache_options=shard_cache_options,
@@ -361,6 +363,7 @@ def load_params(
     resolve_policy(reshard)  # a bad value fails before anything is opened
     require_merged(merge_adapter)  # kept LoRA factors need the bundled models (from_pretrained)
     check_quantized_mode(quantized)
+    start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
     src, index, _ = open_adapted(
         source, adapter, lambda location, **options: open_cached(
             location, shard_cache, shard_cache_options, verify, **options),

@@ -21,6 +21,8 @@ them the host buffer is only staging: stacked and transposed shards are written 
 staging arena reused from leaf to leaf (pages already touched, no fresh mapping per leaf), and an
 unstacked, contiguous piece of the target dtype goes to the device as it was read (a view of the
 mapped file or of scratch): no host copy at all. Both stay alive until the device holds the leaf.
+Where the staging buffers are registered for direct DMA (:mod:`otfload.read.pinned`), every shard is
+written into them instead — the one host copy — and the device copies from there at the link's rate.
 
 Scratch is bounded: stack slices are processed in chunks whose source bytes fit each thread's share
 of ``budget`` (default: the largest leaf, so transient memory stays within one leaf; from mapped
@@ -209,7 +211,12 @@ def _stack_into(
         pieces.append(crop(out, have, inner))
     if not plan.stack_axes:
         piece = pieces[0]
-        as_read = staging is not None and piece.dtype == plan.leaf.dtype and piece.flags.c_contiguous
+        # Sent as read, unless staging is registered for direct DMA: a copy into it (which a
+        # builder thread makes in parallel with the others) beats the runtime's staged copy.
+        as_read = (
+            staging is not None and not staging.registered and piece.dtype == plan.leaf.dtype
+            and piece.flags.c_contiguous
+        )
         if as_read or xla_copies(piece, plan.leaf.dtype, plan.leaf.sharding):
             results[box] = piece
         else:

@@ -3,10 +3,17 @@
 The first leaf that fails for good cancels the load: leaves not started never start, and the running
 ones stop at their next read (retries end, requests in flight are cut; see
 :class:`~otfload.sources.retry.CancelToken`). That first error is raised, not the cancellations.
+
+On a mesh of several processes the load first agrees with the others on what its choices read (the
+plan, the policy, whether local files are cold: :mod:`otfload.place.agree`), chooses the leaves read
+as bands from those agreed facts alone, compiles their reshard programs while the builders read, and
+runs the reshards — collectives — only once every process has said it will run the same ones; a
+failure here tells the others, so they end at once instead of waiting for it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -17,13 +24,14 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import jax
 from tqdm.auto import tqdm
 
+from otfload.place.agree import agree_load
 from otfload.place.builder import ByteBudget, build_leaf
 from otfload.place.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
-from otfload.place.reshard import choose_read_shardings, resolve_policy, with_sharding
-from otfload.place.reshard import reshard as reshard_array
+from otfload.place.reshard import ReshardPrograms, choose_read_shardings, is_local, resolve_policy, route, with_sharding
 from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
-from otfload.read.readahead import start_read_ahead
+from otfload.read.pinned import DmaRegistry
+from otfload.read.readahead import local_cold_files, start_read_ahead
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
 from otfload.sources.ranges import FetchMeter, metering
@@ -45,6 +53,7 @@ def execute_plan(
     host_memory_budget: int | None = None,
     progress: bool | None = None,
     reshard: str | None = None,
+    host_ring_bytes: int | None = None,
 ) -> tuple[dict[str, jax.Array], LoadReport]:
     """Build every leaf of ``plan`` from ``source``; returns ``{leaf path: array}`` and the report.
 
@@ -55,17 +64,29 @@ def execute_plan(
     collective (see :mod:`otfload.place.reshard`): ``"auto"`` (where the cost model says it is
     faster), ``"always"`` (wherever it fetches fewer bytes: column-split leaves, and leaves several
     processes hold — each byte then read once cluster-wide) or ``"never"``; default: the
-    ``OTFLOAD_RESHARD`` environment variable, else ``"auto"``.
+    ``OTFLOAD_RESHARD`` environment variable, else ``"auto"``. ``host_ring_bytes``: on accelerators,
+    the staging memory all builders keep registered for direct DMA together
+    (:mod:`otfload.read.pinned`; default ``$OTFLOAD_HOST_RING_BYTES``, else 1 GiB; 0: the runtime's
+    staged copy).
     """
     largest = max((p.source_bytes for p in plan.leaves.values()), default=0)
     budget = ByteBudget(host_memory_budget or largest, workers)
     report = LoadReport(source=source.description, leaves=len(plan.leaves), rss_before=current_rss())
     reader = TensorReader(source)
     policy = resolve_policy(reshard)
-    chosen = choose_read_shardings(plan.leaves, reader, policy)  # the same choices on every process
+    files = is_local(reader)
+    cold_files = local_cold_files(reader)  # None: not known (read as cold)
+    agreement, agreed = agree_load(plan.leaves, policy, files, cold=files and (cold_files is None or bool(cold_files)))
+    # The same choices on every process: a pure function of the plan, the policy and the agreed facts.
+    chosen = choose_read_shardings(plan.leaves, reader, policy, cold=agreed.cold)
     bands = {path: c.sharding for path, c in chosen.items() if c.sharding is not None}
-    ahead = start_read_ahead(plan, reader, bands)  # local, cold pages
+    report.route = route(policy, files, agreed.cold_processes, agreed.processes, chosen)
+    programs = ReshardPrograms(plan.leaves, bands)  # compiled while the builders read
+    ahead = start_read_ahead(plan, reader, bands, cold_files)  # local, cold pages
     local = threading.local()
+    registry = DmaRegistry(load_devices(plan), host_ring_bytes)  # accelerators: staging for direct DMA
+    stagings: list[Arena] = []
+    ring_share = registry.ring_bytes // max(1, workers)
     show = sys.stderr.isatty() if progress is None else progress
     total = sum(p.source_bytes for p in plan.leaves.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="otfload", disable=not show)
@@ -82,7 +103,11 @@ def execute_plan(
         try:
             with cancel_scope(token), metering(meter):
                 if not hasattr(local, "arena"):
-                    local.arena, local.staging = Arena(), Arena()
+                    local.arena, local.staging = Arena(), Arena(registry)
+                    stagings.append(local.staging)
+                if registry.available:  # the builder's share of the host ring, registered once and kept;
+                    local.staging.trim(ring_share)  # a buffer an oversized shard grew goes back
+                    local.staging.reserve(ring_share, takes=0)
                 leaf_plan = plan.leaves[path]
                 if path in bands:
                     leaf_plan = with_sharding(leaf_plan, bands[path])
@@ -103,11 +128,17 @@ def execute_plan(
             pool.shutdown(wait=True)
             # Asked again once all stopped: the failing leaf cancels before it raises, so a leaf
             # cancelled by it can finish first; the real error is then known.
-            raise first_failure(futures.values())  # type: ignore[misc]
+            failure = first_failure(futures.values())
+            if agreement is not None and failure is not None:
+                agreement.abort(failure)  # the others end at the reshard exchange instead of waiting
+            raise failure  # type: ignore[misc]
         arrays = {path: futures[path].result() for path in plan.leaves}
         resharding = time.perf_counter()
-        for path in bands:  # collectives: every process runs them, in the plan's order
-            arrays[path] = reshard_array(arrays[path], plan.leaves[path].leaf.sharding)
+        if agreement is not None:  # collectives: every process runs the same ones, in the plan's order
+            agreement.before_collectives(list(bands))
+            steps = [(path, functools.partial(programs.reshard, arrays[path], plan.leaves[path].leaf.sharding))
+                     for path in bands]  # fmt: skip
+            arrays.update(zip(bands, agreement.run(steps), strict=True))
         for array in arrays.values():
             array.block_until_ready()
         report.reshard_seconds = time.perf_counter() - resharding
@@ -115,7 +146,11 @@ def execute_plan(
         token.cancel()  # a no-op after success; after an interrupt, stops what still runs
         if ahead is not None:
             ahead.close()
+        programs.close()
         pool.shutdown(wait=True, cancel_futures=True)
+        for staging in stagings:  # every transfer from them has completed (leaves are ready)
+            staging.close()
+        registry.close()
         bar.close()
     report.seconds = time.perf_counter() - start
     stats = reader.stats
@@ -128,7 +163,13 @@ def execute_plan(
     report.bytes_placed = sum(placed_bytes(a) for a in arrays.values())
     report.unused_tensors = list(plan.unused)
     report.peak_rss = peak_rss()
+    report.host_route = registry.describe()
     return arrays, report
+
+
+def load_devices(plan: LoadPlan) -> list[jax.Device]:
+    """This process's devices that ``plan``'s leaves are placed on."""
+    return list({d: None for p in plan.leaves.values() for d in p.leaf.sharding.addressable_devices})
 
 
 def build_order(plan: LoadPlan, reader: TensorReader) -> list[str]:

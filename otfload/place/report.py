@@ -59,11 +59,14 @@ class LoadReport:
     files: list[str] = field(default_factory=list)
     unused_tensors: list[str] = field(default_factory=list)
     resharded: list[str] = field(default_factory=list)  # leaves read as bands, then moved by a collective
+    route: str = ""  # which route the load took and why (place/reshard.route): agreed by every process
     reshard_seconds: float = 0.0
     # Activation-side scales of a quantized checkpoint (``input_scale``, ``k_scale``, ...): read for the
     # user's quantized kernels, never folded into weights.
     activation_scales: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     seconds: float = 0.0
+    # How shards went from host to device memory, and why (otfload.read.pinned.DmaRegistry.describe).
+    host_route: str = ""
     rss_before: int = 0
     peak_rss: int = 0
 
@@ -81,6 +84,8 @@ class LoadReport:
         unused = f", {len(self.unused_tensors)} unused tensors skipped" if self.unused_tensors else ""
         if self.resharded:
             unused += f", {len(self.resharded)} leaves resharded in {self.reshard_seconds:.2f} s"
+        if self.route and not self.route.startswith("one process"):
+            unused += f"; route: {self.route}"
         return (
             f"loaded {self.leaves} leaves from {self.tensors_read} tensor reads in {len(self.files)} files: "
             f"{self.bytes_read / 1e9:.3f} GB in {self.seconds:.2f} s ({self.gbps:.2f} GB/s), "

@@ -3,6 +3,11 @@
 Pieces are read into scratch, carried through hooks (mostly views) and copied once into the shard's
 final buffer. Scratch is reused from shard to shard: writing into pages already touched is 3-4×
 faster than into fresh ones, and host memory stays bounded by the largest shard's source bytes.
+
+An arena given a :class:`~otfload.read.pinned.DmaRegistry` registers each buffer it makes for direct
+DMA (an accelerator's staging): a buffer it outgrows may still be read by a transfer in flight, so
+it is unregistered and dropped only at :meth:`Arena.reset`, which the builder calls once the device
+holds the leaf.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from otfload.pages import populate_write
+from otfload.read.pinned import DmaRegistry
 
 # numpy views of the scratch as float types are fastest (and SIMD friendly) when aligned.
 ALIGNMENT = 64
@@ -52,15 +58,32 @@ def aligned_empty(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
 
 
 class Arena:
-    """A bump allocator over one growing scratch buffer; :meth:`reset` frees everything at once."""
+    """A bump allocator over one growing scratch buffer; :meth:`reset` frees everything at once.
 
-    def __init__(self) -> None:
+    With ``registry``, every buffer it makes is registered for direct DMA, and :meth:`close`
+    unregisters them (call it once nothing reads them any more)."""
+
+    def __init__(self, registry: DmaRegistry | None = None) -> None:
         self._buffer = np.empty(0, np.uint8)
         self._used = 0
+        self._registry = registry
+        self._registered = False  # whether self._buffer is registered
+        self._outgrown: list[np.ndarray] = []  # registered buffers replaced since the last reset
 
     @property
     def capacity(self) -> int:
         return len(self._buffer)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the current buffer is registered for direct DMA."""
+        return self._registered
+
+    def _replace(self, nbytes: int) -> None:
+        if self._registered:
+            self._outgrown.append(self._buffer)  # a transfer may still read it: kept until reset
+        self._buffer = aligned_empty((nbytes,), np.uint8) if nbytes else np.empty(0, np.uint8)
+        self._registered = self._registry is not None and self._registry.register(self._buffer)
 
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of scratch (uint8), valid until the next :meth:`reset`."""
@@ -68,7 +91,7 @@ class Arena:
         if start + nbytes > len(self._buffer):
             # Pieces already handed out keep the old buffer alive until reset; the new one is sized
             # so that a shard of this size fits next time without growing again.
-            self._buffer = aligned_empty((max(nbytes + start, 2 * len(self._buffer)),), np.uint8)
+            self._replace(max(nbytes + start, 2 * len(self._buffer)))
             start = 0
         self._used = start + nbytes
         return self._buffer[start : start + nbytes]
@@ -79,12 +102,25 @@ class Arena:
         pages are faulted in anew). Call after reset."""
         needed = nbytes + takes * ALIGNMENT
         if self._used == 0 and needed > len(self._buffer):
-            self._buffer = aligned_empty((needed,), np.uint8)
+            self._replace(needed)
 
     def reset(self) -> None:
         self._used = 0
+        self._release(self._outgrown)
+        self._outgrown = []
 
     def trim(self, max_bytes: int | None) -> None:
         """Free the scratch if it grew beyond ``max_bytes`` (an oversized tensor); call after reset."""
         if max_bytes is not None and self._used == 0 and len(self._buffer) > max_bytes:
-            self._buffer = np.empty(0, np.uint8)
+            self._release([self._buffer] if self._registered else [])
+            self._buffer, self._registered = np.empty(0, np.uint8), False
+
+    def close(self) -> None:
+        """Unregister and free every buffer; the arena is empty (and usable) afterwards."""
+        self.reset()
+        self.trim(0)
+
+    def _release(self, buffers: list[np.ndarray]) -> None:
+        if self._registry is not None:
+            for buffer in buffers:
+                self._registry.unregister(buffer)

@@ -161,3 +161,29 @@ def test_cpu_devices_adopt_their_buffers_so_nothing_is_staged(mesh_2x4):
     """Staging is reused from leaf to leaf only where devices copy what they get (accelerators): CPU
     devices keep the buffer they are given (test_put: adopted without a copy)."""
     assert not host_staged(NamedSharding(mesh_2x4, P("fsdp", "tp")))
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_registered_staging_receives_every_unstacked_shard(tmp_path, closing, mesh_2x4, monkeypatch, registered):
+    """Where staging is registered for direct DMA, a contiguous unstacked shard is copied into it (the
+    device then copies at the link's rate) instead of going as read (a view of the mapped file, which
+    the runtime stages). CPU devices adopt what they are given, so the placed buffers show where the
+    builder put each shard."""
+    from otfload.place import builder
+    from tests.read.test_pinned import RecordingRegistry
+
+    weight = np.random.default_rng(1).standard_normal((1024, 512), dtype=np.float32)  # 2 MiB
+    index = open_index(closing(LocalSource(write_checkpoint(tmp_path / "c", {"w": weight}))), require_config=False)
+    sharding = NamedSharding(mesh_2x4, P("fsdp"))
+    leaves, _ = abstract_from_pytree({"w": jax.ShapeDtypeStruct(weight.shape, np.float32, sharding=sharding)})
+    plan = build_plan(index, leaves, MappingTable((Rule("w", "w"),))).leaves["w"]
+    monkeypatch.setattr(builder, "host_staged", lambda sharding: True)  # as on an accelerator
+    staging = Arena(RecordingRegistry() if registered else None)
+    staging.reserve(4 << 20)
+    start = staging.take(0).ctypes.data
+    staging.reset()
+    array = build_leaf(plan, TensorReader(index.source), Arena(), ByteBudget(None), staging)
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), weight[shard.index])
+    inside = [start <= s.data.unsafe_buffer_pointer() < start + staging.capacity for s in array.addressable_shards]
+    assert all(inside) if registered else not any(inside)
