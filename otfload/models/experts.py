@@ -20,11 +20,16 @@ Expert parallelism: under a mesh with an ``ep`` axis (``jax.set_mesh(mesh)``; :f
 sets it), the experts are split over ``ep`` with ``shard_map``: tokens are replicated over ``ep``
 (they are sharded on the batch axes), each ``ep`` shard computes the rows routed to its own experts
 and a ``psum`` over ``ep`` adds the shards' partial outputs. The other mesh axes stay automatic.
+
+Gradients: every implementation differentiates (``jax.grad`` jitted or not, with or without ``ep``).
+``"blocks"`` loops over a data-dependent number of blocks, which reverse-mode autodiff cannot go
+through, so it carries a custom VJP (see :func:`_block_loop`); the others are differentiated by JAX.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,8 +102,13 @@ def expert_ffn(
     # jax's PartitionSpec.__init__ is unannotated.
     expert_specs = jax.tree.map(lambda _: P(EP_AXIS), experts)  # type: ignore[no-untyped-call]
     replicated = P()  # type: ignore[no-untyped-call]
-    return jax.shard_map(local, mesh=mesh, in_specs=(replicated, replicated, replicated, expert_specs),
-                         out_specs=replicated, axis_names={EP_AXIS}, check_vma=False)(x, idx, weights, experts)
+    split = jax.shard_map(local, mesh=mesh, in_specs=(replicated, replicated, replicated, expert_specs),
+                          out_specs=replicated, axis_names={EP_AXIS}, check_vma=False)
+    # Under jit: run eagerly (op by op, as an un-jitted ``jax.grad`` runs it), a shard_map over
+    # some of the mesh's axes fails to differentiate (its partial evaluation gives residuals specs
+    # naming the automatic axes: "out_specs ... must refer to an axis marked as manual").
+    out: jax.Array = jax.jit(split)(x, idx, weights, experts)
+    return out
 
 
 def _project(kernel: jax.Array, bias: jax.Array | None, x: jax.Array, in_first: bool) -> jax.Array:
@@ -168,7 +178,7 @@ def _ragged(rows: jax.Array, sizes: jax.Array, experts: Experts, in_first: bool,
 
 
 def _blocks(rows: jax.Array, sizes: jax.Array, experts: Experts, in_first: bool, activation: Activation) -> jax.Array:
-    """Grouped matmul by expert-homogeneous blocks, one ``fori_loop`` step per occupied block."""
+    """Grouped matmul by expert-homogeneous blocks, one loop step per occupied block."""
     n, hidden = rows.shape
     num_experts = sizes.shape[0]
     block = block_size(n, num_experts)
@@ -183,16 +193,63 @@ def _blocks(rows: jax.Array, sizes: jax.Array, experts: Experts, in_first: bool,
     laid_out = jnp.zeros((max_blocks * block, hidden), rows.dtype).at[slot].set(rows, mode="drop")
     block_ends = jnp.cumsum(padded) // block
     block_expert = jnp.minimum(jnp.searchsorted(block_ends, jnp.arange(max_blocks), side="right"), num_experts - 1)
-
-    def proj(name: str, h: jax.Array, i: jax.Array) -> jax.Array:
-        p = experts[name]
-        return _project(p["kernel"][i], p["bias"][i] if "bias" in p else None, h, in_first)
-
-    def step(j: jax.Array, out: jax.Array) -> jax.Array:
-        i = block_expert[j]
-        h = jax.lax.dynamic_slice_in_dim(laid_out, j * block, block)
-        y = proj("down", activation(proj("gate", h, i), proj("up", h, i)), i)
-        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), j * block, 0)
-
-    out: jax.Array = jax.lax.fori_loop(0, block_ends[-1], step, jnp.zeros_like(laid_out))
+    out = _block_loop(block, in_first, activation)(laid_out, block_expert, block_ends[-1], experts)
     return out.at[slot].get(mode="fill", fill_value=0)
+
+
+BlockLoop = Callable[[jax.Array, jax.Array, jax.Array, Experts], jax.Array]
+
+
+def _block_loop(block: int, in_first: bool, activation: Activation) -> BlockLoop:
+    """``loop(laid_out, block_expert, count, experts)``: blocks ``0 .. count - 1`` of ``block`` rows
+    of ``laid_out`` each through expert ``block_expert[j]``'s MLP (rows past them stay zero).
+
+    The trip count is data (the occupied blocks), so the loop is a ``while`` that reverse-mode
+    autodiff cannot differentiate; its gradient is given by a custom VJP instead: a second loop over
+    the same blocks recomputes each block's MLP (nothing is saved per block: the residuals are the
+    inputs) and takes its VJP, writing the rows' cotangents in place and adding each weight
+    cotangent into its expert's slice of the weights' cotangent."""
+
+    def mlp(h: jax.Array, w: Mapping[str, Mapping[str, jax.Array]]) -> jax.Array:
+        def proj(name: str, v: jax.Array) -> jax.Array:
+            return _project(w[name]["kernel"], w[name].get("bias"), v, in_first)
+
+        return proj("down", activation(proj("gate", h), proj("up", h)))
+
+    def rows_of(a: jax.Array, j: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(a, j * block, block)
+
+    def expert(experts: Experts, i: jax.Array) -> Experts:
+        one: Experts = jax.tree.map(lambda a: a[i], experts)
+        return one
+
+    def forward(laid_out: jax.Array, block_expert: jax.Array, count: jax.Array, experts: Experts) -> jax.Array:
+        def step(j: jax.Array, out: jax.Array) -> jax.Array:
+            y = mlp(rows_of(laid_out, j), expert(experts, block_expert[j]))
+            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), j * block, 0)
+
+        out: jax.Array = jax.lax.fori_loop(0, count, step, jnp.zeros_like(laid_out))
+        return out
+
+    loop = jax.custom_vjp(forward)
+
+    def fwd(*args: Any) -> tuple[jax.Array, tuple[Any, ...]]:
+        return forward(*args), args
+
+    def bwd(res: tuple[Any, ...], g: jax.Array) -> tuple[jax.Array, None, None, Experts]:
+        laid_out, block_expert, count, experts = res
+
+        def step(j: jax.Array, acc: tuple[jax.Array, Experts]) -> tuple[jax.Array, Experts]:
+            d_rows, d_experts = acc
+            i = block_expert[j]
+            _, vjp = jax.vjp(mlp, rows_of(laid_out, j), expert(experts, i))
+            dh, dw = vjp(rows_of(g, j).astype(laid_out.dtype))
+            d_rows = jax.lax.dynamic_update_slice_in_dim(d_rows, dh, j * block, 0)
+            return d_rows, jax.tree.map(lambda a, d: a.at[i].add(d), d_experts, dw)
+
+        zeros = (jnp.zeros_like(laid_out), jax.tree.map(jnp.zeros_like, experts))
+        d_rows, d_experts = jax.lax.fori_loop(0, count, step, zeros)
+        return d_rows, None, None, d_experts
+
+    loop.defvjp(fwd, bwd)
+    return loop
