@@ -6,6 +6,7 @@ file, key or leaf involved and what was expected. Catch ``OtfloadError`` to hand
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -302,6 +303,21 @@ class CacheTimeoutError(CacheFillError):
 class InvalidOptionError(OtfloadError, ValueError):
     """A keyword argument, CLI flag or ``OTFLOAD_*`` environment variable has a value otfload does
     not accept; the message names the option, the value and the accepted ones."""
+
+
+class DeviceCountError(InvalidOptionError):
+    """A mesh's axis sizes multiply to another number of devices than JAX has. ``sizes`` is the mesh
+    asked for, ``needed`` the devices it takes and ``available`` how many there are."""
+
+    def __init__(self, sizes: dict[str, int], available: int):
+        self.sizes = dict(sizes)
+        self.needed = math.prod(sizes.values())
+        self.available = available
+        super().__init__(
+            f"mesh {self.sizes} needs {self.needed} devices, but {available} are available: choose axis sizes "
+            f"whose product is {available}, or simulate {self.needed} CPU devices with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={self.needed} (set before JAX starts)"
+        )
 
 
 # --- evaluation ----------------------------------------------------------------------------------

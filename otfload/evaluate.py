@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from otfload.errors import EvalDataError, TokenizerError
+from otfload.errors import EvalDataError, InvalidOptionError, TokenizerError
 from otfload.models.base import CausalLM
 from otfload.sources.base import Source
 
@@ -115,17 +115,24 @@ def read_texts(path: str | os.PathLike[str], fmt: str = "auto", key: str = "text
 
     ``fmt="jsonl"``: one JSON object per line, the text under ``key`` (blank lines are ignored);
     ``fmt="text"``: every line is one text, without its line break (a blank line is an empty
-    text). ``"auto"`` reads ``.jsonl``/``.ndjson`` files as JSONL and anything else as text.
+    text). ``"auto"`` reads ``.jsonl``/``.ndjson`` files as JSONL and anything else as text. A file
+    that is missing, a directory, unreadable or not what its format says raises ``EvalDataError``.
     """
     name = os.fspath(path)
     if fmt == "auto":
         fmt = "jsonl" if name.lower().endswith(JSONL_SUFFIXES) else "text"
     if fmt not in ("jsonl", "text"):
-        raise ValueError(f"unknown data format {fmt!r}; expected 'auto', 'jsonl' or 'text'")
+        raise InvalidOptionError(f"unknown data format {fmt!r}; expected 'auto', 'jsonl' or 'text'")
     try:
         lines = _read_lines(name)
     except UnicodeDecodeError as e:
         raise EvalDataError(f"{name}: not UTF-8 text ({e})") from None
+    except FileNotFoundError:
+        raise EvalDataError(f"data file {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise EvalDataError(f"data file {name!r} is a directory; expected a .jsonl or text file") from None
+    except OSError as e:
+        raise EvalDataError(f"data file {name!r} cannot be read: {e.strerror or e}") from None
     if fmt == "text":
         return [line.rstrip("\r\n") for line in lines]
     texts = []

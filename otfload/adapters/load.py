@@ -24,7 +24,7 @@ from typing import Any
 from otfload.adapters.config import CONFIG_FILE, WEIGHTS_FILE, AdapterConfig, parse_adapter_config
 from otfload.adapters.merge import Adapter, merge_adapters, strip_prefix
 from otfload.adapters.source import CombinedSource, adapter_file
-from otfload.errors import AdapterError, CheckpointIndexError
+from otfload.errors import AdapterError, CheckpointIndexError, SourceNotFoundError
 from otfload.index.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
 from otfload.index.checkpoint import CheckpointIndex, open_index, read_json
 from otfload.index.header import read_header
@@ -162,7 +162,15 @@ def open_adapted(
             base_options = {k: v for k, v in options.items() if k != "revision"}
             if config.revision:
                 base_options["revision"] = config.revision
-            src = open_base(base, **base_options)
+            try:
+                src = open_base(base, **base_options)
+            except SourceNotFoundError as e:
+                raise SourceNotFoundError(
+                    f"adapter {config.where}: {CONFIG_FILE} names the base model base_model_name_or_path={base!r}, "
+                    f"which cannot be opened (a relative path is taken from the current directory, "
+                    f"{Path.cwd()}, not from the adapter's): {e}. Pass the base checkpoint as the source and "
+                    "this adapter as adapter=, or fix base_model_name_or_path"
+                ) from None
             opened.append(src)
         index = open_index(src, require_config=require_config, check_config=check_config)
         if not specs:

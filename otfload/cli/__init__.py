@@ -1,16 +1,20 @@
 """The ``otfload`` command line: ``inspect``, ``load``, ``export``, ``reshard``, ``bench``, ``eval``,
 ``generate``.
 
-Exit codes: 0 success, 1 a typed :class:`~otfload.errors.OtfloadError` or a file-system ``OSError``
-(its message is printed, without a traceback unless ``--debug``), 2 bad usage.
+Exit codes: 0 success, 1 a typed ``OtfloadError`` or a file-system ``OSError`` (its message is
+printed, with the CLI's flags for the Python arguments it names, without a traceback unless
+``--debug``), 2 bad usage: a flag argparse refuses (the subcommand's usage is shown), or an
+``InvalidOptionError`` such as a mesh needing another number of devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 
 from otfload.cli import bench, export, inspect, load, options, reshard
 from otfload.cli import eval as eval_
@@ -21,17 +25,33 @@ COMMANDS = (inspect, load, export, reshard, bench, eval_, generate_)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="otfload", description="Load HF safetensors checkpoints into sharded JAX.")
+    parser.add_argument("--version", action="version", version=f"otfload {version('otfload')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(commands)
+    for sub in commands.choices.values():
+        sub.set_defaults(command_parser=sub)  # a flag the subcommand does not know is reported with its usage
     return parser
+
+
+def refuse_unknown(args: argparse.Namespace, unknown: list[str]) -> None:
+    """Exit 2 with the subcommand's usage for arguments it does not take, offering a close flag
+    (``load --verfy``: did you mean --verify?)."""
+    sub: argparse.ArgumentParser = args.command_parser
+    known = [flag for action in sub._actions for flag in action.option_strings]
+    hints = [f"{arg} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(arg.split("=")[0], known, 1))
+             else arg for arg in unknown]
+    sub.error(f"unrecognized arguments: {' '.join(hints)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        refuse_unknown(args, unknown)
     options.simulate_devices(getattr(args, "devices", None))
-    from otfload.errors import OtfloadError
+    from otfload.cli.messages import cli_message
+    from otfload.errors import InvalidOptionError, OtfloadError
 
     run: Callable[[argparse.Namespace], int] = args.run  # each subcommand's ``run`` (``set_defaults``)
     try:
@@ -42,5 +62,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OtfloadError, OSError) as e:
         if args.debug:
             raise
-        print(f"otfload: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        print(f"otfload: error: {type(e).__name__}: {cli_message(e)}", file=sys.stderr)
+        return 2 if isinstance(e, InvalidOptionError) else 1

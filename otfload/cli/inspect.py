@@ -223,12 +223,25 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def model_label(model_type: str | None, family: str) -> str:
+    """How ``inspect`` names the model: ``qwen3`` for a supported model_type, whichever family's code
+    builds it (that the llama family builds Qwen3 is not the user's concern); a custom mapping, or a
+    checkpoint without a model_type, is named with it: ``llama (custom mapping M:TABLE)``."""
+    from otfload.families.registry import family_for, supported_model_types
+
+    if model_type is None:
+        return family
+    if model_type in supported_model_types() and family_for({"model_type": model_type}).name == family:
+        return model_type
+    return f"{model_type} ({family})"
+
+
 def format_plan(info: Info) -> str:
     """The human-readable plan."""
     mesh = ", ".join(f"{k}={v}" for k, v in info["mesh"].items())
     lines = [
         f"source       {info['source']}",
-        f"model        {info['model_type']} (family {info['family']})"
+        f"model        {model_label(info['model_type'], info['family'])}"
         + ("" if info["scan_layers"] is None else f", scan_layers={info['scan_layers']}"),
         f"mesh         {mesh} ({info['devices']} devices, {info['processes']} process(es))",
         "",

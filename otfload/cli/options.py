@@ -13,11 +13,14 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # a Sphinx cross-reference in a docstring
 
 
 def description(doc: str) -> str:
-    """A subcommand's ``--help`` text: its module docstring without the ``otfload NAME`` prefix."""
-    return doc.split(": ", 1)[1].replace("``", "")
+    """A subcommand's ``--help`` text: its module docstring without the ``otfload NAME`` prefix, the
+    literal quotes and the Sphinx roles (``:mod:`a.b``` reads ``a.b``, ``:class:`~a.B``` reads ``B``)."""
+    text = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], doc.split(": ", 1)[1])
+    return text.replace("``", "")
 
 
 def common_parser() -> argparse.ArgumentParser:

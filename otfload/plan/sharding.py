@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from otfload.errors import OtfloadError
+from otfload.errors import DeviceCountError, OtfloadError
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -69,7 +69,7 @@ def make_mesh(axes: Mapping[str, int] | str | None = None, devices: Sequence[jax
         sizes[unknown[0]] = len(devices) // known
     total = int(np.prod(list(sizes.values())))
     if total != len(devices):
-        raise OtfloadError(f"mesh {sizes} needs {total} devices, but {len(devices)} are available")
+        raise DeviceCountError(sizes, len(devices))
     grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes.keys()))
 

@@ -159,9 +159,11 @@ def test_typed_error_exits_1_with_its_message_and_no_traceback():
         main(["load", "/nonexistent/checkpoint", "--debug"])
 
 
-def test_mesh_needing_other_devices_is_a_typed_error(llama, capsys):
-    assert main(["inspect", str(llama), "--mesh", "fsdp=3"]) == 1
-    assert "needs 3 devices, but 8 are available" in capsys.readouterr().err
+def test_mesh_needing_other_devices_is_bad_usage_with_a_hint(llama, capsys):
+    assert main(["inspect", str(llama), "--mesh", "fsdp=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("otfload: error: DeviceCountError: mesh {'fsdp': 3} needs 3 devices, but 8 are available")
+    assert "--mesh with sizes whose product is 8, or --devices 3" in err and "device_count=3" in err
 
 
 def test_load_verify_matches_transformers(llama):
@@ -199,7 +201,8 @@ def test_export_writes_the_same_tensors(llama, tmp_path, capsys):
     for key in want:
         np.testing.assert_array_equal(got[key], want[key])
     assert main(["export", str(llama), str(out)]) == 1  # exists, no --overwrite
-    assert "exists; pass overwrite=True" in capsys.readouterr().err
+    assert f"{out} exists; pass --overwrite to replace it" in (err := capsys.readouterr().err)
+    assert "overwrite=True" not in err  # the flag, not the Python argument
 
 
 def test_reshard_rewrites_for_the_target_mesh(tmp_path, capsys):

@@ -74,7 +74,10 @@ def test_eval_errors_exit_1_naming_the_file(tiny_checkpoints, llama_tok, data, t
     bad.write_text('{"text": "ok"}\n{"txt": "oops"}\n')
     assert main(["eval", str(llama_tok[0]), "--data", str(bad)]) == 1
     assert "EvalDataError: " in (err := capsys.readouterr().err) and "bad.jsonl:2: field 'text'" in err
-    assert main(["eval", str(llama_tok[0]), "--data", str(tmp_path / "absent.jsonl")]) == 1  # OSError
+    assert main(["eval", str(llama_tok[0]), "--data", str(tmp_path / "absent.jsonl")]) == 1
+    assert f"EvalDataError: data file '{tmp_path / 'absent.jsonl'}' does not exist" in capsys.readouterr().err
+    assert main(["eval", str(llama_tok[0]), "--data", str(tmp_path)]) == 1
+    assert "EvalDataError: " in (err := capsys.readouterr().err) and "is a directory" in err
     with pytest.raises(SystemExit) as usage:
         main(["eval", str(llama_tok[0]), "--data", str(bad), "--batch-size", "0"])
     assert usage.value.code == 2
