@@ -9,9 +9,10 @@ are the weight's own. The static metadata counts axes from the end, so slicing t
 (``jax.lax.scan`` over layers, ``a[i]``) gives a valid :class:`QuantizedArray` of one layer.
 
 :func:`dequantize` reproduces the default mode's values bit for bit: codes become float32 exactly
-(FP8 and FP4 tables, integer fields minus their offset), zero points are subtracted, scales (divided
-by the global scale) multiply block by block in float32, and the result is cast to the leaf dtype
-— the operations of :meth:`~otfload.index.quant.tensor.QuantizedTensor.decode`, in the same order.
+(FP8 and FP4 tables, integer fields minus their offset), zero points are subtracted, scales
+(divided, or for ModelOpt multiplied, by the global scale) multiply block by block in float32, and
+the result is cast to the leaf dtype — the operations of
+:meth:`~otfload.index.quant.tensor.QuantizedTensor.decode`, in the same order.
 A :class:`QuantizedArray` is a :class:`~otfload.models.weights.StoredWeight`: the models
 materialize it one layer at a time inside ``run_layers``.
 """
@@ -41,7 +42,8 @@ class PartLayout:
     """How one part maps onto the weight's trailing axes (static: hashable, layer-independent).
 
     ``block`` and ``pack_axis`` count from the end (``pack_axis`` is negative); ``codec`` is one of
-    :data:`otfload.index.quant.parts.CODECS`.
+    :data:`otfload.index.quant.parts.CODECS`; ``multiplies``: a global scale that multiplies the
+    scales (ModelOpt's ``weight_scale_2``) rather than dividing them.
     """
 
     block: tuple[int, ...]
@@ -49,6 +51,7 @@ class PartLayout:
     bits: int = 0
     pack_axis: int | None = None
     field: int = 1
+    multiplies: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -173,7 +176,9 @@ def dequantize(leaf: QuantizedArray) -> jax.Array:
     if leaf.scale is not None:
         scale, sblock = _values(leaf.scale, _part_layout(leaf, "scale"))
         if leaf.global_scale is not None:
-            scale = scale / _values(leaf.global_scale, _part_layout(leaf, "global_scale"))[0]
+            layout = _part_layout(leaf, "global_scale")
+            value = _values(leaf.global_scale, layout)[0]
+            scale = scale * value if layout.multiplies else scale / value
         values = values * _expand(scale, sblock, shape)
     return values.astype(leaf.dtype)
 

@@ -10,6 +10,7 @@ quantization blocks and groups (hidden 64 / tp 4 = 16 columns against groups of 
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -43,6 +44,10 @@ LAYOUTS = {
     "ct_fp8_channel_moe": ("mixtral", layouts.is_linear, layouts.compressed_tensors("fp8_channel"),
                            layouts.ct_config("fp8_channel", ignore=["lm_head", "re:.*block_sparse_moe.gate$"])),
     "mxfp4_gpt_oss": ("gpt_oss", layouts.is_gpt_oss_expert, layouts.mxfp4_experts, layouts.MXFP4_CONFIG),
+    "modelopt_fp8": ("llama", layouts.is_linear, layouts.modelopt_fp8, layouts.MODELOPT_FP8_FILE),
+    "modelopt_nvfp4": ("llama", layouts.is_linear, layouts.modelopt_nvfp4, layouts.MODELOPT_NVFP4_CONFIG),
+    "modelopt_nvfp4_moe_experts": ("qwen3_moe", lambda k: layouts.is_linear(k) and ".experts." in k,
+                                   layouts.modelopt_nvfp4, layouts.MODELOPT_NVFP4_CONFIG),
 }
 
 
@@ -172,3 +177,45 @@ def test_export_of_a_dequantised_model_drops_the_quantization_config(quantized, 
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     key = "model.layers.2.self_attn.o_proj.weight"
     np.testing.assert_array_equal(hf_tensors(out)[key], reference[key])
+
+
+REALCONFIGS = Path(__file__).resolve().parents[2] / "shared" / "realconfigs"
+NVIDIA_FP8 = REALCONFIGS / "nvidia__Llama-3.1-70B-Instruct-FP8.json"
+
+
+def without_tensors(src, dst, drop) -> None:
+    """Copy checkpoint ``src`` to ``dst`` without the tensors whose key ``drop`` picks."""
+    from safetensors.torch import load_file, save_file  # numpy has no float8
+
+    shutil.copytree(src, dst)
+    index_file = dst / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    for shard in sorted(dst.glob("*.safetensors")):
+        save_file({k: v for k, v in load_file(shard).items() if not drop(k)}, shard, metadata={"format": "pt"})
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if not drop(k)}
+    index_file.write_text(json.dumps(index))
+
+
+@pytest.mark.skipif(not NVIDIA_FP8.is_file(), reason="../shared/realconfigs is not checked out")
+def test_nvidia_fp8_release_loads_by_its_hf_quant_config_and_is_a_typed_error_without(quantized, tmp_path):
+    """nvidia/Llama-3.1-70B-Instruct-FP8's config.json names no quantization: hf_quant_config.json
+    beside it does. With it the FP8 weights load exactly; without it, or without their scales, never."""
+    real = json.loads(NVIDIA_FP8.read_text())
+    assert "quantization_config" not in real
+    path, _, reference_model, _ = quantized("modelopt_fp8")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(path, ckpt)
+    config = {k: v for k, v in real.items() if k not in ("rope_scaling", "rope_theta")}
+    config.update(json.loads((path / "config.json").read_text()))  # the tiny model's sizes
+    assert "quantization_config" not in config
+    (ckpt / "config.json").write_text(json.dumps(config))
+    model, report = otfload.from_pretrained(ckpt, dtype="float32", return_report=True)
+    assert report.activation_scales["model.layers.0.self_attn.q_proj.input_scale"] == 0.5
+    ids = token_ids()
+    assert max_rel_diff(np.asarray(model(jnp.asarray(ids))), torch_logits(reference_model, ids)) <= 1e-4
+    (ckpt / "hf_quant_config.json").unlink()
+    with pytest.raises(QuantizationError, match="weight_scale.*hf_quant_config.json"):
+        otfload.from_pretrained(ckpt, strict=False)
+    without_tensors(ckpt, tmp_path / "bare", lambda k: k.endswith("_scale"))  # FP8 codes alone
+    with pytest.raises(UnfaithfulCastError, match="float8_e4m3fn"):
+        otfload.from_pretrained(tmp_path / "bare", strict=False)

@@ -20,6 +20,7 @@ from otfload.gcpause import gc_paused
 from otfload.index.derived import DerivedTensor
 from otfload.index.header import FileHeader, TensorInfo, read_header, reject_duplicate_keys
 from otfload.index.quant import dequantized_view
+from otfload.index.quant.formats import HF_QUANT_CONFIG
 from otfload.sources.base import Source, read_bytes
 from otfload.sources.formats import is_checkpoint_file
 from otfload.sources.names import check_member_name, checked_listing
@@ -159,7 +160,8 @@ def _open_index(source: Source, require_config: bool,
     files, weight_map = _safetensors_files(source, available)
     with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(files))) as pool:
         headers = dict(zip(files, pool.map(lambda f: read_header(source, f), files), strict=True))
-    view = dequantized_view(config, _merge(headers, weight_map), lambda infos: read_values(source, infos))
+    hf_quant = read_json(source, HF_QUANT_CONFIG) if HF_QUANT_CONFIG in available else None
+    view = dequantized_view(config, _merge(headers, weight_map), lambda infos: read_values(source, infos), hf_quant)
     tensors: dict[str, TensorInfo | DerivedTensor] = dict(view.tensors)  # a QuantizedTensor is derived
     return CheckpointIndex(source, config, tensors, headers, view.method, view.activation)
 

@@ -21,10 +21,15 @@ Layouts (docs/formats.md has the math and the references each was checked agains
   ``pack-quantized`` (``weight_packed`` I32 + ``weight_shape``, zero points packed along rows),
   ``nvfp4-pack-quantized`` (``weight_packed`` U8 + F8 ``weight_scale`` per 16 + ``weight_global_scale``).
 - ``mxfp4`` (GPT-OSS): ``X_blocks`` U8 ``[..., out, in/32, 16]`` + ``X_scales`` E8M0.
+- ``modelopt`` (NVIDIA ModelOpt; ``hf_quant_config.json`` beside ``config.json`` or
+  ``quantization_config``): FP8 ``weight`` + ``weight_scale`` per tensor or per row; NVFP4
+  ``weight`` U8 (two E2M1 codes per byte) + F8 ``weight_scale`` per 16 + ``weight_scale_2`` (one
+  value that *multiplies*, where compressed-tensors' global scale divides).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -62,9 +67,14 @@ NOT_YET_SUPPORTED = frozenset({
     "awq", "gptq", "bitsandbytes", "aqlm", "eetq", "hqq", "quanto", "torchao", "exl2", "higgs",
     "vptq", "spqr", "bitnet", "fp_quant", "auto-round", "quark", "fbgemm_fp4", "mxfp8",
 })
+# ModelOpt's ``quant_algo`` values decoded here, by the codes they store.
+MODELOPT_FP8 = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN"})
+MODELOPT_NVFP4 = "NVFP4"
+# The file ModelOpt exports write beside config.json (older exports: instead of quantization_config).
+HF_QUANT_CONFIG = "hf_quant_config.json"
 # Tensors that belong to a quantized weight; one left over after decoding is an error.
 COMPANION = re.compile(
-    r"(_scale_inv|_scale|_scales|_zero_point|_blocks|_packed|_shape|_g_idx|\.qweight|\.qzeros"
+    r"(_scale_inv|_scale|_scale_2|_scales|_zero_point|_blocks|_packed|_shape|_g_idx|\.qweight|\.qzeros"
     r"|\.g_idx|\.SCB|\.absmax|\.quant_map|\.quant_state\..*)$"
 )
 # Scales of activations and the KV cache: reported, never folded into weights.
@@ -397,28 +407,102 @@ def _ct_weight(module: str, args: _WeightArgs, tensors: dict[str, Tensor],
     return QuantizedTensor(name, shape, codes, scales, f"compressed-tensors {storage}")
 
 
+def _modelopt_fields(qc: QuantConfig) -> tuple[str, list[str], int | None]:
+    """``(quant_algo, exclude_modules, group_size)`` of a ModelOpt config: ``hf_quant_config.json``
+    (its ``quantization`` object) or a ``quantization_config`` with ``quant_method: modelopt``."""
+    inner = qc.get("quantization", qc)
+    where = "quantization_config" + (".quantization" if "quantization" in qc else "")
+    if not isinstance(inner, Mapping):
+        raise ConfigError(where, inner, "an object with a 'quant_algo'")
+    algo = inner.get("quant_algo")
+    if not isinstance(algo, str):
+        raise ConfigError(f"{where}.quant_algo", algo, "a string")
+    key = "exclude_modules" if "exclude_modules" in inner else "ignore"
+    exclude = inner.get(key) or []
+    if not (isinstance(exclude, list) and all(isinstance(m, str) for m in exclude)):
+        raise ConfigError(f"{where}.{key}", exclude, "a list of module names or wildcard patterns")
+    group = inner.get("group_size")
+    if group is not None and (type(group) is not int or group <= 0):
+        raise ConfigError(f"{where}.group_size", group, "a positive int")
+    return algo.upper(), exclude, group
+
+
+def _excluded(patterns: list[str], module: str) -> bool:
+    return any(fnmatch.fnmatchcase(module, p) or module.startswith(p + ".") for p in patterns)
+
+
+def _modelopt(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
+    method = "modelopt"
+    algo, exclude, group = _modelopt_fields(qc)
+    if algo not in MODELOPT_FP8 and algo != MODELOPT_NVFP4:
+        raise UnsupportedQuantizationError(f"modelopt: quant_algo {algo!r} is not supported yet (supported: "
+                                           f"{', '.join(sorted(MODELOPT_FP8))}, {MODELOPT_NVFP4})")
+    modules = sorted(k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
+    for module in modules:
+        if _excluded(exclude, module):
+            raise _fail(method, f"{module!r} has quantization scales but is listed in 'exclude_modules'")
+    if algo in MODELOPT_FP8:
+        _fp8_pairs(method, tensors, "_scale", None, "modelopt fp8")
+    else:
+        if group not in (None, NVFP4_GROUP):
+            raise _fail(method, f"NVFP4 with group_size {group}, expected {NVFP4_GROUP}")
+        for module in modules:
+            tensors[f"{module}.weight"] = _modelopt_nvfp4(module, tensors)
+    _unscaled_fp8(method, tensors)
+
+
+def _modelopt_nvfp4(module: str, tensors: dict[str, Tensor]) -> QuantizedTensor:
+    """``weight`` U8 ``[..., out, in/2]``, ``weight_scale`` F8 ``[..., out, in/16]`` and
+    ``weight_scale_2`` (one value): ``fp4(q) · weight_scale · weight_scale_2``."""
+    method, name = "modelopt", f"{module}.weight"
+    scale = _stored(method, f"{name}_scale", tensors.pop(f"{name}_scale"))
+    second = tensors.pop(f"{name}_scale_2", None)
+    weight = tensors.get(name)
+    if second is None or not isinstance(weight, TensorInfo) or weight.dtype != np.uint8 or not _is_fp8(scale):
+        found = "missing" if weight is None else f"{weight.dtype}"
+        raise _fail(method, f"NVFP4 {module!r} needs a U8 'weight' (found {found}), an FP8 'weight_scale' "
+                            f"(found {scale.dtype}) and a 'weight_scale_2'")
+    scale_2 = _stored(method, f"{name}_scale_2", second)
+    if math.prod(scale_2.shape) != 1:
+        raise _fail(method, f"{scale_2.name!r} has shape {list(scale_2.shape)}, expected one value")
+    shape = (*weight.shape[:-1], weight.shape[-1] * 2)
+    block = _fit_block((NVFP4_GROUP,), len(shape))
+    fitted = _checked_scale(method, weight, scale, block, shape)
+    scales = BlockScales(fitted, block, global_scale=scale_2._replace(shape=(1,)), global_multiplies=True)
+    return QuantizedTensor(name, shape, PackedFp4Codes(weight), scales,
+                           "modelopt nvfp4 (e2m1 codes, fp8 scale per 16, times weight_scale_2)")
+
+
 HANDLERS: dict[str, Callable[[QuantConfig, dict[str, Tensor], ReadValues], None]] = {
     "fp8": _fp8,
+    "modelopt": _modelopt,
     "fbgemm_fp8": _fbgemm_fp8,
     "mxfp4": _mxfp4,
     "compressed-tensors": _compressed_tensors,
 }
 
 
-def _quantization_config(config: Mapping[str, Any]) -> tuple[str, object]:
+def _quantization_config(config: Mapping[str, Any], hf_quant: object) -> tuple[str, object]:
     """Where the checkpoint's ``quantization_config`` is and its value: at the top, else in
-    ``text_config`` (multimodal wrappers such as Kimi-K2.5 quantize only their language model)."""
+    ``text_config`` (multimodal wrappers such as Kimi-K2.5 quantize only their language model), else
+    ModelOpt's ``hf_quant_config.json`` (``hf_quant``, None when the checkpoint has none)."""
     if config.get("quantization_config") is not None:
         return "quantization_config", config["quantization_config"]
     text = config.get("text_config")
     if isinstance(text, Mapping) and text.get("quantization_config") is not None:
         return "text_config.quantization_config", text["quantization_config"]
+    if hf_quant is not None:
+        if not isinstance(hf_quant, Mapping):
+            raise ConfigError(HF_QUANT_CONFIG, hf_quant, "an object", file=HF_QUANT_CONFIG)
+        return HF_QUANT_CONFIG, {"quant_method": "modelopt", **hf_quant}
     return "quantization_config", None
 
 
-def quantization_method(config: Mapping[str, Any]) -> tuple[str | None, QuantConfig]:
-    """``quantization_config.quant_method`` and the config itself, type-checked."""
-    where, qc = _quantization_config(config)
+def quantization_method(config: Mapping[str, Any], hf_quant: object = None) -> tuple[str | None, QuantConfig]:
+    """``quantization_config.quant_method`` and the config itself, type-checked (``hf_quant``: the
+    parsed ``hf_quant_config.json`` of a ModelOpt export, used when ``config.json`` has no
+    ``quantization_config``)."""
+    where, qc = _quantization_config(config, hf_quant)
     if qc is None:
         return None, {}
     if not isinstance(qc, Mapping):
@@ -435,12 +519,14 @@ def quantization_method(config: Mapping[str, Any]) -> tuple[str | None, QuantCon
     return method, qc
 
 
-def dequantized_view(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo], read: ReadValues) -> QuantizedView:
+def dequantized_view(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo], read: ReadValues,
+                     hf_quant: object = None) -> QuantizedView:
     """The checkpoint's tensors as the model sees them: quantized weights decoded on read.
 
-    ``read`` returns the values of small tensors (compressed-tensors' ``weight_shape``).
+    ``read`` returns the values of small tensors (compressed-tensors' ``weight_shape``);
+    ``hf_quant`` is the parsed ``hf_quant_config.json`` of a ModelOpt export, if it has one.
     """
-    method, qc = quantization_method(config)
+    method, qc = quantization_method(config, hf_quant)
     activation = {k: v for k, v in tensors.items() if ACTIVATION.search(k)}
     work: dict[str, Tensor] = {k: v for k, v in tensors.items() if k not in activation}
     if method is None:
@@ -451,5 +537,9 @@ def dequantized_view(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo
     if leftover:
         more = f" and {len(leftover) - 5} more" if len(leftover) > 5 else ""
         shown = ", ".join(repr(k) for k in leftover[:5]) + more
-        raise _fail(method, f"{len(leftover)} quantization tensor(s) that no known layout explains: {shown}")
+        hint = ""
+        if method is None and any(k.endswith(".weight_scale") for k in leftover):
+            hint = (f" (an NVIDIA ModelOpt export describes its weight_scale tensors in {HF_QUANT_CONFIG} "
+                    "beside config.json: is it missing?)")
+        raise _fail(method, f"{len(leftover)} quantization tensor(s) that no known layout explains: {shown}{hint}")
     return QuantizedView(work, method, activation)

@@ -52,7 +52,8 @@ class StoredPart:
 
     ``pack_axis`` (packed parts only) is the axis along which ``bits``-bit fields are packed into
     each element, lowest bits first; each field covers ``field`` elements of the weight along it
-    (1 for codes, the scale block's rows for packed zero points).
+    (1 for codes, the scale block's rows for packed zero points). ``multiplies`` (global scales
+    only): the value multiplies the scales instead of dividing them.
     """
 
     role: str
@@ -64,6 +65,7 @@ class StoredPart:
     bits: int = 0
     pack_axis: int | None = None
     field: int = 1
+    multiplies: bool = False
 
 
 class NotKeepable(Exception):
@@ -121,7 +123,8 @@ def stored_parts(q: QuantizedTensor) -> dict[str, StoredPart]:
         else:
             parts["zero_point"] = StoredPart("zero_point", zero, block, "cast")
     if scales.global_scale is not None:
-        parts["global_scale"] = StoredPart("global_scale", scales.global_scale, shape, "cast", view=(1,) * n)
+        parts["global_scale"] = StoredPart("global_scale", scales.global_scale, shape, "cast", view=(1,) * n,
+                                           multiplies=scales.global_multiplies)
     for part in parts.values():
         dtype = part.info.dtype
         if part.codec == "cast" and not (dtype.kind in "fiu" or dtype.name in ML_DTYPES or "float8" in dtype.name):

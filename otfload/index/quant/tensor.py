@@ -92,7 +92,8 @@ class BlockScales:
     """One scale (and optionally one zero point) per block of ``block`` elements.
 
     ``zero_point_bits`` > 0: zero points are packed along the rows (axis -2) like compressed-tensors
-    writes them. ``global_scale`` (a one-element tensor) divides every scale (NVFP4).
+    writes them. ``global_scale`` (a one-element tensor) divides every scale (compressed-tensors
+    NVFP4), or multiplies it when ``global_multiplies`` (ModelOpt NVFP4's ``weight_scale_2``).
     """
 
     scale: TensorInfo
@@ -100,6 +101,7 @@ class BlockScales:
     zero_point: TensorInfo | None = None
     zero_point_bits: int = 0
     global_scale: TensorInfo | None = None
+    global_multiplies: bool = False
 
     def part_boxes(self, box: Box) -> Parts:
         grid = block_box(box, self.block)
@@ -122,7 +124,8 @@ class BlockScales:
             apply_blocks(values, zero.astype(FLOAT32), box, self.block, np.subtract)
         scale = arrays["scale"].astype(FLOAT32)
         if self.global_scale is not None:
-            scale = scale / arrays["global_scale"].astype(FLOAT32).reshape(())
+            value = arrays["global_scale"].astype(FLOAT32).reshape(())
+            scale = scale * value if self.global_multiplies else scale / value
         return apply_blocks(values, scale, box, self.block, np.multiply)
 
 

@@ -24,6 +24,13 @@ FP8_MAX = 448.0  # largest float8_e4m3fn value
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
+class SideFile(dict):
+    """A quantization config written as its own JSON file beside ``config.json`` (ModelOpt's
+    ``hf_quant_config.json``) instead of as ``config.json``'s ``quantization_config``."""
+
+    name = "hf_quant_config.json"
+
+
 def quantize_checkpoint(src: Path, dst: Path, select: Callable[[str], bool], quantize: Quantizer,
                         quantization_config: dict | None) -> dict[str, np.ndarray]:
     """Copy ``src`` to ``dst`` with every tensor ``select`` picks replaced by ``quantize``'s stored
@@ -46,7 +53,9 @@ def quantize_checkpoint(src: Path, dst: Path, select: Callable[[str], bool], qua
         save_file(tensors, shard, metadata={"format": "pt"})
     index_file.write_text(json.dumps(index))
     config = json.loads((dst / "config.json").read_text())
-    if quantization_config is not None:
+    if isinstance(quantization_config, SideFile):
+        (dst / quantization_config.name).write_text(json.dumps(quantization_config))
+    elif quantization_config is not None:
         config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config))
     return reference
@@ -177,6 +186,17 @@ def compressed_tensors(kind: str) -> Quantizer:
 # --- MXFP4 (GPT-OSS): written from the OCP description, dequantised by transformers ---------------
 
 
+def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """The nearest FP4 E2M1 code (sign in bit 3) of each value, as int64."""
+    return (scaled.abs()[..., None] - E2M1).abs().argmin(-1) | (scaled < 0).to(torch.int64) << 3
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last axis, the low nibble first."""
+    codes = codes.to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
 def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` [..., in, out] as GPT-OSS stores it: blocks U8 [..., out, in/32, 16], scales U8 E8M0."""
     t = w.transpose(-1, -2).contiguous()  # [..., out, in]
@@ -185,10 +205,7 @@ def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = groups.abs().amax(-1).clamp_min(2.0**-120)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = groups / torch.exp2(exponent)[..., None]
-    codes = (scaled.abs()[..., None] - E2M1).abs().argmin(-1) | (scaled < 0).to(torch.int64) << 3
-    codes = codes.to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+    return pack_nibbles(e2m1_codes(scaled)), (exponent + 127).to(torch.uint8)
 
 
 def mxfp4_experts(key: str, w: torch.Tensor):
@@ -205,6 +222,41 @@ def is_gpt_oss_expert(key: str) -> bool:
 
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+# --- NVIDIA ModelOpt (written from the format description, numpy-style reference) ---------------
+
+MODELOPT_NVFP4_GROUP = 16
+
+
+def modelopt_fp8(key: str, w: torch.Tensor):
+    """ModelOpt FP8: e4m3 codes, one F32 ``weight_scale`` per tensor (0-d) and a static ``input_scale``."""
+    stored, reference = fp8_blocks(None, "_scale")(key, w)
+    module = key[: -len(".weight")]
+    return {**stored, f"{module}.input_scale": torch.tensor(0.5)}, reference
+
+
+def modelopt_nvfp4(key: str, w: torch.Tensor):
+    """ModelOpt NVFP4: ``weight`` U8 ``[out, in/2]`` (E2M1, low nibble first), ``weight_scale`` F8
+    ``[out, in/16]`` and ``weight_scale_2`` F32 ``[]``, value ``fp4 · (weight_scale · weight_scale_2)``."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // MODELOPT_NVFP4_GROUP, MODELOPT_NVFP4_GROUP)
+    scale_2 = (w.abs().max() / (6.0 * FP8_MAX)).reshape(())
+    scale = (groups.abs().amax(-1) / 6.0 / scale_2).to(torch.float8_e4m3fn)
+    full = scale.float() * scale_2  # float32, the order the format defines
+    codes = e2m1_codes(groups / full.clamp_min(1e-30)[..., None]).reshape(rows, cols)
+    reference = (E2M1[codes & 7] * (1 - 2 * (codes >> 3))).reshape(groups.shape) * full[..., None]
+    module = key[: -len(".weight")]
+    stored = {key: pack_nibbles(codes), f"{key}_scale": scale, f"{key}_scale_2": scale_2,
+              f"{module}.input_scale": torch.tensor(0.25)}
+    return stored, reference.reshape(rows, cols)
+
+
+MODELOPT_FP8_FILE = SideFile(producer={"name": "modelopt", "version": "0.15.0"},
+                             quantization={"quant_algo": "FP8", "kv_cache_quant_algo": None,
+                                           "exclude_modules": ["lm_head"]})
+MODELOPT_NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": MODELOPT_NVFP4_GROUP,
+                         "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
 
 
 def load_reference(torch_model, reference: dict[str, np.ndarray], src: Path, dst: Path):

@@ -112,3 +112,67 @@ def test_activation_scales_are_set_aside_not_weights(tmp_path):
                            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}})
     assert set(index.activation) == {"a.input_scale", "attn.k_scale"}
     assert set(index.tensors) == {"a.weight"}
+
+
+MODELOPT_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+NVFP4 = {"a.weight": np.zeros((4, 8), np.uint8), "a.weight_scale": np.ones((4, 1), F8),
+         "a.weight_scale_2": np.ones((), np.float32)}
+
+
+@pytest.mark.parametrize(("tensors", "qc", "match"), [
+    ({"lm_head.weight": w8(), "lm_head.weight_scale": np.ones((), np.float32)}, MODELOPT_FP8,
+     "'lm_head' has quantization scales but is listed in 'exclude_modules'"),
+    ({"a.weight": w8(), "a.weight_scale": np.ones((3,), np.float32)}, MODELOPT_FP8, "neither per tensor nor per row"),
+    ({"a.weight": w8()}, MODELOPT_FP8, "have no scale"),
+    ({k: v for k, v in NVFP4.items() if k != "a.weight_scale_2"}, {**MODELOPT_FP8, "quant_algo": "NVFP4"},
+     "needs a U8 'weight'.*'weight_scale_2'"),
+    ({**NVFP4, "a.weight_scale_2": np.ones((2,), np.float32)}, {**MODELOPT_FP8, "quant_algo": "NVFP4"},
+     "expected one value"),
+    (NVFP4, {**MODELOPT_FP8, "quant_algo": "NVFP4", "group_size": 32}, "group_size 32, expected 16"),
+    (NVFP4, MODELOPT_FP8, "has dtype uint8 \\(expected an FP8 weight\\)"),  # NVFP4 codes under an FP8 config
+])
+def test_modelopt_what_no_layout_explains_is_a_quantization_error(tmp_path, tensors, qc, match):
+    with pytest.raises(QuantizationError, match=match):
+        checkpoint(tmp_path, tensors, qc)
+
+
+@pytest.mark.parametrize("algo", ["W4A8_AWQ", "INT4_AWQ", "MIXED_PRECISION"])
+def test_modelopt_algorithms_not_decoded_say_so(tmp_path, algo):
+    with pytest.raises(UnsupportedQuantizationError, match=f"quant_algo '{algo}' is not supported yet"):
+        checkpoint(tmp_path, {"a.weight": w8(), "a.weight_scale": np.ones((), np.float32)},
+                   {**MODELOPT_FP8, "quant_algo": algo})
+
+
+def test_hf_quant_config_json_describes_a_modelopt_export(tmp_path):
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}}))
+    index = checkpoint(tmp_path, {**NVFP4, "a.input_scale": np.ones((), np.float32)})
+    q = index["a.weight"]
+    assert isinstance(q, QuantizedTensor) and q.shape == (4, 16) and index.quant_method == "modelopt"
+    assert q.scales.global_multiplies and set(index.activation) == {"a.input_scale"}
+
+
+@pytest.mark.parametrize(("qc", "field"), [
+    ({"quant_method": "modelopt", "quant_algo": 8}, "quantization_config.quant_algo"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "exclude_modules": "lm_head"}},
+     "quantization_config.quantization.exclude_modules"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": "16"}, "quantization_config.group_size"),
+])
+def test_wrong_typed_modelopt_config_is_a_config_error(tmp_path, qc, field):
+    with pytest.raises(ConfigError) as e:
+        checkpoint(tmp_path, {"a.weight": w8(), "a.weight_scale": np.ones((), np.float32)}, qc)
+    assert e.value.field == field
+
+
+def test_quantization_config_nested_in_text_config_is_honoured(tmp_path):
+    save_file({"a.weight": w8(), "a.weight_scale_inv": np.ones((1, 1), np.float32)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}}))
+    with contextlib.closing(open_source(tmp_path)) as source:
+        index = open_index(source)
+    assert index.quant_method == "fp8" and isinstance(index["a.weight"], QuantizedTensor)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {
+        "quantization_config": {"quant_method": 7}}}))
+    with contextlib.closing(open_source(tmp_path)) as source, pytest.raises(ConfigError) as e:
+        open_index(source)
+    assert e.value.field == "text_config.quantization_config.quant_method"
