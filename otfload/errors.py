@@ -333,3 +333,8 @@ class TokenizerNotFoundError(TokenizerError, SourceNotFoundError):
 
 class EvalDataError(OtfloadError):
     """An evaluation data file is not what its format says (names the file, line and field)."""
+
+
+class EvalRequestError(OtfloadError):
+    """An lm-evaluation-harness request the ``otfload`` backend cannot honour as asked (sampling,
+    a continuation longer than the context window, an empty continuation); names the request."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,6 +39,7 @@ def generate(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    stop: Callable[[np.ndarray], bool] | None = None,
 ) -> jax.Array:
     """Greedy continuation of ``input_ids [b, s]``: ``[b, s + max_new_tokens]`` ids.
 
@@ -49,7 +50,9 @@ def generate(
     there). ``eos_token_id``/``pad_token_id`` default to the checkpoint's ``config.json`` (pad: its
     ``pad_token_id``, else the first EOS id, as transformers does); without EOS ids every row runs
     ``max_new_tokens`` steps. Positions follow transformers: each real token's index among its
-    row's real tokens, new tokens counting on from the last prompt position.
+    row's real tokens, new tokens counting on from the last prompt position. ``stop`` is called
+    after each step with the new tokens so far (``[b, t]`` numpy); when it returns True, decoding
+    stops there (the rest is ``pad_token_id``, as after EOS): lm_eval's stop sequences.
     """
     ids = np.asarray(input_ids)
     if ids.ndim != 2:
@@ -75,6 +78,8 @@ def generate(
         last = positions[:, -1:]
         for t in range(1, max_new_tokens):
             if eos and not bool(unfinished.any()):
+                break
+            if stop is not None and stop(np.stack([np.asarray(x) for x in new], axis=1)):
                 break
             token, cache, unfinished = run(model, token[:, None], np.ones((batch, 1), bool), last + t, cache,
                                            unfinished)

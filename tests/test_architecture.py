@@ -27,7 +27,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("adapters",),  # LoRA adapters merged into the index and the reads
     ("api",),  # from_pretrained, load_params, plan_model
     ("checkpoint", "generate", "tokenizer"),  # native checkpoints, decoding
-    ("export", "evaluate"),  # back to HF safetensors; eval jobs
+    ("export", "evaluate", "lm_eval"),  # back to HF safetensors; eval jobs; the lm-evaluation-harness backend
     ("cli",),  # the command line
     ("__init__",),  # the package's public names
 )

@@ -1,0 +1,93 @@
+"""The checkpoint for an eval job: tokenizer and abstract model at once, the weights on a thread.
+
+An eval job's first seconds go to three things that do not depend on each other: reading the
+weights, building the task's requests, and compiling the scoring step for the requests' shapes.
+Compiling needs only the model's structure, leaf shapes, dtypes and shardings, which the plan
+knows from the safetensors headers before any tensor byte is read. So :class:`BackgroundLoad`
+plans the model (:func:`~otfload.api.plan_model`), reads the tokenizer, then starts
+:func:`~otfload.api.from_pretrained` on a thread and returns: the caller builds its requests and
+compiles against :attr:`BackgroundLoad.abstract` while the bytes arrive, and :meth:`model` waits
+for them only when the first batch runs.
+
+The abstract model is the planned module with each parameter a ``jax.ShapeDtypeStruct`` carrying
+the sharding the plan places it with, which is what the loaded model's arrays have, so an
+executable compiled for one runs the other. Where the loaded model's parameters differ from the
+planned leaves (``quantized="keep"``, LoRA factors kept) there is no abstract model and scoring
+compiles once the weights are in.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import inspect
+import os
+import time
+from typing import Any
+
+import jax
+from flax import nnx
+
+from otfload.api import from_pretrained, plan_model
+from otfload.lm_eval.tokens import CheckpointTokenizer, checkpoint_tokenizer
+from otfload.models.base import CausalLM
+from otfload.plan.abstract import dotted
+from otfload.plan.planner import LoadPlan
+from otfload.sources.base import Source
+from otfload.sources.owned import owned, owned_source
+
+_PLAN_OPTIONS = set(inspect.signature(plan_model).parameters) - {"source", "source_options"}
+_LOAD_OPTIONS = set(inspect.signature(from_pretrained).parameters) - {"source", "source_options", "return_report"}
+
+
+class BackgroundLoad:
+    """``from_pretrained(location, **options)`` running on a thread, with what is known before it ends.
+
+    ``options`` are :func:`~otfload.api.from_pretrained`'s keywords, source options included.
+    """
+
+    def __init__(self, location: str | os.PathLike[str] | Source, **options: Any) -> None:
+        self.start = time.perf_counter()
+        self.seconds: float | None = None  # the load's wall time, once it has ended
+        source_options = {k: v for k, v in options.items() if k not in _LOAD_OPTIONS}
+        self._stack = contextlib.ExitStack()
+        try:
+            self.source = self._stack.enter_context(owned_source(location, **source_options))
+            plan_options = {k: v for k, v in options.items() if k in _PLAN_OPTIONS}
+            abstract, plan, planned = plan_model(self.source, **plan_options)
+            with owned(planned, self.source):  # a source the plan wrapped around ours (adapters, shard cache)
+                self.config: dict[str, Any] = plan.config
+                self.tokenizer: CheckpointTokenizer = checkpoint_tokenizer(self.source, plan.config)
+            same_leaves = options.get("quantized", "dequantize") != "keep" and options.get("merge_adapter", True)
+            self.abstract: CausalLM | None = _with_shardings(abstract, plan) if same_leaves else None
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="otfload-load")
+            load_options = {k: v for k, v in options.items() if k in _LOAD_OPTIONS}
+            self._future: concurrent.futures.Future[Any] = self._pool.submit(
+                lambda: from_pretrained(self.source, **load_options))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def model(self) -> CausalLM:
+        """The loaded model (waits for the load; raises what it raised)."""
+        try:
+            model = self._future.result()
+        finally:
+            if self.seconds is None:
+                self.seconds = time.perf_counter() - self.start
+                self._pool.shutdown()
+                self._stack.close()
+        assert isinstance(model, CausalLM)  # from_pretrained builds a bundled family model
+        return model
+
+
+def _with_shardings(model: nnx.Module, plan: LoadPlan) -> CausalLM:
+    """The abstract ``model`` with each parameter a ``jax.ShapeDtypeStruct`` of its planned leaf."""
+    def struct(path: tuple[Any, ...]) -> jax.ShapeDtypeStruct:
+        leaf = plan.leaves[dotted(path)].leaf
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)  # type: ignore[no-untyped-call]
+
+    flat = [(path, var.replace(struct(path))) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    nnx.update(model, nnx.from_flat_state(flat))
+    assert isinstance(model, CausalLM)  # plan_model builds a bundled family model
+    return model
