@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from otfload.errors import ConfigError, MappingError
+from otfload.export.companions import read_companions
 from otfload.export.distributed import write_export
 from otfload.export.gather import leaf_arrays
 from otfload.export.job import ExportJob
@@ -21,13 +22,15 @@ from otfload.sources.owned import owned_source
 
 def _reference(
     reference: str | os.PathLike[str] | Source | None,
-) -> tuple[dict[str, Any] | None, dict[str, tuple[int, ...]] | None]:
-    """``(config.json, {key: shape})`` of the reference checkpoint, read from headers only."""
+) -> tuple[dict[str, Any] | None, dict[str, tuple[int, ...]] | None, dict[str, bytes]]:
+    """``(config.json, {key: shape}, companion files)`` of the reference checkpoint: headers, the
+    tokenizer and generation files, no tensor data."""
     if reference is None:
-        return None, None
+        return None, None, {}
     with owned_source(reference) as src:
         index = open_index(src, require_config=False)
-    return index.config or None, {k: info.shape for k, info in index.tensors.items()}
+        companions = read_companions(src)
+    return index.config or None, {k: info.shape for k, info in index.tensors.items()}, companions
 
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -55,22 +58,60 @@ def export_hf(
     overwrite: bool = False,
     mapping: MappingTable | Sequence[Rule] | Mapping[str, str] | None = None,
 ) -> Path:
-    """Write ``model_or_params`` to ``out_dir`` as an HF safetensors checkpoint; returns the path.
+    """Write a model or parameter tree back as a Hugging Face safetensors checkpoint.
 
-    ``model_or_params`` is an NNX model (its ``nnx.Param`` s) or a pytree of arrays, scanned or
-    not, sharded or not. ``config`` is the HF ``config.json`` (a dict, or a path to the file or
-    its directory); ``reference`` — the checkpoint the model was loaded from, anything
-    ``from_pretrained`` accepts — supplies it and gives the exact HF tensor shapes (otherwise
-    inferred from the mapping). A model ``from_pretrained`` returned needs neither: it remembers
-    the config and family it was built from. A quantized source's ``quantization_config`` is
-    dropped: what is written is the dequantised weights. The family's table (from ``config["model_type"]``, or
-    ``family=``) or ``mapping=`` is inverted. ``dtype`` ``None`` keeps each leaf's dtype; ``"bf16"``,
-    ``"f32"`` or a numpy dtype casts. Shards hold at most ``max_shard_size`` (``"5GB"``, ``"500MiB"``,
-    bytes). The write is atomic; an existing ``out_dir`` is replaced only with ``overwrite=True``.
-    In a multi-process job every process calls it and writes its share of the files into the
-    shared ``out_dir`` (see :mod:`otfload.export.distributed`).
+    The family's mapping table (or ``mapping``) is run backwards: every hook undone, stacked layers
+    split, each HF tensor written with the shape the checkpoint had. The write is atomic (the
+    directory appears whole or not at all); in a multi-process job every process calls it and
+    writes its share of the files into the shared ``out_dir`` (see ``otfload.export.distributed``).
+
+    Parameters
+    ----------
+    model_or_params
+        An NNX model (its ``nnx.Param`` values) or a pytree of arrays; scanned or not, sharded or
+        not.
+    out_dir
+        The directory to write; it must not exist unless ``overwrite`` is true.
+    config
+        The HF ``config.json``: a dict, or a path to the file or to its directory. Not needed for
+        a model ``from_pretrained`` returned (it remembers its config and family) or with
+        ``reference``.
+    reference
+        The checkpoint the model was loaded from (anything ``from_pretrained`` accepts). It gives
+        the config, the exact HF tensor shapes (otherwise inferred from the mapping), and the
+        tokenizer and generation files copied beside the weights (``tokenizer.json``,
+        ``tokenizer_config.json``, ``generation_config.json``, ...: ``otfload.export.companions``).
+    family
+        The family whose table is inverted (default: from ``config["model_type"]``).
+    dtype
+        ``None`` keeps each leaf's dtype; ``"bf16"``, ``"f32"`` or a numpy dtype casts.
+    max_shard_size
+        The largest output file: bytes, or ``"5GB"``, ``"500MiB"``, ...
+    overwrite
+        Replace an existing ``out_dir``.
+    mapping
+        A mapping table for a model you bring, instead of a family's.
+
+    Returns
+    -------
+    Path
+        ``out_dir``. A quantized source's ``quantization_config`` is dropped: the weights written
+        are the dequantised ones.
+
+    Raises
+    ------
+    MappingError
+        No config for a tree otfload did not build, or a leaf the table cannot place.
+    OutputExistsError
+        ``out_dir`` exists and ``overwrite`` is false.
+
+    Examples
+    --------
+    >>> model = otfload.from_pretrained("./tiny-llama")
+    >>> otfload.export_hf(model, "./tiny-llama-bf16", reference="./tiny-llama", dtype="bf16")
+    PosixPath('tiny-llama-bf16')
     """
-    ref_config, hf_shapes = _reference(reference)
+    ref_config, hf_shapes, companions = _reference(reference)
     origin = origin_of(model_or_params)
     if config is not None:
         hf_config = load_config(config)
@@ -83,7 +124,7 @@ def export_hf(
                            "pass config= (dict or config.json path) or reference=")
     arrays = leaf_arrays(model_or_params)
     job = ExportJob.build(arrays, hf_config, family=family, mapping=mapping, hf_shapes=hf_shapes, dtype=dtype)
-    write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite)
+    write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite, companions=companions)
     return Path(out_dir)
 
 
@@ -100,7 +141,7 @@ def export_checkpoint(
 ) -> Path:
     """What ``otfload export SRC OUT`` runs: load the HF checkpoint ``source`` with
     :func:`otfload.from_pretrained` (sharded on ``mesh``) and write it back with :func:`export_hf`,
-    using ``source`` as the reference (config and shapes)."""
+    using ``source`` as the reference (config, shapes, tokenizer and generation files)."""
     from otfload.api import from_pretrained
 
     with owned_source(source, **source_options) as src:  # one opening for the load and the reference

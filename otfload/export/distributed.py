@@ -10,9 +10,9 @@ time, never the model.
 
 The output must be on a file system all processes share. Process 0 creates the temporary
 directory beside the target; after a barrier each owner writes its files into it; after a second
-barrier process 0 writes the index and ``config.json`` and renames the directory into place; a
-last barrier lets every process return only once the output exists. In a one-process run the
-barriers are skipped and no collective is ever needed.
+barrier process 0 writes the index, ``config.json`` and the companion files (tokenizer, generation
+config) and renames the directory into place; a last barrier lets every process return only once
+the output exists. In a one-process run the barriers are skipped and no collective is ever needed.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 from otfload.atomic import commit, output_dir, temp_dir
 from otfload.cache import assign_files
 from otfload.export import writer
+from otfload.export.companions import write_companions
 from otfload.export.gather import device_slice, gather_slice
 from otfload.export.inverse import Fetch
 from otfload.export.job import ExportJob
@@ -102,9 +103,11 @@ def write_export(
     *,
     max_shard_size: int | str,
     overwrite: bool,
+    companions: Mapping[str, bytes] | None = None,
 ) -> Path:
-    """Write ``job`` from ``arrays`` (dotted leaf path → array) to ``out_dir``, atomically; every
-    process of the job must call it with the same arguments."""
+    """Write ``job`` from ``arrays`` (dotted leaf path → array) to ``out_dir``, atomically, with the
+    ``companions`` files (name → bytes: the tokenizer's, ...) beside them; every process of the job
+    must call it with the same arguments."""
     me = jax.process_index()
     target = output_dir(out_dir, overwrite)
     files = writer.plan_shards(job.specs, max_shard_size)
@@ -129,6 +132,7 @@ def write_export(
         if me == 0:
             writer.write_index(tmp, files)
             writer.write_config(tmp, job.config)
+            write_companions(tmp, companions or {})
             commit(tmp, target)
         _barrier(f"otfload-export-{token}-done")
     except BaseException:
