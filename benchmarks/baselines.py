@@ -10,6 +10,7 @@ on the matching shardings).
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -28,6 +29,10 @@ from otfload.plan.planner import LeafPlan
 
 Run = Callable[[], tuple[Any, dict]]
 FLOOR_CHUNK_BYTES = 64 * 2**20
+# O_DIRECT requests: large enough that a request's fixed cost is small beside its transfer, several in
+# flight so the device queue stays full (a single 16-64 MiB stream measured 2.0-2.2 s for 1.1 GB here,
+# 4x slower than buffered reads with the kernel's read-ahead, docs/benchmarks.md "Cold page cache").
+DIRECT_CHUNK_BYTES = 16 * 2**20
 
 
 def _files(target: Target) -> list[str]:
@@ -42,6 +47,11 @@ def _read_chunk(path: str, offset: int, out: memoryview) -> None:
             if not n:
                 raise EOFError(f"{path} ended early")
             out = out[n:]
+
+
+def _chunk_jobs(path: str, buf: np.ndarray) -> list[tuple[str, int, memoryview]]:
+    """``(path, offset, destination)`` for each :data:`FLOOR_CHUNK_BYTES` chunk of a file read into ``buf``."""
+    return [(path, o, memoryview(buf)[o : o + FLOOR_CHUNK_BYTES]) for o in range(0, len(buf), FLOOR_CHUNK_BYTES)]
 
 
 def floor(target: Target, threads: int = 2) -> Run:
@@ -59,7 +69,7 @@ def floor(target: Target, threads: int = 2) -> Run:
                 size = f.seek(0, 2)
             buf = np.empty(size, np.uint8)
             buffers.append(buf)
-            jobs += [(path, o, memoryview(buf)[o : o + FLOOR_CHUNK_BYTES]) for o in range(0, size, FLOOR_CHUNK_BYTES)]
+            jobs += _chunk_jobs(path, buf)
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda job: _read_chunk(*job), jobs))
         return buffers, {"threads": threads}
@@ -214,12 +224,16 @@ def otfload_load(target: Target) -> Run:
     """otfload's own route (``from_pretrained``, or ``load_params`` for a family it lacks)."""
 
     def run():
+        start = time.perf_counter()
         loaded, report = target.load_otfload()
+        planning = time.perf_counter() - start - report.seconds  # everything before the reads began
         extra = {
             "route": target.route,
             "load_seconds": report.seconds,
             "bytes_read": report.bytes_read,
             "requests": report.requests,
+            "host_route": report.host_route,
+            "first_leaf_seconds": planning + report.first_leaf_seconds,  # from the call to the first leaf
         }
         return loaded, extra
 
@@ -268,6 +282,100 @@ def otfload_workers(workers: int) -> Callable[[Target], Run]:
 
 
 # --- accelerators (--platform gpu): the host-to-device copy and other loaders -----------------
+
+
+def _sizes(target: Target) -> dict[str, int]:
+    return {f: (target.directory / f).stat().st_size for f in _files(target)}
+
+
+def _open_direct(path: str) -> tuple[int, bool]:
+    """``path`` opened with ``O_DIRECT`` where its file system allows it, else buffered; whether direct."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+    except OSError:  # EINVAL: this file system does not do O_DIRECT
+        return os.open(path, os.O_RDONLY), False
+
+
+def direct(target: Target, threads: int | None = None) -> Run:
+    """Cold floor (issue 30 §4): every checkpoint byte read with ``O_DIRECT`` (the page cache neither
+    read nor filled) in :data:`DIRECT_CHUNK_BYTES` block-aligned requests, ``threads`` (default: every
+    CPU) in flight, into one page-aligned arena; buffered where the file system refuses ``O_DIRECT``."""
+    from otfload.read.arena import aligned_empty
+
+    sizes = _sizes(target)
+    starts = dict(zip(sizes, np.cumsum([0, *[-(-n // 4096) * 4096 for n in sizes.values()]]), strict=False))
+    arena = aligned_empty((int(sum(-(-n // 4096) * 4096 for n in sizes.values())),), np.uint8)
+
+    def run():
+        opened = {f: _open_direct(str(target.directory / f)) for f in sizes}
+        jobs = [(f, o) for f, n in sizes.items() for o in range(0, n, DIRECT_CHUNK_BYTES)]
+
+        def read(job: tuple[str, int]) -> None:
+            f, offset = job
+            length = min(DIRECT_CHUNK_BYTES, -(-(sizes[f] - offset) // 4096) * 4096)
+            start = int(starts[f]) + offset
+            os.preadv(opened[f][0], [memoryview(arena)[start : start + length]], offset)
+
+        try:
+            with ThreadPoolExecutor(threads or os.cpu_count() or 2) as pool:
+                list(pool.map(read, jobs))
+        finally:
+            for fd, _ in opened.values():
+                os.close(fd)
+        return arena, {"o_direct": all(d for _, d in opened.values())}
+
+    return run
+
+
+def floor_all_threads(target: Target) -> Run:
+    """The raw floor with one reader thread per CPU (the machine's warm read rate)."""
+    return floor(target, threads=os.cpu_count() or 2)
+
+
+def dma_put(target: Target) -> Run:
+    """Limit of read + copy (issue 30): the files read (one thread per CPU) into one host arena
+    registered with the accelerator's client for direct DMA (``dma_map``, at set-up), each file
+    ``device_put`` from there as soon as it is read. Where registration is refused (CPU devices, a
+    client without it) the same reads and puts run from unregistered memory, and the extras say so."""
+    from otfload.read.arena import aligned_empty
+    from otfload.read.pinned import DmaRegistry
+
+    sizes = _sizes(target)
+    device = target.mesh.devices.flat[0]
+    arena = aligned_empty((sum(sizes.values()),), np.uint8)
+    registry = DmaRegistry([device], ring_bytes=arena.nbytes)
+    registry.register(arena)
+    views, at = {}, 0
+    for f, n in sizes.items():
+        views[f], at = arena[at : at + n], at + n
+
+    def run():
+        placed = []
+        with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+            for f, view in views.items():
+                list(pool.map(lambda job: _read_chunk(*job), _chunk_jobs(str(target.directory / f), view)))
+                placed.append(jax.device_put(view, device))
+        jax.block_until_ready(placed)
+        return placed, {"dma": registry.describe()}
+
+    return run
+
+
+def otfload_primed(target: Target) -> Run:
+    """otfload in a process that has made one small device transfer before (as a JAX program has by
+    the time it loads weights): the runtime's one-time set-up is outside the timer."""
+    for device in target.mesh.devices.flat:
+        jax.device_put(np.zeros(1, np.uint8), device).block_until_ready()
+    return otfload_load(target)
+
+
+def otfload_staged(target: Target) -> Run:
+    """otfload with no host ring (``OTFLOAD_HOST_RING_BYTES=0``): every shard through the runtime's
+    staged copy, as before issue 30."""
+    from otfload.read.pinned import HOST_RING_ENV
+
+    os.environ[HOST_RING_ENV] = "0"  # this process runs this one method only
+    return otfload_load(target)
 
 
 def _file_bytes(target: Target) -> list[np.ndarray]:
@@ -404,6 +512,11 @@ METHODS: dict[str, Callable[[Target], Run]] = {
     "fastsafetensors": fastsafetensors,
     "fastsafetensors-gds": lambda target: fastsafetensors(target, gds=True),
     "fst-jax": fastsafetensors_jax,
+    "direct": direct,
+    "floor-all": floor_all_threads,
+    "dma-put": dma_put,
+    "otfload-primed": otfload_primed,
+    "otfload-staged": otfload_staged,
 }
 
 

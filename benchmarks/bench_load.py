@@ -49,10 +49,11 @@ GPU_METHODS = "pinned,pageable,fromfile,h2d,naive,fastsafetensors,fst-jax,orbax,
 GPU_BASELINES = {
     m: None for m in ("pinned", "pageable", "fromfile", "floor", "h2d", "naive", "fastsafetensors",
                       "fastsafetensors-gds", "fst-jax", "orbax", "otfload-fresh", "otfload-whole", "otfload-w4",
-                      "otfload-w8")
+                      "otfload-w8", "direct", "floor-all", "dma-put", "otfload-primed", "otfload-staged")
 }
 GIB = 2**30
 COLD_FILES_ONLY = False  # --cold-files: drop only the checkpoint's pages (posix_fadvise), never the whole cache
+LENIENT = False  # --lenient: a method that fails is reported and left out on CPU devices too (dry runs)
 
 
 # --- child: one method, one load, in this process ---------------------------------------------
@@ -216,7 +217,7 @@ def measure(
             try:
                 result = run_child(method, dirs[method], devices, cold, platform)
             except RuntimeError as e:
-                if platform == "cpu":
+                if platform == "cpu" and not LENIENT:
                     raise
                 print(f"  {method} left out: {e}", file=sys.stderr, flush=True)
                 del runs[method]
@@ -417,10 +418,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling", choices=("size", "devices", "both"), default=None)
     parser.add_argument("--plot", type=Path, default=Path("docs/load_scaling.png"))
     parser.add_argument("--json", type=Path, default=None, help="also write every run's raw figures here")
+    parser.add_argument("--lenient", action="store_true", help="leave out a method that fails (any platform)")
+    parser.add_argument(
+        "--accelerator-targets", action="store_true", help="also print issue 30's limits, loaders and verdicts"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global COLD_FILES_ONLY, LENIENT
+    LENIENT = args.lenient
     if args.cold_files:
-        global COLD_FILES_ONLY
         args.cold, COLD_FILES_ONLY = True, True
 
     if args.child and args.child.startswith("verify:"):
@@ -458,6 +464,12 @@ def main(argv: list[str] | None = None) -> None:
         if "otfload" in results:
             print(f"otfload route: {results['otfload'].get('route')}\n")
         print(results_table(results) + "\n\n" + targets_table(results, args.cold, args.platform))
+        if args.accelerator_targets:
+            from benchmarks.accelerator_targets import figures_table, verdicts_table
+            from otfload.read.pinned import host_ring_bytes
+
+            ring = host_ring_bytes() / GIB
+            print("\n" + figures_table(results) + "\n\n" + verdicts_table(results, args.cold, ring))
     print(machine_line())
 
 

@@ -124,6 +124,7 @@ def test_report_counts_bytes_and_reads_each_byte_once_on_one_host(tiny_checkpoin
     assert report.bytes_read == report.bytes_planned
     assert report.bytes_needed == report.bytes_read and report.over_read == 1.0
     assert report.host_route == "CPU devices: host buffers adopted, no copy"  # no DMA ring on CPU devices
+    assert 0 < report.first_leaf_seconds <= report.seconds
     assert report.seconds > 0 and report.peak_rss > 0
     assert "GB/s" in report.summary() and "over-read 1.00x" in report.summary()
 

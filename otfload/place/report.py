@@ -65,6 +65,7 @@ class LoadReport:
     # user's quantized kernels, never folded into weights.
     activation_scales: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     seconds: float = 0.0
+    first_leaf_seconds: float = 0.0  # from the start of the reads to the first leaf on its devices
     # How shards went from host to device memory, and why (otfload.read.pinned.DmaRegistry.describe).
     host_route: str = ""
     rss_before: int = 0
