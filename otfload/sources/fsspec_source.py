@@ -3,8 +3,9 @@
 Files are listed once when the source opens; tensors are read as byte ranges, several in parallel,
 each under the shared retry policy and time bounds. On asynchronous filesystems (gcsfs, s3fs,
 HTTP) every call runs on fsspec's event loop with its own deadline and is cancelled at it (or when
-the load is cancelled); idle timeouts go to gcsfs and aiohttp. For ``gs://`` and ``http(s)://`` the
-range answer itself is checked (``Content-Range``, lengths, encoding) before a byte is taken.
+the load is cancelled); idle timeouts go to gcsfs, botocore and aiohttp. For ``gs://``, ``s3://``
+(:mod:`otfload.sources.s3`) and ``http(s)://`` the range answer itself is checked
+(``Content-Range``, lengths, encoding) before a byte is taken.
 A large range is fetched as concurrent chunks of :data:`~otfload.sources.ranges.REMOTE_CHUNK_BYTES`
 into the caller's buffer, never staged whole; at most
 :data:`~otfload.sources.ranges.MAX_REQUESTS_IN_FLIGHT` requests of a source are in flight at once,
@@ -61,6 +62,7 @@ _USERINFO = re.compile(r"(?<=://)[^/@]*@")  # "s3://key:secret@bucket" -> "s3://
 MAX_FILE_BYTES = 1 << 44
 # Body chunks of an HTTP range answer: large enough for GB/s, small enough to notice a long body early.
 HTTP_CHUNK_BYTES = 1 << 20
+S3_PROTOCOLS = ("s3", "s3a")  # s3fs's: opened by otfload.sources.s3 (imported only then: botocore is slow to import)
 
 
 def open_filesystem(url: str, **options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -87,7 +89,9 @@ PUBLISHED_DIGESTS = {"md5": "md5Hash", "crc32c": "crc32c"}
 class FsspecSource(RetriedCalls):
     """The safetensors and JSON files under ``url``; ``storage_options`` go to the fsspec filesystem.
 
-    For ``gs://`` they are gcsfs options, e.g. ``{"endpoint_url": "http://127.0.0.1:4443", "token": "anon"}``.
+    For ``gs://`` they are gcsfs options, e.g. ``{"endpoint_url": "http://127.0.0.1:4443", "token": "anon"}``;
+    for ``s3://`` s3fs options, e.g. ``{"endpoint_url": "https://minio.example:9000", "key": ..., "secret": ...}``
+    or ``{"anon": True}``.
     ``retry`` bounds every call (see :class:`RetryPolicy`); ``timeout`` (seconds, default
     ``OTFLOAD_TIMEOUT``, else none) is the total deadline of everything read through this source,
     counted from now: past it reads raise :class:`~otfload.errors.SourceTimeoutError`.
@@ -112,7 +116,12 @@ class FsspecSource(RetriedCalls):
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         options = _with_idle_timeouts(protocol, dict(storage_options or {}), self._retry.read_timeout_s)
         try:
-            self._fs, root = open_filesystem(self.url, **options)
+            if protocol in S3_PROTOCOLS:
+                from otfload.sources.s3 import open_s3
+
+                self._fs, root = open_s3(self.url, **options)
+            else:
+                self._fs, root = open_filesystem(self.url, **options)
         except (ImportError, ValueError, TypeError) as e:
             raise SourceError(f"{self.description}: cannot open ({type(e).__name__}: {e})") from e
         self._root = root.rstrip("/")
@@ -120,6 +129,7 @@ class FsspecSource(RetriedCalls):
         self._async = isinstance(self._fs, AsyncFileSystem)
         self._http = protocol in ("http", "https")
         self._gcs = protocol in ("gs", "gcs") and hasattr(self._fs, "_call") and hasattr(self._fs, "url")
+        self._s3 = protocol in S3_PROTOCOLS
         found = self._call(lambda: self._run(lambda: self._fs._find(self._root, detail=True), self._find_sync, 0))
         sizes = {path[len(self._root) + 1 :]: info.get("size") for path, info in found.items() if path != self._root}
         if not sizes:
@@ -190,6 +200,10 @@ class FsspecSource(RetriedCalls):
                 self._run(lambda: self._http_range(path, url, offset, out, size), None, want)
             elif self._gcs:
                 self._run(lambda: self._gcs_range(path, url, offset, out, size), None, want)
+            elif self._s3:
+                from otfload.sources.s3 import read_s3_range
+
+                self._run(lambda: read_s3_range(self._fs, path, url, offset, out, size), None, want)
             else:
                 cat = lambda: self._fs._cat_file(path, start=offset, end=offset + want)  # noqa: E731
                 data = self._run(cat, lambda: self._fs.cat_file(path, start=offset, end=offset + want), want)
@@ -294,6 +308,17 @@ class FsspecSource(RetriedCalls):
             status = getattr(e, "status", None)  # aiohttp
             if not isinstance(status, int):
                 status = getattr(e, "code", None)  # gcsfs HttpError
+            transient = _looks_transient(e)
+            if self._s3:  # botocore's errors, or the OSErrors s3fs made of them
+                from otfload.sources.s3 import is_s3_transient, lacks_credentials, s3_status
+
+                if lacks_credentials(e):
+                    raise SourcePermissionError(
+                        f"{what}: no S3 credentials found; give key= and secret= in storage_options, "
+                        "set up the AWS credential chain, or pass anon=True for a public bucket"
+                    ) from e
+                status = status if isinstance(status, int) else s3_status(e)
+                transient = transient or is_s3_transient(e)
             if _is_protocol_error(e):
                 raise SourceProtocolError(f"{what}: {type(e).__name__}: {e}") from e
             if isinstance(status, int) and status >= 100:
@@ -301,7 +326,7 @@ class FsspecSource(RetriedCalls):
                     raise SourcePermissionError(f"{what}: HTTP {status}, credentials missing or lacking access") from e
                 if not is_transient_status(status):
                     raise SourceError(f"{what}: HTTP {status}") from e
-            elif not _looks_transient(e):
+            elif not transient:
                 raise SourceError(f"{what}: {type(e).__name__}: {e}") from e
             raise TransientError(f"{type(e).__name__}: {e}") from e
 
@@ -311,7 +336,11 @@ async def _within(coro: Awaitable[T], seconds: float) -> T:
 
 
 def _with_idle_timeouts(protocol: str, options: dict[str, Any], idle_s: float) -> dict[str, Any]:
-    """Give gcsfs and aiohttp an idle timeout (connect, next bytes) unless the caller chose one."""
+    """Give gcsfs, botocore and aiohttp an idle timeout (connect, next bytes) unless the caller chose one."""
+    if protocol in S3_PROTOCOLS:
+        from otfload.sources.s3 import with_s3_timeouts
+
+        return with_s3_timeouts(options, idle_s)
     if protocol not in ("gs", "gcs", "http", "https"):
         return options
     import aiohttp

@@ -1,1 +1,1 @@
-"""Real servers started by the tests: a Hub-protocol HTTP server and the fake-gcs-server binary."""
+"""Real servers started by the tests: a Hub-protocol HTTP server, the fake-gcs-server binary and moto's S3."""

@@ -241,12 +241,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class FaultProxy(GetsInFlight):
-    """A fault-injecting HTTP reverse proxy for ``upstream`` (``http://host:port``); a context manager."""
+    """A fault-injecting HTTP reverse proxy for ``upstream`` (``http://host:port``); a context manager.
 
-    def __init__(self, upstream: str):
+    ``match`` picks the object reads that faults apply to and bodies are counted for (the
+    :attr:`ProxyFaults.match` of every reset): GCS's ``alt=media`` by default, a bucket's path for S3.
+    """
+
+    def __init__(self, upstream: str, match: str = ProxyFaults.match):
         parts = urlsplit(upstream)
         self.upstream_host, self.upstream_port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.faults = ProxyFaults()
+        self.match = match
+        self.faults = ProxyFaults(match=match)
         self.log: list[ProxiedRequest] = []
         self.body_bytes = 0  # body bytes relayed for requests matching ``faults.match``
         self._body_lock = threading.Lock()
@@ -295,7 +300,7 @@ class FaultProxy(GetsInFlight):
         self.body_bytes = self.abandoned = 0
         with self._flight:
             self.peak_in_flight, self.gather_missed = self.in_flight, 0
-        self.faults = ProxyFaults()
+        self.faults = ProxyFaults(match=self.match)
 
     def start(self) -> FaultProxy:
         self._httpd = _Server(("127.0.0.1", self.port), _Handler)

@@ -1,6 +1,6 @@
 """Session-scoped pytest fixtures for the test servers; import them from a ``conftest.py``.
 
-``hub_server`` / ``gcs_server`` run for the whole session; ``hub`` hands a test the Hub server
+``hub_server`` / ``gcs_server`` / ``s3_server`` run for the whole session; ``hub`` hands a test the Hub server
 running, with an empty request log and no faults (tests may stop it: the next one restarts it).
 """
 
@@ -12,6 +12,7 @@ import pytest
 
 from .gcs_server import GcsServer
 from .hub_server import HubServer
+from .s3_server import S3Server
 
 
 @pytest.fixture(scope="session")
@@ -35,4 +36,11 @@ def hub(hub_server: HubServer) -> Iterator[HubServer]:
 def gcs_server() -> Iterator[GcsServer]:
     """The real fake-gcs-server; upload with ``upload_dir``."""
     with GcsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1; upload with ``upload_dir``."""
+    with S3Server() as server:
         yield server

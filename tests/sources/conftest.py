@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from otfload.sources.retry import RetryPolicy
-from tests.servers.fixtures import gcs_server, hub, hub_server  # noqa: F401 - fixtures
+from tests.servers.fixtures import gcs_server, hub, hub_server, s3_server  # noqa: F401 - fixtures
 
 # Fast bounds for tests: a few quick retries, and a dead server is reported within ~2 s.
 FAST_RETRY = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.1, deadline_s=2.0, attempt_timeout_s=1.0)
