@@ -281,13 +281,9 @@ def _check_vocab(model: CausalLM, sequences: Sequence[np.ndarray]) -> None:
 def model_config(model: CausalLM) -> dict[str, Any]:
     """The ``config.json`` a bundled model was built from (its ``text_config`` for multimodal
     checkpoints); empty for a model otfload did not build."""
-    from otfload.models.origin import origin_of
+    from otfload.generate import config_with
 
-    origin = origin_of(model)
-    config = origin.config if origin is not None else {}
-    if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
-    return config
+    return config_with(model, "max_position_embeddings")
 
 
 def load_with_tokenizer(

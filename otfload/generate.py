@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,10 @@ from otfload.plan.sharding import logical_to_sharding
 
 # A model's KV cache (``CausalLM.init_cache``): ``{"index", "mask", "layers": {group: {"k", "v"}}}``.
 KVCache = dict[str, Any]
+
+
+class ContextLengthWarning(UserWarning):
+    """A generation runs past the positions the model was trained for (``max_position_embeddings``)."""
 
 
 def generate(
@@ -52,7 +57,9 @@ def generate(
     ``max_new_tokens`` steps. Positions follow transformers: each real token's index among its
     row's real tokens, new tokens counting on from the last prompt position. ``stop`` is called
     after each step with the new tokens so far (``[b, t]`` numpy); when it returns True, decoding
-    stops there (the rest is ``pad_token_id``, as after EOS): lm_eval's stop sequences.
+    stops there (the rest is ``pad_token_id``, as after EOS): lm_eval's stop sequences. When the
+    longest prompt (its real tokens) and ``max_new_tokens`` take more positions than the config's
+    ``max_position_embeddings``, a ``ContextLengthWarning`` says so, and decoding goes on.
     """
     ids = np.asarray(input_ids)
     if ids.ndim != 2:
@@ -66,6 +73,7 @@ def generate(
     eos, pad = special_tokens(model, eos_token_id, pad_token_id)
     if max_new_tokens == 0:
         return jnp.asarray(ids)
+    warn_past_context(model, int(mask.sum(axis=-1).max()), max_new_tokens)
     positions = np.where(mask, np.cumsum(mask, axis=-1) - 1, 0).astype(np.int32)
     mesh = model_mesh(model)
     run = functools.partial(_step, eos=eos, pad=pad, mesh=mesh)
@@ -118,15 +126,22 @@ def _step(
     return nxt, cache, unfinished
 
 
+def config_with(model: CausalLM, key: str) -> dict[str, Any]:
+    """The ``config.json`` a bundled model was built from, or its ``text_config`` (a multimodal
+    checkpoint's) when ``key`` is only there; empty for a model otfload did not build."""
+    origin = origin_of(model)
+    config = origin.config if origin is not None else {}
+    if key not in config and isinstance(config.get("text_config"), dict):
+        return dict(config["text_config"])
+    return dict(config)
+
+
 def special_tokens(
     model: CausalLM, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None
 ) -> tuple[tuple[int, ...], int | None]:
     """``(eos ids, pad id)``: the arguments, else the model's ``config.json`` (its ``text_config``
     for multimodal checkpoints); pad falls back to the first EOS id, as in transformers."""
-    origin = origin_of(model)
-    config = origin.config if origin is not None else {}
-    if "eos_token_id" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
+    config = config_with(model, "eos_token_id")
     if eos_token_id is None:
         eos_token_id = config.get("eos_token_id")
     eos = () if eos_token_id is None else tuple(np.atleast_1d(eos_token_id).astype(int).tolist())
@@ -135,6 +150,19 @@ def special_tokens(
     if pad_token_id is None and eos:
         pad_token_id = eos[0]
     return eos, pad_token_id
+
+
+def warn_past_context(model: CausalLM, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Warn (``ContextLengthWarning``) when the longest prompt and the new tokens take more positions
+    than the config's ``max_position_embeddings``: a rotary model runs there, but was never trained
+    to, and what it generates past it is unreliable."""
+    limit = config_with(model, "max_position_embeddings").get("max_position_embeddings")
+    total = prompt_tokens + max_new_tokens
+    if isinstance(limit, int) and total > limit:
+        warnings.warn(f"a prompt of {prompt_tokens} tokens and {max_new_tokens} new tokens take {total} positions, "
+                      f"more than the model's max_position_embeddings of {limit} (config.json): the tokens past "
+                      f"position {limit} are generated beyond what the model was trained for",
+                      ContextLengthWarning, stacklevel=3)
 
 
 def model_mesh(model: nnx.Module) -> Mesh | None:

@@ -13,6 +13,7 @@ import argparse
 import difflib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
 
@@ -50,12 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         refuse_unknown(args, unknown)
     options.simulate_devices(getattr(args, "devices", None))
-    from otfload.cli.messages import cli_message
+    from otfload.cli.messages import cli_message, show_warning
     from otfload.errors import InvalidOptionError, OtfloadError
 
     run: Callable[[argparse.Namespace], int] = args.run  # each subcommand's ``run`` (``set_defaults``)
     try:
-        return run(args)
+        with warnings.catch_warnings():  # restores Python's own display when the command returns
+            warnings.showwarning = show_warning
+            return run(args)
     except BrokenPipeError:  # the reader of stdout stopped early (``otfload inspect ... | head``)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 0

@@ -3,13 +3,15 @@
 The library's messages name keyword arguments (``pass overwrite=True``), the API's vocabulary. The
 command line prints the same message with each keyword the CLI sets by a flag replaced by that
 flag (``pass --overwrite``), and says how to fix a mesh that needs another number of devices with
-the ``--devices`` and ``--mesh`` flags. A keyword inside a quoted Python call (``from_pretrained(...,
-merge_adapter=False)``) is left as it is.
+the ``--devices`` and ``--mesh`` flags. Warnings read the same way (``otfload: warning: ...``). A
+keyword inside a quoted Python call (``from_pretrained(..., merge_adapter=False)``) is left as it is.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from typing import TextIO
 
 from otfload.errors import DeviceCountError
 
@@ -41,4 +43,12 @@ def cli_message(error: Exception) -> str:
     return _KEYWORD.sub(lambda m: _FLAG_OF[m[1]], str(error))
 
 
-__all__ = ["FLAGS", "cli_message"]
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
+    """``warnings.showwarning`` for the command line: ``otfload: warning: <type>: <message>`` on
+    stderr, in the CLI's words, without the source line Python shows."""
+    text = cli_message(message) if isinstance(message, Exception) else message
+    print(f"otfload: warning: {category.__name__}: {text}", file=sys.stderr if file is None else file)
+
+
+__all__ = ["FLAGS", "cli_message", "show_warning"]

@@ -128,3 +128,18 @@ def test_adapter_base_missing_names_adapter_config(tmp_path, no_hub, capsys, mon
     assert f"adapter {adapter}: adapter_config.json names the base model base_model_name_or_path='tinyqwen'" in err
     assert f"a relative path is taken from the current directory, {tmp_path}" in err
     assert "this adapter as --adapter" in err
+
+
+def test_generate_past_the_context_warns_in_cli_words(tiny_checkpoints, tmp_path, capsys):
+    import json
+
+    from tests.eval_support import with_tokenizer
+
+    path = with_tokenizer(tiny_checkpoints("llama")[0], tmp_path / "short")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4}))
+    assert main(["generate", str(path), "--prompt", "the quick brown fox", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert any(line.startswith("otfload: warning: ContextLengthWarning: a prompt of ") for line in err.splitlines())
+    assert "more than the model's max_position_embeddings of 4 (config.json)" in err
+    assert "warnings.warn" not in err  # Python's source-line echo is not shown
