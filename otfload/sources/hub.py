@@ -12,6 +12,7 @@ whole; every request of the source, whichever thread sends it, takes one of
 :data:`~otfload.sources.ranges.MAX_REQUESTS_IN_FLIGHT` slots. The first chunk that fails for good
 cancels its siblings (their requests are cut) and its own typed error is raised.
 Offline (``local_files_only`` or ``HF_HUB_OFFLINE``), only the cached snapshot is used.
+Both ``huggingface_hub`` majors are supported, 1.x (httpx) and 2.x (httpx2): see :mod:`otfload.sources.hub_http`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import quote
 
-import httpx2
 import urllib3
 from huggingface_hub import constants
 from huggingface_hub.errors import (
@@ -61,6 +61,7 @@ from otfload.errors import (
 from otfload.sources import http_body
 from otfload.sources.base import RangeRead
 from otfload.sources.formats import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
+from otfload.sources.hub_http import httpx
 from otfload.sources.local import LocalSource
 from otfload.sources.names import check_member_name
 from otfload.sources.ranges import (
@@ -333,7 +334,7 @@ class HubSource(RetriedCalls):
     @contextmanager
     def _stream(
         self, url: str, headers: dict[str, str], until: float
-    ) -> Iterator[tuple[httpx2.Response, Callable[[], bool]]]:
+    ) -> Iterator[tuple[httpx.Response, Callable[[], bool]]]:
         """GET ``url`` through ``huggingface_hub``'s client; the response must be fully handled by
         monotonic time ``until``.
 
@@ -341,7 +342,7 @@ class HubSource(RetriedCalls):
         in, the socket is shut at ``until`` (or when the load is cancelled), which ends a dripping
         body. Yields the response and a function telling whether that cut happened.
         """
-        with get_session().stream("GET", url, headers=headers, timeout=httpx2.Timeout(self._idle_s(until))) as r:
+        with get_session().stream("GET", url, headers=headers, timeout=httpx.Timeout(self._idle_s(until))) as r:
             sock = _socket_of(r)
             with interrupt_at(until, lambda: http_body.shutdown(sock)) as cut:
                 yield r, cut
@@ -361,7 +362,7 @@ class HubSource(RetriedCalls):
                     if len(body) > limit:
                         raise SourceProtocolError(f"{self.description}: {url} sent more than {limit} bytes of metadata")
                 return bytes(body)
-        except httpx2.TransportError as e:
+        except httpx.TransportError as e:
             if cut():
                 raise StallError(f"no complete answer within the attempt's time ({received} bytes)", received) from e
             raise
@@ -451,22 +452,22 @@ class HubSource(RetriedCalls):
             raise SourceError(f"{what}: HTTP {status}{at}") from e
         except urllib3.exceptions.HTTPError as e:
             raise _from_urllib3(e, what, url, self._retry.read_timeout_s) from e
-        except httpx2.TimeoutException as e:
+        except httpx.TimeoutException as e:
             raise StallError(f"{type(e).__name__}: nothing received for {self._retry.read_timeout_s:g}s") from e
-        except httpx2.TooManyRedirects as e:
+        except httpx.TooManyRedirects as e:
             raise SourceProtocolError(f"{what}: {url or 'the request'} redirects in a loop ({e})") from e
-        except httpx2.DecodingError as e:
+        except httpx.DecodingError as e:
             raise SourceProtocolError(f"{what}: the body from {url or 'the server'} does not decode "
                                       f"as its Content-Encoding says ({e})") from e  # fmt: skip
-        except httpx2.UnsupportedProtocol as e:
+        except httpx.UnsupportedProtocol as e:
             raise SourceProtocolError(f"{what}: redirected to an unsupported URL ({e})") from e
-        except httpx2.TransportError as e:
+        except httpx.TransportError as e:
             raise TransientError(f"{type(e).__name__}: {e}") from e
-        except (httpx2.RequestError, httpx2.InvalidURL) as e:
+        except (httpx.RequestError, httpx.InvalidURL) as e:
             raise SourceProtocolError(f"{what}: {type(e).__name__}: {e}{at}") from e
 
 
-def _socket_of(r: httpx2.Response) -> socket.socket | None:
+def _socket_of(r: httpx.Response) -> socket.socket | None:
     stream = r.extensions.get("network_stream")
     return stream.get_extra_info("socket") if stream is not None else None
 
@@ -475,7 +476,7 @@ def _raise_for_status(status: int, headers: Iterable[tuple[str, str]], body: Cal
     """Raise the ``huggingface_hub`` error for a 4xx/5xx (``body`` gives the answer's, for its
     message); any other non-2xx status is a protocol error."""
     if status >= 400:
-        answer = httpx2.Response(status, headers=list(headers), content=body(), request=httpx2.Request("GET", url))
+        answer = httpx.Response(status, headers=list(headers), content=body(), request=httpx.Request("GET", url))
         hf_raise_for_status(answer)
     if not 200 <= status < 300:
         raise SourceProtocolError(f"{url}: unexpected HTTP {status}")

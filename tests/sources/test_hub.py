@@ -1,4 +1,4 @@
-"""HubSource against a real Hub-protocol HTTP server on 127.0.0.1 (no mocks)."""
+"""HubSource against a real Hub-protocol HTTP server on 127.0.0.1 (no mocks), under huggingface_hub 1.x and 2.x."""
 
 from __future__ import annotations
 
@@ -197,3 +197,15 @@ def test_pickle_only_repo_is_refused(open_hub, hub, pickle_checkpoint):
     hub.add_repo("org/pickled", pickle_checkpoint)
     with pytest.raises(UnsafeFormatError, match="pytorch_model.bin.*safetensors"):
         open_hub("org/pickled")
+
+
+def test_the_http_library_is_the_one_huggingface_hub_uses():
+    """huggingface_hub 1.x (the README's second venv) and 2.x (the main one) build their client on
+    different libraries: the responses and exceptions the source handles must be the client's."""
+    import huggingface_hub
+    from huggingface_hub.utils import get_session
+
+    from otfload.sources.hub_http import httpx
+
+    assert isinstance(get_session(), httpx.Client)
+    assert int(huggingface_hub.__version__.split(".")[0]) in (1, 2)  # the majors otfload is tested with
