@@ -43,7 +43,8 @@ class PartLayout:
 
     ``block`` and ``pack_axis`` count from the end (``pack_axis`` is negative); ``codec`` is one of
     :data:`otfload.index.quant.parts.CODECS`; ``multiplies``: a global scale that multiplies the
-    scales (ModelOpt's ``weight_scale_2``) rather than dividing them.
+    scales (ModelOpt's ``weight_scale_2``) rather than dividing them; ``order``: element ``j`` of each
+    packed word is its field ``order[j]`` (AWQ); ``add`` is added to the values (GPTQ v1 zero points).
     """
 
     block: tuple[int, ...]
@@ -52,6 +53,8 @@ class PartLayout:
     pack_axis: int | None = None
     field: int = 1
     multiplies: bool = False
+    order: tuple[int, ...] | None = None
+    add: int = 0
 
 
 @jax.tree_util.register_dataclass
@@ -123,10 +126,12 @@ def _unpack(words: jax.Array, layout: PartLayout) -> jax.Array:
     axis = words.ndim + layout.pack_axis
     shifts = (jnp.arange(per, dtype=unsigned) * layout.bits).reshape((per,) + (1,) * (words.ndim - axis - 1))
     fields = (jnp.expand_dims(bits, axis + 1) >> shifts) & jnp.asarray((1 << layout.bits) - 1, unsigned)
+    if layout.order is not None:
+        fields = jnp.take(fields, jnp.asarray(layout.order), axis=axis + 1)
     fields = fields.reshape((*words.shape[:axis], words.shape[axis] * per, *words.shape[axis + 1 :]))
     if layout.codec == "e2m1":
         return jnp.asarray(E2M1_VALUES)[fields.astype(jnp.int32)]
-    offset: jax.Array = jnp.float32(1 << (layout.bits - 1))
+    offset: jax.Array = jnp.float32((1 << (layout.bits - 1)) - layout.add)
     return fields.astype(jnp.float32) - offset
 
 
@@ -146,7 +151,8 @@ def _values(part: jax.Array, layout: PartLayout) -> tuple[jax.Array, tuple[int, 
         return _unpack(part, layout), tuple(block)
     if layout.codec == "e8m0":
         return _e8m0(part), layout.block
-    return part.astype(jnp.float32), layout.block
+    values = part.astype(jnp.float32)
+    return (values + jnp.float32(layout.add) if layout.add else values), layout.block
 
 
 def _expand(values: jax.Array, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:

@@ -26,6 +26,9 @@ from tests.helpers import hf_tensors, max_rel_diff, token_ids, torch_logits
 from tests.index.quant import layouts
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+GPTQ_INT4 = layouts.gptq_config(4, 32)
+GPTQ_INT8_V2 = layouts.gptq_config(8, -1, sym=False, fmt="gptq_v2")
+GPTQ_DESC_ACT = layouts.gptq_config(4, 32, desc_act=True, sym=False)
 
 # name -> (tiny model kind, tensor selector, quantizer, quantization_config)
 LAYOUTS = {
@@ -44,6 +47,14 @@ LAYOUTS = {
     "ct_fp8_channel_moe": ("mixtral", layouts.is_linear, layouts.compressed_tensors("fp8_channel"),
                            layouts.ct_config("fp8_channel", ignore=["lm_head", "re:.*block_sparse_moe.gate$"])),
     "mxfp4_gpt_oss": ("gpt_oss", layouts.is_gpt_oss_expert, layouts.mxfp4_experts, layouts.MXFP4_CONFIG),
+    "gptq_int4_sym": ("llama", layouts.is_linear, layouts.gptq(GPTQ_INT4), GPTQ_INT4),
+    "gptq_int8_asym_v2_whole_rows": ("qwen3", layouts.is_linear, layouts.gptq(GPTQ_INT8_V2), GPTQ_INT8_V2),
+    "gptq_int4_desc_act": ("llama", layouts.is_linear, layouts.gptq(GPTQ_DESC_ACT), GPTQ_DESC_ACT),
+    "gptq_int4_moe_experts": ("qwen3_moe", lambda k: layouts.is_linear(k) and ".experts." in k,
+                              layouts.gptq(GPTQ_INT4), GPTQ_INT4),
+    "awq_gemm": ("llama", layouts.is_linear, layouts.awq, layouts.AWQ_CONFIG),
+    "awq_moe_experts": ("mixtral", lambda k: layouts.is_linear(k) and ".experts." in k, layouts.awq,
+                        layouts.AWQ_CONFIG),
     "modelopt_fp8": ("llama", layouts.is_linear, layouts.modelopt_fp8, layouts.MODELOPT_FP8_FILE),
     "modelopt_nvfp4": ("llama", layouts.is_linear, layouts.modelopt_nvfp4, layouts.MODELOPT_NVFP4_CONFIG),
     "modelopt_nvfp4_moe_experts": ("qwen3_moe", lambda k: layouts.is_linear(k) and ".experts." in k,

@@ -274,7 +274,7 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
         n = len(state.logical)
         layouts.append((role, PartLayout(state.block, part.codec, part.bits,
                                          None if state.pack_axis is None else state.pack_axis - n, part.field,
-                                         part.multiplies)))
+                                         part.multiplies, part.order, part.add)))
     kept = KeptLeaf(plan.path, paths, tuple(layouts), plan.slice_shape, str(plan.leaf.dtype.name),
                     sources[0].storage, spec, note)
     return kept, leaves

@@ -3,9 +3,12 @@
 - FP4 E2M1 (MXFP4, NVFP4): 4-bit codes, sign bit 3, values ``0, .5, 1, 1.5, 2, 3, 4, 6``; two codes
   per byte, the **low nibble first** (element ``2i`` in bits 0-3 of byte ``i``).
 - E8M0 (MXFP4 block scales): one byte ``s`` is ``2**(s - 127)``; ``s = 255`` is NaN.
-- Dense b-bit integers (compressed-tensors ``pack-quantized``): the elements of a row are one
+- Dense b-bit integers (compressed-tensors ``pack-quantized``, GPTQ): the elements of a row are one
   little-endian bit stream of int32 words, element ``i`` at bits ``[i*b, (i+1)*b)``, stored with an
-  offset of ``2**(b-1)`` (so ``code - 2**(b-1)`` is the signed value).
+  offset of ``2**(b-1)`` (so ``code - 2**(b-1)`` is the signed value; GPTQ's unsigned codes and
+  zero points carry the same offset, which cancels in ``code - zero``).
+- AWQ interleaves the 8 int4 fields of each word: element ``j`` of a word is field ``order[j]``
+  (``order`` = ``(0, 4, 1, 5, 2, 6, 3, 7)``, the inverse of AutoAWQ's pack order ``0 2 4 6 1 3 5 7``).
 """
 
 from __future__ import annotations
@@ -43,13 +46,25 @@ def packed_words(start: int, stop: int, num_bits: int) -> tuple[int, int]:
     return start * num_bits // BITS_PER_WORD, -(-stop * num_bits // BITS_PER_WORD)
 
 
-def unpack_ints(words: np.ndarray, num_bits: int, start: int, stop: int) -> np.ndarray:
+def unpack_ints(words: np.ndarray, num_bits: int, start: int, stop: int,
+                order: tuple[int, ...] | None = None) -> np.ndarray:
     """Signed values (as float32) of elements ``[start, stop)`` along the last axis, from the words
     covering them (``words`` starts at word ``packed_words(start, stop, num_bits)[0]`` of each row).
+    ``order``: element ``j`` of each word is its field ``order[j]`` (AWQ), else field ``j``.
 
     Codes are written straight into the float32 result and the offset subtracted in place: one pass
     over the output instead of widening through int32 (3x faster for int4, measured).
     """
+    if order is not None:  # whole words in field order, then each word's elements put in place
+        per = BITS_PER_WORD // num_bits
+        first = start // per * per
+        fields = _unpack(words, num_bits, first, first + words.shape[-1] * per)
+        values = fields.reshape(*fields.shape[:-1], -1, per)[..., list(order)].reshape(fields.shape)
+        return values[..., start - first : stop - first]
+    return _unpack(words, num_bits, start, stop)
+
+
+def _unpack(words: np.ndarray, num_bits: int, start: int, stop: int) -> np.ndarray:
     data = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
     first_word = start * num_bits // BITS_PER_WORD
     skip = start * num_bits - first_word * BITS_PER_WORD

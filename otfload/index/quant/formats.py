@@ -21,6 +21,8 @@ Layouts (docs/formats.md has the math and the references each was checked agains
   ``pack-quantized`` (``weight_packed`` I32 + ``weight_shape``, zero points packed along rows),
   ``nvfp4-pack-quantized`` (``weight_packed`` U8 + F8 ``weight_scale`` per 16 + ``weight_global_scale``).
 - ``mxfp4`` (GPT-OSS): ``X_blocks`` U8 ``[..., out, in/32, 16]`` + ``X_scales`` E8M0.
+- ``gptq`` and ``awq``: int32-packed codes and zero points stored ``[in, out]``-major
+  (:mod:`otfload.index.quant.intlinear`).
 - ``modelopt`` (NVIDIA ModelOpt; ``hf_quant_config.json`` beside ``config.json`` or
   ``quantization_config``): FP8 ``weight`` + ``weight_scale`` per tensor or per row; NVFP4
   ``weight`` U8 (two E2M1 codes per byte) + F8 ``weight_scale`` per 16 + ``weight_scale_2`` (one
@@ -40,6 +42,8 @@ import numpy as np
 
 from otfload.errors import ConfigError, QuantizationError, UnsupportedQuantizationError
 from otfload.index.header import TensorInfo
+from otfload.index.quant.common import QuantConfig, ReadValues, Tensor, fail, stored
+from otfload.index.quant.intlinear import awq, gptq
 from otfload.index.quant.tensor import (
     MX_BLOCK,
     MX_BLOCK_BYTES,
@@ -53,18 +57,13 @@ from otfload.index.quant.tensor import (
     as_grid,
 )
 
-Tensor = TensorInfo | QuantizedTensor
-ReadValues = Callable[[list[TensorInfo]], list[np.ndarray]]
-# A parsed ``quantization_config`` (JSON: values are checked where they are read).
-QuantConfig = Mapping[str, Any]
-
 # DeepSeek-V3's ``weight_block_size``, for FP8 ``_scale_inv`` checkpoints whose config omits it.
 DEFAULT_FP8_BLOCK = (128, 128)
 # NVFP4 shares one FP8 scale between 16 FP4 values (the format fixes it).
 NVFP4_GROUP = 16
 # Methods transformers knows that otfload detects but does not decode yet.
 NOT_YET_SUPPORTED = frozenset({
-    "awq", "gptq", "bitsandbytes", "aqlm", "eetq", "hqq", "quanto", "torchao", "exl2", "higgs",
+    "bitsandbytes", "aqlm", "eetq", "hqq", "quanto", "torchao", "exl2", "higgs",
     "vptq", "spqr", "bitnet", "fp_quant", "auto-round", "quark", "fbgemm_fp4", "mxfp8",
 })
 # ModelOpt's ``quant_algo`` values decoded here, by the codes they store.
@@ -93,20 +92,6 @@ class QuantizedView:
     activation: dict[str, TensorInfo] = field(default_factory=dict)
 
 
-def _fail(method: str | None, message: str) -> QuantizationError:
-    return QuantizationError(f"quantization {method or '(no quantization_config)'}: {message}")
-
-
-def _stored(method: str | None, key: str, tensor: Tensor) -> TensorInfo:
-    """A companion of a quantized weight (scale, zero point, packed codes, ...) as it is stored.
-
-    Only the weight a companion belongs to is decoded, never the companion itself: one that is
-    already a :class:`QuantizedTensor` means two layouts claimed the same name."""
-    if isinstance(tensor, TensorInfo):
-        return tensor
-    raise _fail(method, f"{key!r} is both a decoded weight and a companion of one")
-
-
 def _int_list(qc: QuantConfig, name: str, length: int | None = None) -> tuple[int, ...] | None:
     value = qc.get(name)
     if value is None:
@@ -133,10 +118,10 @@ def _checked_scale(method: str | None, weight: Tensor, scale: TensorInfo, block:
     grid = _grid(shape, block)
     fitted = as_grid(scale, grid)
     if fitted is None:
-        raise _fail(method, f"scale {scale.name!r} has shape {list(scale.shape)}; weight {weight.name!r} "
+        raise fail(method, f"scale {scale.name!r} has shape {list(scale.shape)}; weight {weight.name!r} "
                             f"{list(shape)} with blocks {list(block)} needs {list(grid)}")
     if not np.issubdtype(scale.dtype, np.floating) and scale.dtype.kind != "V":
-        raise _fail(method, f"scale {scale.name!r} has dtype {scale.dtype}, expected a float dtype")
+        raise fail(method, f"scale {scale.name!r} has dtype {scale.dtype}, expected a float dtype")
     return fitted
 
 
@@ -153,7 +138,7 @@ def _per_tensor_or_block(method: str | None, weight: TensorInfo, scale: TensorIn
         return weight.shape
     if as_grid(scale, (*weight.shape[:-1], 1)) is not None:
         return (*(1,) * (len(weight.shape) - 1), weight.shape[-1])
-    raise _fail(method, f"scale {scale.name!r} {list(scale.shape)} of {weight.name!r} {list(weight.shape)} "
+    raise fail(method, f"scale {scale.name!r} {list(scale.shape)} of {weight.name!r} {list(weight.shape)} "
                         "is neither per tensor nor per row and weight_block_size is null")
 
 
@@ -164,8 +149,8 @@ def _fp8_pairs(method: str | None, tensors: dict[str, Tensor], suffix: str,
         weight = tensors.get(name)
         if not isinstance(weight, TensorInfo) or not _is_fp8(weight):
             what = "is missing" if weight is None else f"has dtype {weight.dtype}"
-            raise _fail(method, f"scale {key!r} belongs to {name!r}, which {what} (expected an FP8 weight)")
-        scale = _stored(method, key, tensors.pop(key))
+            raise fail(method, f"scale {key!r} belongs to {name!r}, which {what} (expected an FP8 weight)")
+        scale = stored(method, key, tensors.pop(key))
         wblock = _per_tensor_or_block(method, weight, scale, block)
         scales = BlockScales(_checked_scale(method, weight, scale, wblock), wblock)
         what = f"{storage} {weight.dtype.name}, {scale.dtype.name} scale per {_blk(wblock, weight.shape)}"
@@ -196,8 +181,8 @@ def _fbgemm_fp8(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) 
         name = key[: -len("_scale")]
         weight = tensors.get(name)
         if not isinstance(weight, TensorInfo) or not _is_fp8(weight):
-            raise _fail("fbgemm_fp8", f"scale {key!r} has no FP8 weight {name!r}")
-        scale = _stored("fbgemm_fp8", key, tensors.pop(key))
+            raise fail("fbgemm_fp8", f"scale {key!r} has no FP8 weight {name!r}")
+        scale = stored("fbgemm_fp8", key, tensors.pop(key))
         block = (*(1,) * (len(weight.shape) - 1), weight.shape[-1])
         scales = BlockScales(_checked_scale("fbgemm_fp8", weight, scale, block), block)
         tensors[name] = QuantizedTensor(name, weight.shape, PlainCodes(weight), scales,
@@ -208,23 +193,23 @@ def _fbgemm_fp8(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) 
 def _unscaled_fp8(method: str, tensors: dict[str, Tensor]) -> None:
     raw = [k for k, v in tensors.items() if isinstance(v, TensorInfo) and _is_fp8(v)]
     if raw:
-        raise _fail(method, f"{len(raw)} FP8 tensor(s) have no scale, e.g. {raw[0]!r}")
+        raise fail(method, f"{len(raw)} FP8 tensor(s) have no scale, e.g. {raw[0]!r}")
 
 
 def _mxfp4(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
     for key in [k for k in tensors if k.endswith("_blocks")]:
         name = key[: -len("_blocks")]
-        blocks, stored_scales = _stored("mxfp4", key, tensors[key]), tensors.get(f"{name}_scales")
+        blocks, stored_scales = stored("mxfp4", key, tensors[key]), tensors.get(f"{name}_scales")
         if stored_scales is None:
-            raise _fail("mxfp4", f"{key!r} has no {name + '_scales'!r}")
-        scales = _stored("mxfp4", f"{name}_scales", stored_scales)
+            raise fail("mxfp4", f"{key!r} has no {name + '_scales'!r}")
+        scales = stored("mxfp4", f"{name}_scales", stored_scales)
         if (blocks.dtype != np.uint8 or scales.dtype != np.uint8 or len(blocks.shape) < 3
                 or blocks.shape[-1] != MX_BLOCK_BYTES or scales.shape != blocks.shape[:-1]):
-            raise _fail("mxfp4", f"{key!r} {blocks.dtype}{list(blocks.shape)} and {name}_scales "
+            raise fail("mxfp4", f"{key!r} {blocks.dtype}{list(blocks.shape)} and {name}_scales "
                                  f"{scales.dtype}{list(scales.shape)} are not U8 [..., out, in/32, 16] and "
                                  "U8 [..., out, in/32]")
         if name in tensors:
-            raise _fail("mxfp4", f"{name!r} is stored both quantized and unquantized")
+            raise fail("mxfp4", f"{name!r} is stored both quantized and unquantized")
         *lead, out, groups, _ = blocks.shape
         del tensors[key], tensors[f"{name}_scales"]
         tensors[name] = QuantizedTensor(name, (*lead, groups * MX_BLOCK, out), Mxfp4Codes(blocks, scales), None,
@@ -311,26 +296,26 @@ def _compressed_tensors(qc: QuantConfig, tensors: dict[str, Tensor], read: ReadV
     shapes = _packed_shapes(tensors, modules, read)
     for module in modules:
         if _targets_match(ignore, module):
-            raise _fail("compressed-tensors", f"{module!r} has quantization scales but is listed in 'ignore'")
+            raise fail("compressed-tensors", f"{module!r} has quantization scales but is listed in 'ignore'")
         args = next((a for _, t, a in parsed if _targets_match(t, module)), None)
         if args is None:
-            raise _fail("compressed-tensors", f"{module!r} has quantization scales but no config group targets it")
+            raise fail("compressed-tensors", f"{module!r} has quantization scales but no config group targets it")
         tensors[f"{module}.weight"] = _ct_weight(module, args, tensors, shapes.get(module))
 
 
 def _packed_shapes(tensors: dict[str, Tensor], modules: list[str], read: ReadValues) -> dict[str, tuple[int, ...]]:
     """``weight_shape`` of every pack-quantized module, read in one batch (they are tiny)."""
     method = "compressed-tensors"
-    infos = [_stored(method, f"{m}.weight_shape", tensors[f"{m}.weight_shape"])
+    infos = [stored(method, f"{m}.weight_shape", tensors[f"{m}.weight_shape"])
              for m in modules if f"{m}.weight_shape" in tensors]
     for info in infos:
         if info.dtype.kind not in "iu" or len(info.shape) != 1 or info.shape[0] > 8:
-            raise _fail(method, f"{info.name!r} {info.dtype}{list(info.shape)} is not an integer shape")
+            raise fail(method, f"{info.name!r} {info.dtype}{list(info.shape)} is not an integer shape")
     out = {}
     for info, values in zip(infos, read(infos), strict=True):
         shape = tuple(int(v) for v in values)
         if any(d <= 0 for d in shape):
-            raise _fail(method, f"{info.name!r} holds an invalid shape {list(shape)}")
+            raise fail(method, f"{info.name!r} holds an invalid shape {list(shape)}")
         out[info.name[: -len(".weight_shape")]] = shape
     return out
 
@@ -340,9 +325,9 @@ def _ct_weight(module: str, args: _WeightArgs, tensors: dict[str, Tensor],
     method = "compressed-tensors"
     companions = {role: tensors.pop(f"{module}.weight_{role}", None)
                   for role in ("scale", "zero_point", "global_scale", "packed", "shape")}
-    stored = {role: _stored(method, f"{module}.weight_{role}", t) for role, t in companions.items() if t is not None}
-    scale = stored["scale"]
-    zero, global_scale, packed = stored.get("zero_point"), stored.get("global_scale"), stored.get("packed")
+    found = {role: stored(method, f"{module}.weight_{role}", t) for role, t in companions.items() if t is not None}
+    scale = found["scale"]
+    zero, global_scale, packed = found.get("zero_point"), found.get("global_scale"), found.get("packed")
     if f"{module}.weight_g_idx" in tensors:
         raise UnsupportedQuantizationError(f"compressed-tensors: {module}.weight_g_idx (activation order) "
                                            "is not supported yet")
@@ -350,41 +335,41 @@ def _ct_weight(module: str, args: _WeightArgs, tensors: dict[str, Tensor],
     codes: Codes
     if packed is not None:
         if name in tensors:
-            raise _fail(method, f"{module!r} has both 'weight' and 'weight_packed'")
+            raise fail(method, f"{module!r} has both 'weight' and 'weight_packed'")
         if packed.dtype == np.uint8:
             if args.type != "float" or args.num_bits != 4 or global_scale is None:
-                raise _fail(method, f"{packed.name!r} is U8 (NVFP4) but its group is {args.type}{args.num_bits} "
+                raise fail(method, f"{packed.name!r} is U8 (NVFP4) but its group is {args.type}{args.num_bits} "
                                     f"{'without' if global_scale is None else 'with'} a weight_global_scale")
             shape = (*packed.shape[:-1], packed.shape[-1] * 2)
             codes = PackedFp4Codes(packed)
             storage = "nvfp4 (e2m1 codes, fp8 scale per 16, global scale)"
         elif packed.dtype == np.int32:
             if args.type != "int" or packed_shape is None:
-                raise _fail(method, f"{packed.name!r} is I32-packed but its group is {args.type} or "
+                raise fail(method, f"{packed.name!r} is I32-packed but its group is {args.type} or "
                                     f"{module}.weight_shape is missing")
             shape = packed_shape
             if len(shape) != len(packed.shape) or shape[:-1] != packed.shape[:-1] or \
                     -(-shape[-1] * args.num_bits // 32) != packed.shape[-1]:
-                raise _fail(method, f"{packed.name!r} {list(packed.shape)} does not hold {list(shape)} at "
+                raise fail(method, f"{packed.name!r} {list(packed.shape)} does not hold {list(shape)} at "
                                     f"{args.num_bits} bits")
             codes = PackedIntCodes(packed, args.num_bits)
             storage = f"int{args.num_bits} packed, {args.strategy}"
         else:
-            raise _fail(method, f"{packed.name!r} has dtype {packed.dtype}, expected I32 or U8")
+            raise fail(method, f"{packed.name!r} has dtype {packed.dtype}, expected I32 or U8")
     else:
         weight = tensors.get(name)
         if not isinstance(weight, TensorInfo) or not (_is_fp8(weight) or weight.dtype == np.int8):
             what = "missing" if weight is None else f"{weight.dtype}"
-            raise _fail(method, f"{module}.weight_scale needs an FP8 or I8 {name!r}, found {what}")
+            raise fail(method, f"{module}.weight_scale needs an FP8 or I8 {name!r}, found {what}")
         shape, codes = weight.shape, PlainCodes(weight)
         storage = f"{weight.dtype.name} {args.strategy}"
     block = args.block_of(shape)
     if args.strategy == "tensor_group" and global_scale is None:
-        raise _fail(method, f"{module!r} uses tensor_group scales but has no weight_global_scale")
+        raise fail(method, f"{module!r} uses tensor_group scales but has no weight_global_scale")
     if global_scale is not None and math.prod(global_scale.shape) != 1:
-        raise _fail(method, f"{global_scale.name!r} has shape {list(global_scale.shape)}, expected one value")
+        raise fail(method, f"{global_scale.name!r} has shape {list(global_scale.shape)}, expected one value")
     if isinstance(codes, PackedFp4Codes) and block[-1] != NVFP4_GROUP:
-        raise _fail(method, f"{module!r} is NVFP4 with group size {block[-1]}, expected {NVFP4_GROUP}")
+        raise fail(method, f"{module!r} is NVFP4 with group size {block[-1]}, expected {NVFP4_GROUP}")
     placeholder = TensorInfo(name, np.dtype(np.float32), shape, "", 0, 0)
     fitted = _checked_scale(method, placeholder, scale, block, shape)
     zero_bits, fitted_zero = 0, None
@@ -397,10 +382,10 @@ def _ct_weight(module: str, args: _WeightArgs, tensors: dict[str, Tensor],
         else:
             fitted_zero = as_grid(zero, grid)
         if fitted_zero is None or zero.dtype.kind not in "iu":
-            raise _fail(method, f"zero point {zero.name!r} {zero.dtype}{list(zero.shape)} does not fit "
+            raise fail(method, f"zero point {zero.name!r} {zero.dtype}{list(zero.shape)} does not fit "
                                 f"{list(grid)} scale blocks")
     elif not args.symmetric:
-        raise _fail(method, f"{module!r} is asymmetric but has no weight_zero_point")
+        raise fail(method, f"{module!r} is asymmetric but has no weight_zero_point")
     if global_scale is not None:
         global_scale = global_scale._replace(shape=(1,))
     scales = BlockScales(fitted, block, fitted_zero, zero_bits, global_scale)
@@ -440,12 +425,12 @@ def _modelopt(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) ->
     modules = sorted(k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
     for module in modules:
         if _excluded(exclude, module):
-            raise _fail(method, f"{module!r} has quantization scales but is listed in 'exclude_modules'")
+            raise fail(method, f"{module!r} has quantization scales but is listed in 'exclude_modules'")
     if algo in MODELOPT_FP8:
         _fp8_pairs(method, tensors, "_scale", None, "modelopt fp8")
     else:
         if group not in (None, NVFP4_GROUP):
-            raise _fail(method, f"NVFP4 with group_size {group}, expected {NVFP4_GROUP}")
+            raise fail(method, f"NVFP4 with group_size {group}, expected {NVFP4_GROUP}")
         for module in modules:
             tensors[f"{module}.weight"] = _modelopt_nvfp4(module, tensors)
     _unscaled_fp8(method, tensors)
@@ -455,16 +440,16 @@ def _modelopt_nvfp4(module: str, tensors: dict[str, Tensor]) -> QuantizedTensor:
     """``weight`` U8 ``[..., out, in/2]``, ``weight_scale`` F8 ``[..., out, in/16]`` and
     ``weight_scale_2`` (one value): ``fp4(q) · weight_scale · weight_scale_2``."""
     method, name = "modelopt", f"{module}.weight"
-    scale = _stored(method, f"{name}_scale", tensors.pop(f"{name}_scale"))
+    scale = stored(method, f"{name}_scale", tensors.pop(f"{name}_scale"))
     second = tensors.pop(f"{name}_scale_2", None)
     weight = tensors.get(name)
     if second is None or not isinstance(weight, TensorInfo) or weight.dtype != np.uint8 or not _is_fp8(scale):
         found = "missing" if weight is None else f"{weight.dtype}"
-        raise _fail(method, f"NVFP4 {module!r} needs a U8 'weight' (found {found}), an FP8 'weight_scale' "
+        raise fail(method, f"NVFP4 {module!r} needs a U8 'weight' (found {found}), an FP8 'weight_scale' "
                             f"(found {scale.dtype}) and a 'weight_scale_2'")
-    scale_2 = _stored(method, f"{name}_scale_2", second)
+    scale_2 = stored(method, f"{name}_scale_2", second)
     if math.prod(scale_2.shape) != 1:
-        raise _fail(method, f"{scale_2.name!r} has shape {list(scale_2.shape)}, expected one value")
+        raise fail(method, f"{scale_2.name!r} has shape {list(scale_2.shape)}, expected one value")
     shape = (*weight.shape[:-1], weight.shape[-1] * 2)
     block = _fit_block((NVFP4_GROUP,), len(shape))
     fitted = _checked_scale(method, weight, scale, block, shape)
@@ -474,6 +459,8 @@ def _modelopt_nvfp4(module: str, tensors: dict[str, Tensor]) -> QuantizedTensor:
 
 
 HANDLERS: dict[str, Callable[[QuantConfig, dict[str, Tensor], ReadValues], None]] = {
+    "awq": awq,
+    "gptq": gptq,
     "fp8": _fp8,
     "modelopt": _modelopt,
     "fbgemm_fp8": _fbgemm_fp8,
@@ -541,5 +528,5 @@ def dequantized_view(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo
         if method is None and any(k.endswith(".weight_scale") for k in leftover):
             hint = (f" (an NVIDIA ModelOpt export describes its weight_scale tensors in {HF_QUANT_CONFIG} "
                     "beside config.json: is it missing?)")
-        raise _fail(method, f"{len(leftover)} quantization tensor(s) that no known layout explains: {shown}{hint}")
+        raise fail(method, f"{len(leftover)} quantization tensor(s) that no known layout explains: {shown}{hint}")
     return QuantizedView(work, method, activation)

@@ -17,6 +17,10 @@ consecutive elements along each axis ``d``. That one description serves every la
   ``[..., in/2, out]`` (block 2 along ``in``), its E8M0 scales ``[..., out, in/32]`` transposed
   to ``[..., in/32, out]`` (block 32 along ``in``).
 
+- GPTQ / AWQ parts, stored ``[in, out]``-major: each transposed (``perm``) to the weight's
+  ``[out, in]``, then as above (AWQ's codes and every zero point packed along the rows, in AWQ's
+  interleaved ``order``; GPTQ v1 zero points stored minus one: ``add`` 1).
+
 The plan carries these blocks through the mapping hooks (:mod:`otfload.plan.keep`), and
 :func:`otfload.quantized.dequantize` expands them back, with the same arithmetic as
 :meth:`~otfload.index.quant.tensor.QuantizedTensor.decode`.
@@ -24,12 +28,15 @@ The plan carries these blocks through the mapping hooks (:mod:`otfload.plan.keep
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from otfload.index.header import TensorInfo
 from otfload.index.quant.tensor import (
     MX_BLOCK,
     MX_BLOCK_BYTES,
+    BlockScales,
+    IndexedScales,
     Mxfp4Codes,
     PackedFp4Codes,
     PackedIntCodes,
@@ -52,8 +59,9 @@ class StoredPart:
 
     ``pack_axis`` (packed parts only) is the axis along which ``bits``-bit fields are packed into
     each element, lowest bits first; each field covers ``field`` elements of the weight along it
-    (1 for codes, the scale block's rows for packed zero points). ``multiplies`` (global scales
-    only): the value multiplies the scales instead of dividing them.
+    (1 for codes, the scale block's rows for packed zero points); ``order``: element ``j`` of each
+    word is its field ``order[j]`` (AWQ). ``multiplies`` (global scales only): the value multiplies
+    the scales instead of dividing them. ``add`` is added to the decoded values (GPTQ v1 zero points).
     """
 
     role: str
@@ -66,6 +74,8 @@ class StoredPart:
     pack_axis: int | None = None
     field: int = 1
     multiplies: bool = False
+    order: tuple[int, ...] | None = None
+    add: int = 0
 
 
 class NotKeepable(Exception):
@@ -78,14 +88,14 @@ def _normalized(block: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ..
 
 
 def _packed(role: str, info: TensorInfo, block: tuple[int, ...], shape: tuple[int, ...], bits: int, codec: str,
-            axis: int) -> StoredPart:
+            axis: int, order: tuple[int, ...] | None = None, add: int = 0) -> StoredPart:
     """A part whose elements each pack ``word bits / bits`` fields along ``axis`` (``block`` per field)."""
     if (info.dtype.itemsize * 8) % bits:
         raise NotKeepable(f"{info.name!r}: {bits}-bit fields straddle {info.dtype} words")
     packed = list(block)
     packed[axis] *= info.dtype.itemsize * 8 // bits
     return StoredPart(role, info, _normalized(tuple(packed), shape), codec, bits=bits, pack_axis=axis,
-                      field=block[axis])
+                      field=block[axis], order=order, add=add)
 
 
 def stored_parts(q: QuantizedTensor) -> dict[str, StoredPart]:
@@ -96,12 +106,13 @@ def stored_parts(q: QuantizedTensor) -> dict[str, StoredPart]:
     if isinstance(codes, PlainCodes):
         parts["codes"] = StoredPart("codes", codes.codes, (1,) * n, "cast")
     elif isinstance(codes, PackedIntCodes):
-        parts["codes"] = _packed("codes", codes.codes, (1,) * n, shape, codes.num_bits, "int", n - 1)
+        parts["codes"] = _packed("codes", codes.codes, (1,) * n, shape, codes.num_bits, "int", n + codes.axis,
+                                 codes.order)
     elif isinstance(codes, PackedFp4Codes):
         parts["codes"] = _packed("codes", codes.codes, (1,) * n, shape, FP4_BITS, "e2m1", n - 1)
     elif isinstance(codes, Mxfp4Codes):
         *lead, out, groups, _ = codes.blocks.shape
-        swap = (*range(n - 2), n - 1, n - 2)
+        swap = _swap(n)
         mx_block = [1] * n
         mx_block[n - 2] = 2
         parts["codes"] = StoredPart("codes", codes.blocks, tuple(mx_block), "e2m1",
@@ -112,21 +123,39 @@ def stored_parts(q: QuantizedTensor) -> dict[str, StoredPart]:
     else:  # pragma: no cover - every codec of tensor.py is listed above
         raise NotKeepable(f"{q.name!r}: codes {type(codes).__name__} cannot be kept")
     scales = q.scales
-    if scales is None:
-        return parts
+    if isinstance(scales, IndexedScales):
+        raise NotKeepable(f"{q.name!r}: its input columns take their groups from g_idx (desc_act), not in blocks")
+    if scales is not None:
+        parts.update(_scale_parts(scales, shape))
+    if q.transposed:
+        parts = {role: dataclasses.replace(p, perm=_swap(len(p.info.shape))) if len(p.info.shape) >= 2 else p
+                 for role, p in parts.items()}
+    for part in parts.values():
+        dtype = part.info.dtype
+        if part.codec == "cast" and not (dtype.kind in "fiu" or dtype.name in ML_DTYPES or "float8" in dtype.name):
+            raise NotKeepable(f"{part.info.name!r}: dtype {part.info.dtype} has no JAX equivalent")
+    return parts
+
+
+def _swap(n: int) -> tuple[int, ...]:
+    """The permutation that swaps the last two of ``n`` axes."""
+    return (*range(n - 2), n - 1, n - 2)
+
+
+def _scale_parts(scales: BlockScales, shape: tuple[int, ...]) -> dict[str, StoredPart]:
+    """The scale, zero point and global scale parts of block-scaled codes."""
+    n = len(shape)
+    parts: dict[str, StoredPart] = {}
     block = _normalized(scales.block, shape)
     parts["scale"] = StoredPart("scale", scales.scale, block, "cast")
     if scales.zero_point is not None:
         zero = scales.zero_point
         if scales.zero_point_bits:
-            parts["zero_point"] = _packed("zero_point", zero, block, shape, scales.zero_point_bits, "int", n - 2)
+            parts["zero_point"] = _packed("zero_point", zero, block, shape, scales.zero_point_bits, "int", n - 2,
+                                          scales.zero_point_order, scales.zero_point_add)
         else:
-            parts["zero_point"] = StoredPart("zero_point", zero, block, "cast")
+            parts["zero_point"] = StoredPart("zero_point", zero, block, "cast", add=scales.zero_point_add)
     if scales.global_scale is not None:
         parts["global_scale"] = StoredPart("global_scale", scales.global_scale, shape, "cast", view=(1,) * n,
                                            multiplies=scales.global_multiplies)
-    for part in parts.values():
-        dtype = part.info.dtype
-        if part.codec == "cast" and not (dtype.kind in "fiu" or dtype.name in ML_DTYPES or "float8" in dtype.name):
-            raise NotKeepable(f"{part.info.name!r}: dtype {part.info.dtype} has no JAX equivalent")
     return parts

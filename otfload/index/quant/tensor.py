@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from otfload.errors import QuantizationError
 from otfload.index.header import TensorInfo
 from otfload.index.quant.blocks import Box, apply_blocks, block_box
 from otfload.index.quant.codes import e8m0_values, fp4_values, packed_words, unpack_ints
@@ -59,16 +60,22 @@ class PlainCodes:
 
 @dataclass(frozen=True)
 class PackedIntCodes:
-    """``num_bits`` integers packed densely along the last axis into int32 words."""
+    """``num_bits`` integers packed densely along ``axis`` (-1, or -2: AWQ's output rows) into int32
+    words; ``order``: element ``j`` of each word is its field ``order[j]`` (AWQ's interleave)."""
 
     codes: TensorInfo
     num_bits: int
+    axis: int = -1
+    order: tuple[int, ...] | None = None
 
     def part_boxes(self, box: Box) -> Parts:
-        return {"codes": (self.codes, (*box[:-1], packed_words(*box[-1], self.num_bits)))}
+        words = list(box)
+        words[self.axis] = packed_words(*box[self.axis], self.num_bits)
+        return {"codes": (self.codes, tuple(words))}
 
     def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
-        return unpack_ints(arrays["codes"], self.num_bits, *box[-1])
+        codes = np.swapaxes(arrays["codes"], self.axis, -1)
+        return np.swapaxes(unpack_ints(codes, self.num_bits, *box[self.axis], self.order), self.axis, -1)
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,8 @@ class BlockScales:
     zero_point_bits: int = 0
     global_scale: TensorInfo | None = None
     global_multiplies: bool = False
+    zero_point_order: tuple[int, ...] | None = None  # AWQ's interleave of packed zero points
+    zero_point_add: int = 0  # added to each zero point: GPTQ's v1 format stores them minus one
 
     def part_boxes(self, box: Box) -> Parts:
         grid = block_box(box, self.block)
@@ -117,16 +126,56 @@ class BlockScales:
 
     def apply(self, values: np.ndarray, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
         if self.zero_point is not None:
-            zero = arrays["zero_point"]
+            zero = arrays["zero_point"].astype(FLOAT32)
             if self.zero_point_bits:
                 rows = block_box(box, self.block)[-2]
-                zero = np.swapaxes(unpack_ints(np.swapaxes(zero, -1, -2), self.zero_point_bits, *rows), -1, -2)
-            apply_blocks(values, zero.astype(FLOAT32), box, self.block, np.subtract)
+                zero = unpack_rows(arrays["zero_point"], self.zero_point_bits, rows, self.zero_point_order)
+            if self.zero_point_add:
+                zero += self.zero_point_add
+            apply_blocks(values, zero, box, self.block, np.subtract)
         scale = arrays["scale"].astype(FLOAT32)
         if self.global_scale is not None:
             value = arrays["global_scale"].astype(FLOAT32).reshape(())
             scale = scale * value if self.global_multiplies else scale / value
         return apply_blocks(values, scale, box, self.block, np.multiply)
+
+
+def unpack_rows(words: np.ndarray, bits: int, rows: tuple[int, int], order: tuple[int, ...] | None) -> np.ndarray:
+    """Values of ``rows`` of integers packed along axis -2 (zero points packed along the grid's rows)."""
+    return np.swapaxes(unpack_ints(np.swapaxes(words, -1, -2), bits, *rows, order), -1, -2)
+
+
+@dataclass(frozen=True)
+class IndexedScales:
+    """GPTQ with ``desc_act``: input column ``i`` (the last axis) uses group ``g_idx[i]``, any order.
+
+    ``scale`` ``[..., out, groups]`` and ``zero_point`` (``zero_point_bits``-bit, packed along the
+    rows) are read whole along the groups for the box's rows; ``g_idx`` for the box's columns picks
+    each column's group. A group index outside ``[0, groups)`` is a :class:`QuantizationError`.
+    """
+
+    scale: TensorInfo
+    groups: int
+    g_idx: TensorInfo
+    zero_point: TensorInfo
+    zero_point_bits: int
+    zero_point_add: int = 0
+
+    def part_boxes(self, box: Box) -> Parts:
+        *lead, rows, columns = box
+        return {"scale": (self.scale, (*lead, rows, (0, self.groups))),
+                "zero_point": (self.zero_point, (*lead, packed_words(*rows, self.zero_point_bits), (0, self.groups))),
+                "g_idx": (self.g_idx, (columns,))}
+
+    def apply(self, values: np.ndarray, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        group = arrays["g_idx"].astype(np.int64)
+        if group.size and (group.min() < 0 or group.max() >= self.groups):
+            raise QuantizationError(f"{self.g_idx.name!r} holds group {int(group.max())} or {int(group.min())} "
+                                    f"outside [0, {self.groups}) in columns {list(box[-1])}")
+        zero = unpack_rows(arrays["zero_point"], self.zero_point_bits, box[-2], None) + self.zero_point_add
+        values -= zero[..., group]
+        values *= arrays["scale"].astype(FLOAT32)[..., group]
+        return values
 
 
 @dataclass(frozen=True)
@@ -155,6 +204,7 @@ class Mxfp4Codes:
 
 
 Codes = PlainCodes | PackedIntCodes | PackedFp4Codes | Mxfp4Codes
+Scales = BlockScales | IndexedScales
 
 
 @dataclass(frozen=True)
@@ -163,13 +213,18 @@ class QuantizedTensor:
 
     Quacks like :class:`~otfload.index.header.TensorInfo` where the plan needs it (``name``,
     ``dtype``, ``shape``, ``file``, ``nbytes``: the stored bytes of every part).
+
+    ``transposed``: every stored part of two or more axes holds its last two axes swapped (GPTQ and
+    AWQ store ``[in, out]``-major); codes and scales describe the parts in the tensor's own
+    orientation, and the boxes read and the arrays decoded are swapped here.
     """
 
     name: str
     shape: tuple[int, ...]
     codes: Codes
-    scales: BlockScales | None
+    scales: Scales | None
     storage: str  # what ``otfload inspect`` shows, e.g. "fp8 e4m3, f32 scales per 128x128 block"
+    transposed: bool = False
 
     dtype = FLOAT32
 
@@ -191,11 +246,20 @@ class QuantizedTensor:
         parts = self.codes.part_boxes(box)
         if self.scales is not None:
             parts.update(self.scales.part_boxes(box))
+        if self.transposed:
+            parts = {role: (info, _swap(b)) for role, (info, b) in parts.items()}
         return parts
 
     def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
         """The float32 values of ``box`` from the part boxes read for it (``arrays`` by role)."""
+        if self.transposed:
+            arrays = {role: np.swapaxes(a, -1, -2) if a.ndim >= 2 else a for role, a in arrays.items()}
         values = self.codes.decode(arrays, box)
         if self.scales is not None:
             values = self.scales.apply(values, arrays, box)
         return values
+
+
+def _swap(box: Box) -> Box:
+    """``box`` with its last two axes swapped (a box of one axis is unchanged)."""
+    return (*box[:-2], box[-1], box[-2]) if len(box) >= 2 else box

@@ -259,6 +259,92 @@ MODELOPT_NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "gro
                          "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
 
 
+# --- GPTQ and AWQ (packed in numpy from the format descriptions) ---------------------------------
+
+# AutoAWQ's pack order: field k of each int32 holds output column AWQ_PACK_ORDER[k] of its 8.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_int32(values: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """Unsigned ``bits``-bit ``values`` packed ``32 // bits`` per int32 along ``axis``: field ``k``
+    of a word (bits ``[k*bits, (k+1)*bits)``) holds its element ``order[k]`` (default ``k``)."""
+    per = 32 // bits
+    moved = np.moveaxis(values.astype(np.uint32), axis, -1)
+    fields = moved.reshape(*moved.shape[:-1], -1, per)
+    if order is not None:
+        fields = fields[..., list(order)]
+    words = np.zeros(fields.shape[:-1], np.uint32)
+    for k in range(per):
+        words |= fields[..., k] << np.uint32(k * bits)
+    return np.moveaxis(words.view(np.int32), -1, axis)
+
+
+def int_quantize(w: np.ndarray, bits: int, g_idx: np.ndarray, sym: bool, min_zero: int = 0):
+    """``w`` [out, in] quantized per group of input columns (``g_idx``): unsigned codes ``q``, zero
+    points ``z`` [out, groups] (at least ``min_zero``), F16 scales ``s`` and the reference value
+    ``(q - z[:, g_idx]) · s[:, g_idx]`` (float32)."""
+    maxq = 2**bits - 1
+    groups = int(g_idx.max()) + 1
+    scale = np.zeros((w.shape[0], groups), np.float16)
+    zero = np.zeros((w.shape[0], groups), np.int64)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        if sym:
+            scale[:, g] = np.maximum(2 * np.abs(cols).max(1) / maxq, 1e-4)
+            zero[:, g] = (maxq + 1) // 2
+        else:
+            lo, hi = np.minimum(cols.min(1), 0), np.maximum(cols.max(1), 0)
+            scale[:, g] = np.maximum((hi - lo) / maxq, 1e-4)
+            zero[:, g] = np.clip(np.round(-lo / scale[:, g].astype(np.float32)), min_zero, maxq)
+    s, z = scale.astype(np.float32)[:, g_idx], zero[:, g_idx]
+    q = np.clip(np.round(w / s) + z, 0, maxq).astype(np.int64)
+    return q, zero, scale, ((q - z).astype(np.float32) * s).astype(np.float32)
+
+
+def gptq_config(bits: int, group: int, desc_act: bool = False, sym: bool = True, fmt: str = "gptq") -> dict:
+    return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
+            "checkpoint_format": fmt, "damp_percent": 0.01, "true_sequential": True}
+
+
+def gptq(config: dict) -> Quantizer:
+    """GPTQ: ``qweight`` [in·b/32, out], ``qzeros`` [groups, out·b/32] (v1: zero − 1), F16
+    ``scales`` [groups, out], ``g_idx`` [in] (a random activation order with ``desc_act``)."""
+    bits, group = config["bits"], config["group_size"]
+    v1 = config["checkpoint_format"] == "gptq"
+
+    def quantize(key: str, w: torch.Tensor):
+        cols = w.shape[1]
+        g_idx = np.arange(cols) // (cols if group == -1 else group)
+        if config["desc_act"]:
+            order = np.random.default_rng(len(key)).permutation(cols)  # column order[k] quantized k-th
+            g_idx = np.empty(cols, np.int64)
+            g_idx[order] = np.arange(cols) // group
+        q, zero, scale, reference = int_quantize(w.numpy(), bits, g_idx, config["sym"], min_zero=int(v1))
+        module = key[: -len(".weight")]
+        stored = {"qweight": pack_int32(q.T, bits, 0), "qzeros": pack_int32((zero - v1).T, bits, 1),
+                  "scales": scale.T.copy(), "g_idx": g_idx.astype(np.int32)}
+        return {f"{module}.{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in stored.items()}, \
+            torch.from_numpy(reference)
+
+    return quantize
+
+
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": None}
+
+
+def awq(key: str, w: torch.Tensor):
+    """AWQ GEMM: ``qweight`` [in, out/8] and ``qzeros`` [groups, out/8] in AutoAWQ's pack order, F16
+    ``scales`` [groups, out]."""
+    group = AWQ_CONFIG["group_size"]
+    q, zero, scale, reference = int_quantize(w.numpy(), 4, np.arange(w.shape[1]) // group, sym=False)
+    module = key[: -len(".weight")]
+    stored = {"qweight": pack_int32(q.T, 4, 1, AWQ_PACK_ORDER), "qzeros": pack_int32(zero.T, 4, 1, AWQ_PACK_ORDER),
+              "scales": scale.T.copy()}
+    return {f"{module}.{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in stored.items()}, \
+        torch.from_numpy(reference)
+
+
 def load_reference(torch_model, reference: dict[str, np.ndarray], src: Path, dst: Path):
     """transformers' model of ``src``'s kind loaded (float32) from a copy of ``src`` with the dequantised
     ``reference`` weights (written to ``dst``): transformers does its own key conversions."""

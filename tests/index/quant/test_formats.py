@@ -81,7 +81,7 @@ def test_what_no_layout_explains_is_a_quantization_error(tmp_path, tensors, qc, 
         checkpoint(tmp_path, tensors, qc)
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "GPTQ", "hqq"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "BitsAndBytes", "hqq", "aqlm"])
 def test_known_but_unsupported_methods_say_not_supported_yet(tmp_path, method):
     with pytest.raises(UnsupportedQuantizationError, match=f"{method.lower()!r} is not supported yet"):
         checkpoint(tmp_path, {"a.weight": np.zeros((4, 4), np.float32)}, {"quant_method": method})
@@ -176,3 +176,65 @@ def test_quantization_config_nested_in_text_config_is_honoured(tmp_path):
     with contextlib.closing(open_source(tmp_path)) as source, pytest.raises(ConfigError) as e:
         open_index(source)
     assert e.value.field == "text_config.quantization_config.quant_method"
+
+
+def int_module(rows=64, cols=64, bits=4, groups=2, gptq=True):
+    """The stored tensors of one GPTQ (``[in·b/32, out]``) or AWQ (``[in, out/8]``) module ``a``."""
+    per = 32 // bits
+    qweight = np.zeros((cols // per, rows) if gptq else (cols, rows // per), np.int32)
+    return {"a.qweight": qweight, "a.qzeros": np.zeros((groups, rows // per), np.int32),
+            "a.scales": np.ones((groups, rows), np.float16), "a.g_idx": np.zeros(cols, np.int32)}
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+
+def test_gptq_and_awq_modules_become_one_weight_of_the_float_shape(tmp_path):
+    index = checkpoint(tmp_path, {**int_module(rows=96), "b.weight": np.zeros((4, 4), np.float16)}, GPTQ)
+    q = index["a.weight"]
+    assert isinstance(q, QuantizedTensor) and q.shape == (96, 64) and q.transposed
+    assert set(index.tensors) == {"a.weight", "b.weight"}  # g_idx of desc_act false is i // 32: never read
+    awq = {k: v for k, v in int_module(rows=96, gptq=False).items() if k != "a.g_idx"}
+    assert checkpoint(tmp_path, awq, AWQ)["a.weight"].shape == (96, 64)
+
+
+@pytest.mark.parametrize(("tensors", "qc", "match"), [
+    ({k: v for k, v in int_module().items() if k != "a.qzeros"}, GPTQ, "has a qweight but no qzeros"),
+    ({**int_module(), "a.scales": np.ones((3, 64), np.float16)}, GPTQ,
+     "'a.scales' has shape \\[3, 64\\], expected \\[2, 64\\]"),
+    ({**int_module(), "a.qweight": np.zeros((8, 64), np.float32)}, GPTQ, "expected I32"),
+    ({**int_module(), "a.weight": np.zeros((64, 64), np.float16)}, GPTQ, "both 'weight' and 'qweight'"),
+    ({k: v for k, v in int_module().items() if k != "a.g_idx"}, {**GPTQ, "desc_act": True}, "no g_idx"),
+    (int_module(gptq=False), AWQ, "AWQ has no g_idx"),
+    ({"a.qzeros": np.zeros((2, 8), np.int32)}, GPTQ, "no known layout explains: 'a.qzeros'"),
+])
+def test_gptq_awq_what_no_layout_explains_is_a_quantization_error(tmp_path, tensors, qc, match):
+    with pytest.raises(QuantizationError, match=match):
+        checkpoint(tmp_path, tensors, qc)
+
+
+@pytest.mark.parametrize(("qc", "match"), [
+    ({**GPTQ, "bits": 3}, "3-bit codes are not supported yet"),
+    ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint format 'marlin' is not supported yet"),
+    ({**GPTQ, "is_marlin_format": True}, "\\(marlin\\) is not supported yet"),
+    ({**AWQ, "version": "gemv"}, "version = 'gemv' is not supported yet"),
+    ({**AWQ, "zero_point": False}, "only AWQ with zero points"),
+    ({**AWQ, "bits": 8}, "only 4-bit AWQ"),
+])
+def test_gptq_awq_variants_not_decoded_say_so(tmp_path, qc, match):
+    with pytest.raises(UnsupportedQuantizationError, match=match):
+        checkpoint(tmp_path, int_module(), qc)
+
+
+@pytest.mark.parametrize(("qc", "field"), [
+    ({**GPTQ, "group_size": 0}, "quantization_config.group_size"),
+    ({"quant_method": "awq", "w_bit": 4, "q_group_size": "128"}, "quantization_config.q_group_size"),
+    ({**GPTQ, "desc_act": "no"}, "quantization_config.desc_act"),
+    ({**GPTQ, "bits": 4.0}, "quantization_config.bits"),
+    ({**GPTQ, "checkpoint_format": 2}, "quantization_config.checkpoint_format"),
+])
+def test_wrong_typed_gptq_awq_config_is_a_config_error(tmp_path, qc, field):
+    with pytest.raises(ConfigError) as e:
+        checkpoint(tmp_path, int_module(), qc)
+    assert e.value.field == field

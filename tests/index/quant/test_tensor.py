@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from otfload.errors import QuantizationError
 from otfload.index.header import TensorInfo
 from otfload.index.quant.tensor import (
     BlockScales,
@@ -16,6 +17,7 @@ from otfload.index.quant.tensor import (
     PlainCodes,
     QuantizedTensor,
 )
+from tests.index.quant import layouts
 from tests.index.quant.layouts import mxfp4_pack
 
 
@@ -90,3 +92,55 @@ def test_part_boxes_read_only_what_the_box_needs():
     parts = tensor.part_boxes(((5, 10), (17, 33)))
     assert parts["codes"][1] == ((5, 10), (2, 5))  # words 2..4 hold elements 16..39
     assert parts["scale"][1] == ((5, 10), (1, 3))
+
+
+@pytest.mark.parametrize(("bits", "group", "desc_act", "fmt"), [
+    (4, 16, False, "gptq"), (8, 16, False, "gptq_v2"), (2, 32, False, "gptq"), (4, -1, False, "gptq_v2"),
+    (4, 16, True, "gptq"), (2, 16, True, "gptq_v2"), (8, 32, True, "gptq"),
+])
+def test_gptq_boxes_equal_the_numpy_reference(bits, group, desc_act, fmt):
+    from otfload.index.quant.intlinear import gptq
+
+    config = layouts.gptq_config(bits, group, desc_act=desc_act, sym=False, fmt=fmt)
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(bits))
+    stored, want = layouts.gptq(config)("m.weight", w)
+    tensors = {k: info(k, v.numpy()) for k, v in stored.items()}
+    gptq(config, tensors, lambda infos: [])
+    tensor = tensors["m.weight"]
+    assert set(tensors) == {"m.weight"} and tensor.shape == (48, 64)
+    roles = {"codes": "qweight", "scale": "scales", "zero_point": "qzeros", "g_idx": "g_idx"}
+    arrays = {role: stored[f"m.{name}"].numpy() for role, name in roles.items()}
+    for box in boxes((48, 64), (0.3, 0.55)):
+        np.testing.assert_array_equal(decode_box(tensor, arrays, box), want.numpy()[tuple(slice(a, b) for a, b in box)])
+    # the codes are what the weight says: within half a quantization step of it, per group
+    assert np.abs(want.numpy() - w.numpy()).max() <= np.abs(w.numpy()).max() / (2**bits - 1) * 1.01
+
+
+def test_gptq_desc_act_reads_each_column_group_from_g_idx():
+    from otfload.index.quant.intlinear import gptq
+
+    config = layouts.gptq_config(4, 16, desc_act=True, sym=False)
+    stored, _ = layouts.gptq(config)("m.weight", torch.randn(48, 64))
+    tensors = {k: info(k, v.numpy()) for k, v in stored.items()}
+    gptq(config, tensors, lambda infos: [])
+    parts = tensors["m.weight"].part_boxes(((8, 16), (10, 20)))
+    assert parts["g_idx"][1] == ((10, 20),) and parts["scale"][1] == ((0, 4), (8, 16))  # every group, box rows
+    arrays = {"codes": stored["m.qweight"].numpy(), "scale": stored["m.scales"].numpy(),
+              "zero_point": stored["m.qzeros"].numpy(), "g_idx": np.full(64, 4, np.int32)}
+    with pytest.raises(QuantizationError, match="'m.g_idx' holds group 4 .* outside \\[0, 4\\)"):
+        decode_box(tensors["m.weight"], arrays, ((0, 8), (0, 64)))
+
+
+def test_awq_boxes_equal_the_numpy_reference():
+    from otfload.index.quant.intlinear import awq
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    stored, want = layouts.awq("m.weight", w)
+    tensors = {k: info(k, v.numpy()) for k, v in stored.items()}
+    awq(layouts.AWQ_CONFIG, tensors, lambda infos: [])
+    tensor = tensors["m.weight"]
+    arrays = {"codes": stored["m.qweight"].numpy(), "scale": stored["m.scales"].numpy(),
+              "zero_point": stored["m.qzeros"].numpy()}
+    assert tensor.part_boxes(((9, 17), (5, 40)))["codes"][1] == ((5, 40), (1, 3))  # words of rows 8..23
+    for box in boxes((48, 64), (0.3, 0.55)):
+        np.testing.assert_array_equal(decode_box(tensor, arrays, box), want.numpy()[tuple(slice(a, b) for a, b in box)])
