@@ -12,15 +12,16 @@ nothing about the path). The rules, in order:
    ``-`` and ``.``, neither starting nor ending with ``-`` or ``.``, no ``--`` or ``..``, at most
    :data:`MAX_HUB_SEGMENT` characters each) is a Hub repo, unless it looks like a path: its last
    segment ends in a checkpoint file suffix (``.safetensors``, ``.json``, ...), or its first segment
-   is an existing local directory (``work/tinyqwn`` beside a ``work/`` folder).
-5. Anything else is a local path that does not exist: the error names the nearest existing parent
-   and, when one is close, the entry of that parent the user probably meant.
+   names something in the current directory (``work/tinyqwn`` beside a ``work/`` folder).
+5. Anything else is a local path that does not exist (or a symbolic link to one): the error names
+   the nearest existing parent and, when one is close, the entry of that parent the user meant.
 """
 
 from __future__ import annotations
 
 import difflib
 import enum
+import os
 import re
 from pathlib import Path
 
@@ -60,13 +61,16 @@ def classify_location(text: str) -> Kind:
     path = Path(text).expanduser()
     if path.is_dir():
         return Kind.LOCAL
+    if path.is_symlink() and not path.exists():
+        raise SourceNotFoundError(f"checkpoint location {text!r} is a symbolic link to {os.readlink(path)!r}, "
+                                  "which does not exist")
     if path.exists():
         raise SourceNotFoundError(
             f"checkpoint location {text!r} is a file, not a checkpoint directory: pass the directory that holds "
             f"config.json and the *.safetensors files (here {_shown_dir(path.parent)!r})"
         )
     first = text.split("/", 1)[0]
-    if could_be_hub_repo_id(text) and not text.endswith(FILE_SUFFIXES) and not Path(first).is_dir():
+    if could_be_hub_repo_id(text) and not text.endswith(FILE_SUFFIXES) and not os.path.lexists(first):
         return Kind.HUB
     raise SourceNotFoundError(_missing_path_message(text, path, hub_shaped=could_be_hub_repo_id(text)))
 
@@ -94,12 +98,12 @@ def _missing_path_message(text: str, path: Path, *, hub_shaped: bool) -> str:
         siblings = [p.name for p in parent.iterdir()]
     except OSError:
         siblings = []
-    close = difflib.get_close_matches(missing, siblings, n=1, cutoff=_CLOSE_NAME_RATIO)
+    close = difflib.get_close_matches(missing, [s for s in siblings if s != missing], n=1, cutoff=_CLOSE_NAME_RATIO)
     if close:
         sentences.append(f"Did you mean {str(parent / close[0])!r}?")
     first = text.split("/", 1)[0]
-    if hub_shaped and Path(first).is_dir():
-        sentences.append(f"It is not tried as a Hub repo id because {first!r} is a local directory (for the Hub "
+    if hub_shaped and os.path.lexists(first):
+        sentences.append(f"It is not tried as a Hub repo id because {first!r} exists here (for the Hub "
                          f"repo, pass 'hf://{text}')")
     elif hub_shaped:
         sentences.append("A name ending in a file suffix is not tried as a Hub repo id")

@@ -57,7 +57,7 @@ def test_a_mistyped_path_beside_a_local_folder_is_not_a_hub_id(workdir: Path):
     message = str(info.value)
     assert "does not exist" in message and "nearest existing parent is 'work/'" in message
     assert "Did you mean 'work/tinyqwen'?" in message
-    assert "not tried as a Hub repo id because 'work' is a local directory" in message
+    assert "not tried as a Hub repo id because 'work' exists here" in message
     assert "hf://work/tinyqwn" in message
 
 
@@ -76,3 +76,12 @@ def test_missing_paths_say_where_the_path_ends(workdir: Path, text: str, said: s
 def test_absolute_missing_path(tmp_path: Path):
     with pytest.raises(SourceNotFoundError, match=f"nearest existing parent is '{tmp_path}/'"):
         classify_location(str(tmp_path / "absent" / "deeper"))
+
+
+def test_a_broken_link_says_where_it_points(workdir: Path):
+    (workdir / "gone").symlink_to(workdir / "moved-away", target_is_directory=True)
+    with pytest.raises(SourceNotFoundError, match=f"'gone' is a symbolic link to '{workdir / 'moved-away'}', which"):
+        open_source("gone")
+    with pytest.raises(SourceNotFoundError) as info:
+        open_source("gone/model")  # a parent is the broken link: no "did you mean" for the name itself
+    assert "Did you mean" not in str(info.value)
