@@ -297,6 +297,30 @@ class CacheTimeoutError(CacheFillError):
         super().__init__(message, process, file)
 
 
+# --- collectives of a multi-process load -----------------------------------------------------------
+
+
+class CollectiveError(OtfloadError):
+    """The processes of a multi-process load did not all join a collective (the agreement on read
+    layouts, or a reshard): the load ends on every process instead of waiting forever. ``leaf`` names
+    the leaf of the collective (None: the agreement before any leaf), ``processes`` the processes
+    that disagreed or did not arrive."""
+
+    def __init__(self, message: str, leaf: str | None = None, processes: Sequence[int] = ()):
+        self.leaf = leaf
+        self.processes = list(processes)
+        super().__init__(message)
+
+
+class CollectiveMismatchError(CollectiveError):
+    """The processes would run different collectives (another plan, policy or list of resharded leaves)."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A process did not reach a collective, or the collective did not complete, within the bound
+    (``OTFLOAD_COLLECTIVE_TIMEOUT``)."""
+
+
 # --- options -------------------------------------------------------------------------------------
 
 

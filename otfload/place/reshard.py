@@ -8,18 +8,27 @@ over all mesh axes, so that each process reads contiguous source rows (its 1/P s
 as many as the ideal), then moved to its target ``NamedSharding`` with one collective
 (``jax.device_put``) over the devices' interconnect.
 
-The choice is made per leaf by :func:`choose_read_shardings` with a small cost model
-(:class:`CostModel`): the time to fetch what each layout fetches (bytes over the source's bandwidth,
-plus a latency per request) against the band's fetch time plus the reshard (bytes moved over the
-interconnect, plus a fixed cost per collective and a compile per new shape). Direct reads are kept
-where they win: one process (every device's box is local, the bounding box is the tensor), rows
-already split, replicated leaves.
+The choice is made per leaf by :func:`choose_read_shardings` (policy ``"auto"``), by the source:
+
+* **remote, or local files on a warm page cache**: a small cost model (:class:`CostModel`) — the time
+  to fetch what each layout fetches (bytes over the source's bandwidth, plus a latency per request;
+  a warm page cache is read at memory speed) against the band's fetch time plus the reshard (bytes
+  moved over the interconnect, plus a fixed cost per collective);
+* **local files on a cold page cache**: the disk is the scarce resource, as a remote store is — a
+  leaf whose direct reads would fetch more than FETCH_TARGET times the bytes its devices hold is
+  read as the band that fetches the fewest bytes; the cost model may band others too.
+
+The reshard programs are compiled ahead, while the bytes are read (:class:`ReshardPrograms`), so a
+compile is no term of the choice. Direct reads are kept where they win: one process (every device's
+box is local, the bounding box is the tensor), rows already split, replicated leaves.
 
 Every process must make the same choices and run the reshards in the same order (they are
-collectives): choices depend only on the plan, the mesh and the source kind, and
-:func:`~otfload.place.loader.execute_plan` runs them in plan order once every leaf is built. The
-bytes each layout fetches come from the reader's own plan (pages of local files, merged remote
-ranges: :meth:`~otfload.read.reader.TensorReader.planned`), so page and request sizes are in the model.
+collectives): choices are a pure function of the plan, the mesh, the policy, the source kind and the
+page cache's state *agreed* by all processes (:mod:`otfload.place.agree`), never of what one process
+did before; :func:`~otfload.place.loader.execute_plan` runs them in plan order once every leaf is
+built. The bytes each layout fetches come from the reader's own plan (pages of local files, merged
+remote ranges: :meth:`~otfload.read.reader.TensorReader.planned`), so page and request sizes are in
+the model.
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,6 +57,9 @@ from otfload.read.reader import TensorReader
 # (~2 GB/s, see ADVISE_CHUNK_BYTES in sources/local.py); a prefetch or preadv call costs ~2 µs.
 LOCAL_BANDWIDTH = 2e9
 LOCAL_REQUEST_S = 2e-6
+# Local files already in the page cache: a builder copies a mapped view at memory speed, per host
+# (measured here: a column block of a warm mapped file copied at 2.5-4 GB/s; 3 GB/s).
+WARM_BANDWIDTH = 3e9
 # Remote stores (Hub, GCS): ~1 GB/s per host with 16 requests in flight (docs/benchmarks_remote.md);
 # a range request's round trip is 5-50 ms, 16 overlap: ~1.5 ms each.
 REMOTE_BANDWIDTH = 1e9
@@ -64,8 +77,14 @@ RESHARD_FIXED_S = 0.01
 # ... and the first of each shape and pair of shardings is compiled (0.3-0.7 s here, shared by
 # every leaf of that signature: unscanned layers pay it once). Measured again with 4 processes over
 # Gloo on a busier VM: 1.5 s per shape at a load average of ~5, 2-4 s at 9-16 (docs/benchmarks.md,
-# "Projection to real clusters"); a compile is CPU-bound, so it is the term a loaded host inflates.
+# "Projection to real clusters"). The loader compiles while the bytes are read (ReshardPrograms), so
+# the choice leaves it out; benchmarks/projection.py still adds it to a cluster's reshard time.
 RESHARD_COMPILE_S = 0.5
+# The bytes bar of a process (issue 34): at most this many times the bytes its devices hold. On a
+# cold local disk a leaf whose direct reads fetch more (a column block: most of every page) is read
+# as a band; and the time model never picks a band that fetches more than both direct reads and
+# this bar (a band over one axis of a small leaf saves requests but reads the leaf whole).
+FETCH_TARGET = 1.25
 # A band must save at least this fraction of the estimated time: the cost model's constants are
 # estimates, and a reshard that barely saves anything is not worth its memory and synchronisation.
 MIN_SAVING = 0.2
@@ -93,35 +112,49 @@ def resolve_policy(reshard: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per byte and per request of the source, and of the interconnect, for one process."""
+    """Seconds per byte and per request of the source, and of the interconnect, for one process
+    (the reshard programs are compiled while the bytes are read: no compile term)."""
 
     source_bandwidth: float
     request_seconds: float
     interconnect_bandwidth: float
     reshard_fixed_seconds: float = RESHARD_FIXED_S
-    compile_seconds: float = RESHARD_COMPILE_S
 
     def fetch_seconds(self, nbytes: int, requests: int) -> float:
         return nbytes / self.source_bandwidth + requests * self.request_seconds
 
-    def reshard_seconds(self, nbytes: int, same_signature: int) -> float:
-        """Moving ``nbytes`` to one process; ``same_signature`` leaves share the compile (0: compiled)."""
-        compile_share = self.compile_seconds / same_signature if same_signature else 0.0
-        return nbytes / self.interconnect_bandwidth + self.reshard_fixed_seconds + compile_share
+    def reshard_seconds(self, nbytes: int) -> float:
+        """Moving ``nbytes`` to one process."""
+        return nbytes / self.interconnect_bandwidth + self.reshard_fixed_seconds
 
 
-def cost_model(reader: TensorReader, processes: int, platform: str | None = None) -> CostModel:
-    """The model for ``reader``'s source (local files or remote) on ``processes`` processes."""
-    local = reader.maps or reader.pages
-    bandwidth = LOCAL_BANDWIDTH if local else REMOTE_BANDWIDTH
-    if SHARED_SOURCE:
-        bandwidth /= max(1, processes)
+def is_local(reader: TensorReader) -> bool:
+    """Whether ``reader`` reads local files (fetched in pages, through the page cache)."""
+    return reader.maps or reader.pages
+
+
+def cost_model(reader: TensorReader, processes: int, platform: str | None = None, cold: bool = True) -> CostModel:
+    """The model for ``reader``'s source (local files, ``cold`` or warm, or remote) on ``processes``
+    processes."""
+    local = is_local(reader)
+    if local and not cold:  # each host copies from its own page cache
+        bandwidth = WARM_BANDWIDTH
+    else:
+        bandwidth = LOCAL_BANDWIDTH if local else REMOTE_BANDWIDTH
+        if SHARED_SOURCE:
+            bandwidth /= max(1, processes)
     platform = platform or jax.devices()[0].platform
     return CostModel(
         source_bandwidth=bandwidth,
         request_seconds=LOCAL_REQUEST_S if local else REMOTE_REQUEST_S,
         interconnect_bandwidth=INTERCONNECT_BANDWIDTH.get(platform, INTERCONNECT_BANDWIDTH["gpu"]),
     )
+
+
+def plan_mesh(plans: Mapping[str, LeafPlan]) -> Mesh | None:
+    """The mesh of a plan's leaves (its first leaf's; None without leaves or a named sharding)."""
+    first = next(iter(plans.values()), None)
+    return None if first is None else getattr(first.leaf.sharding, "mesh", None)
 
 
 def process_devices(mesh: Mesh, process_of: ProcessOf | None = None) -> dict[int, list[jax.Device]]:
@@ -174,12 +207,24 @@ def _fetch(
     return worst
 
 
+def _over_target(plan: LeafPlan, groups: Groups, reader: TensorReader, sample: Iterable[int], target: float) -> bool:
+    """Whether direct reads make a sampled process fetch more than ``target`` times its ideal bytes."""
+    for p in sample:
+        fetched = leaf_planned(plan, plan.device_boxes(groups[p]), reader)[0]
+        if fetched > target * plan.ideal_bytes(groups[p]):
+            return True
+    return False
+
+
 def choose_leaf(
-    plan: LeafPlan, reader: TensorReader, groups: Groups, model: CostModel, policy: str, same: int
+    plan: LeafPlan, reader: TensorReader, groups: Groups, model: CostModel, policy: str,
+    byte_target: float | None = None,
 ) -> Choice:
     """Read ``plan``'s leaf directly or as a band: ``"auto"`` takes the band that the cost model says
-    saves at least MIN_SAVING of the time, ``"always"`` the band fetching the fewest bytes (then
-    requests), if that is fewer than direct reads fetch."""
+    saves at least MIN_SAVING of the time — or, given ``byte_target`` (a cold local disk), the band
+    fetching the fewest bytes when direct reads fetch more than ``byte_target`` times the ideal;
+    ``"always"`` the band fetching the fewest bytes (then requests), if that is fewer than direct
+    reads fetch."""
     keys = sorted(groups)
     sample = sorted({keys[0], keys[len(keys) // 2], keys[-1]})
     direct = _fetch(plan, None, groups, reader, sample)
@@ -188,16 +233,21 @@ def choose_leaf(
     if len(groups) < 2 or policy == "never" or not plan.sources:
         return best
     moved = max(leaf_moved_bytes(plan, groups[p]) for p in sample)
-    # "always": fewest bytes, then requests; "auto": least time, below MIN_SAVING of the direct read's
-    best_key = (float(direct[0]), float(direct[1])) if policy == "always" else (t_direct * (1 - MIN_SAVING), 0.0)
-    target = cast(NamedSharding, plan.leaf.sharding)  # band_shardings gives candidates for named shardings only
+    over = byte_target is not None and _over_target(plan, groups, reader, sample, byte_target)
+    by_bytes = policy == "always" or over
+    byte_cap = max(direct[0], FETCH_TARGET * max(plan.ideal_bytes(groups[p]) for p in sample))
+    # by bytes: fewest bytes, then requests; by time: least time, below MIN_SAVING of the direct read's
+    best_key = (float(direct[0]), float(direct[1])) if by_bytes else (t_direct * (1 - MIN_SAVING), 0.0)
     for candidate in band_shardings(plan.leaf):
         band = _fetch(plan, candidate, groups, reader, sample)
-        compiled = _signature(plan.leaf.shape, plan.leaf.dtype, candidate, target) in _compiled
-        t_band = model.fetch_seconds(*band) + model.reshard_seconds(moved, 0 if compiled else same)
-        key = (float(band[0]), float(band[1])) if policy == "always" else (t_band, 0.0)
+        if not by_bytes and band[0] > byte_cap:
+            continue
+        t_band = model.fetch_seconds(*band) + model.reshard_seconds(moved)
+        key = (float(band[0]), float(band[1])) if by_bytes else (t_band, 0.0)
         if key < best_key:
             best, best_key = Choice(candidate, direct[0], band[0], t_direct, t_band), key
+    if by_bytes and policy == "auto" and best.sharding is None:  # no band fetches fewer bytes: by time
+        return choose_leaf(plan, reader, groups, model, policy, None)
     return best
 
 
@@ -209,45 +259,32 @@ def leaf_moved_bytes(plan: LeafPlan, devices: Iterable[jax.Device]) -> int:
     return sum(box_size(b) for b in plan.device_boxes(devices)) * itemsize
 
 
-# A reshard's program: shape, dtype, band spec, target spec and the target mesh's identity.
-Signature = tuple[tuple[int, ...], str, str, str, int]
-_compiled: set[Signature] = set()  # reshard signatures this process has run: their programs are compiled
-
-
-def _signature(
-    shape: Sequence[int], dtype: np.dtype[Any], band: NamedSharding, target: NamedSharding
-) -> Signature:
-    return tuple(shape), str(dtype), str(band.spec), str(target.spec), id(target.mesh)
-
-
 def choose_read_shardings(
     plans: Mapping[str, LeafPlan],
     reader: TensorReader,
     policy: str = "auto",
     process_of: ProcessOf | None = None,
     platform: str | None = None,
+    cold: bool = True,
 ) -> dict[str, Choice]:
-    """``{leaf path: Choice}`` for the leaves read in another layout than their target's."""
+    """``{leaf path: Choice}`` for the leaves read in another layout than their target's; ``cold``:
+    whether local files are read from the disk (agreed by every process, :mod:`otfload.place.agree`;
+    default for plans made without a load: cold). A pure function of its arguments."""
     policy = resolve_policy(policy)
-    if policy == "never" or not plans:
-        return {}
-    first = next(iter(plans.values())).leaf.sharding
-    mesh = getattr(first, "mesh", None)
-    if mesh is None:
+    mesh = plan_mesh(plans)
+    if policy == "never" or mesh is None:
         return {}
     groups = process_devices(mesh, process_of)
     if len(groups) < 2:
         return {}
-    model = cost_model(reader, len(groups), platform)
-    signatures: dict[LeafSignature, list[LeafPlan]] = {}
-    for p in plans.values():
-        signatures.setdefault(leaf_signature(p), []).append(p)
+    model = cost_model(reader, len(groups), platform, cold)
+    byte_target = FETCH_TARGET if cold and is_local(reader) else None
     chosen: dict[str, Choice] = {}
     memo: dict[LeafSignature, Choice] = {}
     for path, p in plans.items():
         key = leaf_signature(p)
         if key not in memo:  # unscanned layers repeat: each signature is costed once
-            memo[key] = choose_leaf(p, reader, groups, model, policy, len(signatures[key]))
+            memo[key] = choose_leaf(p, reader, groups, model, policy, byte_target)
         if memo[key].sharding is not None:
             chosen[path] = memo[key]
     return chosen
@@ -274,11 +311,64 @@ def with_sharding(plan: LeafPlan, sharding: Sharding) -> LeafPlan:
     return dataclasses.replace(plan, leaf=plan.leaf._replace(sharding=sharding))
 
 
-def reshard(array: jax.Array, target: Sharding) -> jax.Array:
-    """``array`` (read as a band: a :func:`band_shardings` layout) moved to ``target`` over the
-    interconnect (a collective: every process calls it). Only leaves with a ``NamedSharding`` get
-    bands, so both are named shardings."""
-    out: jax.Array = jax.device_put(array, target)
-    _compiled.add(_signature(array.shape, array.dtype, cast(NamedSharding, array.sharding),
-                             cast(NamedSharding, target)))
-    return out
+def route(
+    policy: str, local: bool, cold_processes: Sequence[int], processes: int, chosen: Mapping[str, Choice]
+) -> str:
+    """Which route a load of ``processes`` processes took and why, for the report: the policy, the
+    source, the page cache's agreed state (``cold_processes``: the processes that found their local
+    files cold) and the rule that chose the bands."""
+    if processes < 2:
+        return "one process: every leaf read in place"
+    bands = f"{len(chosen)} leaves read as bands and resharded" if chosen else "every leaf read in place"
+    if policy != "auto":
+        return f"reshard={policy!r}: {bands}"
+    if not local:
+        return f"remote source: {bands} (time model: fetch + reshard against direct reads)"
+    if cold_processes:
+        worst = max((c.direct_bytes / max(1, c.band_bytes) for c in chosen.values()), default=1.0)
+        return (f"local files cold on process(es) {list(cold_processes)}: {bands} where direct reads would fetch "
+                f"over {FETCH_TARGET}x their share (direct up to {worst:.1f}x a band's bytes) or the time "
+                f"model says so")
+    return f"local files warm on every process: {bands} (time model: a page-cache copy against a reshard)"
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+class ReshardPrograms:
+    """The reshard program of each distinct (shape, dtype, band, target) of a load, compiled in one
+    background thread from the moment the choices are made — while the builders read — so that a
+    compile is neither on the reshards' path nor an input to a choice. A program is XLA's own
+    ``jax.device_put`` between two shardings of one device set: an identity ``jit`` with the target
+    as its output sharding."""
+
+    def __init__(self, plans: Mapping[str, LeafPlan], bands: Mapping[str, NamedSharding]):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="otfload-compile")
+        self._programs: dict[tuple[Any, ...], Future[Any]] = {}
+        for path, band in bands.items():
+            leaf = plans[path].leaf
+            key = self._key(leaf.shape, leaf.dtype, band, leaf.sharding)
+            if key not in self._programs:
+                self._programs[key] = self._pool.submit(self._compile, *key)
+
+    @staticmethod
+    def _key(shape: Iterable[int], dtype: Any, band: Sharding, target: Sharding) -> tuple[Any, ...]:
+        return tuple(shape), np.dtype(dtype), band, target
+
+    @staticmethod
+    def _compile(shape: tuple[int, ...], dtype: np.dtype[Any], band: Sharding, target: Sharding) -> Any:
+        abstract = jax.ShapeDtypeStruct(shape, dtype, sharding=band)  # type: ignore[no-untyped-call]  # jax: untyped
+        return jax.jit(_identity, out_shardings=target).lower(abstract).compile()
+
+    def reshard(self, array: jax.Array, target: Sharding) -> jax.Array:
+        """``array`` (read as a band: a :func:`band_shardings` layout) moved to ``target`` over the
+        interconnect (a collective: every process calls it), once the collective has completed."""
+        key = self._key(array.shape, array.dtype, array.sharding, target)
+        program = self._programs[key].result() if key in self._programs else None
+        out: jax.Array = program(array) if program is not None else jax.device_put(array, target)
+        out.block_until_ready()
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

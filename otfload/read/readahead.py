@@ -154,6 +154,15 @@ def cold_files(source: ResidentFiles) -> set[str]:
     return cold
 
 
+def local_cold_files(reader: TensorReader) -> set[str] | None:
+    """:func:`cold_files` of ``reader``'s source when it reads local files and knows their residency
+    (an empty set: every file warm); None otherwise (not local, or residency unknown)."""
+    source = reader.source
+    if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):  # narrows the type
+        return None
+    return cold_files(source)
+
+
 def leaf_ranges(leaf_plan: LeafPlan, reader: TensorReader, sharding: Sharding | None = None) -> list[Range]:
     """The ranges the builder of ``leaf_plan`` fetches through ``reader`` on this process, the leaf
     read under ``sharding`` (default: its own)."""
@@ -166,16 +175,17 @@ def leaf_ranges(leaf_plan: LeafPlan, reader: TensorReader, sharding: Sharding | 
 
 def start_read_ahead(
     plan: LoadPlan, reader: TensorReader, shardings: Mapping[str, Sharding | None] | None = None,
-    lead_bytes: int = LEAD_BYTES,
+    cold: set[str] | None = None, lead_bytes: int = LEAD_BYTES,
 ) -> ReadAhead | None:
     """A started :class:`ReadAhead` for ``plan``'s leaves (in plan order, leaf ``path`` read under
-    ``shardings[path]``) when ``reader``'s source reads local files, else None."""
+    ``shardings[path]``) when ``reader``'s source reads local files, else None; ``cold``: the files
+    worth reading ahead when already probed (:func:`local_cold_files`)."""
     source = reader.source
     if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):  # narrows the type
         return None
     if os.environ.get(READ_AHEAD_ENV, "1") == "0":
         return None
-    cold = cold_files(source)
+    cold = cold_files(source) if cold is None else cold
     if not cold:  # a warm cache: no thread, no range computed (measured: that cost 0.15 s of 1.0 s warm)
         return None
     shardings = shardings or {}

@@ -16,16 +16,23 @@ With ``loads`` (a list of ``{"reshard": POLICY}`` — passed as ``from_pretraine
 one after the other in one job (each cold when ``evict``; load ``k`` gathers to ``params<k>.npz``),
 and ``proc<i>.json`` is ``{"loads": [one result per load]}``. A load's entry may also set any of the
 spec's keys for that load alone (``mesh``, ``source``, ``endpoint``, ``evict``, ``gather``): one job
-then checks several meshes and checkpoints, paying for process start-up and ``initialize`` once.
+then checks several meshes and checkpoints, paying for process start-up and ``initialize`` once;
+and ``only`` (the processes that run it, the others skip it: no start barrier then), ``local_mesh``
+(the mesh over this process's own devices), ``timeout`` (``$OTFLOAD_COLLECTIVE_TIMEOUT``),
+``mismatch`` (the process whose read layouts drop their first band: a forced disagreement) and
+``expect_error`` (an :class:`~otfload.errors.OtfloadError` is recorded, not raised); ``evict_except``
+(a process that keeps its page cache when the others evict).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -56,6 +63,12 @@ def load(spec: dict, pid: int, out: Path) -> None:
         os.environ.pop("OTFLOAD_RESHARD", None)
         if "env" in how:
             os.environ["OTFLOAD_RESHARD"] = how["env"]
+        if "only" in how and pid not in how["only"]:
+            results.append({"process": pid, "skipped": True})
+            continue
+        os.environ.pop("OTFLOAD_COLLECTIVE_TIMEOUT", None)
+        if "timeout" in how:
+            os.environ["OTFLOAD_COLLECTIVE_TIMEOUT"] = str(how["timeout"])
         results.append(load_once({**spec, **how}, pid, out, how.get("reshard"), f"params{k}.npz", f"-{k}"))
     (out / f"proc{pid}.json").write_text(json.dumps({"loads": results}))
 
@@ -71,18 +84,29 @@ def load_once(spec: dict, pid: int, out: Path, reshard: str | None, params_file:
     import otfload
     from otfload.sources import open_source
 
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = sorted(jax.local_devices() if spec.get("local_mesh") else jax.devices(),
+                     key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices).reshape(tuple(spec["mesh"].values())), tuple(spec["mesh"]))
     if "endpoint" in spec:
         source = open_source(spec["source"], endpoint=spec["endpoint"], cache_dir=str(out / f"hf{pid}{tag}"))
     else:
         directory = Path(spec["source"].format(i=pid))
-        if spec.get("evict"):
+        if spec.get("evict") and spec.get("evict_except") != pid:
             evict(directory)
         source = open_source(directory)
-    sync_global_devices(f"otfload-fetch-start{tag}")  # every process evicted before any reads
+    if "only" not in spec:
+        sync_global_devices(f"otfload-fetch-start{tag}")  # every process evicted before any reads
     before, start = disk_read_bytes(), time.perf_counter()
-    model, report = otfload.from_pretrained(source, mesh=mesh, return_report=True, progress=False, reshard=reshard)
+    try:
+        with forced_mismatch(spec.get("mismatch") == pid):
+            model, report = otfload.from_pretrained(source, mesh=mesh, return_report=True, progress=False,
+                                                    reshard=reshard)  # fmt: skip
+    except otfload.OtfloadError as e:
+        if not spec.get("expect_error"):
+            raise
+        source.close()
+        return {"process": pid, "error": type(e).__name__, "message": str(e), "leaf": getattr(e, "leaf", None),
+                "processes": getattr(e, "processes", None), "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
     result = {
         "process": pid,
@@ -93,6 +117,7 @@ def load_once(spec: dict, pid: int, out: Path, reshard: str | None, params_file:
         "bytes_needed": report.bytes_needed,
         "kernel_read_bytes": disk_read_bytes() - before,
         "resharded": report.resharded,
+        "route": report.route,
         "reshard_seconds": report.reshard_seconds,
         "seconds": seconds,
         "summary": report.summary(),
@@ -106,6 +131,28 @@ def load_once(spec: dict, pid: int, out: Path, reshard: str | None, params_file:
             np.savez(out / params_file, **params)
     source.close()
     return result
+
+
+@contextlib.contextmanager
+def forced_mismatch(on: bool) -> Iterator[None]:
+    """While on, this process's read layouts drop the first band the others choose (a stand-in for
+    any process-local difference in a choice): the load must end in a typed error, not a hang."""
+    from otfload.place import loader
+
+    if not on:
+        yield
+        return
+    choose = loader.choose_read_shardings
+
+    def fewer(*args, **kwargs):
+        chosen = choose(*args, **kwargs)
+        return dict(list(chosen.items())[1:])
+
+    loader.choose_read_shardings = fewer
+    try:
+        yield
+    finally:
+        loader.choose_read_shardings = choose
 
 
 def main() -> None:

@@ -72,10 +72,10 @@ def test_auto_reads_a_shared_leaf_once_only_where_the_interconnect_pays_for_it(t
     # Each process reads the whole 1 MiB leaf in place; a band is a quarter, then an all-gather (10 ms
     # fixed). A fast source and a slow interconnect keep direct reads; a shared slow store and a fast
     # interconnect read the leaf once.
-    slow = CostModel(source_bandwidth=1e10, request_seconds=0.0, interconnect_bandwidth=1e8, compile_seconds=0.5)
-    fast = CostModel(source_bandwidth=1e7, request_seconds=0.0, interconnect_bandwidth=1e11, compile_seconds=0.0)
-    assert choose_leaf(k, reader, groups, slow, "auto", 1).sharding is None
-    band = choose_leaf(k, reader, groups, fast, "auto", 1)
+    slow = CostModel(source_bandwidth=1e10, request_seconds=0.0, interconnect_bandwidth=1e8)
+    fast = CostModel(source_bandwidth=1e7, request_seconds=0.0, interconnect_bandwidth=1e11)
+    assert choose_leaf(k, reader, groups, slow, "auto").sharding is None
+    band = choose_leaf(k, reader, groups, fast, "auto")
     assert isinstance(band.sharding, NamedSharding)
     # A quarter each (plus a page at each unaligned run's end): the leaf is read once in all.
     assert band.band_bytes < band.direct_bytes / 3
