@@ -1,5 +1,7 @@
-"""The public entry points: :func:`from_pretrained` (a ready, sharded NNX model) and
-:func:`load_params` (a parameter pytree for a model the user brings)."""
+"""The public entry points: ``from_pretrained`` (a ready, sharded NNX model), ``load_params`` (a
+model or parameter pytree the user brings, filled), and ``plan_model`` / ``plan_params`` (what
+either would do, from the headers alone). Their docstrings are NumPy-style, each with an example
+that ``tests/docs/test_docstrings.py`` runs."""
 
 from __future__ import annotations
 
@@ -114,12 +116,37 @@ def plan_model(
     verify: str = "record",
     **source_options: Any,
 ) -> tuple[nnx.Module, LoadPlan, Source]:
-    """Everything :func:`from_pretrained` does before reading a tensor byte: the abstract model
-    (no weights allocated), the load plan and the opened source (close it when done, unless it is
-    the :class:`Source` you passed in: ``with otfload.sources.owned.owned(src, source)``).
-    ``otfload inspect`` prints this plan. ``source_options`` (``timeout=``, ``retry=``, ...) go to
-    :func:`~otfload.sources.open_source`; the ``timeout`` deadline starts now.
-    ``adapter`` (PEFT LoRA adapters, merged in order) is described in :func:`from_pretrained`."""
+    """Everything ``from_pretrained`` does before reading a tensor byte: what ``otfload inspect`` prints.
+
+    Parameters
+    ----------
+    source, adapter, merge_adapter, mesh, rules, scan_layers, dtype, strict, quantized, shard_cache, \
+shard_cache_options, verify, **source_options
+        As for ``from_pretrained``; a ``timeout`` deadline starts now.
+
+    Returns
+    -------
+    tuple of (nnx.Module, LoadPlan, Source)
+        The abstract model (``jax.ShapeDtypeStruct`` values, no weight allocated), the load plan
+        (per leaf: HF keys, hooks, stacking, sharding, bytes per device) and the opened source.
+        Close the source when done unless it is the ``Source`` you passed in
+        (``with otfload.sources.owned.owned(src, source): ...`` does both).
+
+    Raises
+    ------
+    SourceNotFoundError, UnsupportedModelError, CheckpointMismatchError, AdapterError
+        As ``from_pretrained`` would, before reading any tensor.
+
+    Examples
+    --------
+    >>> import otfload
+    >>> model, plan, src = otfload.plan_model("./tiny-llama", mesh=otfload.make_mesh({"fsdp": 2, "tp": 4}))
+    >>> src.close()
+    >>> plan.leaves["layers.attn.q.kernel"].describe()["hooks"]
+    ['Reshape(shape=(4, 16, 64))']
+    >>> model.layers.attn.q.kernel.get_value()
+    ShapeDtypeStruct(shape=(3, 4, 16, 64), dtype=float32)
+    """
     src, index, _ = open_adapted(
         source, adapter, lambda location, **options: open_cached(
             location, shard_cache, shard_cache_options, verify, **options),
@@ -211,48 +238,102 @@ def from_pretrained(
     return_report: bool = False,
     **source_options: Any,
 ) -> nnx.Module | tuple[nnx.Module, LoadReport]:
-    """Load an HF safetensors checkpoint into a ready, sharded Flax NNX model.
+    """Load a Hugging Face safetensors checkpoint into a ready, sharded Flax NNX model.
 
-    ``source`` is a local directory, a Hub repo id (``revision=``, ``token=``, ``endpoint=``,
-    ``cache_dir=``, ``local_files_only=`` go to the source) or a ``gs://``/fsspec URL
-    (``storage_options=``). Remote sources take ``retry=`` (a ``RetryPolicy``: attempts, backoff, the
-    idle and per-attempt time bounds) and ``timeout=``: the total deadline of the load in seconds,
-    from opening the source to the last byte (default: the ``OTFLOAD_TIMEOUT`` environment variable,
-    else no limit); past it the load fails with ``SourceTimeoutError`` naming the URL and the bytes
-    received. The first read that fails for good cancels the rest of the load. ``mesh``
-    defaults to every device on one ``fsdp`` axis; ``rules`` map logical axes to mesh axes;
-    ``dtype=None`` keeps the storage dtype. With ``strict=True`` tensors no leaf uses are an
-    error. ``shard_cache`` (a shared directory or ``gs://`` prefix; ``True`` for a single-host local
-    cache) fetches each file once across all processes before reading ranges from the cache;
-    ``verify`` is how it checks the copies it reuses: ``"record"`` (size and the hash record made
-    when the copy was filled; re-hashed only when the file changed on disk) or ``"full"``
-    (re-hashed on every load). A copy that fails is fetched again (``CacheIntegrityError`` if the
-    source cannot be reached).
-    ``host_memory_budget`` caps scratch bytes in flight (default: the largest leaf); ``workers``
-    builder threads run at once (default 2 locally, 8 remote). ``reshard`` says when a leaf is read
-    in the storage's own layout (a band: contiguous rows, a distinct share per process) and moved to
-    its sharding by a collective over the devices: ``"auto"`` where the cost model of
-    :mod:`otfload.place.reshard` says it is faster, ``"always"`` wherever that fetches fewer bytes
-    (column-split leaves; leaves several processes hold, so each byte is read once cluster-wide),
-    ``"never"``; default: ``$OTFLOAD_RESHARD``, else ``"auto"``. ``return_report=True`` returns
-    ``(model, LoadReport)``.
+    The model is built abstractly (no weight allocated), planned from the safetensors headers and
+    ``config.json``, and each process reads only the bytes its devices hold, placed with each
+    parameter's ``NamedSharding``.
 
-    ``adapter`` is a PEFT LoRA adapter (any location a checkpoint can be, ``"org/name@revision"``, or
-    a ``Source``) or a list of them, merged into the base weights in order, per device box, in
-    float32; its bytes count in the report. A ``source`` that holds an adapter and no model loads
-    its ``base_model_name_or_path``. ``merge_adapter=False`` keeps one adapter's LoRA factors as
-    their own parameters: each adapted layer kernel becomes a
-    :class:`~otfload.adapters.weight.LoraWeight` (base, ``a``, ``b`` sharded like the base, rank
-    replicated) that the model merges one layer at a time when it runs, so ``nnx.grad`` reaches
-    ``a``/``b``; :func:`otfload.load_adapter` swaps the adapter on the loaded base and
-    :func:`otfload.export_adapter` writes it back for PEFT. docs/adapters.md lists what is merged
-    and what can be kept.
+    Parameters
+    ----------
+    source
+        A local directory, a Hub repo id (``"org/name"``), a ``gs://``/fsspec URL, or a ``Source``.
+        A local file or a path that does not exist fails at once (``SourceNotFoundError``).
+    adapter
+        PEFT LoRA adapter(s): a location (as ``source``, or ``"org/name@revision"``), a ``Source``,
+        or a list of them, merged into the base weights in order, per device box, in float32. A
+        ``source`` that holds an adapter and no model loads its ``base_model_name_or_path``.
+        docs/adapters.md lists what is merged and what can be kept.
+    merge_adapter
+        ``False`` keeps one adapter's LoRA factors as their own parameters (``LoraWeight``: base,
+        ``a`` and ``b`` sharded like the base), merged one layer at a time when the model runs, so
+        ``nnx.grad`` reaches ``a``/``b``; ``otfload.load_adapter`` swaps them and
+        ``otfload.export_adapter`` writes them back for PEFT.
+    mesh
+        The device mesh (default: every device on one ``fsdp`` axis).
+    rules
+        Logical axis name → mesh axes (default: ``otfload.DEFAULT_RULES``).
+    scan_layers
+        Stack the layers on a leading axis for ``jax.lax.scan`` (one array per layer parameter);
+        ``False`` keeps one parameter per layer.
+    dtype
+        Parameter dtype (``"bf16"``, a numpy dtype); ``None`` keeps the storage dtype.
+    strict
+        Make tensors no parameter uses an error (they are always reported).
+    quantized
+        ``"dequantize"`` decodes quantized weights (MXFP4, compressed-tensors, FP8) on load;
+        ``"keep"`` places the layers' kernels packed as ``QuantizedArray`` (codes and scales),
+        dequantized one layer at a time when the model runs (docs/formats.md).
+    shard_cache
+        A directory shared by the processes, or a ``gs://`` prefix (``True``: a single-host local
+        cache): each file is fetched once cluster-wide into it, and ranges are read from there.
+    shard_cache_options
+        fsspec ``storage_options`` of the ``shard_cache`` location (credentials, project).
+    verify
+        The shard cache's integrity check of the copies it reuses: ``"record"`` (size and the hash
+        recorded when the copy was filled, re-hashed only when the file changed on disk) or
+        ``"full"`` (re-hashed on every load); a copy that fails is fetched again. Not the command
+        line's ``otfload load --verify``, which compares the loaded model's logits with transformers.
+    workers
+        Builder threads (default: 2 for local files, 8 for remote ones).
+    host_memory_budget
+        Scratch bytes in flight (default: the largest leaf).
+    progress
+        A progress bar in bytes on stderr (default: when stderr is a terminal).
+    reshard
+        When a leaf is read in the storage's own layout (a band of rows, a distinct share per
+        process) and moved to its sharding by a collective: ``"auto"`` where the cost model says it
+        is faster, ``"always"`` wherever it fetches fewer bytes, ``"never"``; default
+        ``$OTFLOAD_RESHARD``, else ``"auto"``.
+    return_report
+        Also return the ``LoadReport`` (bytes read and placed, requests, seconds, peak memory).
+    **source_options
+        Options of the source: ``revision``, ``token``, ``endpoint``, ``cache_dir``,
+        ``local_files_only`` (the Hub), ``storage_options`` (fsspec), ``retry`` (a ``RetryPolicy``),
+        ``timeout`` (the load's total deadline in seconds, from opening the source to the last byte;
+        default ``$OTFLOAD_TIMEOUT``, else none), ``mmap`` (local directories).
 
-    ``quantized`` says what becomes of quantized weights (MXFP4, compressed-tensors, FP8):
-    ``"dequantize"`` (default) decodes them on load into the leaf dtype; ``"keep"`` places the
-    layers' quantized kernels packed, as :class:`~otfload.quantized.QuantizedArray` (stored codes and
-    scales, sharded together; ``otfload.dequantize`` decodes one), which the model dequantizes one
-    layer at a time when it runs (docs/formats.md, "Keep it quantized").
+    Returns
+    -------
+    nnx.Module or tuple of (nnx.Module, LoadReport)
+        The model with every ``nnx.Param`` loaded; with ``return_report``, the report too.
+
+    Raises
+    ------
+    SourceNotFoundError
+        The location, repo, revision or a listed file does not exist.
+    UnsupportedModelError
+        ``config.json``'s ``model_type`` is not a supported family, or a field is invalid
+        (``ConfigError``).
+    CheckpointMismatchError
+        Tensors missing, mis-shaped (or unused, with ``strict``); every problem is listed together.
+    SourceUnavailableError
+        A remote source did not answer within its retry bounds (``SourceTimeoutError``: past
+        ``timeout``). The first read that fails for good cancels the rest of the load.
+    AdapterError
+        An adapter that cannot be applied to this checkpoint.
+    InvalidOptionError
+        A bad ``quantized`` or ``reshard`` value.
+
+    Examples
+    --------
+    >>> import otfload
+    >>> mesh = otfload.make_mesh({"fsdp": 2, "tp": 4})
+    >>> model, report = otfload.from_pretrained("./tiny-llama", mesh=mesh, return_report=True)
+    >>> model.layers.attn.q.kernel[...].sharding.spec  # [layer, heads, head_dim, embed]
+    P(None, 'tp', None, 'fsdp')
+    >>> report.leaves
+    12
     """
     resolve_policy(reshard)  # a bad value fails before anything is opened
     check_quantized_mode(quantized)
@@ -345,20 +426,56 @@ def load_params(
     return_report: bool = False,
     **source_options: Any,
 ) -> Any:
-    """Fill a model the user brings from a checkpoint, and give it back in the kind it came.
+    """Fill a model you bring from a checkpoint, and give it back in the kind it came.
 
-    ``abstract`` is an abstract ``nnx.Module`` (``nnx.eval_shape``; the module comes back with its
-    ``nnx.Param`` s loaded) or the function building it (``lambda: Model(config, rngs=nnx.Rngs(0))``,
-    run under ``jax.set_mesh(mesh)`` by :func:`~otfload.plan.eval_shape.abstract_module`, several
-    times faster than ``nnx.eval_shape`` on JAX ≤ 0.10), an ``nnx.State`` (a loaded ``nnx.State``
-    comes back) or a pytree of
-    ``jax.ShapeDtypeStruct`` (the same tree of ``jax.Array`` s). Shardings come from the leaves
-    (an abstract mesh made concrete on ``mesh``) or their ``out_sharding``/``sharding_names``
-    metadata (logical names through ``rules``); see :mod:`otfload.plan.abstract`. ``mapping``
-    matches dotted leaf paths (``layers.attn.q.kernel``) to HF key templates (``otfload.mappings``
-    ships tables); ``config`` (default: the checkpoint's ``config.json``) resolves config names in
-    hooks. Other options are those of :func:`from_pretrained`; the report comes too if asked. With
-    ``quantized="keep"`` every quantized leaf comes back as a :class:`~otfload.quantized.QuantizedArray`.
+    The same planner and builder as ``from_pretrained``: each leaf is matched to HF keys by
+    ``mapping``, and each process reads only the bytes its devices hold (docs/byo_model.md).
+
+    Parameters
+    ----------
+    source
+        The checkpoint, as for ``from_pretrained``.
+    abstract
+        What to fill, with no weight allocated: an abstract ``nnx.Module`` (``nnx.eval_shape``; it
+        comes back with its ``nnx.Param`` values loaded), the function building one (run under
+        ``jax.set_mesh(mesh)`` by ``otfload.abstract_module``), an ``nnx.State``, or a pytree of
+        ``jax.ShapeDtypeStruct`` (the same tree of ``jax.Array`` comes back). Shardings come from
+        the leaves (an abstract mesh made concrete on ``mesh``) or their ``out_sharding`` /
+        ``sharding_names`` metadata (logical names through ``rules``).
+    mapping
+        A ``MappingTable``, a list of ``Rule``, or ``{leaf template: HF key template}``: dotted leaf
+        paths (``layers.{layer}.attn.q.kernel``) to HF keys and the hooks in between
+        (``otfload.mappings`` ships tables).
+    config
+        Resolves the config field names hooks use (default: the checkpoint's ``config.json``).
+    adapter, merge_adapter, mesh, rules, strict, quantized, shard_cache, shard_cache_options, verify, \
+workers, host_memory_budget, progress, reshard, return_report, **source_options
+        As for ``from_pretrained`` (``merge_adapter=False`` needs its bundled models). With
+        ``quantized="keep"`` every quantized leaf comes back as a ``QuantizedArray``.
+
+    Returns
+    -------
+    Any or tuple of (Any, LoadReport)
+        ``abstract``'s kind, loaded; with ``return_report``, the report too.
+
+    Raises
+    ------
+    CheckpointMismatchError
+        Leaves no rule maps (``UnmappedLeafError``), tensors missing or mis-shaped: all together.
+    MeshRequiredError
+        A leaf with sharding names and no mesh to resolve them on.
+    SourceNotFoundError, SourceUnavailableError, AdapterError, InvalidOptionError
+        As for ``from_pretrained``.
+
+    Examples
+    --------
+    >>> import jax, numpy as np, otfload
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = otfload.make_mesh({"fsdp": 2, "tp": 4})
+    >>> abstract = {"embed": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=NamedSharding(mesh, P("tp", "fsdp")))}
+    >>> params = otfload.load_params("./tiny-llama", abstract, {"embed": "model.embed_tokens.weight"}, mesh=mesh)
+    >>> params["embed"].shape, params["embed"].sharding.spec
+    ((256, 64), P('tp', 'fsdp'))
     """
     resolve_policy(reshard)  # a bad value fails before anything is opened
     require_merged(merge_adapter)  # kept LoRA factors need the bundled models (from_pretrained)
@@ -411,8 +528,33 @@ def plan_params(
     strict: bool = False,
     **source_options: Any,
 ) -> LoadPlan:
-    """What :func:`load_params` would do, from headers and ``config.json`` alone: the plan of every
-    leaf (HF keys, hooks, shardings), no tensor byte read. Raises the errors the load would."""
+    """What ``load_params`` would do, from the headers and ``config.json`` alone.
+
+    Parameters
+    ----------
+    source, abstract, mapping, config, mesh, rules, strict, **source_options
+        As for ``load_params``.
+
+    Returns
+    -------
+    LoadPlan
+        Per leaf: the HF keys, hooks, stacking and sharding; no tensor byte is read.
+
+    Raises
+    ------
+    CheckpointMismatchError, MeshRequiredError, SourceNotFoundError
+        As ``load_params`` would.
+
+    Examples
+    --------
+    >>> import jax, numpy as np, otfload
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = otfload.make_mesh({"fsdp": 2, "tp": 4})
+    >>> abstract = {"embed": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=NamedSharding(mesh, P("tp", "fsdp")))}
+    >>> plan = otfload.plan_params("./tiny-llama", abstract, {"embed": "model.embed_tokens.weight"}, mesh=mesh)
+    >>> plan.leaves["embed"].describe()["hf_keys"]
+    ['model.embed_tokens.weight']
+    """
     with owned_source(source, **source_options) as src:
         index = open_index(src, require_config=False)
         return plan_target(index, abstract, mapping, index.config if config is None else config, mesh, rules,

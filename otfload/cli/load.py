@@ -35,7 +35,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     options.add_source_args(p)
     options.add_layout_args(p)
     options.add_adapter_args(p)
-    p.add_argument("--verify", action="store_true", help="run a forward pass and compare logits with transformers")
+    p.add_argument("--verify", action="store_true",
+                   help="run a forward pass and compare its logits with transformers' (a check of the model; "
+                        "unrelated to from_pretrained's verify=, the shard cache's integrity check)")
     p.add_argument("--reshard", choices=("auto", "always", "never"), default=None,
                    help="when a leaf is read as a band in the storage layout and resharded on the devices "
                         "(default: $OTFLOAD_RESHARD, else auto)")

@@ -107,6 +107,7 @@ def export_hf(
 
     Examples
     --------
+    >>> import otfload
     >>> model = otfload.from_pretrained("./tiny-llama")
     >>> otfload.export_hf(model, "./tiny-llama-bf16", reference="./tiny-llama", dtype="bf16")
     PosixPath('tiny-llama-bf16')
@@ -140,7 +141,7 @@ def export_checkpoint(
     **source_options: Any,
 ) -> Path:
     """What ``otfload export SRC OUT`` runs: load the HF checkpoint ``source`` with
-    :func:`otfload.from_pretrained` (sharded on ``mesh``) and write it back with :func:`export_hf`,
+    ``otfload.from_pretrained`` (sharded on ``mesh``) and write it back with ``export_hf``,
     using ``source`` as the reference (config, shapes, tokenizer and generation files)."""
     from otfload.api import from_pretrained
 
