@@ -138,3 +138,23 @@ def memory_copy(local: Path, name: str = "ckpt") -> str:
     for p in local.iterdir():
         fs.pipe_file(f"{url}/{p.name}", p.read_bytes())
     return url
+
+
+def rename_tensors(path: Path, rename: Callable[[str], str], extra: dict[str, np.ndarray] | None = None) -> None:
+    """Rename every tensor of the (sharded, float) checkpoint at ``path`` in place, adding ``extra``
+    to its first shard."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    for shard in shards:
+        tensors = {rename(k): v for k, v in load_file(path / shard).items()}
+        if shard == shards[0]:
+            tensors.update(extra or {})
+        save_file(tensors, path / shard, metadata={"format": "pt"})
+    weight_map = {rename(k): f for k, f in index["weight_map"].items()}
+    weight_map.update(dict.fromkeys(extra or {}, shards[0]))
+    index_file.write_text(json.dumps({**index, "weight_map": weight_map}))

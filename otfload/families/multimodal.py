@@ -2,28 +2,34 @@
 
 Multimodal wrappers (Gemma 3's ``Gemma3ForConditionalGeneration``, Kimi-K2.5's
 ``KimiK25ForConditionalGeneration``) keep the language model's config under ``text_config`` and its
-tensors under a prefix (``language_model.model.`` and ``language_model.lm_head.`` as transformers
-and the Hub write them). :func:`text_model_family` makes a :class:`Family` from the text family:
-the config is ``text_config`` (a top-level ``tie_word_embeddings`` wins over the text config's, as
-transformers ties by the outer config), the table reads the prefixed keys, and the text family's
-checks run on the prefixed tensors with their fields named ``text_config.*``. The vision tower and
-projector match no rule: they are listed as unused tensors and never read.
+tensors under a prefix: ``language_model.model.`` and ``language_model.lm_head.`` as the Hub's
+releases (and transformers' ``save_pretrained``) write them, or ``model.language_model.`` and
+``lm_head.``, the names of transformers' modules in memory, which some re-saved checkpoints carry.
+:func:`text_model_family` makes a :class:`Family` from the text family: the config is
+``text_config`` (a top-level ``tie_word_embeddings`` wins over the text config's, as transformers
+ties by the outer config), the table reads the first layout's keys and falls back to the other's,
+and the text family's checks run on the prefixed tensors (of either layout) with their fields named
+``text_config.*``. The vision tower and projector match no rule: they are listed as unused tensors
+and never read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from otfload.config import BOOL, Count, Dim, Fields
 from otfload.config.fields import OBJECT
 from otfload.errors import ConfigError
 from otfload.families.registry import Family
+from otfload.plan.mapping import MappingTable
 
 TEXT_CONFIG = "text_config"
-# Where transformers (and the Hub's releases) keep a multimodal model's language model.
+# Where the Hub's releases keep a multimodal model's language model, then transformers' module names.
 LANGUAGE_MODEL_PREFIXES = {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."}
+MODULE_PREFIXES = {"model.": "model.language_model.", "lm_head.": "lm_head."}
+LAYOUTS = (LANGUAGE_MODEL_PREFIXES, MODULE_PREFIXES)
 
 
 def text_config(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
@@ -36,18 +42,34 @@ def text_config(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     return {**text, "model_type": model_type}
 
 
-def _prefixed(check: Count | Dim, prefixes: Mapping[str, str]) -> Count | Dim:
-    """``check`` on the text config's field (counts already follow the table's prefixes)."""
+def _prefixed(check: Count | Dim, layouts: Sequence[Mapping[str, str]]) -> list[Count | Dim]:
+    """``check`` on the text config's field: a count once (it follows the table's prefixes), a size
+    on the tensor of each layout (an absent one is skipped)."""
     if isinstance(check, Count):
-        return dataclasses.replace(check, field=f"{TEXT_CONFIG}.{check.field}")
-    old, new = next((o, n) for o, n in prefixes.items() if check.tensor.startswith(o))
-    return dataclasses.replace(check, field=f"{TEXT_CONFIG}.{check.field}", tensor=new + check.tensor[len(old):])
+        return [dataclasses.replace(check, field=f"{TEXT_CONFIG}.{check.field}")]
+    out: list[Count | Dim] = []
+    for prefixes in layouts:
+        old, new = next((o, n) for o, n in prefixes.items() if check.tensor.startswith(o))
+        tensor = new + check.tensor[len(old):]
+        out.append(dataclasses.replace(check, field=f"{TEXT_CONFIG}.{check.field}", tensor=tensor))
+    return out
+
+
+def either_layout(table: MappingTable, layouts: Sequence[Mapping[str, str]]) -> MappingTable:
+    """``table`` reading the first layout's keys, each falling back to the same key in the others."""
+    renamed = [table.with_source_prefixes(prefixes) for prefixes in layouts]
+    rules = tuple(
+        dataclasses.replace(first, fallbacks=(*(r.source for r in others), *first.fallbacks,
+                                              *(f for r in others for f in r.fallbacks)))
+        for first, *others in zip(*(t.rules for t in renamed), strict=True)
+    )
+    return MappingTable(rules, table.ignore)
 
 
 def text_model_family(name: str, model_types: tuple[str, ...], text: Family[Any], text_model_type: str,
-                      prefixes: Mapping[str, str] = LANGUAGE_MODEL_PREFIXES) -> Family[Any]:
+                      layouts: Sequence[Mapping[str, str]] = LAYOUTS) -> Family[Any]:
     """The family of a multimodal checkpoint of ``model_types`` whose language model is a ``text``
-    model of ``text_model_type`` stored under ``prefixes``."""
+    model of ``text_model_type`` stored under the prefixes of one of ``layouts``."""
 
     def parse(hf: dict[str, Any]) -> Any:
         try:
@@ -59,7 +81,7 @@ def text_model_family(name: str, model_types: tuple[str, ...], text: Family[Any]
 
     def checks(cfg: Any, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
         inner = text_config(config, text_model_type)
-        return tuple(_prefixed(c, prefixes) for c in text.checks(cfg, inner))
+        return tuple(p for c in text.checks(cfg, inner) for p in _prefixed(c, layouts))
 
     return Family(name=name, model_types=model_types, parse_config=parse, build=text.build,
-                  mapping=lambda cfg: text.mapping(cfg).with_source_prefixes(prefixes), checks=checks)
+                  mapping=lambda cfg: either_layout(text.mapping(cfg), layouts), checks=checks)

@@ -9,7 +9,7 @@ import pytest
 import otfload
 from otfload.errors import ShapeMismatchError
 from otfload.models.gemma import GemmaConfig
-from tests.helpers import BASE, max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.helpers import BASE, max_rel_diff, register_hf_model, rename_tensors, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
 
 # 4 layers, a window of 4 and 12-token inputs: sliding and global layers both occur and differ.
@@ -135,3 +135,51 @@ def test_wrong_shaped_tensor_names_key_and_leaf(tiny_checkpoints, tmp_path):
     (problem,) = err.value.mismatched
     assert problem.hf_key == key and problem.leaf == "layers.attn.q_norm.scale"
     assert "(32,)" in str(err.value) and "(31,)" in str(err.value)
+
+
+def _module_name(key: str) -> str:
+    """A Hub key of a multimodal Gemma 3 as transformers names the module in memory."""
+    if key.startswith("language_model.lm_head."):
+        return key[len("language_model."):]
+    if key.startswith("language_model.model."):
+        return "model.language_model." + key[len("language_model.model."):]
+    return "model." + key  # vision tower, projector
+
+
+def test_multimodal_gemma3_under_transformers_module_names_loads_the_same(tiny_checkpoints, mesh_2x4, tmp_path):
+    src, torch_model = tiny_checkpoints("gemma3_multimodal")
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    rename_tensors(path, _module_name)
+    keys = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(k.startswith("model.language_model.layers.") for k in keys)
+    assert not any(k.startswith("language_model.") for k in keys)
+    model, report = otfload.from_pretrained(path, mesh=mesh_2x4, return_report=True)
+    assert report.unused_tensors == sorted(k for k in keys if not k.startswith("model.language_model."))
+    ids = token_ids(seq=12)
+    diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_multimodal_gemma3_with_quantization_config_in_text_config(tiny_checkpoints, mesh_2x4, tmp_path,
+                                                                     scan_layers):
+    """The language model's linears in compressed-tensors FP8 (per channel), the config nested in
+    ``text_config``: logits equal transformers' text path on the dequantised weights."""
+    from tests.index.quant import layouts
+
+    src, torch_model = tiny_checkpoints("gemma3_multimodal")
+    path = tmp_path / "ckpt"
+    reference = layouts.quantize_checkpoint(src, path, lambda k: k.startswith("language_model.") and
+                                            layouts.is_linear(k), layouts.compressed_tensors("fp8_channel"), None)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["quantization_config"] = layouts.ct_config("fp8_channel", ignore=["re:.*lm_head"])
+    (path / "config.json").write_text(json.dumps(config))
+    reference_model = layouts.load_reference(torch_model, reference, src, tmp_path / "reference")
+    model, report = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers, dtype="float32",
+                                            return_report=True)
+    assert not any(k.startswith("language_model.") for k in report.unused_tensors)  # every scale was used
+    ids = token_ids(seq=12)
+    diff = max_rel_diff(logits(model, ids), torch_logits(reference_model, ids))
+    assert diff <= 1e-4, diff
+    assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) > 1e-3  # FP8 changed the weights

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 import otfload
 from otfload.errors import UnsupportedModelError
@@ -25,7 +25,7 @@ from otfload.index.quant.formats import quantization_method
 from otfload.plan.sharding import make_mesh
 from tests.families.test_deepseek import MESHES
 from tests.helpers import jax_logits as logits
-from tests.helpers import max_rel_diff, token_ids, torch_logits
+from tests.helpers import max_rel_diff, rename_tensors, token_ids, torch_logits
 from tests.index.quant import layouts
 
 REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
@@ -42,21 +42,6 @@ def is_routed_expert(key: str) -> bool:
     return ".mlp.experts." in key and key.endswith("proj.weight")
 
 
-def prefix_keys(path: Path, prefix: str, extra: dict[str, np.ndarray]) -> None:
-    """Rename every tensor of the checkpoint at ``path`` to ``prefix + key`` and add ``extra``."""
-    index_file = path / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    for shard in shards:
-        tensors = {prefix + k: v for k, v in load_file(path / shard).items()}
-        if shard == shards[0]:
-            tensors.update(extra)
-        save_file(tensors, path / shard, metadata={"format": "pt"})
-    weight_map = {prefix + k: f for k, f in index["weight_map"].items()}
-    weight_map.update(dict.fromkeys(extra, shards[0]))
-    index_file.write_text(json.dumps({**index, "weight_map": weight_map}))
-
-
 @pytest.fixture(scope="module")
 def kimi_k25(tiny_checkpoints, tmp_path_factory):
     """``(dir, reference torch model)``: a tiny Kimi-K2.5 checkpoint and transformers' DeepSeek-V3 on
@@ -71,7 +56,7 @@ def kimi_k25(tiny_checkpoints, tmp_path_factory):
     reference = layouts.quantize_checkpoint(src, dst, is_routed_expert, layouts.compressed_tensors(kind), None)
     assert len(reference) == 2 * 4 * 3  # 2 MoE layers x 4 experts x gate/up/down
     reference_model = layouts.load_reference(torch_model, reference, src, dst.parent / "reference")
-    prefix_keys(dst, "language_model.", {VISION_KEY: np.ones((8, 3, 2, 2), np.float32)})
+    rename_tensors(dst, lambda k: "language_model." + k, {VISION_KEY: np.ones((8, 3, 2, 2), np.float32)})
     tiny = json.loads((src / "config.json").read_text())
     text = {k: v for k, v in real["text_config"].items() if k not in ("rope_scaling", "rope_theta")}
     text.update({k: v for k, v in tiny.items() if k not in ("model_type", "architectures", "auto_map")})
