@@ -1,5 +1,5 @@
 """The ``otfload`` command line: ``inspect``, ``load``, ``export``, ``reshard``, ``bench``, ``eval``,
-``generate``.
+``generate``, ``lm-eval``.
 
 Exit codes: 0 success, 1 a typed ``OtfloadError`` or a file-system ``OSError`` (its message is
 printed, with the CLI's flags for the Python arguments it names, without a traceback unless
@@ -17,11 +17,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
 
-from otfload.cli import bench, export, inspect, load, options, reshard
+from otfload.cli import bench, export, harness, inspect, load, options, reshard
 from otfload.cli import eval as eval_
 from otfload.cli import generate as generate_
 
-COMMANDS = (inspect, load, export, reshard, bench, eval_, generate_)
+COMMANDS = (inspect, load, export, reshard, bench, eval_, generate_, harness)
 
 
 def build_parser() -> argparse.ArgumentParser:

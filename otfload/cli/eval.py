@@ -5,6 +5,7 @@ weights), cut to its first --max-len ids and scored on its own: every id after t
 predicted from those before it. Data: a .jsonl/.ndjson file holds one {"text": ...} object per line
 (blank lines ignored); any other file holds one text per line. Empty and one-token texts predict
 nothing and are counted as skipped. A progress bar goes to stderr; --json prints one object.
+Compiled executables are kept for the next job (--compile-cache).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 
 from otfload.cli import options
+from otfload.cli.compile_cache import add_compile_cache_arg, enable_compile_cache
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,6 +32,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="texts per forward pass (default: 8)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
+    add_compile_cache_arg(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(run=run)
 
@@ -38,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from otfload.evaluate import evaluate, read_texts
 
     texts = read_texts(args.data, args.format, args.text_key)  # a bad data file fails before the load
+    enable_compile_cache(args.compile_cache)
     result = evaluate(args.source, texts, max_len=args.max_len, batch_size=args.batch_size, progress=args.progress,
                       **options.source_options(args), **options.layout_kwargs(args))
     if args.json:

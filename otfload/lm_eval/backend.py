@@ -55,7 +55,8 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
     commas are free); other keywords (``dtype``, ``adapter``, ``quantized``, ``revision``, ...) go
     to ``from_pretrained``. ``batch_size`` rows per forward pass (``"auto"``: the default);
     ``device`` and ``max_batch_size`` (lm_eval's CLI passes them) are not used: the mesh says
-    where the model runs."""
+    where the model runs. ``progress``: None shows lm_eval's bars as it asks (the load's not),
+    True shows the load's bar too, False none."""
 
     def __init__(
         self,
@@ -67,7 +68,7 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
-        progress: bool = False,
+        progress: bool | None = None,
         device: str | None = None,
         max_batch_size: int | None = None,
         **load_options: Any,
@@ -77,7 +78,8 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         self.timings = Timings()
         self._batch_size = _batch_size(batch_size)
         self.mesh = _mesh(mesh)
-        self._load = BackgroundLoad(pretrained, mesh=self.mesh, progress=progress, **load_options)
+        self.progress = progress
+        self._load = BackgroundLoad(pretrained, mesh=self.mesh, progress=bool(progress), **load_options)
         self.tokenizer = self._load.tokenizer
         self._max_length = max_length if max_length is not None else _config_max_length(self._load.config)
         self._max_gen_toks = max_gen_toks
@@ -210,7 +212,8 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         return [ids[-max_context:] for ids in self.tokenizer.encode_batch(contexts, add_special_tokens=add)]
 
     def _bar(self, total: int, desc: str, disable: bool) -> tqdm[Any]:
-        return tqdm(total=total, desc=f"otfload {desc}", disable=disable or self.rank != 0)
+        show = not disable if self.progress is None else self.progress
+        return tqdm(total=total, desc=f"otfload {desc}", disable=not show or self.rank != 0)
 
 
 def _mesh(mesh: Mesh | Mapping[str, int] | str | None) -> Mesh:

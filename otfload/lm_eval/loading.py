@@ -48,7 +48,7 @@ class BackgroundLoad:
 
     def __init__(self, location: str | os.PathLike[str] | Source, **options: Any) -> None:
         self.start = time.perf_counter()
-        self.seconds: float | None = None  # the load's wall time, once it has ended
+        self.seconds: float | None = None  # from this call to the end of the weights' load, once it has ended
         source_options = {k: v for k, v in options.items() if k not in _LOAD_OPTIONS}
         self._stack = contextlib.ExitStack()
         try:
@@ -62,21 +62,24 @@ class BackgroundLoad:
             self.abstract: CausalLM | None = _with_shardings(abstract, plan) if same_leaves else None
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="otfload-load")
             load_options = {k: v for k, v in options.items() if k in _LOAD_OPTIONS}
-            self._future: concurrent.futures.Future[Any] = self._pool.submit(
-                lambda: from_pretrained(self.source, **load_options))
+            self._future: concurrent.futures.Future[Any] = self._pool.submit(self._run, load_options)
         except BaseException:
             self._stack.close()
             raise
+
+    def _run(self, load_options: dict[str, Any]) -> Any:
+        try:
+            return from_pretrained(self.source, **load_options)
+        finally:
+            self.seconds = time.perf_counter() - self.start
 
     def model(self) -> CausalLM:
         """The loaded model (waits for the load; raises what it raised)."""
         try:
             model = self._future.result()
         finally:
-            if self.seconds is None:
-                self.seconds = time.perf_counter() - self.start
-                self._pool.shutdown()
-                self._stack.close()
+            self._pool.shutdown()
+            self._stack.close()  # idempotent: an ExitStack closes its contexts once
         assert isinstance(model, CausalLM)  # from_pretrained builds a bundled family model
         return model
 

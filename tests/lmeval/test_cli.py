@@ -1,0 +1,83 @@
+"""``otfload lm-eval`` and ``python -m otfload.lm_eval run --model otfload``: the installed commands
+in subprocesses, as a user runs them. The JSON holds lm_eval's ``results`` equal to its ``hf``
+backend's; a second job finds every executable in the persistent compilation cache (no new entry)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from tests.cli.test_cli import OTFLOAD  # noqa: E402
+from tests.eval_support import with_tokenizer  # noqa: E402
+from tests.lmeval.tasks import tokenizer_config, write_tasks  # noqa: E402
+
+LIMIT = 6  # documents per task: a short job
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoints, tmp_path_factory):
+    path, _ = tiny_checkpoints("llama")
+    checkpoint = with_tokenizer(path, tmp_path_factory.mktemp("llama-lm-eval-cli"))
+    tokenizer_config(checkpoint)
+    return checkpoint, write_tasks(tmp_path_factory.mktemp("tasks"))
+
+
+def lm_eval_job(checkpoint, tasks, cache) -> dict:
+    out = subprocess.run(
+        [str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "otf_mc,otf_ppl", "--include-path", str(tasks),
+         "--limit", str(LIMIT), "--devices", "8", "--mesh", "fsdp=2,tp=4", "--batch-size", "8",
+         "--compile-cache", str(cache), "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)  # stdout holds the JSON object only
+
+
+def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setup, tmp_path):
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    checkpoint, tasks = setup
+    cache = tmp_path / "xla"
+    first = lm_eval_job(checkpoint, tasks, cache)
+    entries = sorted(p.name for p in cache.iterdir())
+    assert any("loglik_of_batch" in name for name in entries)  # the scoring step was cached
+    second = lm_eval_job(checkpoint, tasks, cache)
+    assert sorted(p.name for p in cache.iterdir()) == entries  # every executable came from the cache
+    assert second["results"] == first["results"]
+    assert set(first["timings"]) == {"load_seconds", "compile_seconds", "score_seconds", "generate_seconds"}
+
+    ref = lm_eval.simple_evaluate(
+        model=HFLM(pretrained=str(checkpoint), batch_size=8, device="cpu", dtype="float32"),
+        tasks=["otf_mc", "otf_ppl"], limit=LIMIT, task_manager=TaskManager(include_path=str(tasks)))
+    for task, metrics in ref["results"].items():
+        for key, value in metrics.items():
+            if isinstance(value, float):
+                assert math.isclose(first["results"][task][key], value, rel_tol=1e-4), (task, key)
+            else:
+                assert first["results"][task][key] == value, (task, key)
+
+
+def test_lm_eval_own_command_line_runs_the_otfload_model(setup):
+    checkpoint, tasks = setup
+    out = subprocess.run(
+        [sys.executable, "-m", "otfload.lm_eval", "run", "--model", "otfload",
+         "--model_args", f"pretrained={checkpoint},mesh=fsdp:4/tp:2", "--batch_size", "8", "--tasks", "otf_mc",
+         "--include_path", str(tasks), "--limit", str(LIMIT)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if "otf_mc" in line)  # lm_eval's results table
+    assert "acc" in row
+
+
+def test_unknown_task_fails_before_the_load(setup):
+    checkpoint, tasks = setup
+    out = subprocess.run([str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "no_such_task", "--include-path",
+                          str(tasks), "--compile-cache", "off", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "no lm_eval task or group named no_such_task" in out.stderr
