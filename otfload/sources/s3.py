@@ -23,7 +23,7 @@ from typing import Any
 from multidict import CIMultiDict
 from s3fs import S3FileSystem
 
-from otfload.sources.ranges import RangeSink, check_range_answer
+from otfload.sources.ranges import MAX_REQUESTS_IN_FLIGHT, RangeSink, check_range_answer
 from otfload.sources.retry import TransientError
 
 # Body bytes taken from the client per step: large enough for GB/s, small enough to stop a long body early.
@@ -46,9 +46,15 @@ def open_s3(url: str, **options: Any) -> tuple[SingleAttemptS3FileSystem, str]:
 
 
 def with_s3_timeouts(options: dict[str, Any], idle_s: float) -> dict[str, Any]:
-    """botocore's connect/read timeouts set to ``idle_s`` and its retries off, unless the caller's
-    ``config_kwargs`` choose otherwise."""
-    defaults = {"connect_timeout": idle_s, "read_timeout": idle_s, "retries": {"total_max_attempts": 1}}
+    """botocore's connect/read timeouts set to ``idle_s``, its retries off and a connection for each
+    of the source's requests in flight (botocore keeps 10), unless the caller's ``config_kwargs``
+    choose otherwise."""
+    defaults = {
+        "connect_timeout": idle_s,
+        "read_timeout": idle_s,
+        "retries": {"total_max_attempts": 1},
+        "max_pool_connections": MAX_REQUESTS_IN_FLIGHT,
+    }
     options["config_kwargs"] = {**defaults, **options.get("config_kwargs", {})}
     return options
 

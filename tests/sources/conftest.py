@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,3 +53,15 @@ def pickle_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def fast_retry() -> RetryPolicy:
     return FAST_RETRY
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_s3_clients() -> Iterator[None]:
+    """Close the S3 clients a module's sources opened once its tests are done: fsspec keeps one per
+    set of options, its connections open, for the process's life. (Only where s3:// was used: the
+    Hub tests also run in a venv without s3fs.)"""
+    yield
+    s3 = sys.modules.get("otfload.sources.s3")
+    if s3 is not None:
+        s3.SingleAttemptS3FileSystem.clear_instance_cache()
+        gc.collect()  # s3fs closes a filesystem's client when the filesystem is collected

@@ -1,10 +1,11 @@
 """Large remote ranges are fetched as concurrent chunks (issue 20): exact bytes, counted by the server.
 
-Real servers on 127.0.0.1, no mocks: the Hub-protocol server for ``hub:`` and the real fake-gcs-server
-behind the fault proxy for ``gs://`` (the proxy counts the object reads and their bytes). The servers'
-``gather`` knob holds answers until that many requests are in flight at once, so "the chunks are in
-flight together" is proved by the server, not by a clock; a sibling that was cancelled shows as a
-stalled answer its client hung up on (``abandoned``), which the server counts.
+Real servers on 127.0.0.1, no mocks: the Hub-protocol server for ``hub:``, and the real
+fake-gcs-server for ``gs://`` and moto's S3 for ``s3://`` behind the fault proxy (it counts the object
+reads and their bytes). The servers' ``gather`` knob holds answers until that many requests are in
+flight at once, so "the chunks are in flight together" is proved by the server, not by a clock; a
+sibling that was cancelled shows as a stalled answer its client hung up on (``abandoned``), which
+the server counts.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from otfload.sources.retry import CancelToken, LoadCancelled, RequestSlots, Retr
 from tests.servers.fault_proxy import FaultProxy
 from tests.servers.gcs_server import GcsServer
 from tests.servers.hub_server import STALL_HOLD_S, HubServer
+from tests.servers.s3_server import S3Server
 
 REPO, BUCKET, PREFIX = "org/chunked", "chunked", "m"
 FILE = "data.safetensors"  # raw bytes: range reads never parse them
@@ -116,7 +118,14 @@ def gcs_proxy(gcs_server: GcsServer, data) -> Iterator[FaultProxy]:
         yield proxy
 
 
-@pytest.fixture(params=["hub", "gs"])
+@pytest.fixture(scope="module")
+def s3_proxy(s3_server: S3Server, data) -> Iterator[FaultProxy]:
+    s3_server.upload_dir(data[0], BUCKET, PREFIX)
+    with FaultProxy(s3_server.url, match=f"/{BUCKET}/{PREFIX}/") as proxy:
+        yield proxy
+
+
+@pytest.fixture(params=["hub", "gs", "s3"])
 def remote(request, tmp_path: Path) -> Remote:
     if request.param == "hub":
         hub: HubServer = request.getfixturevalue("hub")
@@ -131,15 +140,15 @@ def remote(request, tmp_path: Path) -> Remote:
             lambda: hub.body_bytes, lambda: hub.faults, lambda: hub.peak_in_flight,
             lambda: hub.gather_missed, lambda: hub.abandoned,
         )  # fmt: skip
-    proxy: FaultProxy = request.getfixturevalue("gcs_proxy")
-    options = {"endpoint_url": proxy.url, "token": "anon"}
+    proxy: FaultProxy = request.getfixturevalue(f"{'gcs' if request.param == 'gs' else 's3'}_proxy")
+    options = {"endpoint_url": proxy.url, "token": "anon"} if request.param == "gs" else S3Server.options_for(proxy.url)
 
-    def open_gs(cls: type | None) -> Source:
-        return (cls or FsspecSource)(f"gs://{BUCKET}/{PREFIX}", options, retry=RETRY)
+    def open_bucket(cls: type | None) -> Source:
+        return (cls or FsspecSource)(f"{request.param}://{BUCKET}/{PREFIX}", options, retry=RETRY)
 
     return Remote(
-        "gs", open_gs, proxy.reset,
-        lambda: _ranges([r.range for r in proxy.requests("alt=media") if FILE in r.target]),
+        request.param, open_bucket, proxy.reset,
+        lambda: _ranges([r.range for r in proxy.requests(proxy.match) if FILE in r.target and r.method == "GET"]),
         lambda: proxy.body_bytes, lambda: proxy.faults, lambda: proxy.peak_in_flight,
         lambda: proxy.gather_missed, lambda: proxy.abandoned,
     )  # fmt: skip
@@ -270,7 +279,7 @@ def test_a_transient_failure_in_one_chunk_refetches_only_what_is_missing(remote:
     src.read_into(FILE, 77, memoryview(out))
     assert out == payload[77 : 77 + len(out)]
     assert len(remote.gets()) == 5 + 1
-    # gcsfs: the failed chunk sent nothing. The Hub keeps what arrived, but for the piece in progress
+    # gs:// and s3://: the failed chunk sent nothing. The Hub keeps what arrived, but for the piece in progress
     # when the connection breaks with an error (less than BODY_PIECE_BYTES): at most half a chunk.
     refetched = _settled(remote.body_bytes, len(out)) - len(out)  # the server counts after sending
     assert 0 <= refetched <= (SMALL_CHUNK // 2 if remote.name == "hub" else 0)

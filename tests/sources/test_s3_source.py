@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import shutil
 import time
 from collections.abc import Iterator
@@ -35,8 +34,8 @@ from otfload.place.loader import execute_plan
 from otfload.sources import open_source
 from otfload.sources.base import read_bytes
 from otfload.sources.fsspec_source import FsspecSource
+from otfload.sources.ranges import MAX_REQUESTS_IN_FLIGHT
 from otfload.sources.retry import RetryPolicy
-from otfload.sources.s3 import SingleAttemptS3FileSystem
 from tests.servers.fault_proxy import FaultProxy
 from tests.servers.net import free_port
 from tests.servers.s3_server import S3Server
@@ -46,15 +45,6 @@ from tests.sources.test_hostile_network import ALWAYS, DRIP_S, LENGTH, OFFSET, T
 BUCKET = "otfload-s3"
 FIRST = CHECKPOINT_FILES[1]
 SETTLE_S = 5.0  # the proxy counts a body after relaying it: wait this long at most for the count to settle
-
-
-@pytest.fixture(scope="module", autouse=True)
-def release_s3_clients() -> Iterator[None]:
-    """Close the S3 clients this module's sources opened (fsspec keeps one per set of options, its
-    connections open, for the process's life) once its tests are done."""
-    yield
-    SingleAttemptS3FileSystem.clear_instance_cache()
-    gc.collect()  # s3fs closes a filesystem's client when the filesystem is collected
 
 
 def s3_source(url: str, endpoint: str, retry: RetryPolicy, **kw) -> FsspecSource:
@@ -97,6 +87,22 @@ def test_every_read_is_one_checked_range_request(s3_url, proxy: FaultProxy, chec
     gets = [r for r in proxy.requests(f"/{BUCKET}/") if r.method == "GET"]
     assert [r.range for r in gets] == [f"bytes={OFFSET}-{OFFSET + LENGTH - 1}"]
     assert settled(lambda: proxy.body_bytes, LENGTH) == LENGTH
+
+
+class SmallChunkS3(FsspecSource):
+    chunk_bytes = 32 << 10  # a 512 KiB read: 16 requests
+
+
+def test_every_request_slot_has_a_connection(s3_url, proxy: FaultProxy, checkpoint, fast_retry):
+    """All MAX_REQUESTS_IN_FLIGHT requests of a source are in flight together, not botocore's
+    default of 10 connections: the proxy answers none until all 16 have arrived."""
+    src = SmallChunkS3(s3_url, S3Server.options_for(proxy.url), retry=fast_retry)
+    proxy.reset()
+    proxy.faults.gather = MAX_REQUESTS_IN_FLIGHT
+    length = MAX_REQUESTS_IN_FLIGHT * SmallChunkS3.chunk_bytes
+    assert read_bytes(src, SHARD, 0, length) == (checkpoint / SHARD).read_bytes()[:length]
+    assert proxy.peak_in_flight >= MAX_REQUESTS_IN_FLIGHT and proxy.gather_missed == 0
+    assert len(proxy.requests(f"/{BUCKET}/")) == MAX_REQUESTS_IN_FLIGHT  # none waited out its attempt
 
 
 @pytest.mark.parametrize("url", ["s3://no-such-bucket/x", f"s3://{BUCKET}/models/none"])
