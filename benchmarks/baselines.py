@@ -250,6 +250,15 @@ def otfload_no_read_ahead(target: Target) -> Run:
     return otfload_load(target)
 
 
+def otfload_no_direct(target: Target) -> Run:
+    """otfload with cold files read through the page cache like warm ones (``OTFLOAD_DIRECT_IO=0``):
+    what ``O_DIRECT`` saves."""
+    from otfload.read.reader import DIRECT_IO_ENV
+
+    os.environ[DIRECT_IO_ENV] = "0"  # this process runs this one method only
+    return otfload_load(target)
+
+
 def otfload_fresh_buffers(target: Target) -> Run:
     """otfload with accelerators' host staging off (``builder.HOST_STAGING = False``): a fresh host
     buffer per shard, as for CPU devices — what the reused staging and as-read views save."""
@@ -502,6 +511,7 @@ METHODS: dict[str, Callable[[Target], Run]] = {
     "orbax": orbax,
     "otfload": otfload_load,
     "otfload-noahead": otfload_no_read_ahead,
+    "otfload-nodirect": otfload_no_direct,
     "otfload-fresh": otfload_fresh_buffers,
     "otfload-whole": otfload_whole_puts,
     "otfload-w4": otfload_workers(4),

@@ -49,7 +49,8 @@ GPU_METHODS = "pinned,pageable,fromfile,h2d,naive,fastsafetensors,fst-jax,orbax,
 GPU_BASELINES = {
     m: None for m in ("pinned", "pageable", "fromfile", "floor", "h2d", "naive", "fastsafetensors",
                       "fastsafetensors-gds", "fst-jax", "orbax", "otfload-fresh", "otfload-whole", "otfload-w4",
-                      "otfload-w8", "direct", "floor-all", "dma-put", "otfload-primed", "otfload-staged")
+                      "otfload-w8", "otfload-nodirect", "direct", "floor-all", "dma-put", "otfload-primed",
+                      "otfload-staged")
 }
 GIB = 2**30
 COLD_FILES_ONLY = False  # --cold-files: drop only the checkpoint's pages (posix_fadvise), never the whole cache

@@ -10,6 +10,8 @@ by 1 or 2 threads, the page cache dropped before each run (root) unless ``--warm
   one copy into the buffer, ``MADV_DONTNEED`` after (what :class:`~otfload.sources.LocalSource` does);
 * ``p_copy``: ``preadv`` into reused scratch, then a copy into the buffer (two copies);
 * ``p_direct``: ``preadv`` straight into the buffer (one copy; only whole tensors can be read so);
+* ``o_copy``: ``O_DIRECT`` ``preadv`` of the tensor's 4 KiB-aligned span into reused aligned scratch
+  (the page cache neither read nor filled), then one copy into the buffer;
 * suffix ``_ra``: plus a thread announcing every tensor in order with ``WILLNEED`` (a read-ahead).
 
 Prints wall and CPU seconds of each run.
@@ -35,6 +37,7 @@ from benchmarks.bench_load import drop_caches
 
 ADVISE_BYTES = 8 << 20  # as otfload.sources.local.ADVISE_CHUNK_BYTES
 MADV_POPULATE_READ = 22
+DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers aligned to the logical block size (<= 4 KiB)
 
 Tensor = tuple[str, str, int, int]  # key, file, offset, length
 
@@ -60,6 +63,7 @@ class Strategies:
     def __init__(self, directory: Path):
         self.tensors = load_order(directory)
         self.fds = {f: os.open(directory / f, os.O_RDONLY) for f in {t[1] for t in self.tensors}}
+        self.direct_fds = {f: os.open(directory / f, os.O_RDONLY | os.O_DIRECT) for f in self.fds}
         self.maps: dict[str, mmap.mmap] = {}
         self.local = threading.local()
 
@@ -96,6 +100,23 @@ class Strategies:
         self._preadv(self.fds[file], offset, memoryview(scratch)[:length])
         out = np.empty(length, np.uint8)
         out[:] = scratch[:length]
+        return out
+
+    def o_copy(self, t: Tensor) -> np.ndarray:
+        _, file, offset, length = t
+        start = offset - offset % DIRECT_ALIGN
+        span = -(-(offset + length - start) // DIRECT_ALIGN) * DIRECT_ALIGN
+        scratch = getattr(self.local, "aligned", None)
+        if scratch is None or len(scratch) < span:
+            scratch = self.local.aligned = np.frombuffer(mmap.mmap(-1, span), np.uint8)  # page-aligned
+        view, done = memoryview(scratch)[:span], 0
+        while done < span:
+            n = os.preadv(self.direct_fds[file], [view[done:]], start + done)
+            if n == 0:  # the file's end (the span's last block was partial)
+                break
+            done += n
+        out = np.empty(length, np.uint8)
+        out[:] = scratch[offset - start : offset - start + length]
         return out
 
     def p_direct(self, t: Tensor) -> np.ndarray:

@@ -82,7 +82,8 @@ def execute_plan(
     bands = {path: c.sharding for path, c in chosen.items() if c.sharding is not None}
     report.route = route(policy, files, agreed.cold_processes, agreed.processes, chosen)
     programs = ReshardPrograms(plan.leaves, bands)  # compiled while the builders read
-    ahead = start_read_ahead(plan, reader, bands, cold_files)  # local, cold pages
+    direct = reader.use_direct(cold_files or ())  # cold files bypass the page cache (O_DIRECT); the rest
+    ahead = start_read_ahead(plan, reader, bands, None if cold_files is None else cold_files - direct)  # read ahead
     local = threading.local()
     registry = DmaRegistry(load_devices(plan), host_ring_bytes)  # accelerators: staging for direct DMA
     stagings: list[Arena] = []
@@ -116,6 +117,7 @@ def execute_plan(
             token.cancel()  # at once, before this worker picks up a queued leaf
             raise
         bar.update(plan.leaves[path].source_bytes)
+        report.first_leaf_seconds = report.first_leaf_seconds or time.perf_counter() - start
         return array
 
     pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="otfload-build")

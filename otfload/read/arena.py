@@ -85,14 +85,15 @@ class Arena:
         self._buffer = aligned_empty((nbytes,), np.uint8) if nbytes else np.empty(0, np.uint8)
         self._registered = self._registry is not None and self._registry.register(self._buffer)
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of scratch (uint8), valid until the next :meth:`reset`."""
-        start = -(-self._used // ALIGNMENT) * ALIGNMENT
+    def take(self, nbytes: int, align: int = ALIGNMENT) -> np.ndarray:
+        """``nbytes`` of scratch (uint8) whose address is a multiple of ``align``, valid until the
+        next :meth:`reset`."""
+        start = self._used + (-(self._buffer.ctypes.data + self._used) % align)
         if start + nbytes > len(self._buffer):
             # Pieces already handed out keep the old buffer alive until reset; the new one is sized
             # so that a shard of this size fits next time without growing again.
-            self._replace(max(nbytes + start, 2 * len(self._buffer)))
-            start = 0
+            self._replace(max(nbytes + start + align, 2 * len(self._buffer)))
+            start = -self._buffer.ctypes.data % align
         self._used = start + nbytes
         return self._buffer[start : start + nbytes]
 

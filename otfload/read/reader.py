@@ -7,6 +7,10 @@ tensor; the builder then copies each byte once, from the page cache into its fin
 column block of a matrix) are read as one span and viewed with the tensor's strides: one request
 instead of thousands, at the price of reading the gaps.
 
+Files the load found cold (:attr:`TensorReader.direct_files`) are read with ``O_DIRECT`` where their
+file system allows it: the same page runs, widened to the disk's block alignment, land in aligned
+scratch (no page cache filled or mapped), and the box is a view of them or gathered from them.
+
 A derived tensor (:class:`~otfload.index.derived.DerivedTensor`: a quantized weight, a weight with
 LoRA adapters merged in) is read as the boxes of its stored parts that cover the box (codes, scales,
 zero points; base and low-rank factors), decoded into one float32 array of the box's shape: no part
@@ -17,14 +21,16 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
+from otfload.errors import TruncatedFileError
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
 from otfload.plan.boxes import (
@@ -42,7 +48,14 @@ from otfload.plan.boxes import (
 )
 from otfload.plan.cost import part_selections, useful_selection
 from otfload.read.arena import Arena
-from otfload.sources.base import MappedSource, PageGranularSource, RangePrefetchingSource, RangeRead, Source
+from otfload.sources.base import (
+    DirectSource,
+    MappedSource,
+    PageGranularSource,
+    RangePrefetchingSource,
+    RangeRead,
+    Source,
+)
 from otfload.sources.ranges import coalesced_extents, expected_fetch, fetching, gap_policy, merge_run_arrays
 
 # The gap *inside one tensor's box* that reading the box as one span (first element to last) may
@@ -58,6 +71,8 @@ PAGE_BYTES = mmap.PAGESIZE
 # A mapped read merges ranges across gaps up to this size (within MAX_OVERREAD_FRACTION): one
 # madvise call costs ~2 µs, about what 16 KiB of page cache or NVMe read-in costs.
 MAPPED_GAP_BYTES = 16 * 1024
+# Set to 0 to read cold local files through the page cache like warm ones (no O_DIRECT).
+DIRECT_IO_ENV = "OTFLOAD_DIRECT_IO"
 
 
 @dataclass
@@ -237,6 +252,17 @@ class TensorReader:
         self.stats = stats or ReadStats()
         self._mapping = source if isinstance(source, MappedSource) else None
         self._ranges_prefetch = source if isinstance(source, RangePrefetchingSource) else None
+        self._direct = source if isinstance(source, DirectSource) else None
+        self.direct_files: frozenset[str] = frozenset()  # read with O_DIRECT (see use_direct)
+
+    def use_direct(self, files: Iterable[str]) -> frozenset[str]:
+        """Read ``files`` (cold ones) with ``O_DIRECT`` from now on, those the source can; returns them.
+        ``OTFLOAD_DIRECT_IO=0`` turns this off (every file then goes through the page cache)."""
+        direct = self._direct
+        if direct is None or os.environ.get(DIRECT_IO_ENV, "1") == "0":
+            return self.direct_files
+        self.direct_files = frozenset(f for f in files if direct.direct_capable(f))
+        return self.direct_files
 
     @property
     def maps(self) -> bool:
@@ -343,7 +369,8 @@ class TensorReader:
         prefetched here), and how the box is made from the bytes once they are in."""
         arrays = selection_piece_arrays(info.shape, info.dtype.itemsize, selection or box_selection(box), box)
         needed = int(arrays[2].sum())
-        mode, *ranges = self._fetch_plan(info, box, arrays, view_ok, charge)
+        direct = info.file in self.direct_files
+        mode, *ranges = self._fetch_plan(info, box, arrays, view_ok and not direct, charge)
         mapped = self._mapped(info) if mode == "mapped" else None
         if mode == "mapped" and mapped is None:  # every mapping slot in use: read it instead
             mode, *ranges = self._fetch_plan(info, box, arrays, False, charge)
@@ -369,11 +396,12 @@ class TensorReader:
             view = whole[box_to_slices(box)]
             return _PendingRead([], 0, lambda: view)
         origin = sum(b[0] * st for b, st in zip(box, strides, strict=True))
+        take = self._direct_taker(info, fetch, arena, charged, fetched) if direct and mode == "pages" else arena.take
         if len(fetch) == 1 and fetch[0].offset <= origin and mode != "pieces":
             run = fetch[0]
-            buffer = arena.take(run.length)
+            buffer = take(run.length)
             read = RangeRead(info.file, info.offset + run.offset, buffer.data)
-            return _PendingRead([read], fetched, lambda: np.ndarray(
+            return _PendingRead([read] if take == arena.take else [], fetched, lambda: np.ndarray(
                 box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides), charged)
         dense = arena.take(box_nbytes(box, info.dtype.itemsize))
         if selection is not None:
@@ -381,7 +409,7 @@ class TensorReader:
         if mode == "pieces":
             targets = [dense[dst : dst + n].data for _, dst, n in pieces]
         else:  # page ranges hold the pieces and more: read them apart, then copy the pieces out
-            targets = [arena.take(run.length).data for run in fetch]
+            targets = [take(run.length).data for run in fetch]
         reads = [RangeRead(info.file, info.offset + run.offset, t) for run, t in zip(fetch, targets, strict=True)]
 
         def finish() -> np.ndarray:
@@ -389,7 +417,31 @@ class TensorReader:
                 _scatter(pieces, fetch, targets, dense)
             return dense.view(info.dtype).reshape(box_shape(box))
 
-        return _PendingRead(reads, fetched, finish, charged)
+        return _PendingRead(reads if take == arena.take else [], fetched, finish, charged)
+
+    def _direct_taker(
+        self, info: TensorInfo, fetch: list[ByteRun], arena: Arena, charged: bool, fetched: int
+    ) -> Callable[[int], np.ndarray]:
+        """A ``take`` for :meth:`_start_plain` that hands out, run after run of ``fetch``, that run's
+        bytes already read with ``O_DIRECT``: each run is widened to the block alignment, read into
+        aligned scratch, and the run's own bytes are the view handed out."""
+        direct = cast(DirectSource, self._direct)  # direct_files holds files of a DirectSource only
+        align, runs = direct.direct_align, iter(enumerate(fetch))
+
+        def take(nbytes: int) -> np.ndarray:
+            k, run = next(runs)
+            start = (info.offset + run.offset) // align * align
+            end = -(-(info.offset + run.offset + run.length) // align) * align
+            buffer = arena.take(end - start, align)
+            charge = (fetched if k == 0 else 0) if charged else end - start  # a charged share counts once
+            with _counting(charged)(charge):
+                got = direct.read_direct_into(info.file, start, buffer.data)
+            at = info.offset + run.offset
+            if got < at - start + run.length:
+                raise TruncatedFileError(info.file, f"needs bytes [{at}, {at + run.length}) but ends at {start + got}")
+            return buffer[at - start : at - start + nbytes]
+
+        return take
 
     def _read_derived_selection(
         self, info: DerivedTensor, box: Box, arena: Arena, selection: Selection, shared: Selection | None = None

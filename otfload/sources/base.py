@@ -101,6 +101,18 @@ class PageGranularSource(Protocol):
 
 
 @runtime_checkable
+class DirectSource(Protocol):
+    """A source of local files that can read them bypassing the page cache (``O_DIRECT``): offsets,
+    lengths and buffer addresses multiples of ``direct_align``."""
+
+    direct_align: int
+
+    def direct_capable(self, file: str) -> bool: ...
+
+    def read_direct_into(self, file: str, offset: int, out: memoryview) -> int: ...
+
+
+@runtime_checkable
 class ResidencySource(Protocol):
     """A source of local files that can say how much of a range is in the page cache and ask the
     kernel to read a range ahead (what a cold-cache read-ahead needs)."""
