@@ -9,7 +9,8 @@ and answers the same questions, so the backend tokenizes exactly as the referenc
 * ``encode(text, add_special_tokens)``: the post-processor's special tokens (a BOS, for most
   checkpoints) are added unless told not to, as ``tokenizer.encode`` does;
 * ``decode(ids, skip_special_tokens)``: special tokens dropped by default, then transformers'
-  ``clean_up_tokenization`` when the config asks for it;
+  ``clean_up_tokenization`` when the config asks for it (not for BPE models unless forced, as
+  transformers 5 decides);
 * ``bos_id`` / ``eos_id`` / ``pad_id``: from the token strings of the tokenizer config; the
   checkpoint's ``config.json`` ids when the tokenizer config names none (transformers would have
   none there, and lm_eval could not score an empty context).
@@ -32,6 +33,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # Larger than any published tokenizer_config.json (chat templates make some ~100 kB); refuse more.
 MAX_CONFIG_BYTES = 16 << 20
+FORCE_BPE_CLEAN_UP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 # transformers' ``clean_up_tokenization``: a space before these is removed when decoding asks for it.
 CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -43,7 +45,10 @@ class CheckpointTokenizer:
     def __init__(self, tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any],
                  model_config: Mapping[str, Any]) -> None:
         self.tokenizer = tokenizer
-        self.clean_up_spaces = bool(tokenizer_config.get("clean_up_tokenization_spaces", False))
+        # transformers (5.x) skips the clean-up for BPE models, which it would corrupt, unless forced.
+        forced = bool(tokenizer_config.get(FORCE_BPE_CLEAN_UP, False))
+        self.clean_up_spaces = bool(tokenizer_config.get("clean_up_tokenization_spaces", False)) and (
+            forced or type(tokenizer.model).__name__ != "BPE")
         self.bos_id = self._special(tokenizer_config, "bos_token", model_config.get("bos_token_id"))
         self.eos_id = self._special(tokenizer_config, "eos_token", _first(model_config.get("eos_token_id")))
         self.unk_id = self._special(tokenizer_config, "unk_token", None)

@@ -1,0 +1,127 @@
+"""The pieces of the lm_eval backend on their own: widths chosen from the data (against a brute
+force over every set of widths), the tokenizer config's special tokens and decoding (against
+transformers' fast tokenizer on the same files), and requests refused with typed errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from otfload.errors import EvalRequestError, TokenizerError
+from otfload.lm_eval.buckets import choose_widths, width_for
+from otfload.sources.owned import owned_source
+from tests.eval_support import CORPUS, SPECIAL, VOCAB_SIZE, build_tokenizer
+
+
+def brute_force(lengths, max_width, max_shapes, align):
+    candidates = sorted({min(-(-n // align) * align, max_width) for n in lengths})
+    best = None
+    for k in range(1, max_shapes + 1):
+        for widths in itertools.combinations(candidates, k):
+            if widths[-1] < max(lengths):
+                continue
+            cost = sum(width_for(n, widths) for n in lengths)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_widths_pad_least_with_at_most_max_shapes(seed):
+    rng = random.Random(seed)
+    max_width = rng.choice([64, 100, 128])
+    lengths = [rng.randint(1, max_width) for _ in range(rng.randint(1, 30))]
+    max_shapes = rng.randint(1, 4)
+    widths = choose_widths(lengths, max_width, max_shapes=max_shapes, align=8)
+    assert len(widths) <= max_shapes and widths == sorted(widths)
+    assert all(w % 8 == 0 or w == max_width for w in widths)
+    assert sum(width_for(n, widths) for n in lengths) == brute_force(lengths, max_width, max_shapes, 8)
+
+
+def test_widths_edge_cases():
+    assert choose_widths([], 128) == []
+    assert choose_widths([5, 5, 5], 128) == [16]
+    assert choose_widths([120, 3], 128, max_shapes=1) == [128]  # capped at max_width
+    with pytest.raises(ValueError, match="no width holds 40"):
+        width_for(40, [16, 32])
+
+
+PUNCTUATED = "the lazy dog , it's over . isn't it ? we've seen it !"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """The tiny tokenizer, its vocabulary trained with punctuation too (decoding's clean-up acts on it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("tok")
+    build_tokenizer(root / "tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    fresh = Tokenizer(models.BPE(unk_token="<unk>"))
+    fresh.pre_tokenizer, fresh.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    fresh.post_processor = tokenizer.post_processor
+    fresh.train_from_iterator([*CORPUS, PUNCTUATED], trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL, show_progress=False))
+    fresh.save(str(root / "tokenizer.json"))
+    return root
+
+
+def checkpoint_tokenizer_of(root, tokenizer_config, model_config=None):
+    from otfload.lm_eval.tokens import checkpoint_tokenizer
+
+    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with owned_source(root) as source:
+        return checkpoint_tokenizer(source, model_config or {})
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_special_tokens_and_decoding_match_transformers(tokenizer_dir, forced):
+    from transformers import AutoTokenizer
+
+    from otfload.lm_eval.tokens import FORCE_BPE_CLEAN_UP
+
+    bos = {"__type": "AddedToken", "content": "<s>", "lstrip": False, "rstrip": False}  # as transformers 4 wrote it
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": "</s>",
+              "unk_token": "<unk>", "clean_up_tokenization_spaces": True, FORCE_BPE_CLEAN_UP: forced}
+    ours = checkpoint_tokenizer_of(tokenizer_dir, config)
+    theirs = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert (ours.bos_id, ours.eos_id, ours.unk_id) == (theirs.bos_token_id, theirs.eos_token_id, theirs.unk_token_id)
+    assert ours.pad_id == theirs.unk_token_id  # lm_eval pads with UNK when the tokenizer names no padding
+    cleaned = "the lazy dog, it's over. isn't it? we've seen it!"
+    assert (ours.decode(ours.encode(PUNCTUATED)) == cleaned) == forced  # a BPE model is cleaned up only if forced
+    for special in (True, False):
+        ids = ours.encode(PUNCTUATED, add_special_tokens=special)
+        assert ids == theirs.encode(PUNCTUATED, add_special_tokens=special)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, False) == theirs.decode(ids, skip_special_tokens=False)
+
+
+def test_special_tokens_fall_back_to_config_json_ids(tokenizer_dir):
+    ours = checkpoint_tokenizer_of(tokenizer_dir, {}, {"bos_token_id": 1, "eos_token_id": [2, 0]})
+    assert (ours.bos_id, ours.eos_id, ours.unk_id, ours.pad_id) == (1, 2, None, 2)
+
+
+def test_a_special_token_outside_the_vocabulary_is_a_typed_error(tokenizer_dir):
+    with pytest.raises(TokenizerError, match="eos_token '<eot>' is not in tokenizer.json"):
+        checkpoint_tokenizer_of(tokenizer_dir, {"eos_token": "<eot>"})
+
+
+def test_requests_the_backend_cannot_honour():
+    from otfload.lm_eval.generation import generation_options
+    from otfload.lm_eval.scoring import make_row
+
+    with pytest.raises(EvalRequestError, match="sampling"):
+        generation_options({"do_sample": True, "temperature": 0.7}, 32, "</s>")
+    with pytest.raises(EvalRequestError, match="sampling"):
+        generation_options({"temperature": 0.5}, 32, "</s>")
+    with pytest.raises(EvalRequestError, match="does not fit the context window"):
+        make_row([1, 2], list(range(9)), max_length=8)
+    with pytest.raises(EvalRequestError, match="empty continuation"):
+        make_row([1, 2], [], max_length=8)
+    options = generation_options({"until": "\n\n", "max_new_tokens": 7, "do_sample": False}, 32, "</s>")
+    assert (options.until, options.max_gen_toks) == (("\n\n", "</s>"), 7)
+    row = make_row(list(range(10, 20)), [20, 21], max_length=8)  # cut on the left to 8 inputs, as lm_eval does
+    assert row.ids.tolist() == list(range(13, 21)) and row.targets.tolist() == list(range(14, 22))
+    assert row.scored == 2
