@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import otfload
 from otfload.cache import ShardCache
@@ -233,13 +234,24 @@ def test_load_equals_local_and_the_report_counts_what_the_server_sent(
     assert report.bytes_planned <= report.bytes_read <= 1.1 * report.bytes_planned
 
 
-def test_shard_cache_in_an_s3_prefix(s3_server: S3Server, llama, local_arrays, mesh_2x4, fast_retry, closing):
+def test_from_pretrained_through_a_shard_cache_in_an_s3_prefix(
+    s3_server: S3Server, llama, mesh_2x4, fast_retry, closing
+):
     url = s3_server.upload_dir(llama, BUCKET, "llama-cached")
     cache_url, options = f"s3://{BUCKET}/cache", s3_server.storage_options
-    cached = closing(ShardCache(s3_source(url, s3_server.url, fast_retry), cache_url, storage_options=options))
-    assert sorted(cached.fetched) == sorted(p.name for p in llama.iterdir() if p.suffix in (".json", ".safetensors"))
-    _, plan, _ = otfload.plan_model(cached, mesh=mesh_2x4)
-    arrays, _ = execute_plan(plan, cached)
-    assert_same(arrays, local_arrays)
+    model = otfload.from_pretrained(url, storage_options=options, retry=fast_retry, shard_cache=cache_url,
+                                    shard_cache_options=options, mesh=mesh_2x4)  # fmt: skip
+    want = flat_params(otfload.from_pretrained(llama, mesh=mesh_2x4))
+    got = flat_params(model)
+    assert got.keys() == want.keys() and want
+    for name, array in want.items():
+        np.testing.assert_array_equal(got[name], array, err_msg=name)
+    files = sorted(p.name for p in llama.iterdir() if p.suffix in (".json", ".safetensors"))
+    cached = [p.rsplit("/", 1)[1] for p in s3_server.filesystem().find(cache_url.removeprefix("s3://"))]
+    assert sorted(n for n in cached if not n.endswith(".sha256")) == files  # no temporary left behind
     again = closing(ShardCache(s3_source(url, s3_server.url, fast_retry), cache_url, storage_options=options))
-    assert again.fetched == [] and sorted(again.reused) == sorted(cached.fetched)  # verified, not fetched again
+    assert again.fetched == [] and sorted(again.reused) == files  # verified, not fetched again
+
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
