@@ -1,20 +1,24 @@
 """Bytes each process really fetches, against its ideal share (issue 17).
 
     python -m benchmarks.bench_fetch [--size-gib 0.71] [--policies never,auto,always]
-        [--meshes fsdp=8,fsdp=2:tp=4] [--sources local,hub] [--out FILE]
+        [--meshes fsdp=8,fsdp=2:tp=4] [--sources local,hub] [--drop-caches] [--out FILE]
 
 Real 4-process × 2-device CPU jobs (``jax.distributed`` on 127.0.0.1, :mod:`tests.multihost.fetch_worker`)
 load one synthetic bf16 Llama on each mesh of ``--meshes`` (default ``fsdp=8`` and ``fsdp=2, tp=4``;
 also ``tp=8``, ``fsdp=4, tp=2``), from
 
 * **local files, cold**: each process reads its own copy (separate hosts share no page cache), evicted
-  from the page cache first (``posix_fadvise(DONTNEED)``); the kernel's ``/proc/self/io`` ``read_bytes``
-  says what was fetched from disk;
+  from the page cache first (``posix_fadvise(DONTNEED)``; with ``--drop-caches``, as root, the whole
+  page cache is dropped too: ``echo 1 > /proc/sys/vm/drop_caches``); the kernel's ``/proc/self/io``
+  ``read_bytes`` says what was fetched from disk;
+* **local files, warm** (``--sources warm``): the same copies read whole first, so every page is
+  resident; the route ``auto`` takes (and its seconds) against ``never`` and ``always``;
 * **the Hub**: the test Hub server (tests/servers/hub_server.py) counts the body bytes it sends.
 
 For each reshard policy (``never``: read each shard's box in place; ``auto``: the cost model of
 otfload/place/reshard.py; ``always``: read every leaf it can as a band in the storage layout and
-reshard on the devices) it records, per process: the report's fetched bytes and requests, the kernel's
+reshard on the devices) it records, per process: the route the load took and why (agreed by every
+process: :mod:`otfload.place.agree`), the report's fetched bytes and requests, the kernel's
 (local) or the server's (Hub, all processes together) count, the ideal share and the load's seconds;
 and per job the bytes all processes read together over the checkpoint's bytes (the kernel's counts for
 local files, the server's for the Hub): 1.00 is each byte from the source once, cluster-wide.
@@ -56,8 +60,22 @@ def run(spec: dict, out: Path) -> list[dict]:
     return run_fetch_workers({"local_devices": LOCAL_DEVICES, **spec}, PROCESSES, out, timeout_s=1800)
 
 
+def drop_page_cache() -> None:
+    """Drop the whole page cache (root only): every file cold, not just the copies evicted."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def read_whole(directory: Path) -> None:
+    """Read every safetensors file of ``directory`` once: all its pages resident."""
+    for path in directory.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
 def measure(ckpt: Path, work: Path, policies: list[str], meshes: dict | None = None,
-            sources: tuple[str, ...] = ("local", "hub")) -> list[dict]:
+            sources: tuple[str, ...] = ("local", "hub"), drop_caches: bool = False) -> list[dict]:
     rows = []
     copies = []
     for i in range(PROCESSES):
@@ -72,12 +90,21 @@ def measure(ckpt: Path, work: Path, policies: list[str], meshes: dict | None = N
             for policy in policies:
                 for copy in copies:
                     evict(copy)
+                if drop_caches and "local" in sources:
+                    drop_page_cache()
                 out = work / f"local-{len(rows)}"
                 if "local" in sources:
                     job = run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy, "evict": True}, out)
                     cluster = sum(r["kernel_read_bytes"] for r in job) / size
                     rows += [{"source": "local, cold", "mesh": mesh_name, "policy": policy, "cluster": cluster, **r}
                              for r in job]  # fmt: skip
+                if "warm" in sources:
+                    for copy in copies:
+                        read_whole(copy)
+                    out = work / f"warm-{len(rows)}"
+                    job = run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy}, out)
+                    rows += [{"source": "local, warm", "mesh": mesh_name, "policy": policy, "cluster": float("nan"),
+                              **r} for r in job]  # fmt: skip
                 if "hub" not in sources:
                     continue
                 if policy == "never":  # a request per row: too slow for the test server, planned instead
@@ -145,13 +172,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(rows: list[dict]) -> str:
+    """One line per job, as issue 34's table: the worst process's counted bytes (the kernel's for
+    local files, the report's for the Hub, whose server counts all clients together) over its ideal;
+    the report's bytes over the counted ones (local: the worst process; Hub: all processes); the route."""
+    jobs: dict[tuple[str, str, str], list[dict]] = {}
+    for r in rows:
+        jobs.setdefault((r["source"], r["mesh"], r["policy"]), []).append(r)
+    lines = ["| source | mesh | policy | counted / ideal (worst process) | report / counted | seconds (slowest) | "
+             "route (process 0) |", "|---|---|---|---:|---:|---:|---|"]
+    for (source, mesh, policy), job in jobs.items():
+        if source == "local, warm":  # nothing comes from the disk: the report's bytes are page-cache reads
+            worst, honest = max(r["bytes_read"] / r["bytes_ideal"] for r in job), "(page cache)"
+        elif source == "Hub":
+            worst = max(r["bytes_read"] / r["bytes_ideal"] for r in job)
+            honest = f"{sum(r['bytes_read'] for r in job) / job[0]['served_all']:.3f}"
+        elif "kernel_read_bytes" in job[0]:
+            worst = max(r["kernel_read_bytes"] / r["bytes_ideal"] for r in job)
+            honest = f"{min(r['bytes_read'] / max(1, r['kernel_read_bytes']) for r in job):.3f}"
+        else:
+            worst, honest = max(r["bytes_read"] / r["bytes_ideal"] for r in job), "planned"
+        seconds = max(r["seconds"] for r in job)
+        lines.append(f"| {source} | {mesh} | {policy} | {worst:.2f} | {honest} | {seconds:.1f} | "
+                     f"{job[0].get('route', '')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gib", type=float, default=0.71, help="checkpoint size (0.71 GiB: 766 MB)")
     parser.add_argument("--policies", default="never,auto,always")
     parser.add_argument("--meshes", default=DEFAULT_MESHES, help=f"some of {list(MESHES)}, ',' between meshes, "
                         "':' between one mesh's axes")
-    parser.add_argument("--sources", default="local,hub", help="local (cold files), hub, or both")
+    parser.add_argument("--sources", default="local,hub", help="some of local (cold files), warm (local files "
+                        "in the page cache), hub")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="also drop the whole page cache before each cold local job (root)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
@@ -162,10 +218,10 @@ def main(argv: list[str] | None = None) -> None:
         if not (ckpt / "config.json").exists():
             write_checkpoint(ckpt, dims)
         rows = measure(ckpt, work, args.policies.split(","), parse_meshes(args.meshes),
-                       tuple(args.sources.split(",")))
+                       tuple(args.sources.split(",")), args.drop_caches)
     size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) if ckpt.exists() else 0
     text = f"Checkpoint: synthetic bf16 Llama, hidden {dims.hidden}, {dims.layers} layers ({size / 1e6:.0f} MB).\n\n"
-    text += table(rows)
+    text += summary(rows) + "\n" + table(rows)
     print(text)
     if args.out:
         args.out.write_text(text)

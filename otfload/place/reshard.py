@@ -58,8 +58,9 @@ from otfload.read.reader import TensorReader
 LOCAL_BANDWIDTH = 2e9
 LOCAL_REQUEST_S = 2e-6
 # Local files already in the page cache: a builder copies a mapped view at memory speed, per host
-# (measured here: a column block of a warm mapped file copied at 2.5-4 GB/s; 3 GB/s).
-WARM_BANDWIDTH = 3e9
+# (measured on this 2-core VM at a load average of ~11: column blocks of 384-3,072-byte rows of a warm
+# mapped file copied into fresh memory at 0.9-1.9 GB/s).
+WARM_BANDWIDTH = 1.5e9
 # Remote stores (Hub, GCS): ~1 GB/s per host with 16 requests in flight (docs/benchmarks_remote.md);
 # a range request's round trip is 5-50 ms, 16 overlap: ~1.5 ms each.
 REMOTE_BANDWIDTH = 1e9
