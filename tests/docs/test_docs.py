@@ -3,8 +3,10 @@
 Convention for code blocks: all ```python blocks of one page run in order as one script, and its
 ```bash blocks then run in one bash shell with the ``otfload`` script on PATH. A block that needs a
 checkpoint reads its location from the environment variable ``OTFLOAD_EXAMPLE_CKPT`` (here a tiny
-local float32 Llama in several shard files, from the ``tiny_checkpoints`` fixture; for a reader, a
-Hub id fallback). ```text blocks are sample output and are not run.
+local float32 Llama in several shard files, from the ``tiny_checkpoints`` fixture, with a tiny
+``tokenizer.json``; for a reader, a Hub id fallback), and one that needs a PEFT LoRA adapter of it
+from ``OTFLOAD_EXAMPLE_ADAPTER`` (one PEFT saved here, naming the Llama as its base). ```text blocks
+are sample output and are not run.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from pathlib import Path
 
 import otfload.errors
 from otfload.families.registry import supported_model_types
+from tests.adapters.support import make_adapter
+from tests.eval_support import with_tokenizer
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = ["index.md", "quickstart.md", "concepts.md", "families.md", "adding_a_family.md", "troubleshooting.md",
-         "sources.md", "export.md", "byo_model.md"]
+         "sources.md", "export.md", "byo_model.md", "adapters.md", "evaluation.md"]
 
 RUNNER = r"""
 import contextlib, re, subprocess, sys, traceback
@@ -40,9 +44,13 @@ for page in sys.argv[1:]:
 """
 
 
-def test_every_code_block_runs(tiny_checkpoints):
-    checkpoint, _ = tiny_checkpoints("llama")
-    env = {**os.environ, "OTFLOAD_EXAMPLE_CKPT": str(checkpoint), "TQDM_DISABLE": "1",
+def test_every_code_block_runs(tiny_checkpoints, tmp_path):
+    llama, torch_model = tiny_checkpoints("llama")
+    checkpoint = with_tokenizer(llama, tmp_path / "tiny-llama")
+    adapter = make_adapter(torch_model, tmp_path / "tiny-lora", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           base_model_name_or_path=str(checkpoint))
+    env = {**os.environ, "OTFLOAD_EXAMPLE_CKPT": str(checkpoint), "OTFLOAD_EXAMPLE_ADAPTER": str(adapter),
+           "TQDM_DISABLE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     out = subprocess.run([sys.executable, "-c", RUNNER, *(str(DOCS / p) for p in PAGES)], env=env,
                          capture_output=True, text=True, timeout=600)
