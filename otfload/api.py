@@ -548,12 +548,12 @@ def plan_params(
     Examples
     --------
     >>> import jax, numpy as np, otfload
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = otfload.make_mesh({"fsdp": 2, "tp": 4})
-    >>> abstract = {"embed": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=NamedSharding(mesh, P("tp", "fsdp")))}
-    >>> plan = otfload.plan_params("./tiny-llama", abstract, {"embed": "model.embed_tokens.weight"}, mesh=mesh)
-    >>> plan.leaves["embed"].describe()["hf_keys"]
-    ['model.embed_tokens.weight']
+    >>> sharded = jax.sharding.NamedSharding(otfload.make_mesh({"fsdp": 8}), jax.sharding.PartitionSpec(None, "fsdp"))
+    >>> head = jax.ShapeDtypeStruct((64, 256), np.float32, sharding=sharded)  # [embed, vocab]
+    >>> table = [otfload.Rule("head", "lm_head.weight", (otfload.Transpose(),))]  # HF stores [vocab, embed]
+    >>> plan = otfload.plan_params("./tiny-llama", {"head": head}, table)
+    >>> plan.leaves["head"].describe()["hooks"]
+    ['Transpose(perm=None)']
     """
     with owned_source(source, **source_options) as src:
         index = open_index(src, require_config=False)
