@@ -15,7 +15,11 @@ Models (from their published ``config.json`` and tensor layout):
   61 layers (3 dense) + the MTP layer 61, 256 routed experts, 163 shards;
 * ``llama-3.1-405b``: Llama-3.1-405B, bf16, 126 layers, 191 shards;
 * ``qwen3-235b-a22b``: Qwen3-235B-A22B, bf16, 94 layers × 128 experts, 118 shards;
-* ``gpt-oss-120b``: GPT-OSS-120B, MXFP4 experts (``_blocks``/``_scales``), bf16 elsewhere, 15 shards.
+* ``gpt-oss-120b``: GPT-OSS-120B, MXFP4 experts (``_blocks``/``_scales``), bf16 elsewhere, 15 shards;
+* ``kimi-k2.5``: Kimi-K2.5 from its published ``config.json`` (``--config``, e.g.
+  ``../shared/realconfigs/moonshotai__Kimi-K2.5.json``): the DeepSeek-V3 text model under
+  ``language_model.``, int4 ``pack-quantized`` routed experts, bf16 elsewhere, a stand-in vision
+  tower; 64 shards.
 """
 
 from __future__ import annotations
@@ -24,24 +28,30 @@ import argparse
 import json
 import math
 import os
+import struct
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 Tensor = tuple[str, str, tuple[int, ...]]  # name, safetensors dtype, shape
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1}
+# The few tensors otfload reads while planning (compressed-tensors' ``weight_shape``) by name: their
+# bytes are written; every other tensor is a hole.
+Values = dict[str, bytes]
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
 # safetensors pads its JSON header with spaces to a multiple of this many bytes.
 HEADER_ALIGN = 8
 
 
 @dataclass(frozen=True)
 class Replica:
-    """A published model: its config, a generator of its tensors in file order, its shard count."""
+    """A published model: its config, a generator of its tensors in file order, its shard count, and
+    the values of the tensors planning reads."""
 
     config: dict
     tensors: Callable[[dict], Iterator[Tensor]]
     shards: int
+    values: Callable[[dict], Values] | None = None
 
 
 # --- DeepSeek-V3 (deepseek-ai/DeepSeek-V3) ----------------------------------------------------------
@@ -63,44 +73,48 @@ DEEPSEEK_V3 = {
 FP8_BLOCK = 128
 
 
+Linear = Callable[[str, tuple[int, int]], Iterator[Tensor]]  # a linear module's tensors by its name and shape
+
+
 def _fp8(name: str, shape: tuple[int, int]) -> Iterator[Tensor]:
     yield f"{name}.weight", "F8_E4M3", shape
     yield f"{name}.weight_scale_inv", "F32", (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
 
 
-def deepseek_v3_tensors(c: dict) -> Iterator[Tensor]:
+def deepseek_v3_tensors(c: dict, linear: Linear = _fp8, expert: Linear = _fp8, prefix: str = "") -> Iterator[Tensor]:
+    """DeepSeek-V3's tensors; ``linear`` / ``expert`` give a linear module's / a routed expert's."""
     h, heads = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    yield "model.embed_tokens.weight", "BF16", (c["vocab_size"], h)
+    yield f"{prefix}model.embed_tokens.weight", "BF16", (c["vocab_size"], h)
     for n in range(c["num_hidden_layers"] + c["num_nextn_predict_layers"]):
-        p = f"model.layers.{n}"
+        p = f"{prefix}model.layers.{n}"
         yield f"{p}.input_layernorm.weight", "BF16", (h,)
         yield f"{p}.post_attention_layernorm.weight", "BF16", (h,)
         a = f"{p}.self_attn"
-        yield from _fp8(f"{a}.q_a_proj", (c["q_lora_rank"], h))
+        yield from linear(f"{a}.q_a_proj", (c["q_lora_rank"], h))
         yield f"{a}.q_a_layernorm.weight", "BF16", (c["q_lora_rank"],)
-        yield from _fp8(f"{a}.q_b_proj", (heads * qk, c["q_lora_rank"]))
-        yield from _fp8(f"{a}.kv_a_proj_with_mqa", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h))
+        yield from linear(f"{a}.q_b_proj", (heads * qk, c["q_lora_rank"]))
+        yield from linear(f"{a}.kv_a_proj_with_mqa", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h))
         yield f"{a}.kv_a_layernorm.weight", "BF16", (c["kv_lora_rank"],)
-        yield from _fp8(f"{a}.kv_b_proj", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]))
-        yield from _fp8(f"{a}.o_proj", (h, heads * c["v_head_dim"]))
+        yield from linear(f"{a}.kv_b_proj", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]))
+        yield from linear(f"{a}.o_proj", (h, heads * c["v_head_dim"]))
         if n < c["first_k_dense_replace"]:
             i = c["intermediate_size"]
-            yield from _fp8(f"{p}.mlp.gate_proj", (i, h))
-            yield from _fp8(f"{p}.mlp.up_proj", (i, h))
-            yield from _fp8(f"{p}.mlp.down_proj", (h, i))
+            yield from linear(f"{p}.mlp.gate_proj", (i, h))
+            yield from linear(f"{p}.mlp.up_proj", (i, h))
+            yield from linear(f"{p}.mlp.down_proj", (h, i))
         else:
             i, e = c["moe_intermediate_size"], c["n_routed_experts"]
             yield f"{p}.mlp.gate.weight", "BF16", (e, h)
             yield f"{p}.mlp.gate.e_score_correction_bias", "F32", (e,)
             for x in range(e):
-                yield from _fp8(f"{p}.mlp.experts.{x}.gate_proj", (i, h))
-                yield from _fp8(f"{p}.mlp.experts.{x}.up_proj", (i, h))
-                yield from _fp8(f"{p}.mlp.experts.{x}.down_proj", (h, i))
+                yield from expert(f"{p}.mlp.experts.{x}.gate_proj", (i, h))
+                yield from expert(f"{p}.mlp.experts.{x}.up_proj", (i, h))
+                yield from expert(f"{p}.mlp.experts.{x}.down_proj", (h, i))
             shared = i * c["n_shared_experts"]
-            yield from _fp8(f"{p}.mlp.shared_experts.gate_proj", (shared, h))
-            yield from _fp8(f"{p}.mlp.shared_experts.up_proj", (shared, h))
-            yield from _fp8(f"{p}.mlp.shared_experts.down_proj", (h, shared))
+            yield from linear(f"{p}.mlp.shared_experts.gate_proj", (shared, h))
+            yield from linear(f"{p}.mlp.shared_experts.up_proj", (shared, h))
+            yield from linear(f"{p}.mlp.shared_experts.down_proj", (h, shared))
         if n >= c["num_hidden_layers"]:  # the MTP layer's own modules
             yield f"{p}.embed_tokens.weight", "BF16", (c["vocab_size"], h)
             yield f"{p}.enorm.weight", "BF16", (h,)
@@ -108,8 +122,8 @@ def deepseek_v3_tensors(c: dict) -> Iterator[Tensor]:
             yield f"{p}.eh_proj.weight", "BF16", (h, 2 * h)
             yield f"{p}.shared_head.norm.weight", "BF16", (h,)
             yield f"{p}.shared_head.head.weight", "BF16", (c["vocab_size"], h)
-    yield "model.norm.weight", "BF16", (h,)
-    yield "lm_head.weight", "BF16", (c["vocab_size"], h)
+    yield f"{prefix}model.norm.weight", "BF16", (h,)
+    yield f"{prefix}lm_head.weight", "BF16", (c["vocab_size"], h)
 
 
 # --- Llama-3.1-405B (meta-llama/Llama-3.1-405B) ------------------------------------------------------
@@ -223,8 +237,46 @@ def gpt_oss_tensors(c: dict) -> Iterator[Tensor]:
     yield "lm_head.weight", "BF16", (c["vocab_size"], h)
 
 
+# --- Kimi-K2.5 (moonshotai/Kimi-K2.5): its published config.json is passed in (--config) -------------
+
+INT4_GROUP = 32  # Kimi-K2.5's routed experts: int4 in groups of 32 (text_config.quantization_config)
+INT4_PER_WORD = 8
+
+
+def _bf16(name: str, shape: tuple[int, int]) -> Iterator[Tensor]:
+    yield f"{name}.weight", "BF16", shape
+
+
+def _int4(name: str, shape: tuple[int, int]) -> Iterator[Tensor]:
+    """compressed-tensors pack-quantized: 8 int4 per I32 along the input, BF16 scales per group."""
+    yield f"{name}.weight_packed", "I32", (shape[0], shape[1] // INT4_PER_WORD)
+    yield f"{name}.weight_scale", "BF16", (shape[0], shape[1] // INT4_GROUP)
+    yield f"{name}.weight_shape", "I64", (2,)
+
+
+def kimi_k25_tensors(c: dict) -> Iterator[Tensor]:
+    """The text model (``text_config``) under ``language_model.``: BF16 but for the int4 routed
+    experts; then a stand-in vision tower and projector (never read by otfload)."""
+    yield from deepseek_v3_tensors({"num_nextn_predict_layers": 0, **c["text_config"]}, _bf16, _int4,
+                                   "language_model.")
+    vision = c.get("vision_config", {}).get("hidden_size", 1152)
+    yield "vision_tower.patch_embed.proj.weight", "BF16", (vision, 3, 14, 14)
+    yield "mm_projector.proj.0.weight", "BF16", (c["text_config"]["hidden_size"], vision * 4)
+
+
+def kimi_k25_values(c: dict) -> Values:
+    """Every routed expert's ``weight_shape``: ``[out, in]`` as int64."""
+    t = c["text_config"]
+    up = struct.pack("<2q", t["moe_intermediate_size"], t["hidden_size"])
+    down = struct.pack("<2q", t["hidden_size"], t["moe_intermediate_size"])
+    return {f"language_model.model.layers.{n}.mlp.experts.{x}.{name}.weight_shape": down if name == "down_proj" else up
+            for n in range(t["first_k_dense_replace"], t["num_hidden_layers"]) for x in range(t["n_routed_experts"])
+            for name in ("gate_proj", "up_proj", "down_proj")}
+
+
 REPLICAS = {
     "deepseek-v3": Replica(DEEPSEEK_V3, deepseek_v3_tensors, 163),
+    "kimi-k2.5": Replica({}, kimi_k25_tensors, 64, kimi_k25_values),
     "llama-3.1-405b": Replica(LLAMA_405B, llama_tensors, 191),
     "qwen3-235b-a22b": Replica(QWEN3_235B, qwen3_moe_tensors, 118),
     "gpt-oss-120b": Replica(GPT_OSS_120B, gpt_oss_tensors, 15),
@@ -235,10 +287,13 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return ITEMSIZE[dtype] * math.prod(shape)
 
 
-def write_shard(path: Path, tensors: list[Tensor]) -> None:
-    """A safetensors file: the real header, then a hole of the tensors' size (no data written)."""
+def write_shard(path: Path, tensors: list[Tensor], values: Values | None = None) -> None:
+    """A safetensors file: the real header, then a hole of the tensors' size (no data written but
+    ``values``)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
+    if values:  # the valued tensors first: their bytes share a few pages instead of one page each
+        tensors = sorted(tensors, key=lambda t: t[0] not in values)
     for name, dtype, shape in tensors:
         size = nbytes(dtype, shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
@@ -249,12 +304,21 @@ def write_shard(path: Path, tensors: list[Tensor]) -> None:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         f.truncate(8 + len(text) + offset)  # a hole: reads give zeros, the disk holds nothing
+        for name, *_ in tensors:
+            if values and name in values:
+                f.seek(8 + len(text) + header[name]["data_offsets"][0])
+                f.write(values[name])
 
 
-def make_replica(name: str, out: Path) -> dict:
-    """Write replica ``name`` into ``out``; returns a summary (tensors, bytes, files)."""
+def make_replica(name: str, out: Path, config: dict | None = None) -> dict:
+    """Write replica ``name`` into ``out`` (from ``config``, the published ``config.json``, for the
+    replicas that take it); returns a summary (tensors, bytes, files)."""
     replica = REPLICAS[name]
-    tensors = list(replica.tensors(replica.config))
+    config = config or replica.config
+    if not config:
+        raise SystemExit(f"{name}: pass its published config.json (--config)")
+    tensors = list(replica.tensors(config))
+    values = replica.values(config) if replica.values else None
     total = sum(nbytes(d, s) for _, d, s in tensors)
     target = total / replica.shards
     shards: list[list[Tensor]] = [[]]
@@ -268,11 +332,11 @@ def make_replica(name: str, out: Path) -> dict:
     weight_map = {}
     for k, group in enumerate(shards):
         file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_shard(out / file, group)
+        write_shard(out / file, group, values)
         weight_map.update(dict.fromkeys((t[0] for t in group), file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(replica.config, indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     return {"model": name, "tensors": len(tensors), "bytes": total, "files": len(shards)}
 
 
@@ -281,11 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", choices=sorted(REPLICAS))
     parser.add_argument("out", nargs="?", type=Path)
     parser.add_argument("--list", action="store_true", help="list the models")
+    parser.add_argument("--config", type=Path, help="the published config.json (kimi-k2.5 takes it from here)")
     args = parser.parse_args(argv)
     if args.list or args.model is None or args.out is None:
         print("\n".join(sorted(REPLICAS)))
         return 0 if args.list else 2
-    info = make_replica(args.model, args.out)
+    info = make_replica(args.model, args.out, json.loads(args.config.read_text()) if args.config else None)
     disk = sum(os.stat(p).st_blocks * 512 for p in args.out.iterdir())
     print(f"{args.out}: {info['tensors']} tensors, {info['bytes'] / 1e9:.1f} GB in {info['files']} files "
           f"({disk / 1e6:.1f} MB on disk)")

@@ -100,7 +100,9 @@ def test_logits_match_transformers_on_the_dequantised_weights(quantized, layout,
     assert diff <= 1e-4, diff
 
 
-@pytest.mark.parametrize("layout", ["fp8_block_f32", "ct_w4a16_asym", "ct_nvfp4", "ct_fp8_block", "fbgemm_fp8"])
+@pytest.mark.parametrize("layout", ["fp8_block_f32", "ct_w4a16_asym", "ct_nvfp4", "ct_fp8_block", "fbgemm_fp8",
+                                    "gptq_int4_sym", "gptq_int4_desc_act", "gptq_int8_asym_v2_whole_rows", "awq_gemm",
+                                    "modelopt_fp8", "modelopt_nvfp4"])
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_each_shard_holds_the_reference_dequantised_values(quantized, layout, scan_layers, mesh_2x4):
     path, _, _, reference = quantized(layout)

@@ -121,3 +121,21 @@ def test_a_wrong_text_config_field_is_named_under_text_config(kimi_k25, tmp_path
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="text_config.n_group"):
         otfload.from_pretrained(bad)
+
+
+def test_the_published_kimi_k25_plans_at_real_size(tmp_path):
+    """A sparse replica of Kimi-K2.5 from its published config (scripts/make_replica.py: real names,
+    dtypes and shapes, holes for the data): 207360 int4 expert tensors explained by the quantization
+    config nested in text_config, the vision tower unused, ~594 GB planned from headers alone."""
+    from tests.place.test_plan_scale import replica_module
+
+    info = replica_module().make_replica("kimi-k2.5", tmp_path / "kimi", real_config())
+    assert info["tensors"] == 208217
+    mesh = make_mesh({"fsdp": 2, "ep": 4})
+    _, plan, src = otfload.plan_model(tmp_path / "kimi", mesh=mesh, scan_layers=True)
+    src.close()
+    assert plan.unused == ["mm_projector.proj.0.weight", "vision_tower.patch_embed.proj.weight"]
+    experts = plan.leaves["moe_layers.moe.experts.up.kernel"]
+    assert experts.storage == "compressed-tensors int4 packed, group" and len(experts.sources) == 60 * 384
+    assert plan.leaves["moe_layers.moe.shared.up.kernel"].storage == "bfloat16"  # in 'ignore'
+    assert 590e9 < plan.source_bytes < 600e9
