@@ -88,6 +88,9 @@ def gptq_args(qc: QuantConfig) -> IntArgs:
     where, fmt = _field(qc, ("checkpoint_format", "format"), "gptq")
     if not isinstance(fmt, str):
         raise ConfigError(where, fmt, "a string")
+    if qc.get("dynamic"):
+        raise UnsupportedQuantizationError("gptq: per-module overrides (quantization_config.dynamic) are not "
+                                           "supported yet")
     if flags["is_marlin_format"] or fmt.lower() not in GPTQ_ZERO_ADD:
         raise UnsupportedQuantizationError(f"gptq: checkpoint format {fmt!r}{' (marlin)' * flags['is_marlin_format']}"
                                            f" is not supported yet (supported: {', '.join(GPTQ_ZERO_ADD)})")
@@ -98,7 +101,7 @@ def awq_args(qc: QuantConfig) -> IntArgs:
     where, bits = _field(qc, ("bits", "w_bit"), AWQ_BITS)
     if bits != AWQ_BITS or type(bits) is not int:
         raise UnsupportedQuantizationError(f"awq: {where} = {bits!r}: only {AWQ_BITS}-bit AWQ is supported")
-    where, version = _field(qc, ("version",), "gemm")
+    where, version = _field(qc, ("version", "format"), "gemm")
     if not isinstance(version, str) or version.lower() not in AWQ_VERSIONS:
         raise UnsupportedQuantizationError(f"awq: {where} = {version!r} is not supported yet "
                                            f"(supported: {', '.join(AWQ_VERSIONS)})")

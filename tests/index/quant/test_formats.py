@@ -218,6 +218,8 @@ def test_gptq_awq_what_no_layout_explains_is_a_quantization_error(tmp_path, tens
     ({**GPTQ, "bits": 3}, "3-bit codes are not supported yet"),
     ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint format 'marlin' is not supported yet"),
     ({**GPTQ, "is_marlin_format": True}, "\\(marlin\\) is not supported yet"),
+    ({**GPTQ, "checkpoint_format": "gptq_p"}, "checkpoint format 'gptq_p' is not supported yet"),
+    ({**GPTQ, "dynamic": {"re:.*down_proj": {"bits": 8}}}, "per-module overrides"),
     ({**AWQ, "version": "gemv"}, "version = 'gemv' is not supported yet"),
     ({**AWQ, "zero_point": False}, "only AWQ with zero points"),
     ({**AWQ, "bits": 8}, "only 4-bit AWQ"),
