@@ -41,6 +41,7 @@ from typing import TypeVar
 import jax
 import numpy as np
 
+from otfload.place.device_hooks import hooks_on_device, place_on_devices, stack_raw
 from otfload.place.put import place_shards
 from otfload.place.transpose import copy_into, transposed_axis, xla_copies
 from otfload.plan.boxes import Box, box_nbytes, box_shape, crop
@@ -135,14 +136,21 @@ def _owned(built: dict[Box, np.ndarray]) -> dict[Box, np.ndarray]:
     return {box: a if a.flags.c_contiguous else _aligned_copy(a) for box, a in built.items()}
 
 
+Stack = Callable[
+    [LeafPlan, Box, Box, Box, list[tuple[int, ...]], dict[tuple[int, ...], np.ndarray], dict[Box, np.ndarray]], None
+]
+
+
 def _build(
     plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None,
-    finish: Callable[[dict[Box, np.ndarray]], T], staging: Arena | None,
+    finish: Callable[[dict[Box, np.ndarray]], T], staging: Arena | None, stack: Stack | None = None,
 ) -> T:
     """:func:`build_boxes`, handing the boxes to ``finish`` before the last chunk's scratch and
     mapped pages are released: a box may be a transposed view of them, which ``finish`` copies.
     With ``staging`` (a device that copies what it is given), boxes are written there, or are
-    contiguous views of what was read, instead of fresh buffers."""
+    contiguous views of what was read, instead of fresh buffers. ``stack(plan, box, need, union,
+    combos, parts, results)`` writes a chunk's pieces into ``results`` (default: through the hooks
+    into the leaf's box, :func:`_stack_into`; the device route stacks them raw)."""
     budget = budget or ByteBudget(None)
     n_stack = len(plan.stack_axes)
     strides = [int(np.prod(plan.stack_shape[d + 1 :], dtype=np.int64)) for d in range(n_stack)]
@@ -166,9 +174,13 @@ def _build(
             read = reader.read_boxes([plan.sources[i] for i in indices.values()], union, arena, selection, shared)
             parts = dict(zip(indices, read, strict=True))
             for box in boxes:
-                _stack_into(plan, box, need[box], union, combos_of[box], parts, results, staging)
+                if stack is None:
+                    _stack_into(plan, box, need[box], union, combos_of[box], parts, results, staging)
+                else:
+                    stack(plan, box, need[box], union, combos_of[box], parts, results)
             if position == len(chunks) - 1:  # the boxes are whole: placed while their pages are in
-                finished = finish({box: _result(plan, box, results, staging) for box in boxes})
+                whole = results if stack is not None else {b: _result(plan, b, results, staging) for b in boxes}
+                finished = finish(whole)
                 results = {}
         finally:
             parts = {}  # drop the pieces (views of scratch and mapped pages) before releasing them
@@ -253,8 +265,23 @@ def build_leaf(
         array = place_shards(leaf.shape, leaf.dtype, leaf.sharding, arrays, list(box_of))
         return array.block_until_ready()  # the device has copied views and staging before they are reused
 
+    boxes = list(dict.fromkeys(box_of.values()))
     try:
-        return _build(plan, list(dict.fromkeys(box_of.values())), reader, arena, budget, place, staging)
+        if hooks_on_device(plan):
+            def make(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+                if staging is None:
+                    return aligned_empty(shape, dtype)
+                return staging.take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize).view(dtype).reshape(shape)
+
+            def stack(plan: LeafPlan, box: Box, need: Box, union: Box, combos: list[tuple[int, ...]],
+                      parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray]) -> None:
+                stack_raw(plan, box, need, union, combos, parts, results, make)
+
+            def on_devices(raw: dict[Box, np.ndarray]) -> jax.Array:
+                return place_on_devices(plan, box_of, raw).block_until_ready()  # staging is free again
+
+            return _build(plan, boxes, reader, arena, budget, on_devices, staging, stack)
+        return _build(plan, boxes, reader, arena, budget, place, staging)
     finally:
         if staging is not None:
             staging.reset()

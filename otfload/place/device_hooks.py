@@ -1,0 +1,114 @@
+"""Hooks run on the device: the raw bytes of each shard go over as stored, the device lays them out.
+
+On an accelerator the host is the slow side: a transposing copy runs at ~1 GB per CPU-second (XLA's
+host kernel, docs/benchmarks.md "Transposed loads"), a cast or a scale at memory speed on one core,
+while the device does either at hundreds of GB/s. So where a leaf's hooks change the layout or the
+values (a transpose, a head split through a transpose, a slice, a scale, a cast to another dtype),
+the builder does not apply them on the host. For each device box it reads, as for the host route,
+the box of every source tensor the box needs (carried back through the hooks), copies those pieces
+— untransposed, in the stored dtype — into one host buffer ``[slices, *source box]`` (the stack of
+layers or experts is this copy), sends it to every device holding the box, and one jitted function
+per (hooks, box, dtype) — compiled once, cached — applies the hooks to every slice (``vmap``), crops,
+and casts there. The result is bitwise the host route's: the hooks are the same code run on
+``jax.Array`` s (transposes, reshapes and slices move values; a scale multiplies in the stored dtype
+as numpy does; the final cast rounds as numpy's).
+
+Used for leaves whose sources are all stored tensors (a quantized or adapted weight is decoded on
+the host as before) and whose hooks do something (a leaf stored as it is loaded has nothing to do
+on the device). :func:`device_hooks_policy`: ``"auto"`` (accelerators only; default), ``"always"``
+(CPU devices too: what the tests compare against the host route), ``"never"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from otfload.errors import InvalidOptionError
+from otfload.index.derived import is_derived
+from otfload.plan.boxes import Box, box_shape, crop
+from otfload.plan.hooks import Hook, chain_apply, chain_needed
+from otfload.plan.planner import LeafPlan
+
+# Where hooks run: "auto" (on accelerators), "always", "never".
+DEVICE_HOOKS_ENV = "OTFLOAD_DEVICE_HOOKS"
+POLICIES = ("auto", "always", "never")
+# Jitted layout functions kept: one per distinct (hooks, boxes, dtypes) — a leaf kind of a model on
+# one mesh needs a few (one per distinct device box), a whole model a few hundred at most.
+TRANSFORM_CACHE_SIZE = 1024
+
+
+def device_hooks_policy() -> str:
+    """``$OTFLOAD_DEVICE_HOOKS``, checked (default ``"auto"``)."""
+    policy = os.environ.get(DEVICE_HOOKS_ENV, "auto").strip() or "auto"
+    if policy not in POLICIES:
+        raise InvalidOptionError(f"${DEVICE_HOOKS_ENV} must be one of {POLICIES}, got {policy!r}")
+    return policy
+
+
+def hooks_on_device(plan: LeafPlan, policy: str | None = None) -> bool:
+    """Whether ``plan``'s leaf is laid out on its devices (see the module docstring)."""
+    policy = policy or device_hooks_policy()
+    if policy == "never" or not plan.sources or any(is_derived(info) for info in plan.sources):
+        return False
+    if not plan.hooks and all(info.dtype == plan.leaf.dtype for info in plan.sources):
+        return False  # nothing to do: the bytes as stored are the leaf's
+    devices: set[jax.Device] = plan.leaf.sharding.device_set
+    return policy == "always" or all(d.platform != "cpu" for d in devices)
+
+
+def raw_need(plan: LeafPlan, box: Box) -> Box:
+    """The box of each source tensor that ``box`` of the leaf needs (its stack dims dropped)."""
+    return chain_needed(plan.hooks, plan.shapes, box[len(plan.stack_axes) :])
+
+
+def stack_raw(
+    plan: LeafPlan, box: Box, need: Box, union: Box, combos: list[tuple[int, ...]],
+    parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray],
+    make: Callable[[tuple[int, ...], np.dtype], np.ndarray],
+) -> None:
+    """Copy the pieces of ``box`` present in ``parts`` (source boxes ``union``), cropped to ``need``
+    (:func:`raw_need` of the box), into their rows of ``results[box]`` (``[slices, *need]``, stored
+    dtype; made by ``make(shape, dtype)``): one ``np.stack``, no hook applied."""
+    rows = [i for i, c in enumerate(combos) if c in parts]  # consecutive: chunks follow row-major order
+    if not rows:
+        return
+    if box not in results:
+        results[box] = make((len(combos), *box_shape(need)), plan.sources[0].dtype)
+    pieces = [crop(parts[combos[i]], union, need) for i in rows]
+    np.stack(pieces, axis=0, out=results[box][rows[0] : rows[-1] + 1])
+
+
+def place_on_devices(plan: LeafPlan, box_of: dict[jax.Device, Box], raw: dict[Box, np.ndarray]) -> jax.Array:
+    """The leaf, sharded as planned, from each box's raw host buffer: sent to every device holding
+    the box, laid out there by the cached jitted function of :func:`transform`."""
+    leaf, n_stack = plan.leaf, len(plan.stack_axes)
+    shards = []
+    for device, box in box_of.items():
+        layout = transform(plan.hooks, plan.shapes, raw_need(plan, box), box[n_stack:], box_shape(box[:n_stack]),
+                           np.dtype(leaf.dtype))
+        shards.append(layout(jax.device_put(raw[box], device)))
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
+
+
+@functools.lru_cache(maxsize=TRANSFORM_CACHE_SIZE)
+def transform(
+    hooks: Sequence[Hook], shapes: Sequence[tuple[int, ...]], need: Box, inner: Box, lead: tuple[int, ...],
+    dtype: np.dtype,
+) -> Callable[[jax.Array], jax.Array]:
+    """A jitted function from ``[slices, *need]`` raw source boxes to the leaf's box ``[*lead, *inner]``:
+    the hooks applied to each slice, cropped to ``inner``, cast to ``dtype``."""
+
+    def one(x: jax.Array) -> jax.Array:
+        out, have = chain_apply(hooks, shapes, x, need)  # type: ignore[arg-type]  # the hooks take any array
+        return crop(out, have, inner)  # type: ignore[return-value]  # a jax.Array in, a jax.Array out
+
+    def layout(raw: jax.Array) -> jax.Array:
+        return jax.vmap(one)(raw).reshape((*lead, *box_shape(inner))).astype(dtype)
+
+    jitted: Callable[[jax.Array], jax.Array] = jax.jit(layout)
+    return jitted
