@@ -76,7 +76,8 @@ def test_sharded_export_equals_single_device_export(tiny_checkpoints, mesh_2x4, 
     a = export_hf(sharded, tmp_path / "sharded", reference=src)
     b = export_hf(single, tmp_path / "single", reference=src)
     names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir()) == ["config.json", "model.safetensors"]
+    expected = ["config.json", "generation_config.json", "model.safetensors"]  # the source's generation config too
+    assert names == sorted(p.name for p in b.iterdir()) == expected
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
