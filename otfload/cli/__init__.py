@@ -39,7 +39,7 @@ def refuse_unknown(args: argparse.Namespace, unknown: list[str]) -> None:
     """Exit 2 with the subcommand's usage for arguments it does not take, offering a close flag
     (``load --verfy``: did you mean --verify?)."""
     sub: argparse.ArgumentParser = args.command_parser
-    known = [flag for action in sub._actions for flag in action.option_strings]
+    known = [flag for action in sub._actions for flag in action.option_strings]  # argparse lists them nowhere public
     hints = [f"{arg} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(arg.split("=")[0], known, 1))
              else arg for arg in unknown]
     sub.error(f"unrecognized arguments: {' '.join(hints)}")
