@@ -21,7 +21,7 @@ COLD_OVER_DIRECT = 0.9
 KEPT_GIB = 0.25
 # The otfload variants and the limits, in the order they are shown.
 LIMITS = ("floor-all", "direct", "dma-put", "pinned")
-LOADERS = ("naive", "fastsafetensors", "otfload-staged", "otfload", "otfload-primed")
+LOADERS = ("naive", "fastsafetensors", "otfload-staged", "otfload-hosthooks", "otfload", "otfload-primed")
 
 
 def _gbps(r: dict) -> float:

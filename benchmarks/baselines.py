@@ -259,6 +259,19 @@ def otfload_no_direct(target: Target) -> Run:
     return otfload_load(target)
 
 
+def otfload_hooks(where: str) -> Callable[[Target], Run]:
+    """otfload with its hooks run on the device (``"always"``) or on the host (``"never"``) whatever the
+    platform (``OTFLOAD_DEVICE_HOOKS``; default: on accelerators only)."""
+
+    def prepare(target: Target) -> Run:
+        from otfload.place.device_hooks import DEVICE_HOOKS_ENV
+
+        os.environ[DEVICE_HOOKS_ENV] = where  # this process runs this one method only
+        return otfload_load(target)
+
+    return prepare
+
+
 def otfload_fresh_buffers(target: Target) -> Run:
     """otfload with accelerators' host staging off (``builder.HOST_STAGING = False``): a fresh host
     buffer per shard, as for CPU devices — what the reused staging and as-read views save."""
@@ -512,6 +525,8 @@ METHODS: dict[str, Callable[[Target], Run]] = {
     "otfload": otfload_load,
     "otfload-noahead": otfload_no_read_ahead,
     "otfload-nodirect": otfload_no_direct,
+    "otfload-devhooks": otfload_hooks("always"),
+    "otfload-hosthooks": otfload_hooks("never"),
     "otfload-fresh": otfload_fresh_buffers,
     "otfload-whole": otfload_whole_puts,
     "otfload-w4": otfload_workers(4),

@@ -50,7 +50,7 @@ GPU_BASELINES = {
     m: None for m in ("pinned", "pageable", "fromfile", "floor", "h2d", "naive", "fastsafetensors",
                       "fastsafetensors-gds", "fst-jax", "orbax", "otfload-fresh", "otfload-whole", "otfload-w4",
                       "otfload-w8", "otfload-nodirect", "direct", "floor-all", "dma-put", "otfload-primed",
-                      "otfload-staged")
+                      "otfload-staged", "otfload-devhooks", "otfload-hosthooks")
 }
 GIB = 2**30
 COLD_FILES_ONLY = False  # --cold-files: drop only the checkpoint's pages (posix_fadvise), never the whole cache

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from otfload.place.agree import agree_load
 from otfload.place.builder import ByteBudget, build_leaf
+from otfload.place.device_hooks import compile_ahead
 from otfload.place.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
 from otfload.place.reshard import ReshardPrograms, choose_read_shardings, is_local, resolve_policy, route, with_sharding
 from otfload.plan.planner import LoadPlan
@@ -84,6 +85,7 @@ def execute_plan(
     programs = ReshardPrograms(plan.leaves, bands)  # compiled while the builders read
     direct = reader.use_direct(cold_files or ())  # cold files bypass the page cache (O_DIRECT); the rest
     ahead = start_read_ahead(plan, reader, bands, None if cold_files is None else cold_files - direct)  # read ahead
+    compiling = compile_ahead(plan.leaves.values())  # device layouts compile while the bytes are read
     local = threading.local()
     registry = DmaRegistry(load_devices(plan), host_ring_bytes)  # accelerators: staging for direct DMA
     stagings: list[Arena] = []
@@ -150,6 +152,8 @@ def execute_plan(
             ahead.close()
         programs.close()
         pool.shutdown(wait=True, cancel_futures=True)
+        if compiling is not None:
+            compiling.shutdown(wait=True, cancel_futures=True)
         for staging in stagings:  # every transfer from them has completed (leaves are ready)
             staging.close()
         registry.close()

@@ -2,6 +2,8 @@
 source boxes, are bitwise the host route's (numpy hooks, one np.stack) — run on CPU devices, where the
 route is forced (``OTFLOAD_DEVICE_HOOKS=always``); on accelerators it is the default."""
 
+import logging
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -9,6 +11,7 @@ from flax import nnx
 import otfload
 from otfload.errors import InvalidOptionError
 from otfload.place import device_hooks
+from otfload.plan.boxes import box_from_index
 from tests.families import test_deepseek, test_gemma, test_gpt_oss, test_mixtral, test_qwen3_moe  # noqa: F401  (kinds)
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v2",
@@ -47,3 +50,27 @@ def test_policy_is_checked(monkeypatch):
     monkeypatch.setenv(device_hooks.DEVICE_HOOKS_ENV, "sometimes")
     with pytest.raises(InvalidOptionError, match="OTFLOAD_DEVICE_HOOKS"):
         device_hooks.device_hooks_policy()
+
+
+def test_layouts_are_compiled_ahead_from_the_plan_alone(tiny_checkpoints, mesh_2x4, monkeypatch, caplog):
+    """Before any byte is read, the plan gives every device box's layout function and its input: they
+    compile in the background, and a load then finds them compiled."""
+    path, _ = tiny_checkpoints("llama")
+    monkeypatch.setenv(device_hooks.DEVICE_HOOKS_ENV, "always")
+    _, plan, src = otfload.plan_model(path, mesh=mesh_2x4)
+    src.close()
+    laid = [p for p in plan.leaves.values() if device_hooks.hooks_on_device(p)]
+    pool = device_hooks.compile_ahead(plan.leaves.values())
+    assert pool is not None and laid
+    pool.shutdown(wait=True)
+    import jax
+
+    for leaf_plan in laid:
+        device, box = next(iter(leaf_plan.leaf.sharding.addressable_devices_indices_map(leaf_plan.leaf.shape).items()))
+        layout, spec = device_hooks._layout_of(leaf_plan, box_from_index(box, leaf_plan.leaf.shape))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+            layout(jax.device_put(np.zeros(spec.shape, spec.dtype), device))
+        assert not [r for r in caplog.records if "Compiling" in r.getMessage()], leaf_plan.path  # compiled ahead
+    monkeypatch.setenv(device_hooks.DEVICE_HOOKS_ENV, "never")
+    assert device_hooks.compile_ahead(plan.leaves.values()) is None  # nothing laid out on devices
