@@ -42,7 +42,7 @@ from pathlib import Path
 from benchmarks import harness
 from benchmarks.bench_load import child_env, drop_caches, machine_line, warm
 
-VARIANTS = ("bf16", "fp8", "w4a16")
+VARIANTS = ("bf16", "fp8", "w4a16", "gptq", "awq")
 QUANTIZED = VARIANTS[1:]
 DEFAULT_METHODS = ",".join([*(f"{kind}-{v}" for v in VARIANTS for kind in ("floor", "otfload")),
                             *(f"keep-{v}" for v in QUANTIZED)])
@@ -214,6 +214,7 @@ def decode_breakdown(directory: Path, cold: bool = False) -> dict:
             arrays[role] = view
             np.add.reduce(view.view(np.uint8).reshape(-1)[:: 4096])  # touch every page: faults counted here
         t1 = time.perf_counter()
+        arrays = tensor.oriented(arrays)  # GPTQ / AWQ parts are stored transposed: views swapped back
         values = tensor.codes.decode(arrays, box)
         t2 = time.perf_counter()
         if tensor.scales is not None:

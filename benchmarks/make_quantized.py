@@ -8,6 +8,10 @@ becomes one of the layouts otfload decodes on the fly (docs/formats.md).
 - ``w4a16``: compressed-tensors ``pack-quantized``, symmetric int4 per group of 128 along the input
   axis: ``W_packed`` I32 ``[out, in/8]`` (element ``i`` of a row at bits ``[4i, 4i+4)`` of the row's
   little-endian bit stream, stored ``+8``), ``W_scale`` BF16 ``[out, in/128]``, ``W_shape`` I64 ``[2]``.
+- ``gptq`` / ``awq``: the same int4 codes and groups (F16 scales) in GPTQ's and AWQ's layouts, stored
+  ``[in, out]``-major (docs/formats.md): GPTQ ``qweight`` ``[in/8, out]`` packed along the input,
+  v1 ``qzeros`` (8 stored as 7), ``g_idx``; AWQ ``qweight`` ``[in, out/8]`` packed along the output in
+  AWQ's interleaved order, ``qzeros`` 8. Same values, other layouts: a comparison of layouts alone.
 
 Every other tensor (embeddings, norms, ``lm_head``) is copied as it is, as published checkpoints do.
 Files keep their names, so the index's shards map one to one. The safetensors writer is our own
@@ -27,7 +31,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-VARIANTS = ("fp8", "w4a16")
+VARIANTS = ("fp8", "w4a16", "gptq", "awq")
+INT_LAYOUTS = ("gptq", "awq")
 # DeepSeek-V3's (and Qwen3-FP8's) weight_block_size: one scale per 128×128 block of [out, in].
 FP8_BLOCK = (128, 128)
 # Largest finite float8_e4m3fn value: a block's absolute maximum maps onto it (scale = amax / 448).
@@ -42,6 +47,10 @@ W4_OFFSET = 1 << (W4_BITS - 1)
 W4_GROUP = 128
 # Codes per int32 word of the packed stream.
 W4_PER_WORD = 32 // W4_BITS
+# The zero point every symmetric int4 code is stored against (GPTQ and AWQ store unsigned codes).
+W4_ZERO = 8
+# AutoAWQ's pack order: field k of a word holds output column AWQ_PACK_ORDER[k] of its 8.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # An all-zero block would give a zero scale and 0/0 codes: floor the scale (any positive value works,
 # the codes are then 0 and so is the dequantised block).
 MIN_SCALE = 1e-12
@@ -50,6 +59,7 @@ SAFETENSORS_NAMES = {
     np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
     np.dtype(ml_dtypes.bfloat16): "BF16",
     np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
     np.dtype(np.int32): "I32",
     np.dtype(np.int64): "I64",
 }
@@ -74,6 +84,11 @@ def quantization_config(variant: str) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
             "ignore": ["lm_head"],
         }
+    if variant == "gptq":
+        return {"quant_method": "gptq", "bits": W4_BITS, "group_size": W4_GROUP, "desc_act": False, "sym": True,
+                "checkpoint_format": "gptq"}
+    if variant == "awq":
+        return {"quant_method": "awq", "bits": W4_BITS, "group_size": W4_GROUP, "zero_point": True, "version": "gemm"}
     raise ValueError(f"unknown variant {variant!r} (expected one of {VARIANTS})")
 
 
@@ -130,6 +145,34 @@ def w4a16_dequantize(packed: np.ndarray, scale: np.ndarray, group: int = W4_GROU
     return codes * np.repeat(scale.astype(np.float32), group, axis=1)
 
 
+def _pack_fields(fields: np.ndarray) -> np.ndarray:
+    """``[..., 8]`` 4-bit fields as one int32 per row, field ``k`` in bits ``[4k, 4k+4)``."""
+    words = np.zeros(fields.shape[:-1], np.uint32)
+    for k in range(W4_PER_WORD):
+        words |= fields[..., k].astype(np.uint32) << np.uint32(W4_BITS * k)
+    return words.view(np.int32)
+
+
+def int_layout_quantize(variant: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """:func:`w4a16_quantize`'s codes and scales (as F16) in the GPTQ or AWQ layout, by role."""
+    packed, scale, _ = w4a16_quantize(w)
+    rows, cols = w.shape
+    data = packed.astype("<i4", copy=False).view(np.uint8)
+    codes = np.empty((rows, cols), np.uint8)  # unsigned: the signed code + 8
+    codes[:, 0::2], codes[:, 1::2] = data & 0x0F, data >> 4
+    stored_in_out = codes.T  # [in, out]
+    groups = cols // W4_GROUP
+    scales = scale.astype(np.float16).T.copy()  # bf16 values fit f16's range here (|w| < 65504)
+    if variant == "gptq":  # rows of [in, out] packed 8 per word; v1 stores the zero point minus one
+        qweight = _pack_fields(np.moveaxis(stored_in_out.reshape(cols // W4_PER_WORD, W4_PER_WORD, rows), 1, -1))
+        qzeros = _pack_fields(np.full((groups, rows // W4_PER_WORD, W4_PER_WORD), W4_ZERO - 1))
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales,
+                "g_idx": (np.arange(cols) // W4_GROUP).astype(np.int32)}
+    fields = stored_in_out.reshape(cols, rows // W4_PER_WORD, W4_PER_WORD)[..., list(AWQ_PACK_ORDER)]
+    qzeros = _pack_fields(np.full((groups, rows // W4_PER_WORD, W4_PER_WORD), W4_ZERO))
+    return {"qweight": _pack_fields(fields), "qzeros": qzeros, "scales": scales}
+
+
 def quantize_tensor(variant: str, name: str, w: np.ndarray) -> dict[str, np.ndarray]:
     """The stored tensors standing for ``name`` (``w``) in ``variant``; ``{name: w}`` if not quantized."""
     if not is_quantized(name):
@@ -138,6 +181,8 @@ def quantize_tensor(variant: str, name: str, w: np.ndarray) -> dict[str, np.ndar
         codes, scale = fp8_quantize(w)
         return {name: codes, f"{name}_scale_inv": scale}
     module = name[: -len(".weight")]
+    if variant in INT_LAYOUTS:
+        return {f"{module}.{role}": value for role, value in int_layout_quantize(variant, w).items()}
     packed, scale, shape = w4a16_quantize(w)
     return {f"{module}.weight_packed": packed, f"{module}.weight_scale": scale, f"{module}.weight_shape": shape}
 
@@ -152,6 +197,14 @@ def stored_specs(variant: str, name: str, shape: tuple[int, ...]) -> list[tuple[
         return [(name, np.dtype(ml_dtypes.float8_e4m3fn), shape),
                 (f"{name}_scale_inv", np.dtype(np.float32), _block_grid(shape, FP8_BLOCK))]
     module = name[: -len(".weight")]
+    i32, f16, groups = np.dtype(np.int32), np.dtype(np.float16), cols // W4_GROUP
+    if variant == "gptq":
+        return [(f"{module}.qweight", i32, (cols // W4_PER_WORD, rows)),
+                (f"{module}.qzeros", i32, (groups, rows // W4_PER_WORD)),
+                (f"{module}.scales", f16, (groups, rows)), (f"{module}.g_idx", i32, (cols,))]
+    if variant == "awq":
+        return [(f"{module}.qweight", i32, (cols, rows // W4_PER_WORD)),
+                (f"{module}.qzeros", i32, (groups, rows // W4_PER_WORD)), (f"{module}.scales", f16, (groups, rows))]
     return [(f"{module}.weight_packed", np.dtype(np.int32), (rows, cols // W4_PER_WORD)),
             (f"{module}.weight_scale", np.dtype(ml_dtypes.bfloat16), (rows, cols // W4_GROUP)),
             (f"{module}.weight_shape", np.dtype(np.int64), (2,))]

@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from benchmarks.make_quantized import w4a16_dequantize, w4a16_quantize
+from benchmarks.make_quantized import int_layout_quantize, quantization_config, w4a16_dequantize, w4a16_quantize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,12 +18,13 @@ def test_bench_quantized_runs_every_method_and_prints_the_tables(tmp_path):
            "--dir", str(tmp_path / "c")]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = [f"| {kind}-{v} |" for v in ("bf16", "fp8", "w4a16") for kind in ("floor", "otfload")]
+    rows = [f"| {kind}-{v} |" for v in ("bf16", "fp8", "w4a16", "gptq", "awq") for kind in ("floor", "otfload")]
     rows += ["load time / otfload-bf16 load time", "bytes read (LoadReport) / bf16 checkpoint on disk",
              "load time / own floor time", "device bytes (all leaves, all devices; measured)", "| widen codes |"]
     for row in rows:
         assert row in out.stdout, row
-    assert (tmp_path / "c-fp8" / "config.json").exists() and (tmp_path / "c-w4a16" / "config.json").exists()
+    for variant in ("fp8", "w4a16", "gptq", "awq"):
+        assert (tmp_path / f"c-{variant}" / "config.json").exists(), variant
 
 
 def test_w4a16_packing_follows_the_documented_bit_layout():
@@ -35,3 +37,24 @@ def test_w4a16_packing_follows_the_documented_bit_layout():
     stream = int.from_bytes(packed.astype("<i4").tobytes(), "little")
     assert [(stream >> (4 * i)) & 0xF for i in range(128)] == (codes + 8).tolist()
     np.testing.assert_array_equal(w4a16_dequantize(packed, scale)[0], codes * 0.25)
+
+
+@pytest.mark.parametrize("variant", ["gptq", "awq"])
+def test_gptq_and_awq_copies_hold_the_w4a16_values(variant):
+    """The GPTQ and AWQ benchmark copies are the W4A16 codes and scales in another layout: decoded by
+    otfload's own handler they equal the W4A16 reference value (so the benchmark compares layouts)."""
+    from otfload.index.header import TensorInfo
+    from otfload.index.quant.intlinear import awq, gptq
+
+    w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 0.05
+    packed, scale, _ = w4a16_quantize(w)
+    stored = int_layout_quantize(variant, w)
+    tensors = {f"m.{role}": TensorInfo(f"m.{role}", v.dtype, v.shape, "f", 0, v.nbytes) for role, v in stored.items()}
+    (gptq if variant == "gptq" else awq)(quantization_config(variant), tensors, lambda infos: [])
+    tensor = tensors["m.weight"]
+    box = ((0, 64), (0, 256))
+    roles = {"codes": "qweight", "scale": "scales", "zero_point": "qzeros"}
+    parts = {role: stored[name] for role, name in roles.items()}
+    read = {r: parts[r][tuple(slice(a, b) for a, b in pb)] for r, (_, pb) in tensor.part_boxes(box).items()}
+    got = tensor.decode(read, box)
+    np.testing.assert_array_equal(got, w4a16_dequantize(packed, scale))

@@ -169,9 +169,10 @@ class IndexedScales:
 
     def apply(self, values: np.ndarray, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
         group = arrays["g_idx"].astype(np.int64)
-        if group.size and (group.min() < 0 or group.max() >= self.groups):
-            raise QuantizationError(f"{self.g_idx.name!r} holds group {int(group.max())} or {int(group.min())} "
-                                    f"outside [0, {self.groups}) in columns {list(box[-1])}")
+        bad = np.flatnonzero((group < 0) | (group >= self.groups))
+        if bad.size:
+            raise QuantizationError(f"{self.g_idx.name!r}[{box[-1][0] + int(bad[0])}] = {int(group[bad[0]])}: "
+                                    f"a group outside [0, {self.groups})")
         zero = unpack_rows(arrays["zero_point"], self.zero_point_bits, box[-2], None) + self.zero_point_add
         values -= zero[..., group]
         values *= arrays["scale"].astype(FLOAT32)[..., group]
@@ -250,10 +251,16 @@ class QuantizedTensor:
             parts = {role: (info, _swap(b)) for role, (info, b) in parts.items()}
         return parts
 
+    def oriented(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The part boxes read for a box (by role) in the tensor's orientation: views, swapped back
+        where the parts are stored transposed."""
+        if not self.transposed:
+            return arrays
+        return {role: np.swapaxes(a, -1, -2) if a.ndim >= 2 else a for role, a in arrays.items()}
+
     def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
         """The float32 values of ``box`` from the part boxes read for it (``arrays`` by role)."""
-        if self.transposed:
-            arrays = {role: np.swapaxes(a, -1, -2) if a.ndim >= 2 else a for role, a in arrays.items()}
+        arrays = self.oriented(arrays)
         values = self.codes.decode(arrays, box)
         if self.scales is not None:
             values = self.scales.apply(values, arrays, box)
