@@ -28,7 +28,7 @@ from otfload.index.checkpoint import CheckpointIndex, open_index, read_values
 from otfload.index.derived import is_derived
 from otfload.index.dtypes import to_numpy_dtype
 from otfload.models.origin import remember_origin
-from otfload.place.loader import DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
+from otfload.place.loader import ACCELERATOR_WORKERS, DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
 from otfload.place.report import LoadReport
 from otfload.place.reshard import resolve_policy
 from otfload.place.warmup import start_first_transfers
@@ -61,11 +61,17 @@ def open_cached(
     return cached
 
 
-def default_workers(source: Source) -> int:
-    """Builder threads: few for local files (CPU-bound), more for remote ones (latency-bound)."""
+def default_workers(source: Source, devices: Sequence[Any] | None = None) -> int:
+    """Builder threads: few for local files onto CPU devices (CPU-bound), more for remote ones
+    (latency-bound) and for local files onto accelerators (one copy per byte, spread over the CPUs)."""
     if isinstance(source, CombinedSource):  # a base with adapters: the base's bytes dominate
         source = source.base
-    return DEFAULT_WORKERS if isinstance(source, LocalSource) else REMOTE_WORKERS
+    if not isinstance(source, LocalSource):
+        return REMOTE_WORKERS
+    devices = jax.local_devices() if devices is None else devices
+    if any(d.platform != "cpu" for d in devices):
+        return max(DEFAULT_WORKERS, min(ACCELERATOR_WORKERS, (os.cpu_count() or 1) // 2))
+    return DEFAULT_WORKERS
 
 
 def run_plan(
@@ -285,7 +291,8 @@ def from_pretrained(
         ``"full"`` (re-hashed on every load); a copy that fails is fetched again. Not the command
         line's ``otfload load --verify``, which compares the loaded model's logits with transformers.
     workers
-        Builder threads (default: 2 for local files, 8 for remote ones).
+        Builder threads (default: 2 for local files onto CPU devices, half the CPUs up to 8 onto
+        accelerators, 8 for remote sources).
     host_memory_budget
         Scratch bytes in flight (default: the largest leaf).
     progress

@@ -304,3 +304,18 @@ def test_loads_close_the_files_they_open(tiny_checkpoints, tmp_path, mesh_2x4):
         with pytest.raises(MissingTensorError):
             otfload.from_pretrained(path, mesh=mesh_2x4)
     assert open_fds() <= before
+
+
+def test_default_workers_follow_the_source_and_the_devices(tmp_path):
+    """Local files onto CPU devices: 2 builders (CPU-bound); onto accelerators: half the CPUs, 2 to 8
+    (the host makes one copy per byte); remote sources: 8 (latency-bound)."""
+    import os
+    from types import SimpleNamespace
+
+    from otfload.api import default_workers
+    from otfload.sources import LocalSource
+
+    local = LocalSource(tmp_path)
+    gpu = [SimpleNamespace(platform="gpu")]  # only the platform is asked
+    assert default_workers(local) == 2
+    assert default_workers(local, gpu) == max(2, min(8, (os.cpu_count() or 1) // 2))

@@ -32,7 +32,7 @@ from otfload.place.reshard import ReshardPrograms, choose_read_shardings, is_loc
 from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
 from otfload.read.pinned import DmaRegistry
-from otfload.read.readahead import local_cold_files, start_read_ahead
+from otfload.read.readahead import local_residency, start_read_ahead
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
 from otfload.sources.ranges import FetchMeter, metering
@@ -44,6 +44,10 @@ DEFAULT_WORKERS = 2
 # Remote reads spend their time waiting on the network: 8 keep a bucket or the Hub busy (measured:
 # 0.70x of gcsfs whole-file `cat` with 2 workers, 0.98x with 8, docs/benchmarks_remote.md).
 REMOTE_WORKERS = 8
+# Local files onto accelerators: a byte costs the host one copy (into registered staging; the hooks
+# run on the device), which one thread does at a few GB/s, while the H200 host of issue 30 read the
+# same files at 32.6 GB/s with 16 threads. Half the CPUs, at most this many (to be tuned on a GPU run).
+ACCELERATOR_WORKERS = 8
 
 
 def execute_plan(
@@ -76,12 +80,13 @@ def execute_plan(
     reader = TensorReader(source)
     policy = resolve_policy(reshard)
     files = is_local(reader)
-    cold_files = local_cold_files(reader)  # None: not known (read as cold)
-    agreement, agreed = agree_load(plan.leaves, policy, files, cold=files and (cold_files is None or bool(cold_files)))
+    residency = local_residency(reader)  # None: not known (read as cold)
+    cold_files = None if residency is None else residency.cold
+    agreement, agreed = agree_load(plan.leaves, policy, files, None if residency is None else residency.resident)
     # The same choices on every process: a pure function of the plan, the policy and the agreed facts.
     chosen = choose_read_shardings(plan.leaves, reader, policy, cold=agreed.cold)
     bands = {path: c.sharding for path, c in chosen.items() if c.sharding is not None}
-    report.route = route(policy, files, agreed.cold_processes, agreed.processes, chosen)
+    report.route = route(policy, files, agreed.resident, chosen)
     programs = ReshardPrograms(plan.leaves, bands)  # compiled while the builders read
     direct = reader.use_direct(cold_files or ())  # cold files bypass the page cache (O_DIRECT); the rest
     ahead = start_read_ahead(plan, reader, bands, None if cold_files is None else cold_files - direct)  # read ahead
