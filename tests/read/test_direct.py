@@ -16,18 +16,14 @@ from otfload.sources import LocalSource
 from otfload.sources.local import DIRECT_ALIGN
 from otfload.sources.ranges import FetchMeter, metering
 from otfload.sources.residency import resident_fraction
+from tests.helpers import evict
 from tests.synthetic import write_checkpoint
 
 
 def drop_pages(directory):
-    """The files' clean pages out of the page cache (any user: posix_fadvise after fsync)."""
+    """The checkpoint files' pages out of the page cache (any user)."""
     for path in directory.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict(path)
 
 
 def resident(path) -> float:
