@@ -1,7 +1,7 @@
 """Bytes each process really fetches, against its ideal share (issue 17).
 
     python -m benchmarks.bench_fetch [--size-gib 0.71] [--policies never,auto,always]
-        [--meshes fsdp=8,fsdp=2:tp=4] [--sources local,hub] [--drop-caches] [--out FILE]
+        [--meshes fsdp=8,fsdp=2:tp=4] [--sources local,hub] [--drop-caches] [--pread] [--out FILE]
 
 Real 4-process × 2-device CPU jobs (``jax.distributed`` on 127.0.0.1, :mod:`tests.multihost.fetch_worker`)
 load one synthetic bf16 Llama on each mesh of ``--meshes`` (default ``fsdp=8`` and ``fsdp=2, tp=4``;
@@ -10,9 +10,11 @@ also ``tp=8``, ``fsdp=4, tp=2``), from
 * **local files, cold**: each process reads its own copy (separate hosts share no page cache), evicted
   from the page cache first (``posix_fadvise(DONTNEED)``; with ``--drop-caches``, as root, the whole
   page cache is dropped too: ``echo 1 > /proc/sys/vm/drop_caches``); the kernel's ``/proc/self/io``
-  ``read_bytes`` says what was fetched from disk;
-* **local files, warm** (``--sources warm``): the same copies read whole first, so every page is
-  resident; the route ``auto`` takes (and its seconds) against ``never`` and ``always``;
+  ``read_bytes`` says what was fetched from disk. Cold files are read with ``O_DIRECT`` where the file
+  system allows it (``$OTFLOAD_DIRECT_IO=0``: through the page cache); ``--pread``: with ``preadv``
+  instead of a mapping;
+* **local files, warm** (``--sources warm``): the same copies read whole by each process just before
+  its load, so every page is resident; the route ``auto`` takes (and its seconds) against ``never`` and ``always``;
 * **the Hub**: the test Hub server (tests/servers/hub_server.py) counts the body bytes it sends.
 
 For each reshard policy (``never``: read each shard's box in place; ``auto``: the cost model of
@@ -61,21 +63,28 @@ def run(spec: dict, out: Path) -> list[dict]:
 
 
 def drop_page_cache() -> None:
-    """Drop the whole page cache (root only): every file cold, not just the copies evicted."""
+    """Drop the whole page cache (root only): every file cold, not just the copies evicted. Then read
+    JAX's and jaxlib's own files back: the 4 processes share one page cache, so otherwise the first to
+    touch a code page of XLA (compiling the reshards) is counted for reading it (20-25 MB seen)."""
+    import jax
+    import jaxlib
+
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    for package in (jax, jaxlib):
+        for path in Path(package.__file__).parent.rglob("*"):
+            if path.is_file():
+                path.read_bytes()
 
 
-def read_whole(directory: Path) -> None:
-    """Read every safetensors file of ``directory`` once: all its pages resident."""
-    for path in directory.glob("*.safetensors"):
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
+def local_kind(mmap: bool) -> str:
+    """How cold local files were read, for the table: O_DIRECT unless turned off, mapped or preadv."""
+    how = "page cache" if os.environ.get("OTFLOAD_DIRECT_IO") == "0" else "O_DIRECT"
+    return f"local, cold ({how}, {'mmap' if mmap else 'pread'})"
 
 
 def measure(ckpt: Path, work: Path, policies: list[str], meshes: dict | None = None,
-            sources: tuple[str, ...] = ("local", "hub"), drop_caches: bool = False) -> list[dict]:
+            sources: tuple[str, ...] = ("local", "hub"), drop_caches: bool = False, mmap: bool = True) -> list[dict]:
     rows = []
     copies = []
     for i in range(PROCESSES):
@@ -94,15 +103,14 @@ def measure(ckpt: Path, work: Path, policies: list[str], meshes: dict | None = N
                     drop_page_cache()
                 out = work / f"local-{len(rows)}"
                 if "local" in sources:
-                    job = run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy, "evict": True}, out)
+                    job = run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy, "evict": True,
+                               "mmap": mmap}, out)  # fmt: skip
                     cluster = sum(r["kernel_read_bytes"] for r in job) / size
-                    rows += [{"source": "local, cold", "mesh": mesh_name, "policy": policy, "cluster": cluster, **r}
+                    rows += [{"source": local_kind(mmap), "mesh": mesh_name, "policy": policy, "cluster": cluster, **r}
                              for r in job]  # fmt: skip
                 if "warm" in sources:
-                    for copy in copies:
-                        read_whole(copy)
                     out = work / f"warm-{len(rows)}"
-                    job = run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy}, out)
+                    job = run({"mesh": mesh, "source": str(work / "copy{i}"), "reshard": policy, "warm": True}, out)
                     rows += [{"source": "local, warm", "mesh": mesh_name, "policy": policy, "cluster": float("nan"),
                               **r} for r in job]  # fmt: skip
                 if "hub" not in sources:
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                         "':' between one mesh's axes")
     parser.add_argument("--sources", default="local,hub", help="some of local (cold files), warm (local files "
                         "in the page cache), hub")
+    parser.add_argument("--pread", action="store_true", help="local files read with preadv (mmap=False)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache before each cold local job (root)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
@@ -218,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         if not (ckpt / "config.json").exists():
             write_checkpoint(ckpt, dims)
         rows = measure(ckpt, work, args.policies.split(","), parse_meshes(args.meshes),
-                       tuple(args.sources.split(",")), args.drop_caches)
+                       tuple(args.sources.split(",")), args.drop_caches, not args.pread)
     size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) if ckpt.exists() else 0
     text = f"Checkpoint: synthetic bf16 Llama, hidden {dims.hidden}, {dims.layers} layers ({size / 1e6:.0f} MB).\n\n"
     text += summary(rows) + "\n" + table(rows)

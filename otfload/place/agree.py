@@ -4,17 +4,18 @@ A leaf read as a band (:mod:`otfload.place.reshard`) ends in a collective every 
 the same order: a process that chose differently would wait forever in a reshard the others never
 run. So every choice that leads to a collective is a pure function of inputs all processes share —
 the plan, the mesh, the reshard policy and the kind of source — and of one process-local fact that is
-*agreed* once per load: whether this host's local files are in its page cache (cold on any process:
-the load is cold everywhere). Nothing a process remembers from earlier loads enters a choice; the
-reshard programs are compiled ahead, while the bytes are read, so their compile is no input either.
+*agreed* once per load: how much of this host's local files its page cache holds (cold on any
+process, below ``reshard.WARM_ROUTE_FRACTION``: the load is cold everywhere). Nothing a process
+remembers from earlier loads enters a choice; the reshard programs are compiled ahead, while the
+bytes are read, so their compile is no input either.
 
 A load agrees in two exchanges over the job's key-value store (``jax.distributed``'s coordination
 service, :mod:`otfload.cache.coordination`), each one small record per process:
 
 1. **facts**, before anything is read: each process publishes a digest of its plan, its policy, its
-   source kind and whether its files are cold. Different plans or policies end the load on every
-   process with :class:`~otfload.errors.CollectiveMismatchError`; otherwise every process computes
-   the same choices from the same agreed facts.
+   source kind and the fraction of its files resident (a sampled ``mincore``). Different plans or
+   policies end the load on every process with :class:`~otfload.errors.CollectiveMismatchError`;
+   otherwise every process computes the same choices from the same agreed facts.
 2. **reshard**, once every leaf is built and before the first collective: each publishes the leaves
    it will reshard, in order (or that it failed, and why). Different lists end the load with a
    :class:`~otfload.errors.CollectiveMismatchError` naming the first leaf that differs; a process
@@ -46,7 +47,7 @@ from jax.sharding import Mesh
 
 from otfload.cache.coordination import Coordinator, current_coordinator
 from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, InvalidOptionError
-from otfload.place.reshard import plan_mesh, process_devices
+from otfload.place.reshard import cold_processes, plan_mesh, process_devices
 from otfload.plan.planner import LeafPlan
 
 # Seconds a process waits for the others at an exchange, and for one collective to complete. The
@@ -98,25 +99,30 @@ class Facts:
     plan: str
     policy: str
     source: str  # "local" (files, read in pages) or "remote"
-    cold: bool  # local files not (all) in the page cache: read-ahead worth it (see read/readahead.py)
+    resident: float | None  # local files: the fraction of their bytes in the page cache (None: unknown)
 
 
 @dataclass(frozen=True)
 class Agreed:
-    """The facts every process chooses from, and which processes found their files cold."""
+    """The facts every process chooses from: the policy, the source kind and, per process, the
+    fraction of its local files resident."""
 
     policy: str
     source: str
-    cold_processes: tuple[int, ...]
-    processes: int
+    resident: tuple[float | None, ...]
+
+    @property
+    def processes(self) -> int:
+        return len(self.resident)
 
     @property
     def cold(self) -> bool:
-        return bool(self.cold_processes)
+        """Whether the disk of some process serves the load (see reshard.cold_processes)."""
+        return self.source == "local" and bool(cold_processes(self.resident))
 
 
 def agree_load(
-    leaves: Mapping[str, LeafPlan], policy: str, local: bool, cold: bool
+    leaves: Mapping[str, LeafPlan], policy: str, local: bool, resident: float | None
 ) -> tuple[Agreement | None, Agreed]:
     """The facts a load chooses from: this process's own on a mesh of one process (no agreement),
     else exchanged with the others (:meth:`Agreement.facts`); the agreement serves the load's
@@ -124,9 +130,9 @@ def agree_load(
     source = "local" if local else "remote"
     mesh = plan_mesh(leaves)
     if mesh is None or len(process_devices(mesh)) < 2:
-        return None, Agreed(policy, source, (0,) if cold else (), processes=1)
+        return None, Agreed(policy, source, (resident,))
     agreement = Agreement(current_coordinator(), mesh_key(mesh), collective_timeout())
-    return agreement, agreement.facts(Facts(plan_digest(leaves), policy, source, cold))
+    return agreement, agreement.facts(Facts(plan_digest(leaves), policy, source, resident))
 
 
 # Per mesh, the next round this process joins: where it meets the others, never an input to a choice.
@@ -167,8 +173,7 @@ class Agreement:
                 raise CollectiveMismatchError(
                     f"the processes of this load disagree on its {field}: {_by_process(values)}; every process "
                     f"must load the same checkpoint on the same mesh with the same reshard policy", None, others)
-        cold = tuple(q for q, r in enumerate(records) if r["cold"])
-        return Agreed(policy=mine.policy, source=mine.source, cold_processes=cold, processes=self.count)
+        return Agreed(policy=mine.policy, source=mine.source, resident=tuple(r["resident"] for r in records))
 
     def before_collectives(self, leaves: Sequence[str]) -> None:
         """Exchange the leaves this process will reshard, in order; returns once every process will

@@ -86,6 +86,12 @@ RESHARD_COMPILE_S = 0.5
 # as a band; and the time model never picks a band that fetches more than both direct reads and
 # this bar (a band over one axis of a small leaf saves requests but reads the leaf whole).
 FETCH_TARGET = 1.25
+# A process whose local files are at least this fraction resident in its page cache reads them warm:
+# the disk then serves at most 10 % of what direct reads fetch (0.4x the ideal for fsdp=8's 4x column
+# over-read: within FETCH_TARGET), and a page-cache copy beats a reshard. Below it, the process is cold.
+# Not choose_strategy's 98 %: that one decides whether a read-ahead is worth a system call (on this
+# shared VM 1-3 % of a file's pages are gone seconds after it was read whole).
+WARM_ROUTE_FRACTION = 0.9
 # A band must save at least this fraction of the estimated time: the cost model's constants are
 # estimates, and a reshard that barely saves anything is not worth its memory and synchronisation.
 MIN_SAVING = 0.2
@@ -312,25 +318,31 @@ def with_sharding(plan: LeafPlan, sharding: Sharding) -> LeafPlan:
     return dataclasses.replace(plan, leaf=plan.leaf._replace(sharding=sharding))
 
 
-def route(
-    policy: str, local: bool, cold_processes: Sequence[int], processes: int, chosen: Mapping[str, Choice]
-) -> str:
-    """Which route a load of ``processes`` processes took and why, for the report: the policy, the
-    source, the page cache's agreed state (``cold_processes``: the processes that found their local
-    files cold) and the rule that chose the bands."""
-    if processes < 2:
+def cold_processes(resident: Sequence[float | None]) -> list[int]:
+    """The processes whose local files are cold: less than WARM_ROUTE_FRACTION resident (or unknown)."""
+    return [q for q, r in enumerate(resident) if r is None or r < WARM_ROUTE_FRACTION]
+
+
+def route(policy: str, local: bool, resident: Sequence[float | None], chosen: Mapping[str, Choice]) -> str:
+    """Which route a load took and why, for the report: the policy, the source, the page cache's
+    agreed state (``resident``: per process, the fraction of its local files resident) and the rule
+    that chose the bands."""
+    if len(resident) < 2:
         return "one process: every leaf read in place"
     bands = f"{len(chosen)} leaves read as bands and resharded" if chosen else "every leaf read in place"
     if policy != "auto":
         return f"reshard={policy!r}: {bands}"
     if not local:
         return f"remote source: {bands} (time model: fetch + reshard against direct reads)"
-    if cold_processes:
+    cold = cold_processes(resident)
+    shown = ", ".join("?" if r is None else f"{r:.0%}" for r in resident)
+    if cold:
         worst = max((c.direct_bytes / max(1, c.band_bytes) for c in chosen.values()), default=1.0)
-        return (f"local files cold on process(es) {list(cold_processes)}: {bands} where direct reads would fetch "
-                f"over {FETCH_TARGET}x their share (direct up to {worst:.1f}x a band's bytes) or the time "
-                f"model says so")
-    return f"local files warm on every process: {bands} (time model: a page-cache copy against a reshard)"
+        return (f"local files cold on process(es) {cold} (resident: {shown}; warm from "
+                f"{WARM_ROUTE_FRACTION:.0%}): {bands} where direct reads would fetch over {FETCH_TARGET}x their "
+                f"share (direct up to {worst:.1f}x a band's bytes) or the time model says so")
+    return (f"local files warm on every process (resident: {shown}): {bands} (time model: a page-cache copy "
+            f"against a reshard)")
 
 
 def _identity(x: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from jax.sharding import Sharding
 
@@ -138,10 +138,17 @@ class ReadAhead:
                     self.announced += length
 
 
-def cold_files(source: ResidentFiles) -> set[str]:
-    """The safetensors files of ``source`` worth reading ahead: each file's residency estimated from
-    SAMPLE_PAGES pages (~0.1 ms a file), judged by :func:`~otfload.sources.residency.choose_strategy`."""
-    cold = set()
+class Residency(NamedTuple):
+    """What the page cache holds of a checkpoint's safetensors files, from a sample of each."""
+
+    cold: set[str]  # the files worth reading ahead (choose_strategy)
+    resident: float | None  # the fraction of their bytes resident; None: not known for some file
+
+
+def probe_residency(source: ResidentFiles) -> Residency:
+    """Each safetensors file's residency estimated from SAMPLE_PAGES pages (~0.1 ms a file)."""
+    cold: set[str] = set()
+    held, total, unknown = 0.0, 0, False
     for file in source.list_files():
         if not file.endswith(".safetensors"):
             continue
@@ -151,16 +158,24 @@ def cold_files(source: ResidentFiles) -> set[str]:
             resident = source.resident_fraction(file, 0, size, max_pages=SAMPLE_PAGES)
             if choose_strategy(resident, size) is Strategy.READ_AHEAD:
                 cold.add(file)
-    return cold
+            unknown |= resident is None
+            held, total = held + (resident or 0.0) * size, total + size
+    return Residency(cold, None if unknown or not total else held / total)
 
 
-def local_cold_files(reader: TensorReader) -> set[str] | None:
-    """:func:`cold_files` of ``reader``'s source when it reads local files and knows their residency
-    (an empty set: every file warm); None otherwise (not local, or residency unknown)."""
+def cold_files(source: ResidentFiles) -> set[str]:
+    """The safetensors files of ``source`` worth reading ahead, judged per file by
+    :func:`~otfload.sources.residency.choose_strategy` (:func:`probe_residency`)."""
+    return probe_residency(source).cold
+
+
+def local_residency(reader: TensorReader) -> Residency | None:
+    """:func:`probe_residency` of ``reader``'s source when it reads local files and knows their
+    residency; None otherwise (not local, or no ``mincore``)."""
     source = reader.source
     if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):  # narrows the type
         return None
-    return cold_files(source)
+    return probe_residency(source)
 
 
 def leaf_ranges(leaf_plan: LeafPlan, reader: TensorReader, sharding: Sharding | None = None) -> list[Range]:
@@ -179,7 +194,7 @@ def start_read_ahead(
 ) -> ReadAhead | None:
     """A started :class:`ReadAhead` for ``plan``'s leaves (in plan order, leaf ``path`` read under
     ``shardings[path]``) when ``reader``'s source reads local files, else None; ``cold``: the files
-    worth reading ahead when already probed (:func:`local_cold_files`)."""
+    worth reading ahead when already probed (:func:`local_residency`)."""
     source = reader.source
     if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):  # narrows the type
         return None

@@ -21,7 +21,8 @@ and ``only`` (the processes that run it, the others skip it: no start barrier th
 (the mesh over this process's own devices), ``timeout`` (``$OTFLOAD_COLLECTIVE_TIMEOUT``),
 ``mismatch`` (the process whose read layouts drop their first band: a forced disagreement) and
 ``expect_error`` (an :class:`~otfload.errors.OtfloadError` is recorded, not raised); ``evict_except``
-(a process that keeps its page cache when the others evict).
+(a process that keeps its page cache when the others evict); ``mmap`` (false: local files read with
+``preadv``); ``warm`` (read the files whole just before the load).
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def disk_read_bytes() -> int:
         if line.startswith("read_bytes:"):
             return int(line.split()[1])
     return 0
+
+
+def read_whole(directory: Path) -> None:
+    """Read every safetensors file of ``directory`` once, just before the load: all its pages resident
+    (on this shared VM pages of a file read a minute earlier are partly gone)."""
+    for path in directory.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
 
 
 def evict(directory: Path) -> None:
@@ -93,7 +103,9 @@ def load_once(spec: dict, pid: int, out: Path, reshard: str | None, params_file:
         directory = Path(spec["source"].format(i=pid))
         if spec.get("evict") and spec.get("evict_except") != pid:
             evict(directory)
-        source = open_source(directory)
+        if spec.get("warm"):
+            read_whole(directory)
+        source = open_source(directory, mmap=spec.get("mmap", True))
     if "only" not in spec:
         sync_global_devices(f"otfload-fetch-start{tag}")  # every process evicted before any reads
     before, start = disk_read_bytes(), time.perf_counter()

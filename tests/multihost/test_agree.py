@@ -58,7 +58,7 @@ def test_processes_with_different_histories_make_the_same_choices_and_finish(job
     loaded = job["loads"][1]
     assert len({tuple(r["resharded"]) for r in loaded}) == 1 and loaded[0]["resharded"]  # the same bands
     assert len({r["route"] for r in loaded}) == 1  # ... for the same, agreed reason
-    assert "cold on process(es) [0, 1, 2]" in loaded[0]["route"], loaded[0]["route"]
+    assert "local files cold on process(es) [0, 1, 2] (resident: " in loaded[0]["route"], loaded[0]["route"]
     for r in loaded:  # cold local disks: each process fetches about what its devices hold
         assert r["bytes_read"] == r["bytes_planned"] <= TARGET * r["bytes_ideal"], r["summary"]
     if job["accounted"]:

@@ -14,6 +14,7 @@ import pytest
 from otfload.cache.coordination import LocalCoordinator
 from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, InvalidOptionError
 from otfload.place.agree import TIMEOUT_ENV, Agreement, Facts, collective_timeout, run_bounded
+from otfload.place.reshard import cold_processes
 
 PROCESSES = 4
 BOUND_S = 1.0  # the simulated processes' bound: short, the waits are on purpose
@@ -33,8 +34,8 @@ class ProcessView:
         return self.store.wait_for(key, timeout_s)
 
 
-def facts(cold: bool = False, plan: str = "p1", policy: str = "auto") -> Facts:
-    return Facts(plan=plan, policy=policy, source="local", cold=cold)
+def facts(resident: float | None = 1.0, plan: str = "p1", policy: str = "auto") -> Facts:
+    return Facts(plan=plan, policy=policy, source="local", resident=resident)
 
 
 def run_processes(body: Callable[[int, Agreement], object], rounds: list[dict[str, int]] | None = None,
@@ -59,10 +60,15 @@ def run_processes(body: Callable[[int, Agreement], object], rounds: list[dict[st
 
 
 def test_every_process_gets_the_same_facts_and_one_cold_host_makes_the_load_cold():
-    out = run_processes(lambda q, a: a.facts(facts(cold=q == 2)))
-    assert len(out) == PROCESSES
-    assert {o.cold_processes for o in out.values()} == {(2,)}  # type: ignore[attr-defined]
-    assert all(o.cold and o.processes == PROCESSES for o in out.values())  # type: ignore[attr-defined]
+    # Process 2 finds 10 % of its files in the page cache, process 1 97 % (warm: a few pages evicted).
+    resident = {0: 1.0, 1: 0.97, 2: 0.1, 3: 1.0}
+    out = run_processes(lambda q, a: a.facts(facts(resident[q])))
+    assert len(out) == PROCESSES and len(set(out.values())) == 1, out
+    agreed = out[0]
+    assert agreed.resident == (1.0, 0.97, 0.1, 1.0) and agreed.processes == PROCESSES  # type: ignore[attr-defined]
+    assert agreed.cold and cold_processes(agreed.resident) == [2]  # type: ignore[attr-defined]
+    warm = run_processes(lambda q, a: a.facts(facts(0.95 if q == 3 else 1.0)))
+    assert not any(o.cold for o in warm.values())  # type: ignore[attr-defined]
 
 
 def test_another_plan_or_policy_on_one_process_ends_the_load_on_every_process():
