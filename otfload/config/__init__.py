@@ -25,6 +25,7 @@ from otfload.config.fields import (
     Int,
     List,
     Str,
+    padding_idx,
     require,
 )
 from otfload.config.rope import rope_kind, rope_params
@@ -33,5 +34,5 @@ from otfload.config.tensors import Count, Dim, TensorCheck, check_tensors
 __all__ = [
     "BOOL", "EPS", "EXPERTS", "HEADS", "HEAD_DIM", "HIDDEN", "INTERMEDIATE", "LAYERS", "NAME", "OBJECT", "POSITIVE",
     "REQUIRED", "VOCAB", "WINDOW", "Bool", "Choice", "Count", "Dim", "Fields", "Float", "Int", "List", "Str",
-    "TensorCheck", "check_tensors", "require", "rope_kind", "rope_params",
+    "TensorCheck", "check_tensors", "padding_idx", "require", "rope_kind", "rope_params",
 ]

@@ -213,6 +213,22 @@ def require(ok: bool, field: str, value: object, rule: str) -> None:
         raise ConfigError(field, value, rule)
 
 
+# A token id: a vocabulary row, or negative counting from the vocabulary's end (PyTorch's padding_idx).
+TOKEN_ID = Int(-MAX_VOCAB, MAX_VOCAB)
+
+
+def padding_idx(f: Fields, vocab: int, default: int | None = None) -> int | None:
+    """The embedding row of ``pad_token_id``, which transformers builds as ``nn.Embedding(...,
+    padding_idx=pad_token_id)``: a negative id counts from the vocabulary's end (as PyTorch's
+    ``padding_idx`` does). None when absent (without a ``default``), null, or outside the vocabulary:
+    such an id is never an input, so no embedding row is the pad's."""
+    pad: int | None = f.nullable("pad_token_id", TOKEN_ID, default)
+    if pad is None:
+        return None
+    pad = pad + vocab if pad < 0 else pad
+    return pad if pad < vocab else None
+
+
 class Fields:
     """Typed access to one JSON object of the config (``path`` is its dotted name, ``""`` at the top).
 

@@ -37,6 +37,8 @@ class ModelConfig(Protocol):
 
     @property
     def tie_word_embeddings(self) -> bool: ...
+    @property
+    def pad_token_id(self) -> int | None: ...
 
 
 class CausalLM(nnx.Module):
@@ -45,10 +47,18 @@ class CausalLM(nnx.Module):
     ``attention_impl`` (``"chunked"``/``"dpa"``) and ``moe_impl`` (``"blocks"``/``"ragged"``/
     ``"dense"``) pick implementations; None takes the backend's default. Set them on a model
     (``model.moe_impl = "dense"``) to compare; they are static, so a change retraces.
+
+    ``freeze_pad_row`` (default True) keeps the embedding row of the config's ``pad_token_id`` out
+    of the gradient of the token lookup, as transformers' ``nn.Embedding(padding_idx=pad_token_id)``
+    does (a tied output projection still trains it, there as here); set it False to train that row
+    like any other. The models have no dropout: every published config of the bundled families sets
+    ``attention_dropout`` (and Mixtral's ``router_jitter_noise``) to 0, and a config that does not
+    is trained without them.
     """
 
     attention_impl: str | None = None
     moe_impl: str | None = None
+    freeze_pad_row: bool = True
     # Set by every subclass's ``__init__`` (which narrows ``cfg`` to its family's config): the config,
     # the token embedding and, for untied embeddings, the output projection.
     cfg: ModelConfig
@@ -92,6 +102,15 @@ class CausalLM(nnx.Module):
         """The final-normed hidden states of ``input_ids`` and the updated per-group layer caches
         (None without a cache)."""
         raise NotImplementedError
+
+    def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
+        """The embedding rows of ``input_ids``; with :attr:`freeze_pad_row`, no gradient reaches the
+        pad token's row through them (its value is used as stored)."""
+        x = self.embed.embedding[...][input_ids]
+        pad = self.cfg.pad_token_id
+        if pad is None or not self.freeze_pad_row:
+            return x
+        return jnp.where((input_ids == pad)[..., None], jax.lax.stop_gradient(x), x)
 
     def head(self, x: jax.Array) -> jax.Array:
         """Logits of final-normed hidden states ``x [b, s, hidden]`` (tied or untied ``lm_head``)."""

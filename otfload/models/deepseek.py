@@ -47,6 +47,7 @@ from otfload.config import (
     Fields,
     Int,
     Str,
+    padding_idx,
     require,
 )
 from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
@@ -124,6 +125,7 @@ class DeepseekConfig:
     rope_interleave: bool
     tie_word_embeddings: bool
     mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (never loaded)
+    pad_token_id: int | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -190,6 +192,7 @@ class DeepseekConfig:
             rope_interleave=f.get("rope_interleave", BOOL, True) if v3 else True,
             tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
             mtp_layers=f.get("num_nextn_predict_layers", DENSE_LAYERS, V3_MTP_LAYERS) if v3 else 0,
+            pad_token_id=padding_idx(f, f.get("vocab_size", VOCAB)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -452,8 +455,7 @@ class DeepseekForCausalLM(CausalLM):
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
     ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
-        embedding = self.embed.embedding[...]
-        x = embedding[input_ids]
+        x = self.embed_tokens(input_ids)
         inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_tables(ctx.positions, inv_freq, rope_attention_factor(cfg.rope_scaling))
         rope = (cos, sin, softmax_scale(cfg))

@@ -35,6 +35,7 @@ from otfload.config import (
     Choice,
     Fields,
     Float,
+    padding_idx,
     require,
     rope_kind,
 )
@@ -64,6 +65,8 @@ from otfload.models.llama import Attention, Mlp, rope_params
 _GELU_APPROXIMATE = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu_fast": True, "gelu": False}
 ACTIVATIONS = Choice(*_GELU_APPROXIMATE)
 SOFTCAP = Float(0.0, MAX_FACTOR, exclusive_min=True)
+# transformers' Gemma 2 and Gemma 3 configs default pad_token_id to 0 (the others to None).
+GEMMA_PAD_ID = 0
 
 Rope = tuple[float, dict[str, Any] | None]  # (theta, scaling)
 
@@ -128,6 +131,7 @@ class GemmaConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool = False
+    pad_token_id: int | None = None
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], path: str = "") -> GemmaConfig:
@@ -174,6 +178,7 @@ class GemmaConfig:
             qk_norm=not gemma2,
             qkv_bias=bias,
             o_bias=bias,
+            pad_token_id=padding_idx(f, f.get("vocab_size", VOCAB), GEMMA_PAD_ID),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,9 +261,9 @@ class GemmaForCausalLM(CausalLM):
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
     ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
-        embedding = self.embed.embedding[...]
+        x = self.embed_tokens(input_ids)
         # transformers multiplies by √hidden rounded to the activation dtype.
-        x = embedding[input_ids] * jnp.asarray(cfg.hidden_size**0.5, embedding.dtype)
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
         # (rope, window) of each attention type; a layer picks one with its sliding flag.
         sliding = rope_tables(ctx.positions, rope_inv_freq(cfg.head_dim, *cfg.rope_local))
         full = rope_tables(ctx.positions, rope_inv_freq(cfg.head_dim, *cfg.rope_global))

@@ -29,6 +29,7 @@ from otfload.config import (
     WINDOW,
     Choice,
     Fields,
+    padding_idx,
     require,
 )
 from otfload.config import rope_params as config_rope_params
@@ -122,6 +123,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    pad_token_id: int | None = None
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
@@ -151,6 +153,7 @@ class LlamaConfig:
             mlp_bias=f.get("mlp_bias", BOOL, False),
             qk_norm=model_type == "qwen3",
             sliding_window=f.nullable("sliding_window", WINDOW, None) if use_window else None,
+            pad_token_id=padding_idx(f, f.get("vocab_size", VOCAB)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,6 +297,5 @@ class LlamaForCausalLM(CausalLM):
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
     ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
-        embedding = self.embed.embedding[...]
-        x, new = self.decode(embedding[input_ids], ctx, caches)
+        x, new = self.decode(self.embed_tokens(input_ids), ctx, caches)
         return rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps), new

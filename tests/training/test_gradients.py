@@ -1,0 +1,127 @@
+"""Training as loaded: every family's gradients equal PyTorch autograd's on the transformers model.
+
+Each tiny checkpoint (the family tests' fixtures) gets a ``pad_token_id`` that occurs in the batch;
+otfload loads it in float32 on 8 CPU devices (``fsdp=2 x tp=4``, MoE ``fsdp=2 x ep=4``) with its
+default implementations (MoE: the ``"blocks"`` route), one ``nnx.jit`` AdamW step computes the
+next-token cross-entropy and its gradient, and the gradient, exported to HF tensor names by the
+family's mapping table run backwards (:func:`otfload.export_hf`), is compared per tensor with
+``param.grad`` of the transformers model (``padding_idx=pad_token_id``, as transformers builds it).
+A second step shows the first one lowered the loss.
+"""
+
+import copy
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import otfload
+from otfload.plan.sharding import make_mesh
+from tests.helpers import hf_tensors, max_rel_diff
+from tests.models.kinds import KINDS
+
+MOE = {"mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"}
+DENSE_MESH, MOE_MESH = {"fsdp": 2, "tp": 4}, {"fsdp": 2, "ep": 4}
+# Unscanned layers take their own code paths where a family has per-layer attention types or layer
+# groups (as in tests/models/test_padding.py); DeepSeek-V3 adds unscanned routed experts on ep.
+UNSCANNED = ["mistral", "qwen3_moe", "gpt_oss", "gemma3_text", "deepseek_v2", "deepseek_v3"]
+CASES = [(k, True) for k in KINDS] + [(k, False) for k in UNSCANNED]
+PAD = 7
+# The project's float32 parity bar (max |ours - torch| / max |torch|), per gradient tensor.
+GRAD_TOL = 1e-4
+LEARNING_RATE = 1e-2
+
+
+def batch() -> np.ndarray:
+    """Two rows of 12 tokens; the pad id occurs in the middle of one row and ends the other."""
+    ids = np.random.default_rng(0).integers(8, 256, (2, 12))
+    ids[0, 4], ids[1, -3:] = PAD, PAD
+    return ids
+
+
+def next_token_loss(model, ids: jax.Array) -> jax.Array:
+    """Mean cross-entropy of each position's logits against the next token."""
+    logits = model(ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+@nnx.jit
+def train_step(model, optimizer, ids):
+    loss, grads = nnx.value_and_grad(next_token_loss)(model, ids)
+    optimizer.update(model, grads)
+    return loss, grads
+
+
+def torch_loss_and_grads(torch_model, ids: np.ndarray, padding_idx: int | None, out) -> tuple[float, dict]:
+    """transformers' loss and gradients, with the embedding's ``padding_idx`` set. The gradients
+    are named as checkpoint tensors by transformers itself: they replace the weights (buffers become
+    zeros: they get no gradient) and ``save_pretrained`` writes them (transformers 5 keeps some
+    experts fused in memory, per expert on disk)."""
+    import torch
+
+    model = copy.deepcopy(torch_model)
+    model.get_input_embeddings().padding_idx = padding_idx
+    logits = model(torch.tensor(ids[:, :-1])).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             torch.tensor(ids[:, 1:]).reshape(-1))
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+        for b in model.buffers():
+            b.zero_()
+    model.save_pretrained(out)
+    return float(loss.detach()), hf_tensors(out)
+
+
+def with_pad_id(src, dst):
+    """A copy of checkpoint ``src`` whose ``config.json`` names :data:`PAD` its ``pad_token_id``."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "pad_token_id": PAD}))
+    return dst
+
+
+def exported_grads(grads, reference, out) -> dict[str, np.ndarray]:
+    """The gradient pytree under HF tensor names (the mapping's inverse is linear)."""
+    otfload.export_hf(nnx.to_pure_dict(grads), out, reference=reference)
+    return hf_tensors(out)
+
+
+def assert_grads_match(ours: dict, ref: dict) -> None:
+    """The same tensors, each gradient within :data:`GRAD_TOL`; one torch keeps as a buffer
+    (DeepSeek-V3's ``e_score_correction_bias``: it only picks experts) gets none here either."""
+    assert set(ours) == set(ref), set(ours) ^ set(ref)
+    for key, grad in ours.items():
+        if key.endswith("e_score_correction_bias"):
+            assert not np.any(grad) and not np.any(ref[key]), key
+            continue
+        assert np.abs(ref[key]).max() > 0, key  # every parameter gets a gradient in this batch
+        diff = max_rel_diff(grad, ref[key])
+        assert diff <= GRAD_TOL, (key, diff)
+
+
+@pytest.mark.parametrize(("kind", "scan_layers"), CASES)
+def test_gradients_equal_torch_autograd_and_a_step_lowers_the_loss(tiny_checkpoints, tmp_path, kind, scan_layers):
+    src, torch_model = tiny_checkpoints(kind)
+    path = with_pad_id(src, tmp_path / "ckpt")
+    mesh = make_mesh(MOE_MESH if kind in MOE else DENSE_MESH)
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, dtype=jnp.float32)
+    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
+    ids = batch()
+    with jax.set_mesh(mesh):
+        loss, grads = train_step(model, optimizer, jnp.asarray(ids))
+        after, _ = train_step(model, optimizer, jnp.asarray(ids))
+    ref_loss, ref_grads = torch_loss_and_grads(torch_model, ids, PAD, tmp_path / "torch_grads")
+    assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
+    ours = exported_grads(grads, path, tmp_path / "grads")
+    assert_grads_match(ours, ref_grads)
+    embed = "model.embed_tokens.weight"
+    if not model.cfg.tie_word_embeddings:  # the pad row's only use is the lookup: no gradient
+        assert not np.any(ours[embed][PAD]) and np.any(ours[embed][ids[0, 0]])
+    assert float(after) < float(loss)
