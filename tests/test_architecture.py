@@ -26,7 +26,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("place",),  # read -> hooks -> stack -> place, the load report
     ("adapters",),  # LoRA adapters merged into the index and the reads
     ("api",),  # from_pretrained, load_params, plan_model
-    ("checkpoint", "generate", "tokenizer"),  # native checkpoints, decoding
+    ("checkpoint", "generate", "tokenizer", "training"),  # native checkpoints, decoding, training start-up
     ("export", "evaluate", "lm_eval"),  # back to HF safetensors; eval jobs; the lm-evaluation-harness backend
     ("cli",),  # the command line
     ("__init__",),  # the package's public names
