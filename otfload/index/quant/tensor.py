@@ -19,7 +19,7 @@ import numpy as np
 from otfload.errors import QuantizationError
 from otfload.index.header import TensorInfo
 from otfload.index.quant.blocks import Box, apply_blocks, block_box
-from otfload.index.quant.codes import e8m0_values, fp4_values, packed_words, unpack_ints
+from otfload.index.quant.codes import e8m0_values, fp4_values, packed_words, unpack_ints, unpack_rows
 
 Parts = dict[str, tuple[TensorInfo, Box]]
 FLOAT32 = np.dtype(np.float32)
@@ -73,9 +73,14 @@ class PackedIntCodes:
         words[self.axis] = packed_words(*box[self.axis], self.num_bits)
         return {"codes": (self.codes, tuple(words))}
 
+    def __post_init__(self) -> None:
+        if self.axis not in (-1, -2) or (self.order is not None and self.axis != -2):
+            raise ValueError(f"codes packed along axis {self.axis} with order {self.order}: not a layout")
+
     def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
-        codes = np.swapaxes(arrays["codes"], self.axis, -1)
-        return np.swapaxes(unpack_ints(codes, self.num_bits, *box[self.axis], self.order), self.axis, -1)
+        if self.axis == -2:
+            return unpack_rows(arrays["codes"], self.num_bits, *box[-2], self.order)
+        return unpack_ints(arrays["codes"], self.num_bits, *box[-1])
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ class BlockScales:
             zero = arrays["zero_point"].astype(FLOAT32)
             if self.zero_point_bits:
                 rows = block_box(box, self.block)[-2]
-                zero = unpack_rows(arrays["zero_point"], self.zero_point_bits, rows, self.zero_point_order)
+                zero = unpack_rows(arrays["zero_point"], self.zero_point_bits, *rows, self.zero_point_order)
             if self.zero_point_add:
                 zero += self.zero_point_add
             apply_blocks(values, zero, box, self.block, np.subtract)
@@ -138,11 +143,6 @@ class BlockScales:
             value = arrays["global_scale"].astype(FLOAT32).reshape(())
             scale = scale * value if self.global_multiplies else scale / value
         return apply_blocks(values, scale, box, self.block, np.multiply)
-
-
-def unpack_rows(words: np.ndarray, bits: int, rows: tuple[int, int], order: tuple[int, ...] | None) -> np.ndarray:
-    """Values of ``rows`` of integers packed along axis -2 (zero points packed along the grid's rows)."""
-    return np.swapaxes(unpack_ints(np.swapaxes(words, -1, -2), bits, *rows, order), -1, -2)
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class IndexedScales:
         if bad.size:
             raise QuantizationError(f"{self.g_idx.name!r}[{box[-1][0] + int(bad[0])}] = {int(group[bad[0]])}: "
                                     f"a group outside [0, {self.groups})")
-        zero = unpack_rows(arrays["zero_point"], self.zero_point_bits, box[-2], None) + self.zero_point_add
+        zero = unpack_rows(arrays["zero_point"], self.zero_point_bits, *box[-2]) + self.zero_point_add
         values -= zero[..., group]
         values *= arrays["scale"].astype(FLOAT32)[..., group]
         return values
