@@ -3,7 +3,12 @@
 A request is a context and a continuation, both token ids. As in lm_eval's HF backend, the model
 reads ``(context + continuation)[-(max_length + 1):][:-1]`` (cut on the left to the context
 window) and the continuation's ids are scored by the logits of the positions that predict them:
-the sum of their log-softmax values, and whether each is the argmax (``is_greedy``).
+the sum of their log-softmax values, and whether each is the argmax (``is_greedy``). Only those
+positions' hidden states go through the output projection and the softmax (gathered after the
+final norm): a multiple-choice continuation is a few tokens of a long prompt, and the
+``[batch, width, vocab]`` logits of every position would cost most of the memory and, for large
+vocabularies, much of the time. The scored width is one per job: the longest continuation,
+rounded up to a multiple of 16 (at most the batch's width).
 
 Rows are sorted longest first (lm_eval's order) and cut into batches of ``batch_size``; each batch
 is padded on the right to one of a few widths chosen from the batches' lengths
@@ -23,7 +28,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from otfload.errors import EvalRequestError
-from otfload.lm_eval.buckets import choose_widths, width_for
+from otfload.lm_eval.buckets import ALIGN, choose_widths, width_for
+from otfload.models.attention import make_context
 from otfload.models.base import CausalLM
 from otfload.plan.sharding import logical_to_sharding
 
@@ -53,6 +59,13 @@ class Timings:
     def to_dict(self) -> dict[str, float]:
         return {"load_seconds": self.load_seconds, "compile_seconds": self.compile_seconds,
                 "score_seconds": self.score_seconds, "generate_seconds": self.generate_seconds}
+
+
+class Shape(NamedTuple):
+    """A batch's padded width and its scored width (positions that go through the output projection)."""
+
+    width: int
+    scored: int
 
 
 @dataclass(frozen=True)
@@ -78,12 +91,16 @@ def make_row(context: Sequence[int], continuation: Sequence[int], max_length: in
     return Row(seq[:-1], seq[1:], len(continuation))
 
 
-def _loglik_of_batch(model: CausalLM, ids: jax.Array, mask: jax.Array, targets: jax.Array,
+def _loglik_of_batch(model: CausalLM, ids: jax.Array, mask: jax.Array, at: jax.Array, targets: jax.Array,
                      scored: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row: the summed log-probability of the scored targets, and whether each is the argmax."""
-    out = model(ids, attention_mask=mask)
-    assert not isinstance(out, tuple)  # without a cache the model returns the logits alone
-    logits = out.astype(jnp.float32)
+    """Per row: the summed log-probability of the scored targets, and whether each is the argmax.
+
+    ``at [b, c]`` are the positions whose next id is scored (``targets [b, c]``; ``scored`` marks
+    the real ones): only their hidden states go through the output projection and the softmax."""
+    ctx = make_context(ids, mask, None, None, model.attention_impl, model.moe_impl)
+    hidden, _ = model.forward(ids, ctx, None)
+    picked_hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+    logits = model.head(picked_hidden).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     greedy = jnp.argmax(logits, axis=-1) == targets
@@ -107,44 +124,54 @@ class Scorer:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}")
         self.batch_size, self.max_length, self.mesh, self.abstract = batch_size, max_length, mesh, abstract
         self.timings = timings
-        self._compiled: dict[tuple[int, int], Any] = {}
+        self._compiled: dict[Shape, Any] = {}
 
-    def plan(self, rows: Sequence[Row]) -> list[tuple[list[int], int]]:
-        """``[(row indices, width)]``: the batches, longest rows first, and each one's padded width."""
+    def plan(self, rows: Sequence[Row]) -> list[tuple[list[int], Shape]]:
+        """``[(row indices, shape)]``: the batches, longest rows first, and each one's padded width
+        and scored width (one for the job: the longest continuation, rounded up to ``ALIGN``)."""
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i].ids))
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         widths = choose_widths([len(rows[b[0]].ids) for b in batches], self.max_length)
-        return [(b, width_for(len(rows[b[0]].ids), widths)) for b in batches]
+        longest_scored = -(-max((r.scored for r in rows), default=1) // ALIGN) * ALIGN
+        out = []
+        for batch in batches:
+            width = width_for(len(rows[batch[0]].ids), widths)
+            out.append((batch, Shape(width, min(longest_scored, width))))
+        return out
 
-    def compile(self, widths: Sequence[int], model: CausalLM | None = None) -> None:
-        """Compile the scoring step for each width not compiled yet (against the abstract model,
+    def compile(self, shapes: Sequence[Shape], model: CausalLM | None = None) -> None:
+        """Compile the scoring step for each shape not compiled yet (against the abstract model,
         else ``model``)."""
         target = self.abstract if self.abstract is not None else model
         if target is None:
             raise ValueError("nothing to compile against: no abstract model and no model given")
-        for width in widths:
-            if (self.batch_size, width) in self._compiled:
+        for shape in shapes:
+            if shape in self._compiled:
                 continue
             start = time.perf_counter()
-            sharding = self._sharding(width)
-            ids = jax.ShapeDtypeStruct((self.batch_size, width), jnp.int32, sharding=sharding)  # type: ignore[no-untyped-call]
-            mask = jax.ShapeDtypeStruct(ids.shape, jnp.bool_, sharding=sharding)  # type: ignore[no-untyped-call]
-            self._compiled[(self.batch_size, width)] = _loglik.lower(target, ids, mask, ids, mask).compile()
+            ids, mask = (self._struct(shape.width, dtype) for dtype in (jnp.int32, jnp.bool_))
+            at, scored = (self._struct(shape.scored, dtype) for dtype in (jnp.int32, jnp.bool_))
+            self._compiled[shape] = _loglik.lower(target, ids, mask, at, at, scored).compile()
             self.timings.compile_seconds += time.perf_counter() - start
+
+    def _struct(self, width: int, dtype: Any) -> jax.ShapeDtypeStruct:
+        shape = (self.batch_size, width)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding(width))  # type: ignore[no-untyped-call]
 
     def score(self, rows: Sequence[Row], model: Callable[[], CausalLM],
               progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
         """``(log-probability, is_greedy)`` of each row, in the order given. ``model`` is called
         once the shapes are compiled (it may wait for the weights); ``progress(n)`` after each batch."""
         batches = self.plan(rows)
+        shapes = sorted({shape for _, shape in batches})
         if self.abstract is not None:
-            self.compile(sorted({w for _, w in batches}))
+            self.compile(shapes)
         loaded = model()
-        self.compile(sorted({w for _, w in batches}), loaded)
+        self.compile(shapes, loaded)
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         start = time.perf_counter()
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            pending = [(b, self._run(loaded, [rows[i] for i in b], w)) for b, w in batches]  # all dispatched
+            pending = [(b, self._run(loaded, [rows[i] for i in b], shape)) for b, shape in batches]  # all dispatched
             for batch, (logp, greedy) in pending:
                 logp_host, greedy_host = np.asarray(logp), np.asarray(greedy)
                 for r, i in enumerate(batch):
@@ -154,18 +181,19 @@ class Scorer:
         self.timings.score_seconds += time.perf_counter() - start
         return out
 
-    def _run(self, model: CausalLM, rows: list[Row], width: int) -> tuple[jax.Array, jax.Array]:
-        ids = np.zeros((self.batch_size, width), np.int32)
-        targets = np.zeros_like(ids)
+    def _run(self, model: CausalLM, rows: list[Row], shape: Shape) -> tuple[jax.Array, jax.Array]:
+        ids = np.zeros((self.batch_size, shape.width), np.int32)
         mask = np.zeros(ids.shape, bool)
-        scored = np.zeros(ids.shape, bool)
+        at = np.zeros((self.batch_size, shape.scored), np.int32)
+        targets = np.zeros_like(at)
+        scored = np.zeros(at.shape, bool)
         for r, row in enumerate(rows):
-            n = len(row.ids)
-            ids[r, :n], targets[r, :n], mask[r, :n] = row.ids, row.targets, True
-            scored[r, n - row.scored : n] = True
+            n, c = len(row.ids), row.scored
+            ids[r, :n], mask[r, :n] = row.ids, True
+            at[r, :c], targets[r, :c], scored[r, :c] = np.arange(n - c, n), row.targets[n - c :], True
         mask[len(rows):, 0] = True  # filler rows: one token, nothing scored
-        args = [jax.device_put(a, self._sharding(width)) for a in (ids, mask, targets, scored)]
-        result: tuple[jax.Array, jax.Array] = self._compiled[(self.batch_size, width)](model, *args)
+        args = [jax.device_put(a, self._sharding(a.shape[1])) for a in (ids, mask, at, targets, scored)]
+        result: tuple[jax.Array, jax.Array] = self._compiled[shape](model, *args)
         return result
 
     def _sharding(self, width: int) -> NamedSharding | None:

@@ -1,0 +1,177 @@
+"""lm-evaluation-harness jobs, otfload's backend against lm_eval's ``hf`` backend, and how fast a job starts.
+
+    python -m benchmarks.bench_lm_eval                       # all three parts, ~10 min on 2 busy cores
+    python -m benchmarks.bench_lm_eval --questions 200 --parts hf
+
+The checkpoint is ``benchmarks.bench_eval``'s ``tiny`` preset (a random Llama-shaped model, 13 M
+parameters, bf16 on disk, scored in float32 by both backends) with its BPE tokenizer and a
+``tokenizer_config.json``; the task is a multiple-choice task in lm_eval's YAML format over a local
+JSONL file of ``--questions`` questions (standard-library source lines, four continuations each),
+so ``4 × questions`` loglikelihood requests. Every job runs in a fresh child process, as a user
+would start it, on the machine's CPU (one JAX device; torch with its default threads).
+
+Parts:
+
+* ``hf``: ``otfload lm-eval ... --json`` against lm_eval's own command line with ``--model hf``
+  (``dtype=float32``, same batch size): wall time of each job end to end, and both backends'
+  ``acc`` / ``acc_norm``. otfload runs with its compilation cache off (a first run).
+* ``cache``: the same ``otfload lm-eval`` job twice with a fresh ``--compile-cache`` directory:
+  the ``compile_seconds`` of each (tracing + lowering + XLA compilation; the XLA part alone is
+  what the cache can skip, tracing and lowering happen every run).
+* ``overlap``: in a child process, the backend is built (weights loading on their thread) and the
+  scoring step compiled for ``--widths`` either after the load ends (sequential) or while it runs
+  (overlapped): the wall time from construction to "weights in and shapes compiled", against the
+  load and compile times of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.bench_eval import build, corpus_lines
+
+ROOT = Path("bench_data") / "lm_eval"
+BATCH = 16
+WIDTHS = (64, 128, 192, 256)  # the overlap part's widths (16 scored positions): what a multiple-choice job compiles
+OVERLAP_CHILD = """
+import json, sys, time
+from otfload.lm_eval import OtfloadLM
+from otfload.lm_eval.scoring import Shape
+overlapped, widths = sys.argv[1] == "overlapped", [Shape(int(w), 16) for w in sys.argv[2].split(",")]
+start = time.perf_counter()
+lm = OtfloadLM(sys.argv[3], dtype="float32", batch_size=int(sys.argv[4]))
+if overlapped:
+    lm.scorer.compile(widths)  # against the abstract model, while the weights load
+    lm.model
+else:
+    lm.scorer.compile(widths, lm.model)  # against the loaded model, after the load
+ready = time.perf_counter() - start
+print(json.dumps({"ready": ready, **lm.timings.to_dict()}))
+"""
+
+
+def make_task(root: Path, questions: int, seed: int = 0) -> Path:
+    """A ``bench_mc`` task of ``questions`` four-way questions; returns its include path."""
+    rng = random.Random(seed)
+    lines = [line for line in corpus_lines() if 8 <= len(line) <= 120]
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "mc.jsonl", "w") as f:
+        for _ in range(questions):
+            question, *choices = rng.sample(lines, 5)
+            f.write(json.dumps({"question": question, "choices": [c[:40] for c in choices],
+                                "answer": rng.randrange(4)}) + "\n")
+    (root / "bench_mc.yaml").write_text(
+        "task: bench_mc\ndataset_path: json\ntest_split: test\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {(root / 'mc.jsonl').resolve()}\n"
+        "output_type: multiple_choice\ndoc_to_text: \"{{question}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    return root
+
+
+def checkpoint() -> Path:
+    """The tiny preset with a ``tokenizer_config.json`` naming its special tokens."""
+    path, _ = build("tiny", texts=1, length=16)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "clean_up_tokenization_spaces": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def child(command: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Run ``command``; ``(wall seconds, stdout)``."""
+    start = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - start
+    if out.returncode:
+        sys.exit(f"{command[:4]} failed:\n{out.stderr[-4000:]}")
+    return wall, out.stdout
+
+
+def otfload_job(ckpt: Path, tasks: Path, cache: str, env: dict[str, str]) -> tuple[float, dict]:
+    wall, stdout = child([sys.executable, "-m", "otfload.cli", "lm-eval", str(ckpt), "--tasks", "bench_mc",
+                          "--include-path", str(tasks), "--dtype", "float32", "--batch-size", str(BATCH),
+                          "--compile-cache", cache, "--no-progress", "--json"], env)
+    return wall, json.loads(stdout)
+
+
+def hf_job(ckpt: Path, tasks: Path, env: dict[str, str], out_dir: Path) -> tuple[float, dict]:
+    wall, _ = child([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+                     f"pretrained={ckpt},dtype=float32", "--device", "cpu", "--batch_size", str(BATCH),
+                     "--tasks", "bench_mc", "--include_path", str(tasks), "--output_path", str(out_dir)], env)
+    results = json.loads(next(out_dir.rglob("results_*.json")).read_text())
+    return wall, results["results"]
+
+
+def part_hf(ckpt: Path, tasks: Path, env: dict[str, str], questions: int) -> None:
+    ours_wall, ours = otfload_job(ckpt, tasks, "off", env)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_wall, theirs = hf_job(ckpt, tasks, env, Path(tmp))
+    a, b = ours["results"]["bench_mc"], theirs["bench_mc"]
+    t = ours["timings"]
+    print(f"\n{questions} questions ({4 * questions} loglikelihood requests), batch {BATCH}, float32")
+    print("| backend | job wall s | acc | acc_norm | load s | compile s | score s |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| otfload | {ours_wall:.1f} | {a['acc,none']:.4f} | {a['acc_norm,none']:.4f} | {t['load_seconds']:.1f} "
+          f"| {t['compile_seconds']:.1f} | {t['score_seconds']:.1f} |")
+    print(f"| hf | {hf_wall:.1f} | {b['acc,none']:.4f} | {b['acc_norm,none']:.4f} | | | |")
+    print(f"hf / otfload wall: {hf_wall / ours_wall:.2f}x; metrics equal: "
+          f"{(a['acc,none'], a['acc_norm,none']) == (b['acc,none'], b['acc_norm,none'])}")
+
+
+def part_cache(ckpt: Path, tasks: Path, env: dict[str, str]) -> None:
+    cache = Path(tempfile.mkdtemp(prefix="otfload-xla-"))
+    try:
+        runs = [otfload_job(ckpt, tasks, str(cache), env) for _ in range(2)]
+    finally:
+        shutil.rmtree(cache)
+    first, second = (r[1]["timings"]["compile_seconds"] for r in runs)
+    print("\n| run | job wall s | compile s |")
+    print("|---|---|---|")
+    for i, (wall, result) in enumerate(runs, 1):
+        print(f"| {i} | {wall:.1f} | {result['timings']['compile_seconds']:.2f} |")
+    print(f"second / first compile: {second / first:.1%}")
+
+
+def part_overlap(ckpt: Path, env: dict[str, str]) -> None:
+    print(f"\nwidths {list(WIDTHS)}, batch {BATCH}, compilation cache off")
+    print("| mode | load s | compile s | max(load, compile) s | load + compile wall s | wall / max |")
+    print("|---|---|---|---|---|---|")
+    for mode in ("sequential", "overlapped"):
+        _, stdout = child([sys.executable, "-c", OVERLAP_CHILD, mode, ",".join(map(str, WIDTHS)), str(ckpt),
+                           str(BATCH)], env)
+        r = json.loads(stdout.strip().splitlines()[-1])
+        longest = max(r["load_seconds"], r["compile_seconds"])
+        print(f"| {mode} | {r['load_seconds']:.2f} | {r['compile_seconds']:.2f} | {longest:.2f} | {r['ready']:.2f} "
+              f"| {r['ready'] / longest:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", type=int, default=1000)
+    parser.add_argument("--parts", default="hf,cache,overlap", help="comma-separated: hf, cache, overlap")
+    args = parser.parse_args(argv)
+    ckpt = checkpoint().resolve()
+    tasks = make_task(ROOT / f"mc-{args.questions}", args.questions).resolve()
+    # one CPU device, the machine as it is; datasets offline (the task's data are local files)
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu",
+           "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    parts = args.parts.split(",")
+    if "hf" in parts:
+        part_hf(ckpt, tasks, env, args.questions)
+    if "cache" in parts:
+        part_cache(ckpt, tasks, env)
+    if "overlap" in parts:
+        part_overlap(ckpt, env)
+
+
+if __name__ == "__main__":
+    main()
