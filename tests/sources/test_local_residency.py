@@ -260,7 +260,7 @@ def test_sampled_residency_estimates_a_half_warm_file(blob):
 
 
 def test_read_ahead_starts_only_when_a_file_is_cold(tiny_checkpoints, mesh_2x4, closing):
-    from otfload.read.readahead import cold_files, start_read_ahead
+    from otfload.read.readahead import cold_files, local_residency, start_read_ahead
 
     directory, _ = tiny_checkpoints("llama")
     _, plan, planned_from = otfload.plan_model(directory, mesh=mesh_2x4)
@@ -271,9 +271,14 @@ def test_read_ahead_starts_only_when_a_file_is_cold(tiny_checkpoints, mesh_2x4, 
     for shard in files:
         make_warm(shard)
     assert cold_files(source) == set()
+    assert local_residency(reader) == (set(), 1.0)  # what a multi-process load agrees on (place/agree.py)
     assert start_read_ahead(plan, reader) is None  # warm: no thread, no range computed
     cold_or_skip(files[0])
     assert cold_files(source) == {files[0].name}
+    sizes = {p.name: p.stat().st_size for p in files}
+    cold, resident = local_residency(reader)  # type: ignore[misc]
+    assert cold == {files[0].name} and resident is not None
+    assert resident == pytest.approx(1 - sizes[files[0].name] / sum(sizes.values()), abs=0.02)  # by bytes
     ahead = start_read_ahead(plan, reader)
     assert ahead is not None
     try:
