@@ -41,7 +41,7 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from otfload.place.device_hooks import hooks_on_device, place_on_devices, stack_raw
+from otfload.place.device_hooks import Stacker, hooks_on_device, place_on_devices, raw_stacker
 from otfload.place.put import place_shards
 from otfload.place.transpose import copy_into, transposed_axis, xla_copies
 from otfload.plan.boxes import Box, box_nbytes, box_shape, crop
@@ -136,14 +136,9 @@ def _owned(built: dict[Box, np.ndarray]) -> dict[Box, np.ndarray]:
     return {box: a if a.flags.c_contiguous else _aligned_copy(a) for box, a in built.items()}
 
 
-Stack = Callable[
-    [LeafPlan, Box, Box, Box, list[tuple[int, ...]], dict[tuple[int, ...], np.ndarray], dict[Box, np.ndarray]], None
-]
-
-
 def _build(
     plan: LeafPlan, boxes: list[Box], reader: TensorReader, arena: Arena, budget: ByteBudget | None,
-    finish: Callable[[dict[Box, np.ndarray]], T], staging: Arena | None, stack: Stack | None = None,
+    finish: Callable[[dict[Box, np.ndarray]], T], staging: Arena | None, stack: Stacker | None = None,
 ) -> T:
     """:func:`build_boxes`, handing the boxes to ``finish`` before the last chunk's scratch and
     mapped pages are released: a box may be a transposed view of them, which ``finish`` copies.
@@ -267,20 +262,11 @@ def build_leaf(
 
     boxes = list(dict.fromkeys(box_of.values()))
     try:
-        if hooks_on_device(plan):
-            def make(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-                if staging is None:
-                    return aligned_empty(shape, dtype)
-                return staging.take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize).view(dtype).reshape(shape)
-
-            def stack(plan: LeafPlan, box: Box, need: Box, union: Box, combos: list[tuple[int, ...]],
-                      parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray]) -> None:
-                stack_raw(plan, box, need, union, combos, parts, results, make)
-
+        if hooks_on_device(plan):  # raw boxes stacked as stored, laid out on the devices
             def on_devices(raw: dict[Box, np.ndarray]) -> jax.Array:
                 return place_on_devices(plan, box_of, raw).block_until_ready()  # staging is free again
 
-            return _build(plan, boxes, reader, arena, budget, on_devices, staging, stack)
+            return _build(plan, boxes, reader, arena, budget, on_devices, staging, raw_stacker(staging))
         return _build(plan, boxes, reader, arena, budget, place, staging)
     finally:
         if staging is not None:

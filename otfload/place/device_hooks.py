@@ -37,10 +37,11 @@ import numpy as np
 
 from otfload.errors import InvalidOptionError
 from otfload.index.derived import is_derived
-from otfload.plan.boxes import Box, box_shape, crop
+from otfload.plan.boxes import Box, box_nbytes, box_shape, crop
 from otfload.plan.cost import addressable_boxes
 from otfload.plan.hooks import Hook, chain_apply, chain_needed
 from otfload.plan.planner import LeafPlan
+from otfload.read.arena import Arena, aligned_empty
 
 # Where hooks run: "auto" (on accelerators), "always", "never".
 DEVICE_HOOKS_ENV = "OTFLOAD_DEVICE_HOOKS"
@@ -77,21 +78,33 @@ def raw_need(plan: LeafPlan, box: Box) -> Box:
     return chain_needed(plan.hooks, plan.shapes, box[len(plan.stack_axes) :])
 
 
-def stack_raw(
-    plan: LeafPlan, box: Box, need: Box, union: Box, combos: list[tuple[int, ...]],
-    parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray],
-    make: Callable[[tuple[int, ...], np.dtype], np.ndarray],
-) -> None:
-    """Copy the pieces of ``box`` present in ``parts`` (source boxes ``union``), cropped to ``need``
-    (:func:`raw_need` of the box), into their rows of ``results[box]`` (``[slices, *need]``, stored
-    dtype; made by ``make(shape, dtype)``): one ``np.stack``, no hook applied."""
-    rows = [i for i, c in enumerate(combos) if c in parts]  # consecutive: chunks follow row-major order
-    if not rows:
-        return
-    if box not in results:
-        results[box] = make((len(combos), *box_shape(need)), plan.sources[0].dtype)
-    pieces = [crop(parts[combos[i]], union, need) for i in rows]
-    np.stack(pieces, axis=0, out=results[box][rows[0] : rows[-1] + 1])
+# The builder's stack step: (plan, box, need, union, combos, parts, results) -> None (see builder._build).
+Stacker = Callable[
+    [LeafPlan, Box, Box, Box, list[tuple[int, ...]], dict[tuple[int, ...], np.ndarray], dict[Box, np.ndarray]], None
+]
+
+
+def raw_stacker(staging: Arena | None) -> Stacker:
+    """The stack step of the device route: the pieces of a box present in a chunk's ``parts`` (source
+    boxes ``union``), cropped to ``need`` (:func:`raw_need` of the box), copied into their rows of
+    ``results[box]`` — ``[slices, *need]`` in the stored dtype, in ``staging`` (else a fresh aligned
+    buffer) — with one ``np.stack``, no hook applied."""
+
+    def stack(plan: LeafPlan, box: Box, need: Box, union: Box, combos: list[tuple[int, ...]],
+              parts: dict[tuple[int, ...], np.ndarray], results: dict[Box, np.ndarray]) -> None:
+        rows = [i for i, c in enumerate(combos) if c in parts]  # consecutive: chunks follow row-major order
+        if not rows:
+            return
+        if box not in results:
+            shape, dtype = (len(combos), *box_shape(need)), plan.sources[0].dtype
+            if staging is None:
+                results[box] = aligned_empty(shape, dtype)
+            else:
+                results[box] = staging.take(box_nbytes(need, dtype.itemsize) * len(combos)).view(dtype).reshape(shape)
+        pieces = [crop(parts[combos[i]], union, need) for i in rows]
+        np.stack(pieces, axis=0, out=results[box][rows[0] : rows[-1] + 1])
+
+    return stack
 
 
 def _layout_of(plan: LeafPlan, box: Box) -> tuple[Callable[[jax.Array], jax.Array], jax.ShapeDtypeStruct]:
