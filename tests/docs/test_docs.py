@@ -41,7 +41,7 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = ["index.md", "quickstart.md", "concepts.md", "architecture.md", "families.md", "adding_a_family.md",
          "troubleshooting.md", "sources.md", "export.md", "byo_model.md", "adapters.md", "evaluation.md",
-         "checkpoints.md", "reliability.md", "robustness.md"]
+         "checkpoints.md", "reliability.md", "robustness.md", "training.md"]
 EXEMPT = {"benchmarks.md", "benchmarks_export.md", "benchmarks_remote.md", "benchmarks_reshard.md"}
 NOT_YET_RUN = {"formats.md"}  # its blocks name real Hub checkpoints and undefined names (issue 33 point 8)
 FENCES = {"python", "bash", "text", "console"}

@@ -1,0 +1,25 @@
+"""``benchmarks.bench_train_startup`` still runs both ways on a tiny checkpoint and reports
+consistent milestones (the timings themselves are measured by hand for docs/benchmarks.md, never
+asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_child_runs_to_the_first_step(tiny_checkpoints, mode):
+    path, _ = tiny_checkpoints("llama")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_train_startup", "--child", mode, str(path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < times["load"] <= times["ready"] < times["first_step"]
+    assert 0 < times["compile"] <= times["ready"]
