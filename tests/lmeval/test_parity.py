@@ -42,12 +42,12 @@ def checkpoint(tiny_checkpoints, tmp_path_factory):
     return get
 
 
-def evaluate(model, task_dir, tasks):
+def evaluate(model, task_dir, tasks, **options):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
-    return lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, log_samples=True)
+    return lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, log_samples=True, **options)
 
 
 def close(a: float, b: float) -> bool:
@@ -94,3 +94,18 @@ def test_same_numbers_as_hf_backend(checkpoint, task_dir, kind, mesh, tasks):
     assert not generated or len(set(generated)) > 1  # the texts differ: the comparison is not vacuous
     timings = ours_model.timings
     assert timings.load_seconds > 0 and timings.compile_seconds > 0 and timings.score_seconds > 0
+
+
+def test_by_name_with_model_args_and_no_abstract_model(checkpoint, task_dir):
+    """``model="otfload"`` with lm_eval's ``model_args`` string (mesh, dtype, quantized, batch size)
+    scores as the Python constructor does; ``quantized="keep"`` compiles after the load (no
+    abstract model to compile against) and changes no number of an unquantized checkpoint."""
+    from otfload.lm_eval import OtfloadLM
+
+    path = checkpoint("llama")
+    tasks = ("otf_mc",)
+    by_name = evaluate("otfload", task_dir, tasks, model_args=f"pretrained={path},mesh=fsdp:4/tp:2,dtype=float32,"
+                       "quantized=keep,batch_size=4")
+    direct = OtfloadLM(str(path), mesh="fsdp:8", batch_size=8)
+    assert direct.scorer.abstract is not None
+    assert_same(by_name, evaluate(direct, task_dir, tasks), tasks)
