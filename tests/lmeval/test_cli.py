@@ -51,7 +51,9 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
     second = lm_eval_job(checkpoint, tasks, cache)
     assert sorted(p.name for p in cache.iterdir()) == entries  # every executable came from the cache
     assert second["results"] == first["results"]
-    assert set(first["timings"]) == {"load_seconds", "compile_seconds", "score_seconds", "generate_seconds"}
+    timings = first["timings"]
+    assert set(timings) == {"load_seconds", "compile_seconds", "lower_seconds", "score_seconds", "generate_seconds"}
+    assert 0 < timings["lower_seconds"] < timings["compile_seconds"]
 
     ref = lm_eval.simple_evaluate(
         model=HFLM(pretrained=str(checkpoint), batch_size=8, device="cpu", dtype="float32"),
