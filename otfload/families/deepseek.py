@@ -21,6 +21,7 @@ checkpoint lacks it is a missing tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -117,14 +118,8 @@ def kimi_config(hf: dict[str, Any]) -> DeepseekConfig:
 
 
 KIMI_K2 = register(
-    Family(
-        name="kimi_k2 (DeepSeek-V3 architecture)",
-        model_types=("kimi_k2",),
-        parse_config=kimi_config,
-        build=DeepseekForCausalLM,
-        mapping=lambda cfg: DEEPSEEK_TABLE,
-        checks=deepseek_checks,
-    )
+    dataclasses.replace(DEEPSEEK, name="kimi_k2 (DeepSeek-V3 architecture)", model_types=("kimi_k2",),
+                        parse_config=kimi_config)
 )
 
 KIMI_K25 = register(
