@@ -72,8 +72,9 @@ def text_model_family(name: str, model_types: tuple[str, ...], text: Family[Any]
     model of ``text_model_type`` stored under the prefixes of one of ``layouts``."""
 
     def parse(hf: dict[str, Any]) -> Any:
+        inner = text_config(hf, text_model_type)  # its own errors name text_config already
         try:
-            return text.parse_config(text_config(hf, text_model_type))
+            return text.parse_config(inner)
         except ConfigError as e:
             if e.field.startswith(f"{TEXT_CONFIG}."):
                 raise
