@@ -86,6 +86,11 @@ def test_every_code_block_runs(tiny_checkpoints, tmp_path):
     assert out.stdout.split() == [w for p in pages for w in ("ok", p)], out.stdout + out.stderr
 
 
+def test_evaluation_page_shows_batched_generation():
+    code = "\n".join(re.findall(r"```python\n(.*?)```", (DOCS / "evaluation.md").read_text(), re.S))
+    assert "otfload.generate(" in code and "attention_mask=" in code
+
+
 def test_every_fence_names_its_language():
     for page in [*(DOCS / p for p in PAGES), README]:
         languages = fence_languages(page.read_text())
