@@ -4,12 +4,16 @@ XLA_FLAGS must be set before JAX initialises its backend, hence at import time h
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# CLI eval jobs keep XLA's compile cache on by default (~/.cache/otfload/xla): the tests' go to a
+# directory of this run instead, never into the user's cache.
+os.environ.setdefault("OTFLOAD_COMPILE_CACHE", tempfile.mkdtemp(prefix="otfload-test-xla-"))
 
 import contextlib  # noqa: E402
 import gc  # noqa: E402
