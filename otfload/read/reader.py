@@ -396,12 +396,13 @@ class TensorReader:
             view = whole[box_to_slices(box)]
             return _PendingRead([], 0, lambda: view)
         origin = sum(b[0] * st for b, st in zip(box, strides, strict=True))
-        take = self._direct_taker(info, fetch, arena, charged, fetched) if direct and mode == "pages" else arena.take
+        read_direct = direct and mode == "pages"  # the takes below read their run themselves (O_DIRECT)
+        take = self._direct_taker(info, fetch, arena, charged, fetched) if read_direct else arena.take
         if len(fetch) == 1 and fetch[0].offset <= origin and mode != "pieces":
             run = fetch[0]
             buffer = take(run.length)
             read = RangeRead(info.file, info.offset + run.offset, buffer.data)
-            return _PendingRead([read] if take == arena.take else [], fetched, lambda: np.ndarray(
+            return _PendingRead([] if read_direct else [read], fetched, lambda: np.ndarray(
                 box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides), charged)
         dense = arena.take(box_nbytes(box, info.dtype.itemsize))
         if selection is not None:
@@ -417,7 +418,7 @@ class TensorReader:
                 _scatter(pieces, fetch, targets, dense)
             return dense.view(info.dtype).reshape(box_shape(box))
 
-        return _PendingRead(reads if take == arena.take else [], fetched, finish, charged)
+        return _PendingRead([] if read_direct else reads, fetched, finish, charged)
 
     def _direct_taker(
         self, info: TensorInfo, fetch: list[ByteRun], arena: Arena, charged: bool, fetched: int
