@@ -17,8 +17,8 @@ also ``tp=8``, ``fsdp=4, tp=2``), from
   its load, so every page is resident; the route ``auto`` takes (and its seconds) against ``never`` and ``always``;
 * **the Hub**: the test Hub server (tests/servers/hub_server.py) counts the body bytes it sends.
 
-For each reshard policy (``never``: read each shard's box in place; ``auto``: the cost model of
-otfload/place/reshard.py; ``always``: read every leaf it can as a band in the storage layout and
+For each reshard policy (``never``: read each shard's box in place; ``auto``: the time model of
+otfload/place/collective_route.py; ``always``: read every leaf it can as a band in the storage layout and
 reshard on the devices) it records, per process: the route the load took and why (agreed by every
 process: :mod:`otfload.place.agree`), the report's fetched bytes and requests, the kernel's
 (local) or the server's (Hub, all processes together) count, the ideal share and the load's seconds;

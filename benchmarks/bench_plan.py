@@ -8,7 +8,7 @@ Each (model, scan_layers) runs in a fresh process with ``--devices`` simulated C
 ``otfload.plan_model`` is timed (headers, config, abstract model, plan; JAX start-up excluded) and the
 process's peak RSS taken after it; then the plan of process 0 of ``--processes`` is described as
 ``otfload inspect --process-index 0 --process-count P`` does (bytes it needs, fetches and ideally holds,
-in the layouts the reshard cost model picks for ``--platform``, local files). With ``--repeat N`` each
+in the layouts the reshard time model picks for ``--platform``, local files). With ``--repeat N`` each
 row runs N times and keeps the fastest plan (on a shared machine the others measure the other jobs;
 the bytes do not change). ``--json`` keeps every row's figures (and the parameters each plan places);
 ``--plot`` draws them against model size (``benchmarks/plot_plan.py``, matplotlib from the ``bench``
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=256)
     parser.add_argument("--mesh", default="fsdp=32,tp=8")
     parser.add_argument("--processes", type=int, default=32, help="processes sharing the devices (8 each)")
-    parser.add_argument("--platform", default="tpu", help="target platform of the reshard cost model")
+    parser.add_argument("--platform", default="tpu", help="target platform of the reshard time model")
     parser.add_argument("--repeat", type=int, default=1, help="fresh processes per row; the fastest plan is kept")
     parser.add_argument("--json", type=Path, default=None, help="also write every row's figures here")
     parser.add_argument("--plot", type=Path, default=None, help="draw them against model size (PNG)")

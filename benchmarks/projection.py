@@ -7,7 +7,7 @@
 
 What is *measured* here: the bytes and requests one process fetches (what ``otfload inspect
 --process-index 0 --process-count P`` computes on the sparse replicas: the real headers, the planner and
-reader that run in a load, the read layouts the reshard cost model picks for the platform and the
+reader that run in a load, the read layouts the reshard time model picks for the platform and the
 source — local pages for a copy on each node's disk, merged byte ranges for a remote store), the read
 efficiency of a load against the raw read floor on this machine and the plan times.
 What is *published* (the constants below, with their sources): the hosts' links. What is *assumed*: that
@@ -18,7 +18,7 @@ a load runs at the measured efficiency of the link that bounds it, that the stor
                       bytes of all hosts / store)
            + reshard (compiles + bytes moved per device / interconnect per device)
 
-Requests cost what the cost model charges them (LOCAL_REQUEST_S, REMOTE_REQUEST_S: 16 in flight); a
+Requests cost what the time model charges them (LOCAL_REQUEST_S, REMOTE_REQUEST_S: 16 in flight); a
 remote band is counted as one request per contiguous run, not per 8 MiB chunk (chunks overlap).
 """
 
@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from otfload.place.reshard import LOCAL_REQUEST_S, REMOTE_REQUEST_S, RESHARD_COMPILE_S
+from otfload.place.collective_route import LOCAL_REQUEST_S, REMOTE_REQUEST_S, RESHARD_COMPILE_S
 
 MODELS = ("llama-3.1-405b", "deepseek-v3", "qwen3-235b-a22b", "gpt-oss-120b")
 # Plan time, scan_layers=True, measured on the replicas (docs/benchmarks.md, "Plans at real size"; 2026-11-26).

@@ -28,9 +28,9 @@ from otfload.index.checkpoint import CheckpointIndex, open_index, read_values
 from otfload.index.derived import is_derived
 from otfload.index.dtypes import to_numpy_dtype
 from otfload.models.origin import remember_origin
+from otfload.place.collective_route import resolve_policy
 from otfload.place.loader import ACCELERATOR_WORKERS, DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
 from otfload.place.report import LoadReport
-from otfload.place.reshard import resolve_policy
 from otfload.place.warmup import start_first_transfers
 from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
 from otfload.plan.eval_shape import abstract_module
@@ -299,7 +299,7 @@ def from_pretrained(
         A progress bar in bytes on stderr (default: when stderr is a terminal).
     reshard
         When a leaf is read in the storage's own layout (a band of rows, a distinct share per
-        process) and moved to its sharding by a collective: ``"auto"`` where the cost model says it
+        process) and moved to its sharding by a collective: ``"auto"`` where the time model says it
         is faster, ``"always"`` wherever it fetches fewer bytes, ``"never"``; default
         ``$OTFLOAD_RESHARD``, else ``"auto"``.
     return_report

@@ -6,7 +6,7 @@ sharing the mesh's devices in order — planned without ``jax.distributed``). Th
 builder exactly (the plan's cost model, :mod:`otfload.plan.cost`): ``process_bytes``, the source
 bytes its devices' boxes need, each HF tensor once (boxes carried back through the hooks, holes of
 widening hooks skipped); ``fetch_bytes``, what the reader fetches for them (whole pages of local
-files, gaps merged to save requests, in the layout :mod:`otfload.place.reshard` chooses: a band
+files, gaps merged to save requests, in the layout :mod:`otfload.place.collective_route` chooses: a band
 read resharded on the devices); and ``ideal_bytes``, the source bytes of the elements the devices hold.
 """
 
@@ -44,7 +44,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--reshard", choices=("auto", "always", "never"), default="auto",
                    help="when a leaf is read as a band in the storage layout and resharded (default: auto)")
     p.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default=None,
-                   help="the devices' platform, for the reshard cost model's interconnect (default: this one's)")
+                   help="the devices' platform, for the reshard time model's interconnect (default: this one's)")
     p.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
                    help="quantized weights decoded on load, or kept packed (codes + scales; shows bytes per device)")
     p.add_argument("--mapping", metavar="MODULE:TABLE",
@@ -84,8 +84,8 @@ def process_leaves(
 ) -> dict[str, Info]:
     """Per leaf of ``plan``: the bytes one process needs, fetches (and in how many requests, in
     which layout) and ideally holds; leaves that read alike (unscanned layers) are counted once."""
+    from otfload.place.collective_route import choose_read_shardings, leaf_signature
     from otfload.place.report import leaf_planned
-    from otfload.place.reshard import choose_read_shardings, leaf_signature
 
     choices = choose_read_shardings(plan.leaves, reader, policy, process_of=process_of, platform=platform)
     out, memo = {}, {}

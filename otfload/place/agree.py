@@ -1,6 +1,6 @@
 """How the processes of a multi-process load agree on its collectives, and how long they wait for them.
 
-A leaf read as a band (:mod:`otfload.place.reshard`) ends in a collective every process must join, in
+A leaf read as a band (:mod:`otfload.place.collective_route`) ends in a collective every process must join, in
 the same order: a process that chose differently would wait forever in a reshard the others never
 run. So every choice that leads to a collective is a pure function of inputs all processes share —
 the plan, the mesh, the reshard policy and the kind of source — and of one process-local fact that is
@@ -47,7 +47,7 @@ from jax.sharding import Mesh
 
 from otfload.cache.coordination import Coordinator, current_coordinator
 from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, InvalidOptionError
-from otfload.place.reshard import cold_processes, plan_mesh, process_devices
+from otfload.place.collective_route import cold_processes, plan_mesh, process_devices
 from otfload.plan.planner import LeafPlan
 
 # Seconds a process waits for the others at an exchange, and for one collective to complete. The

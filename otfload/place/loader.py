@@ -26,9 +26,16 @@ from tqdm.auto import tqdm
 
 from otfload.place.agree import agree_load
 from otfload.place.builder import ByteBudget, build_leaf
+from otfload.place.collective_route import (
+    ReshardPrograms,
+    choose_read_shardings,
+    is_local,
+    resolve_policy,
+    route,
+    with_sharding,
+)
 from otfload.place.device_hooks import compile_ahead
 from otfload.place.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
-from otfload.place.reshard import ReshardPrograms, choose_read_shardings, is_local, resolve_policy, route, with_sharding
 from otfload.plan.planner import LoadPlan
 from otfload.read.arena import Arena
 from otfload.read.pinned import DmaRegistry
@@ -66,7 +73,7 @@ def execute_plan(
     builder threads together; the default, the largest leaf's source bytes, keeps transient host
     memory within one leaf. A smaller budget makes large stacked leaves build in several chunks.
     ``reshard`` says when a leaf may be read in its storage layout and moved to its sharding by a
-    collective (see :mod:`otfload.place.reshard`): ``"auto"`` (where the cost model says it is
+    collective (see :mod:`otfload.place.collective_route`): ``"auto"`` (where the time model says it is
     faster), ``"always"`` (wherever it fetches fewer bytes: column-split leaves, and leaves several
     processes hold — each byte then read once cluster-wide) or ``"never"``; default: the
     ``OTFLOAD_RESHARD`` environment variable, else ``"auto"``. ``host_ring_bytes``: on accelerators,

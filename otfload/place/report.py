@@ -59,7 +59,7 @@ class LoadReport:
     files: list[str] = field(default_factory=list)
     unused_tensors: list[str] = field(default_factory=list)
     resharded: list[str] = field(default_factory=list)  # leaves read as bands, then moved by a collective
-    route: str = ""  # which route the load took and why (place/reshard.route): agreed by every process
+    route: str = ""  # which route the load took and why (place/collective_route.route): agreed by every process
     reshard_seconds: float = 0.0
     # Activation-side scales of a quantized checkpoint (``input_scale``, ``k_scale``, ...): read for the
     # user's quantized kernels, never folded into weights.

@@ -22,8 +22,8 @@ import otfload
 from otfload.cli.inspect import process_devices
 from otfload.index.quant.tensor import MX_BLOCK, MX_BLOCK_BYTES
 from otfload.place.builder import build_boxes
+from otfload.place.collective_route import band_shardings
 from otfload.place.report import leaf_planned
-from otfload.place.reshard import band_shardings
 from otfload.plan.cost import leaf_needed
 from otfload.plan.sharding import make_mesh
 from otfload.read.arena import Arena
@@ -103,7 +103,7 @@ def test_each_process_needs_only_its_own_rows(wide, mesh_name, processes):
         for index in range(processes):
             devices, _ = process_devices(mesh, index, processes)
             assert p.process_bytes(devices) == needed_by_numpy(p.device_boxes(devices), leaf, stacked=True)
-            for sharding in band_shardings(p.leaf):  # every read band the reshard cost model weighs
+            for sharding in band_shardings(p.leaf):  # every read band the reshard time model weighs
                 boxes = p.device_boxes(devices, sharding)
                 assert leaf_needed(p, boxes) == needed_by_numpy(boxes, leaf, stacked=True), (leaf, index, sharding)
             # Against the ideal (the elements held, each once): MX groups of 32 input rows are the

@@ -63,7 +63,7 @@ def once_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hub_job(checkpoint, tmp_path_factory) -> Iterator[dict]:
     """Both meshes' loads from the Hub in one job, each from its own server: ``{mesh: (results, server)}``."""
-    # Remote column reads cost a request per row: the cost model reads those leaves as bands.
+    # Remote column reads cost a request per row: the time model reads those leaves as bands.
     root = tmp_path_factory.mktemp("hub-fetch")
     with HubServer(root / "fsdp8") as first, HubServer(root / "fsdp2_tp4") as second:
         servers = dict(zip(MESHES, (first, second), strict=True))

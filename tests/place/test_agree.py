@@ -14,7 +14,7 @@ import pytest
 from otfload.cache.coordination import LocalCoordinator
 from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, InvalidOptionError
 from otfload.place.agree import TIMEOUT_ENV, Agreement, Facts, collective_timeout, run_bounded
-from otfload.place.reshard import cold_processes
+from otfload.place.collective_route import cold_processes
 
 PROCESSES = 4
 BOUND_S = 1.0  # the simulated processes' bound: short, the waits are on purpose

@@ -2,7 +2,7 @@
 
 Sparse replicas (scripts/make_replica.py: real headers, holes for the data) of published checkpoints
 plan like the real ones; ``inspect --process-index/--process-count`` plans one process of a mesh
-larger than this machine's; the reshard cost model picks band reads where direct reads of column
+larger than this machine's; the reshard time model picks band reads where direct reads of column
 blocks would cost a request per row.
 """
 
@@ -22,8 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import otfload
 from otfload.cli.inspect import inspect_source, summarize_names
+from otfload.place.collective_route import TimeModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.place.report import leaf_planned
-from otfload.place.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource
 
@@ -106,7 +106,7 @@ def test_abstract_models_draw_no_random_numbers():
     assert param.get_metadata()["logical_axes"] == ("layers", "embed", "mlp")
 
 
-# --- the read layout's cost model -------------------------------------------------------------------
+# --- the read layout's time model -------------------------------------------------------------------
 
 
 class RemoteReader(TensorReader):
@@ -181,13 +181,13 @@ def test_policies_and_one_process_keep_direct_reads(column_split):
         choose_read_shardings(plan.leaves, reader, "sometimes")
 
 
-def test_the_cost_model_weighs_the_reshard_against_the_bytes_saved(column_split):
+def test_the_time_model_weighs_the_reshard_against_the_bytes_saved(column_split):
     plan, mesh, source = column_split
     groups = process_devices(mesh, process_of)
     q = plan.leaves["layers.attn.q.kernel"]
     reader = TensorReader(source)  # local pages: direct reads fetch whole rows, cheaply
-    slow = CostModel(source_bandwidth=1e12, request_seconds=0.0, interconnect_bandwidth=1e9)
-    fast = CostModel(source_bandwidth=1e6, request_seconds=0.0, interconnect_bandwidth=1e12)
+    slow = TimeModel(source_bandwidth=1e12, request_seconds=0.0, interconnect_bandwidth=1e9)
+    fast = TimeModel(source_bandwidth=1e6, request_seconds=0.0, interconnect_bandwidth=1e12)
     assert choose_leaf(q, reader, groups, slow, "auto").sharding is None  # reading is free, resharding not
     band = choose_leaf(q, reader, groups, fast, "auto")
     assert isinstance(band.sharding, NamedSharding) and band.band_bytes < band.direct_bytes / 2

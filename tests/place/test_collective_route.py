@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import otfload
 from benchmarks.make_checkpoint import Dims, write_checkpoint
+from otfload.place.collective_route import TimeModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.place.report import leaf_planned
-from otfload.place.reshard import CostModel, choose_leaf, choose_read_shardings, process_devices
 from otfload.read.reader import TensorReader
 
 # 4 KV heads of 128 do not split over tp=8: k and v are replicated on every process (their embed dim
@@ -72,8 +72,8 @@ def test_auto_reads_a_shared_leaf_once_only_where_the_interconnect_pays_for_it(t
     # Each process reads the whole 1 MiB leaf in place; a band is a quarter, then an all-gather (10 ms
     # fixed). A fast source and a slow interconnect keep direct reads; a shared slow store and a fast
     # interconnect read the leaf once.
-    slow = CostModel(source_bandwidth=1e10, request_seconds=0.0, interconnect_bandwidth=1e8)
-    fast = CostModel(source_bandwidth=1e7, request_seconds=0.0, interconnect_bandwidth=1e11)
+    slow = TimeModel(source_bandwidth=1e10, request_seconds=0.0, interconnect_bandwidth=1e8)
+    fast = TimeModel(source_bandwidth=1e7, request_seconds=0.0, interconnect_bandwidth=1e11)
     assert choose_leaf(k, reader, groups, slow, "auto").sharding is None
     band = choose_leaf(k, reader, groups, fast, "auto")
     assert isinstance(band.sharding, NamedSharding)

@@ -1,4 +1,4 @@
-"""Reshard programs compiled ahead (otfload/place/reshard.py, ReshardPrograms): one per distinct
+"""Reshard programs compiled ahead (otfload/place/collective_route.py, ReshardPrograms): one per distinct
 shape, dtype and pair of shardings, compiled in the background before the reshard asks for it, and
 moving a band to its target sharding exactly as numpy says (issue 34: the compile leaves the choice)."""
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from otfload.place.reshard import ReshardPrograms
+from otfload.place.collective_route import ReshardPrograms
 
 
 def test_each_signature_is_compiled_once_ahead_and_reshards_exactly():

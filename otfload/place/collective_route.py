@@ -10,13 +10,13 @@ as many as the ideal), then moved to its target ``NamedSharding`` with one colle
 
 The choice is made per leaf by :func:`choose_read_shardings` (policy ``"auto"``), by the source:
 
-* **remote, or local files on a warm page cache**: a small cost model (:class:`CostModel`) — the time
+* **remote, or local files on a warm page cache**: a small time model (:class:`TimeModel`) — the time
   to fetch what each layout fetches (bytes over the source's bandwidth, plus a latency per request;
   a warm page cache is read at memory speed) against the band's fetch time plus the reshard (bytes
   moved over the interconnect, plus a fixed cost per collective);
 * **local files on a cold page cache**: the disk is the scarce resource, as a remote store is — a
   leaf whose direct reads would fetch more than FETCH_TARGET times the bytes its devices hold is
-  read as the band that fetches the fewest bytes; the cost model may band others too.
+  read as the band that fetches the fewest bytes; the time model may band others too.
 
 The reshard programs are compiled ahead, while the bytes are read (:class:`ReshardPrograms`), so a
 compile is no term of the choice. Direct reads are kept where they win: one process (every device's
@@ -52,7 +52,7 @@ from otfload.plan.hooks import Hook, Shape
 from otfload.plan.planner import LeafPlan
 from otfload.read.reader import TensorReader
 
-# --- the cost model's constants ---------------------------------------------------------------------
+# --- the time model's constants ---------------------------------------------------------------------
 # Local files, cold: 64 MiB mapped with MADV_POPULATE_READ in 28-44 ms on this VM's virtio disk
 # (~2 GB/s, see ADVISE_CHUNK_BYTES in sources/local.py); a prefetch or preadv call costs ~2 µs.
 LOCAL_BANDWIDTH = 2e9
@@ -92,7 +92,7 @@ FETCH_TARGET = 1.25
 # Not choose_strategy's 98 %: that one decides whether a read-ahead is worth a system call (on this
 # shared VM 1-3 % of a file's pages are gone seconds after it was read whole).
 WARM_ROUTE_FRACTION = 0.9
-# A band must save at least this fraction of the estimated time: the cost model's constants are
+# A band must save at least this fraction of the estimated time: the time model's constants are
 # estimates, and a reshard that barely saves anything is not worth its memory and synchronisation.
 MIN_SAVING = 0.2
 
@@ -118,7 +118,7 @@ def resolve_policy(reshard: str | None = None) -> str:
 
 
 @dataclass(frozen=True)
-class CostModel:
+class TimeModel:
     """Seconds per byte and per request of the source, and of the interconnect, for one process
     (the reshard programs are compiled while the bytes are read: no compile term)."""
 
@@ -140,7 +140,7 @@ def is_local(reader: TensorReader) -> bool:
     return reader.maps or reader.pages
 
 
-def cost_model(reader: TensorReader, processes: int, platform: str | None = None, cold: bool = True) -> CostModel:
+def time_model(reader: TensorReader, processes: int, platform: str | None = None, cold: bool = True) -> TimeModel:
     """The model for ``reader``'s source (local files, ``cold`` or warm, or remote) on ``processes``
     processes."""
     local = is_local(reader)
@@ -151,7 +151,7 @@ def cost_model(reader: TensorReader, processes: int, platform: str | None = None
         if SHARED_SOURCE:
             bandwidth /= max(1, processes)
     platform = platform or jax.devices()[0].platform
-    return CostModel(
+    return TimeModel(
         source_bandwidth=bandwidth,
         request_seconds=LOCAL_REQUEST_S if local else REMOTE_REQUEST_S,
         interconnect_bandwidth=INTERCONNECT_BANDWIDTH.get(platform, INTERCONNECT_BANDWIDTH["gpu"]),
@@ -224,10 +224,10 @@ def _over_target(plan: LeafPlan, groups: Groups, reader: TensorReader, sample: I
 
 
 def choose_leaf(
-    plan: LeafPlan, reader: TensorReader, groups: Groups, model: CostModel, policy: str,
+    plan: LeafPlan, reader: TensorReader, groups: Groups, model: TimeModel, policy: str,
     byte_target: float | None = None,
 ) -> Choice:
-    """Read ``plan``'s leaf directly or as a band: ``"auto"`` takes the band that the cost model says
+    """Read ``plan``'s leaf directly or as a band: ``"auto"`` takes the band that the time model says
     saves at least MIN_SAVING of the time — or, given ``byte_target`` (a cold local disk), the band
     fetching the fewest bytes when direct reads fetch more than ``byte_target`` times the ideal;
     ``"always"`` the band fetching the fewest bytes (then requests), if that is fewer than direct
@@ -284,7 +284,7 @@ def choose_read_shardings(
     groups = process_devices(mesh, process_of)
     if len(groups) < 2:
         return {}
-    model = cost_model(reader, len(groups), platform, cold)
+    model = time_model(reader, len(groups), platform, cold)
     byte_target = FETCH_TARGET if cold and is_local(reader) else None
     chosen: dict[str, Choice] = {}
     memo: dict[LeafSignature, Choice] = {}

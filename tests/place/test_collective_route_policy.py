@@ -12,7 +12,7 @@ import pytest
 import otfload
 from otfload.cli import main
 from otfload.errors import InvalidOptionError, OtfloadError
-from otfload.place.reshard import RESHARD_ENV, resolve_policy
+from otfload.place.collective_route import RESHARD_ENV, resolve_policy
 
 
 def test_the_keyword_wins_over_the_environment_which_wins_over_auto(monkeypatch):
