@@ -1,4 +1,4 @@
-"""Native checkpoints: a pluggable :class:`CheckpointManager`, layout metadata, layout conversion, resharding.
+"""Native checkpoints: a pluggable :class:`CheckpointManager`, layout metadata, layout conversion, re-saving for a target mesh.
 
 Typical use::
 
@@ -15,7 +15,7 @@ from otfload.checkpoint.layout import detect_scan_layers, stack_layers, unstack_
 from otfload.checkpoint.metadata import LayoutMetadata, MissingLayoutMetadataWarning, resolve_scan_layers
 from otfload.checkpoint.orbax_manager import OrbaxCheckpointManager
 from otfload.checkpoint.protocol import CheckpointManager, resolve_checkpoint_scan_layers
-from otfload.checkpoint.reshard import reshard_checkpoint
+from otfload.checkpoint.resave import reshard_checkpoint
 
 __all__ = [
     "CheckpointConfig",

@@ -13,7 +13,7 @@ from otfload.checkpoint import (
     reshard_checkpoint,
 )
 from otfload.checkpoint.paths import flatten_tree, unflatten_tree
-from otfload.checkpoint.reshard import _parts, fallback_spec, target_sharding
+from otfload.checkpoint.resave import _parts, fallback_spec, target_sharding
 from otfload.errors import NativeCheckpointError, ScanLayersMismatchError
 from otfload.plan.sharding import DEFAULT_RULES, make_mesh, parse_mesh_spec
 
