@@ -1,4 +1,4 @@
-"""Native checkpoints: a pluggable :class:`CheckpointManager`, layout metadata, layout conversion, re-saving for a target mesh.
+"""Native checkpoints: a pluggable :class:`CheckpointManager`, layout metadata, layout conversion, re-saving for a mesh.
 
 Typical use::
 
