@@ -29,7 +29,7 @@ from otfload.index.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
 from otfload.index.checkpoint import CheckpointIndex, open_index, read_json
 from otfload.index.header import read_header
 from otfload.sources import Source, open_source
-from otfload.sources.formats import check_safe_format
+from otfload.sources.checkpoint_files import check_safe_format
 from otfload.sources.owned import is_owned
 
 AdapterSpec = str | os.PathLike[str] | Source

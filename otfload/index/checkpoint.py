@@ -22,7 +22,7 @@ from otfload.index.header import FileHeader, TensorInfo, read_header, reject_dup
 from otfload.index.quant import dequantized_view
 from otfload.index.quant.formats import HF_QUANT_CONFIG
 from otfload.sources.base import Source, read_bytes
-from otfload.sources.formats import is_checkpoint_file
+from otfload.sources.checkpoint_files import is_checkpoint_file
 from otfload.sources.names import check_member_name, checked_listing
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from otfload.sources.base import RangeRead, Source, read_bytes
-from otfload.sources.formats import check_safe_format
+from otfload.sources.checkpoint_files import check_safe_format
 from otfload.sources.local import LocalSource
 from otfload.sources.location import Kind, classify_location
 

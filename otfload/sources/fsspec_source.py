@@ -34,7 +34,7 @@ from otfload.errors import (
     TruncatedFileError,
 )
 from otfload.sources.base import RangeRead
-from otfload.sources.formats import check_safe_format, is_checkpoint_file
+from otfload.sources.checkpoint_files import check_safe_format, is_checkpoint_file
 from otfload.sources.ranges import (
     MAX_REQUESTS_IN_FLIGHT,
     REMOTE_CHUNK_BYTES,

@@ -60,7 +60,7 @@ from otfload.errors import (
 )
 from otfload.sources import http_body
 from otfload.sources.base import RangeRead
-from otfload.sources.formats import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
+from otfload.sources.checkpoint_files import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
 from otfload.sources.hub_http import httpx
 from otfload.sources.local import LocalSource
 from otfload.sources.names import check_member_name
