@@ -247,6 +247,13 @@ class SourceTimeoutError(SourceUnavailableError):
         super().__init__(message)
 
 
+class LoadCancelled(OtfloadError):
+    """This read was abandoned because another part of the same load failed for good first.
+
+    The loader raises that first failure, never this; it only reaches callers that cancel on purpose.
+    """
+
+
 class SourceProtocolError(SourceError):
     """A server answered in a way that cannot be trusted: a ``Content-Range`` for other bytes, a body
     shorter or longer than asked, a broken ``Content-Encoding``, a redirect loop, or metadata that is
@@ -271,6 +278,17 @@ class CacheError(SourceError):
 class CacheUnsafeNameError(CacheError):
     """A file name that would place a cache entry outside the cache root (``..``, absolute, NUL, a
     symlink leaving the root); nothing was written."""
+
+
+class CacheStorageError(CacheError):
+    """The cache location cannot be used: it is read-only, full (no space, over quota or over the
+    file-size limit), or a file stands where a folder should be. ``path`` names it and ``errno`` is
+    the operating system's reason (``errno.ENOSPC``, ``errno.EROFS``, ...)."""
+
+    def __init__(self, message: str, path: str, errno_: int | None):
+        self.path = path
+        self.errno = errno_
+        super().__init__(message)
 
 
 class CacheIntegrityError(CacheError):

@@ -7,8 +7,8 @@ from otfload.cache.assign import assign_files
 from otfload.cache.coordination import Coordinator, JaxCoordinator, LocalCoordinator, current_coordinator
 from otfload.cache.integrity import VERIFY_MODES
 from otfload.cache.shard_cache import ShardCache, cache_key
-from otfload.cache.store import CacheStorageError
 from otfload.cache.wrap import default_cache_dir, wrap_with_cache
+from otfload.errors import CacheStorageError
 
 __all__ = [
     "VERIFY_MODES",

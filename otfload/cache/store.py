@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from otfload.errors import CacheError, CacheUnsafeNameError
+from otfload.errors import CacheError, CacheStorageError, CacheUnsafeNameError
 from otfload.sources.base import Source
 from otfload.sources.fsspec_source import FsspecSource, open_filesystem
 from otfload.sources.local import LocalSource
@@ -53,17 +53,6 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _IN_THE_WAY = frozenset({errno.ENOTDIR, errno.EEXIST, errno.EISDIR})
-
-
-class CacheStorageError(CacheError):
-    """The cache location cannot be used: it is read-only, full (no space, over quota or over the
-    file-size limit), or a file stands where a folder should be. ``path`` names it and ``errno`` is
-    the operating system's reason (``errno.ENOSPC``, ``errno.EROFS``, ...)."""
-
-    def __init__(self, message: str, path: str, errno_: int | None):
-        self.path = path
-        self.errno = errno_
-        super().__init__(message)
 
 
 def storage_error(error: OSError, path: str, action: str, done: int | None = None) -> CacheError:

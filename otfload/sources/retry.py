@@ -39,7 +39,7 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import TypeVar
 
-from otfload.errors import OtfloadError, SourceTimeoutError, SourceUnavailableError
+from otfload.errors import LoadCancelled, SourceTimeoutError, SourceUnavailableError
 
 T = TypeVar("T")
 
@@ -62,13 +62,6 @@ class StallError(TransientError):
     def __init__(self, message: str, received: int = 0):
         self.received = received
         super().__init__(message)
-
-
-class LoadCancelled(OtfloadError):
-    """This read was abandoned because another part of the same load failed for good first.
-
-    The loader raises that first failure, never this; it only reaches callers that cancel on purpose.
-    """
 
 
 def is_transient_status(status: int) -> bool:
