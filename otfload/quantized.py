@@ -8,8 +8,10 @@ of its trailing axes (:mod:`otfload.index.quant.parts`), and leading axes (scann
 are the weight's own. The static metadata counts axes from the end, so slicing the leading axes
 (``jax.lax.scan`` over layers, ``a[i]``) gives a valid :class:`QuantizedArray` of one layer.
 
-:func:`dequantize` reproduces the default mode's values bit for bit: codes become float32 exactly
-(FP8 and FP4 tables, integer fields minus their offset), zero points are subtracted, scales
+:func:`dequantize` reproduces the default mode's values bit for bit: each part becomes float32 by its
+codec's JAX decoder, the twin of the numpy one the default mode reads with
+(:mod:`otfload.index.quant.codecs`: FP8 and FP4 tables, integer fields minus their offset, E8M0
+exponents), zero points are subtracted, scales
 (divided, or for ModelOpt multiplied, by the global scale) multiply block by block in float32, and
 the result is cast to the leaf dtype — the operations of
 :meth:`~otfload.index.quant.tensor.QuantizedTensor.decode`, in the same order.
@@ -27,11 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from otfload.index.quant.codes import E2M1_VALUES, E8M0_NAN
+from otfload.index.quant.codecs import CODECS
+from otfload.index.quant.codecs.fields import unpack_fields
 
-FLOAT32_MANTISSA_BITS = 23
-# E8M0 byte 0 is 2**-127, a float32 subnormal: only the top mantissa bit set.
-E8M0_ZERO_BITS = 1 << (FLOAT32_MANTISSA_BITS - 1)
 ROLES = ("codes", "scale", "zero_point", "global_scale")
 # What ``QuantizedArray.__getitem__`` accepts for one leading axis (or a tuple of them).
 AxisIndex = int | slice | jax.Array | np.ndarray | EllipsisType | None
@@ -41,8 +41,8 @@ AxisIndex = int | slice | jax.Array | np.ndarray | EllipsisType | None
 class PartLayout:
     """How one part maps onto the weight's trailing axes (static: hashable, layer-independent).
 
-    ``block`` and ``pack_axis`` count from the end (``pack_axis`` is negative); ``codec`` is one of
-    :data:`otfload.index.quant.parts.CODECS`; ``multiplies``: a global scale that multiplies the
+    ``block`` and ``pack_axis`` count from the end (``pack_axis`` is negative); ``codec`` is a key
+    of :data:`otfload.index.quant.codecs.CODECS`; ``multiplies``: a global scale that multiplies the
     scales (ModelOpt's ``weight_scale_2``) rather than dividing them; ``order``: element ``j`` of each
     packed word is its field ``order[j]`` (AWQ); ``add`` is added to the values (GPTQ v1 zero points).
     """
@@ -116,43 +116,15 @@ def _part_layout(q: QuantizedArray, role: str) -> PartLayout:
     return dict(q.layouts)[role]
 
 
-def _unpack(words: jax.Array, layout: PartLayout) -> jax.Array:
-    """Float32 values of the fields packed along ``layout.pack_axis`` (the axis grows by the fields per word)."""
-    width = words.dtype.itemsize * 8
-    per = width // layout.bits
-    unsigned = jnp.dtype(f"uint{width}")
-    bits = jax.lax.bitcast_convert_type(words, unsigned) if words.dtype != unsigned else words
-    assert layout.pack_axis is not None  # only packed parts are unpacked
-    axis = words.ndim + layout.pack_axis
-    shifts = (jnp.arange(per, dtype=unsigned) * layout.bits).reshape((per,) + (1,) * (words.ndim - axis - 1))
-    fields = (jnp.expand_dims(bits, axis + 1) >> shifts) & jnp.asarray((1 << layout.bits) - 1, unsigned)
-    if layout.order is not None:
-        fields = jnp.take(fields, jnp.asarray(layout.order), axis=axis + 1)
-    fields = fields.reshape((*words.shape[:axis], words.shape[axis] * per, *words.shape[axis + 1 :]))
-    if layout.codec == "e2m1":
-        return jnp.asarray(E2M1_VALUES)[fields.astype(jnp.int32)]
-    offset: jax.Array = jnp.float32((1 << (layout.bits - 1)) - layout.add)
-    return fields.astype(jnp.float32) - offset
-
-
-def _e8m0(scales: jax.Array) -> jax.Array:
-    """``2**(s - 127)`` built from its float32 bits (exact, subnormal 2**-127 included), NaN for 255."""
-    s = scales.astype(jnp.uint32)
-    bits = jnp.where(s == 0, jnp.uint32(E8M0_ZERO_BITS), s << FLOAT32_MANTISSA_BITS)
-    values = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), values)
-
-
 def _values(part: jax.Array, layout: PartLayout) -> tuple[jax.Array, tuple[int, ...]]:
-    """The part's float32 values and the block each value covers."""
-    if layout.pack_axis is not None:
-        block = list(layout.block)
-        block[len(block) + layout.pack_axis] = layout.field
-        return _unpack(part, layout), tuple(block)
-    if layout.codec == "e8m0":
-        return _e8m0(part), layout.block
-    values = part.astype(jnp.float32)
-    return (values + jnp.float32(layout.add) if layout.add else values), layout.block
+    """The part's float32 values (by its codec's JAX decoder) and the block each value covers."""
+    codec = CODECS[layout.codec]
+    if layout.pack_axis is None:
+        return codec.jax(part, layout.bits, layout.add), layout.block
+    block = list(layout.block)
+    block[len(block) + layout.pack_axis] = layout.field
+    fields = unpack_fields(part, layout.bits, layout.pack_axis, layout.order)
+    return codec.jax(fields, layout.bits, layout.add), tuple(block)
 
 
 def _expand(values: jax.Array, block: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:

@@ -20,7 +20,7 @@ from otfload.gcpause import gc_paused
 from otfload.index.derived import DerivedTensor
 from otfload.index.header import FileHeader, TensorInfo, read_header, reject_duplicate_keys
 from otfload.index.quant import dequantized_view
-from otfload.index.quant.formats import HF_QUANT_CONFIG
+from otfload.index.quant.methods.modelopt import HF_QUANT_CONFIG
 from otfload.sources.base import Source, read_bytes
 from otfload.sources.checkpoint_files import is_checkpoint_file
 from otfload.sources.names import check_member_name, checked_listing

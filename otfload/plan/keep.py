@@ -35,7 +35,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from otfload.errors import InvalidOptionError
-from otfload.index.quant.parts import NotKeepable, StoredPart, stored_parts
+from otfload.index.quant.parts import NotKeepable, StoredPart
 from otfload.index.quant.tensor import QuantizedTensor
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.hooks import Hook, Reshape, Slice, Transpose, chain_shapes, reshape_groups
@@ -243,7 +243,7 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
     sources = [s for s in plan.sources if isinstance(s, QuantizedTensor)]
     if not sources or len(sources) != len(plan.sources):
         raise NotKeepable("its tensors are not all quantized")
-    per_slice = [stored_parts(s) for s in sources]
+    per_slice = [s.stored_parts() for s in sources]
     first = per_slice[0]
     layout_of = {role: _layout(p) for role, p in first.items()}
     for parts in per_slice[1:]:

@@ -44,7 +44,7 @@ def test_gptq_and_awq_copies_hold_the_w4a16_values(variant):
     """The GPTQ and AWQ benchmark copies are the W4A16 codes and scales in another layout: decoded by
     otfload's own handler they equal the W4A16 reference value (so the benchmark compares layouts)."""
     from otfload.index.header import TensorInfo
-    from otfload.index.quant.intlinear import awq, gptq
+    from otfload.index.quant.methods.intlinear import awq, gptq
 
     w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 0.05
     packed, scale, _ = w4a16_quantize(w)

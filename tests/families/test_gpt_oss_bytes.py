@@ -20,7 +20,7 @@ import pytest
 
 import otfload
 from otfload.cli.inspect import process_devices
-from otfload.index.quant.tensor import MX_BLOCK, MX_BLOCK_BYTES
+from otfload.index.quant.codes import MX_BLOCK, MX_BLOCK_BYTES
 from otfload.place.builder import build_boxes
 from otfload.place.collective_route import band_shardings
 from otfload.place.report import leaf_planned

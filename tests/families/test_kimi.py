@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 import otfload
 from otfload.errors import UnsupportedModelError
 from otfload.families.registry import family_for
-from otfload.index.quant.formats import quantization_method
+from otfload.index.quant.view import quantization_method
 from otfload.plan.sharding import make_mesh
 from tests.families.test_deepseek import MESHES
 from tests.helpers import jax_logits as logits

@@ -1,96 +1,139 @@
-"""Decoders of packed low-precision codes, written from the format descriptions (pure numpy).
+"""How the codes of a quantized tensor are stored, by layout: a box of each decoded on the host, and
+each described as stored parts for ``quantized="keep"``.
 
-- FP4 E2M1 (MXFP4, NVFP4): 4-bit codes, sign bit 3, values ``0, .5, 1, 1.5, 2, 3, 4, 6``; two codes
-  per byte, the **low nibble first** (element ``2i`` in bits 0-3 of byte ``i``).
-- E8M0 (MXFP4 block scales): one byte ``s`` is ``2**(s - 127)``; ``s = 255`` is NaN.
-- Dense b-bit integers (compressed-tensors ``pack-quantized``, GPTQ): the elements of a row are one
-  little-endian bit stream of int32 words, element ``i`` at bits ``[i*b, (i+1)*b)``, stored with an
-  offset of ``2**(b-1)`` (so ``code - 2**(b-1)`` is the signed value; GPTQ's unsigned codes and
-  zero points carry the same offset, which cancels in ``code - zero``).
-- AWQ interleaves the 8 int4 fields of each word: element ``j`` of a word is field ``order[j]``
-  (``order`` = ``(0, 4, 1, 5, 2, 6, 3, 7)``, the inverse of AutoAWQ's pack order ``0 2 4 6 1 3 5 7``).
+- :class:`PlainCodes`: one code per element in the tensor's own layout (FP8, int8): ``cast``;
+- :class:`PackedIntCodes`: ``b``-bit integers packed into int32 words along the columns, or along
+  the rows with AWQ's interleave: ``int``;
+- :class:`PackedFp4Codes`: FP4 E2M1 two per byte along the last axis (NVFP4): ``e2m1``;
+- :class:`Mxfp4Codes`: GPT-OSS MXFP4 blocks of 32 FP4 values (``e2m1``) with one E8M0 scale
+  (``e8m0``) each, the matrix stored transposed.
+
+The codecs named are those of :mod:`otfload.index.quant.codecs`, whose numpy decoders read here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
-)
-E8M0_BIAS = 127
-E8M0_NAN = 255
-BITS_PER_WORD = 32
+from otfload.index.header import TensorInfo
+from otfload.index.quant.blocks import Box
+from otfload.index.quant.codecs import cast, e2m1, e8m0, packed_int
+from otfload.index.quant.codecs.cast import cast_values
+from otfload.index.quant.codecs.e2m1 import FP4_BITS, fp4_values
+from otfload.index.quant.codecs.e8m0 import e8m0_values
+from otfload.index.quant.codecs.packed_int import packed_words, unpack_ints, unpack_rows
+from otfload.index.quant.parts import Parts, StoredPart, packed_part, swap_last
+
+Shape = tuple[int, ...]
+# MXFP4 (OCP microscaling): 32 FP4 values share one E8M0 scale, stored as 16 bytes per block.
+MX_BLOCK = 32
+MX_BLOCK_BYTES = MX_BLOCK // 2
 
 
-def fp4_values(packed: np.ndarray) -> np.ndarray:
-    """Float32 values of FP4 E2M1 codes packed two per byte; the last axis doubles."""
-    packed = np.asarray(packed, np.uint8)
-    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.float32)
-    out[..., 0::2] = E2M1_VALUES[packed & 0x0F]
-    out[..., 1::2] = E2M1_VALUES[packed >> 4]
-    return out
+@dataclass(frozen=True)
+class PlainCodes:
+    """Codes stored one per element in the tensor's own layout (FP8, int8)."""
+
+    codes: TensorInfo
+
+    def part_boxes(self, box: Box) -> Parts:
+        return {"codes": (self.codes, box)}
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        return cast_values(arrays["codes"])
+
+    def stored_parts(self, name: str, shape: Shape) -> dict[str, StoredPart]:
+        return {"codes": StoredPart("codes", self.codes, (1,) * len(shape), cast.CODEC.name)}
 
 
-def e8m0_values(scales: np.ndarray) -> np.ndarray:
-    """Float32 values of E8M0 scale bytes (``2**(s - 127)``, NaN for 255)."""
-    s = np.asarray(scales, np.uint8)
-    exponent = np.where(s == E8M0_NAN, 0, s.astype(np.int32) - E8M0_BIAS)
-    out = np.ldexp(np.float32(1.0), exponent).astype(np.float32)
-    out[s == E8M0_NAN] = np.nan
-    return out
+@dataclass(frozen=True)
+class PackedIntCodes:
+    """``num_bits`` integers packed densely along ``axis`` (-1, or -2: AWQ's output rows) into int32
+    words; ``order``: element ``j`` of each word is its field ``order[j]`` (AWQ's interleave)."""
+
+    codes: TensorInfo
+    num_bits: int
+    axis: int = -1
+    order: tuple[int, ...] | None = None
+
+    def part_boxes(self, box: Box) -> Parts:
+        words = list(box)
+        words[self.axis] = packed_words(*box[self.axis], self.num_bits)
+        return {"codes": (self.codes, tuple(words))}
+
+    def __post_init__(self) -> None:
+        if self.axis not in (-1, -2) or (self.order is not None and self.axis != -2):
+            raise ValueError(f"codes packed along axis {self.axis} with order {self.order}: not a layout")
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        if self.axis == -2:
+            return unpack_rows(arrays["codes"], self.num_bits, *box[-2], self.order)
+        return unpack_ints(arrays["codes"], self.num_bits, *box[-1])
+
+    def stored_parts(self, name: str, shape: Shape) -> dict[str, StoredPart]:
+        n = len(shape)
+        return {"codes": packed_part("codes", self.codes, (1,) * n, shape, self.num_bits, packed_int.CODEC.name,
+                                     n + self.axis, self.order)}
 
 
-def packed_words(start: int, stop: int, num_bits: int) -> tuple[int, int]:
-    """The int32 words holding elements ``[start, stop)`` of a row packed at ``num_bits`` each."""
-    return start * num_bits // BITS_PER_WORD, -(-stop * num_bits // BITS_PER_WORD)
+@dataclass(frozen=True)
+class PackedFp4Codes:
+    """FP4 E2M1 codes, two per byte along the last axis, low nibble first (NVFP4)."""
+
+    codes: TensorInfo
+
+    def part_boxes(self, box: Box) -> Parts:
+        (start, stop) = box[-1]
+        return {"codes": (self.codes, (*box[:-1], (start // 2, -(-stop // 2))))}
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        (start, stop) = box[-1]
+        skip = start % 2
+        return fp4_values(arrays["codes"])[..., skip : skip + stop - start]
+
+    def stored_parts(self, name: str, shape: Shape) -> dict[str, StoredPart]:
+        n = len(shape)
+        return {"codes": packed_part("codes", self.codes, (1,) * n, shape, FP4_BITS, e2m1.CODEC.name, n - 1)}
 
 
-def unpack_rows(words: np.ndarray, num_bits: int, start: int, stop: int,
-                order: tuple[int, ...] | None = None) -> np.ndarray:
-    """:func:`unpack_ints` along axis -2: each word of ``words`` ``[..., words, columns]`` packs
-    ``num_bits``-bit fields of consecutive rows (AWQ's codes, zero points); element ``j`` of a word
-    is its field ``order[j]`` (default ``j``). The rows come out C-contiguous: each field is shifted
-    out of every word at once into its row (one pass per field, no transposed copy of the output).
-    """
-    if BITS_PER_WORD % num_bits:  # fields straddle words: one bit stream per column
-        if order is not None:
-            raise ValueError(f"an interleave order needs fields that tile a word, not {num_bits}-bit ones")
-        return np.swapaxes(unpack_ints(np.swapaxes(words, -1, -2), num_bits, start, stop), -1, -2)
-    per = BITS_PER_WORD // num_bits
-    fields = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint32)
-    *lead, count, columns = fields.shape
-    out = np.empty((*lead, count, per, columns), np.float32)
-    mask = np.uint32((1 << num_bits) - 1)
-    for k in range(per):
-        element = k if order is None else order.index(k)
-        np.bitwise_and(fields >> np.uint32(k * num_bits), mask, out=out[..., element, :], casting="unsafe")
-    out -= 1 << (num_bits - 1)
-    first = start // per * per
-    return out.reshape(*lead, count * per, columns)[..., start - first : stop - first, :]
+@dataclass(frozen=True)
+class Mxfp4Codes:
+    """GPT-OSS MXFP4: ``blocks`` U8 ``[..., out, in/32, 16]`` and ``scales`` U8 ``[..., out, in/32]``
+    (E8M0), standing for the float tensor ``[..., in, out]`` (the stored matrix is transposed)."""
+
+    blocks: TensorInfo
+    scales: TensorInfo
+
+    def part_boxes(self, box: Box) -> Parts:
+        *lead, (i0, i1), out = box
+        groups = (i0 // MX_BLOCK, -(-i1 // MX_BLOCK))
+        return {
+            "blocks": (self.blocks, (*lead, out, groups, (0, MX_BLOCK_BYTES))),
+            "scales": (self.scales, (*lead, out, groups)),
+        }
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        (i0, i1) = box[-2]
+        values = fp4_values(arrays["blocks"])  # [..., out, g, 32]
+        values *= e8m0_values(arrays["scales"])[..., None]
+        values = values.reshape(*values.shape[:-2], -1)
+        skip = i0 - (i0 // MX_BLOCK) * MX_BLOCK
+        return np.swapaxes(values[..., skip : skip + i1 - i0], -1, -2)
+
+    def stored_parts(self, name: str, shape: Shape) -> dict[str, StoredPart]:
+        """The blocks viewed as ``[..., out, in/2]`` and the scales, both transposed to ``in``-major:
+        codes in blocks of 2 along ``in`` (one byte), scales in blocks of 32."""
+        n = len(shape)
+        *lead, out, groups, _ = self.blocks.shape
+        swap = swap_last(n)
+        mx_block = [1] * n
+        mx_block[n - 2] = 2
+        codes = StoredPart("codes", self.blocks, tuple(mx_block), e2m1.CODEC.name,
+                           view=(*lead, out, groups * MX_BLOCK_BYTES), perm=swap, bits=FP4_BITS, pack_axis=n - 2)
+        mx_block[n - 2] = MX_BLOCK
+        return {"codes": codes, "scale": StoredPart("scale", self.scales, tuple(mx_block), e8m0.CODEC.name, perm=swap)}
 
 
-def unpack_ints(words: np.ndarray, num_bits: int, start: int, stop: int) -> np.ndarray:
-    """Signed values (as float32) of elements ``[start, stop)`` along the last axis, from the words
-    covering them (``words`` starts at word ``packed_words(start, stop, num_bits)[0]`` of each row).
-
-    Codes are written straight into the float32 result and the offset subtracted in place: one pass
-    over the output instead of widening through int32 (3x faster for int4, measured).
-    """
-    data = np.ascontiguousarray(words).astype("<i4", copy=False).view(np.uint8)
-    first_word = start * num_bits // BITS_PER_WORD
-    skip = start * num_bits - first_word * BITS_PER_WORD
-    n = stop - start
-    if num_bits == 8:
-        out = data[..., skip // 8 : skip // 8 + n].astype(np.float32)
-    elif num_bits == 4:
-        both = np.empty((*data.shape[:-1], data.shape[-1] * 2), np.float32)
-        np.bitwise_and(data, 0x0F, out=both[..., 0::2], casting="unsafe")
-        np.right_shift(data, 4, out=both[..., 1::2], casting="unsafe")
-        out = both[..., skip // 4 : skip // 4 + n]
-    else:
-        bits = np.unpackbits(data, axis=-1, bitorder="little")[..., skip : skip + n * num_bits]
-        weights = (1 << np.arange(num_bits, dtype=np.int32)).astype(np.int32)
-        out = (bits.reshape(*bits.shape[:-1], n, num_bits).astype(np.int32) @ weights).astype(np.float32)
-    out -= 1 << (num_bits - 1)
-    return out
+Codes = PlainCodes | PackedIntCodes | PackedFp4Codes | Mxfp4Codes

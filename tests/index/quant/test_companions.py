@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from otfload.errors import QuantizationError
-from tests.index.quant.test_formats import checkpoint, w8
+from tests.index.quant.test_methods import checkpoint, w8
 
 
 def test_a_tensor_that_is_both_a_weight_and_a_scale_is_a_quantization_error(tmp_path):

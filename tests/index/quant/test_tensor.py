@@ -10,13 +10,9 @@ import torch
 
 from otfload.errors import QuantizationError
 from otfload.index.header import TensorInfo
-from otfload.index.quant.tensor import (
-    BlockScales,
-    Mxfp4Codes,
-    PackedIntCodes,
-    PlainCodes,
-    QuantizedTensor,
-)
+from otfload.index.quant.codes import Mxfp4Codes, PackedIntCodes, PlainCodes
+from otfload.index.quant.scales import BlockScales
+from otfload.index.quant.tensor import QuantizedTensor
 from tests.index.quant import layouts
 from tests.index.quant.layouts import mxfp4_pack
 
@@ -99,7 +95,7 @@ def test_part_boxes_read_only_what_the_box_needs():
     (4, 16, True, "gptq"), (2, 16, True, "gptq_v2"), (8, 32, True, "gptq"),
 ])
 def test_gptq_boxes_equal_the_numpy_reference(bits, group, desc_act, fmt):
-    from otfload.index.quant.intlinear import gptq
+    from otfload.index.quant.methods.intlinear import gptq
 
     config = layouts.gptq_config(bits, group, desc_act=desc_act, sym=False, fmt=fmt)
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(bits))
@@ -117,7 +113,7 @@ def test_gptq_boxes_equal_the_numpy_reference(bits, group, desc_act, fmt):
 
 
 def test_gptq_desc_act_reads_each_column_group_from_g_idx():
-    from otfload.index.quant.intlinear import gptq
+    from otfload.index.quant.methods.intlinear import gptq
 
     config = layouts.gptq_config(4, 16, desc_act=True, sym=False)
     stored, _ = layouts.gptq(config)("m.weight", torch.randn(48, 64))
@@ -132,7 +128,7 @@ def test_gptq_desc_act_reads_each_column_group_from_g_idx():
 
 
 def test_awq_boxes_equal_the_numpy_reference():
-    from otfload.index.quant.intlinear import awq
+    from otfload.index.quant.methods.intlinear import awq
 
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
     stored, want = layouts.awq("m.weight", w)

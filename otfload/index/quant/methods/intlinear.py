@@ -31,9 +31,11 @@ import numpy as np
 
 from otfload.errors import ConfigError, UnsupportedQuantizationError
 from otfload.index.header import TensorInfo
-from otfload.index.quant.codes import BITS_PER_WORD
+from otfload.index.quant.codecs.packed_int import BITS_PER_WORD
+from otfload.index.quant.codes import PackedIntCodes
 from otfload.index.quant.common import QuantConfig, ReadValues, Tensor, fail, stored
-from otfload.index.quant.tensor import BlockScales, IndexedScales, PackedIntCodes, QuantizedTensor
+from otfload.index.quant.scales import BlockScales, IndexedScales
+from otfload.index.quant.tensor import QuantizedTensor
 
 # Bit widths whose fields tile an int32 word (GPTQ's 3-bit words straddle fields across words).
 GPTQ_BITS = (2, 4, 8)

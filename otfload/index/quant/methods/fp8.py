@@ -1,0 +1,116 @@
+"""FP8 weights with their scales: ``fp8`` (DeepSeek-V3, Qwen3-FP8, Ministral) and ``fbgemm_fp8``.
+
+- ``fp8``: ``W`` F8 + ``W_scale_inv`` per ``weight_block_size`` block, or a single per-tensor (or
+  per-row) scale when ``weight_block_size`` is null; with no ``quantization_config`` at all,
+  DeepSeek-style ``_scale_inv`` pairs with the default block (:func:`legacy_fp8`).
+- ``fbgemm_fp8``: ``W`` F8 + ``W_scale`` ``[out, 1]`` (per row).
+
+:func:`fp8_pairs` and :func:`unscaled_fp8` serve ModelOpt's FP8 too.
+"""
+
+from __future__ import annotations
+
+import math
+
+from otfload.errors import ConfigError
+from otfload.index.header import TensorInfo
+from otfload.index.quant.codes import PlainCodes
+from otfload.index.quant.common import (
+    QuantConfig,
+    ReadValues,
+    Tensor,
+    as_grid,
+    checked_scale,
+    fail,
+    fit_block,
+    is_fp8,
+    stored,
+)
+from otfload.index.quant.scales import BlockScales
+from otfload.index.quant.tensor import QuantizedTensor
+
+# DeepSeek-V3's ``weight_block_size``, for FP8 ``_scale_inv`` checkpoints whose config omits it.
+DEFAULT_FP8_BLOCK = (128, 128)
+
+
+def _int_list(qc: QuantConfig, name: str, length: int | None = None) -> tuple[int, ...] | None:
+    value = qc.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, list) and all(type(v) is int and v > 0 for v in value)
+    if not ok or (length is not None and len(value) != length):
+        shape = f"{length} " if length else ""
+        raise ConfigError(f"quantization_config.{name}", value, f"a list of {shape}positive ints or null")
+    return tuple(value)
+
+
+def _per_tensor_or_block(method: str | None, weight: TensorInfo, scale: TensorInfo,
+                         block: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The block of an FP8 scale: the configured block, else per tensor or per row by its shape."""
+    if block is not None:
+        return fit_block(block, len(weight.shape))
+    if math.prod(scale.shape) == 1:
+        return weight.shape
+    if as_grid(scale, (*weight.shape[:-1], 1)) is not None:
+        return (*(1,) * (len(weight.shape) - 1), weight.shape[-1])
+    raise fail(method, f"scale {scale.name!r} {list(scale.shape)} of {weight.name!r} {list(weight.shape)} "
+                        "is neither per tensor nor per row and weight_block_size is null")
+
+
+def fp8_pairs(method: str | None, tensors: dict[str, Tensor], suffix: str,
+              block: tuple[int, ...] | None, storage: str) -> None:
+    """Every FP8 weight ``W`` with a scale ``W<suffix>`` decoded in ``tensors`` (``block``: the scale
+    block, None for per tensor or per row by the scale's shape); ``storage`` starts its description."""
+    for key in [k for k in tensors if k.endswith(suffix)]:
+        name = key[: -len(suffix)]
+        weight = tensors.get(name)
+        if not isinstance(weight, TensorInfo) or not is_fp8(weight):
+            what = "is missing" if weight is None else f"has dtype {weight.dtype}"
+            raise fail(method, f"scale {key!r} belongs to {name!r}, which {what} (expected an FP8 weight)")
+        scale = stored(method, key, tensors.pop(key))
+        wblock = _per_tensor_or_block(method, weight, scale, block)
+        scales = BlockScales(checked_scale(method, weight, scale, wblock), wblock)
+        what = f"{storage} {weight.dtype.name}, {scale.dtype.name} scale per {_blk(wblock, weight.shape)}"
+        tensors[name] = QuantizedTensor(name, weight.shape, PlainCodes(weight), scales, what)
+
+
+def _blk(block: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    if tuple(block) == tuple(shape):
+        return "tensor"
+    if all(b == 1 for b in block[:-1]) and block[-1] == shape[-1]:
+        return "row"
+    return "x".join(map(str, block)) + " block"
+
+
+def fp8(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
+    """``quant_method: fp8``: ``W_scale_inv`` per ``weight_block_size`` block (or per tensor or row)."""
+    block = _int_list(qc, "weight_block_size", 2) if "weight_block_size" in qc else DEFAULT_FP8_BLOCK
+    fp8_pairs("fp8", tensors, "_scale_inv", block, "fp8")
+    unscaled_fp8("fp8", tensors)
+
+
+def legacy_fp8(tensors: dict[str, Tensor]) -> None:
+    """No ``quantization_config``: DeepSeek-style ``_scale_inv`` pairs with the default block."""
+    fp8_pairs(None, tensors, "_scale_inv", DEFAULT_FP8_BLOCK, "fp8")
+
+
+def fbgemm_fp8(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
+    """``quant_method: fbgemm_fp8``: ``W_scale`` per row."""
+    for key in [k for k in tensors if k.endswith(".weight_scale")]:
+        name = key[: -len("_scale")]
+        weight = tensors.get(name)
+        if not isinstance(weight, TensorInfo) or not is_fp8(weight):
+            raise fail("fbgemm_fp8", f"scale {key!r} has no FP8 weight {name!r}")
+        scale = stored("fbgemm_fp8", key, tensors.pop(key))
+        block = (*(1,) * (len(weight.shape) - 1), weight.shape[-1])
+        scales = BlockScales(checked_scale("fbgemm_fp8", weight, scale, block), block)
+        tensors[name] = QuantizedTensor(name, weight.shape, PlainCodes(weight), scales,
+                                        f"fbgemm_fp8 {weight.dtype.name}, {scale.dtype.name} scale per row")
+    unscaled_fp8("fbgemm_fp8", tensors)
+
+
+def unscaled_fp8(method: str, tensors: dict[str, Tensor]) -> None:
+    """A :class:`~otfload.errors.QuantizationError` for FP8 tensors left without a scale."""
+    raw = [k for k, v in tensors.items() if isinstance(v, TensorInfo) and is_fp8(v)]
+    if raw:
+        raise fail(method, f"{len(raw)} FP8 tensor(s) have no scale, e.g. {raw[0]!r}")
