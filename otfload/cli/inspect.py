@@ -3,7 +3,7 @@
 For every target leaf: the HF keys it is built from, the hooks, shape, dtype, sharding, and the
 bytes one process reads for it (this one, or ``--process-index`` of ``--process-count`` processes
 sharing the mesh's devices in order — planned without ``jax.distributed``). Three counts follow the
-builder exactly (the plan's cost model, :mod:`otfload.plan.cost`): ``process_bytes``, the source
+builder exactly (the plan's byte counts, :mod:`otfload.plan.leaf_bytes`): ``process_bytes``, the source
 bytes its devices' boxes need, each HF tensor once (boxes carried back through the hooks, holes of
 widening hooks skipped); ``fetch_bytes``, what the reader fetches for them (whole pages of local
 files, gaps merged to save requests, in the layout :mod:`otfload.place.collective_route` chooses: a band
@@ -81,26 +81,28 @@ def process_devices(
 def process_leaves(
     plan: LoadPlan, reader: TensorReader, devices: list[jax.Device], process_of: Callable[[jax.Device], int] | None,
     policy: str, platform: str | None = None,
-) -> dict[str, Info]:
+) -> tuple[dict[str, Info], Info]:
     """Per leaf of ``plan``: the bytes one process needs, fetches (and in how many requests, in
-    which layout) and ideally holds; leaves that read alike (unscanned layers) are counted once."""
+    which layout) and ideally holds; and the fetch and ideal totals (:mod:`otfload.place.report`'s)."""
     from otfload.place.collective_route import choose_read_shardings, leaf_signature
-    from otfload.place.report import leaf_planned
+    from otfload.place.report import fetch_totals, ideal_bytes, planned_fetches
 
     choices = choose_read_shardings(plan.leaves, reader, policy, process_of=process_of, platform=platform)
+    bands = {path: choice.sharding for path, choice in choices.items() if choice is not None}
+    fetches = planned_fetches(plan, reader, bands, devices)
     out, memo = {}, {}
     for path, p in plan.leaves.items():
-        choice = choices.get(path)
-        band = None if choice is None else choice.sharding
+        band = bands.get(path)
         key = (leaf_signature(p), None if band is None else str(band.spec))
-        if key not in memo:
-            read = p.device_boxes(devices, band)
-            fetched, requests = leaf_planned(p, read, reader)
-            memo[key] = {"process_bytes": p.process_bytes(devices), "fetch_bytes": fetched, "requests": requests,
-                         "ideal_bytes": p.ideal_bytes(devices),
-                         "read_as": None if band is None else str(band.spec)}
-        out[path] = memo[key]
-    return out
+        if key not in memo:  # leaves that read alike (unscanned layers) are counted once
+            memo[key] = (p.process_bytes(devices), p.ideal_bytes(devices), None if band is None else str(band.spec))
+        needed, ideal, read_as = memo[key]
+        out[path] = {"process_bytes": needed, "fetch_bytes": fetches[path].nbytes, "requests": fetches[path].requests,
+                     "ideal_bytes": ideal, "read_as": read_as}
+    if not out:
+        return out, {}
+    fetched = fetch_totals(fetches.values())
+    return out, {"fetch_bytes": fetched.nbytes, "requests": fetched.requests, "ideal_bytes": ideal_bytes(plan, devices)}
 
 
 def inspect_source(
@@ -176,14 +178,15 @@ def describe_plan(
     source), what one process (``process``: index and count, see :func:`process_devices`) fetches."""
     import jax
 
-    from otfload.plan.cost import placed_per_device
+    from otfload.plan.leaf_bytes import placed_per_device
 
     first = next(iter(plan.leaves.values())).leaf.sharding if plan.leaves else None
     mesh = first.mesh if isinstance(first, jax.sharding.NamedSharding) else None  # planned leaves: named
     mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None  # ... on a concrete mesh
     devices, process_of = process_devices(mesh, *process) if mesh is not None else ([], None)
+    fetch_totals: Info = {}
     if reader is not None:
-        counts = process_leaves(plan, reader, devices, process_of, reshard, platform)
+        counts, fetch_totals = process_leaves(plan, reader, devices, process_of, reshard, platform)
     else:
         counts = {path: {"process_bytes": p.process_bytes(devices)} for path, p in plan.leaves.items()}
     leaves = [{**p.describe(), **counts[path], "shard_bytes": p.shard_bytes()} for path, p in plan.leaves.items()]
@@ -207,8 +210,7 @@ def describe_plan(
             "hf_tensors": sum(leaf["num_hf_keys"] for leaf in leaves),
             "source_bytes": plan.source_bytes,
             "process_bytes": sum(leaf["process_bytes"] for leaf in leaves),
-            **{k: sum(leaf[k] for leaf in leaves) for k in ("fetch_bytes", "requests", "ideal_bytes") if
-               leaves and k in leaves[0]},
+            **fetch_totals,
             "resharded_leaves": sum(1 for leaf in leaves if leaf.get("read_as")),
             "device_bytes": sum(leaf["shard_bytes"] for leaf in leaves),
         },

@@ -45,8 +45,8 @@ from otfload.place.device_hooks import Stacker, hooks_on_device, place_on_device
 from otfload.place.put import place_shards
 from otfload.place.transpose import copy_into, transposed_axis, xla_copies
 from otfload.plan.boxes import Box, box_nbytes, box_shape, crop
-from otfload.plan.cost import addressable_boxes, leaf_sibling_selection, source_region
 from otfload.plan.hooks import chain_apply, chain_needed
+from otfload.plan.leaf_bytes import addressable_boxes, leaf_sibling_selection, source_region
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
 from otfload.read.reader import TensorReader

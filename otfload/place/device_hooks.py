@@ -38,8 +38,8 @@ import numpy as np
 from otfload.errors import InvalidOptionError
 from otfload.index.derived import is_derived
 from otfload.plan.boxes import Box, box_nbytes, box_shape, crop
-from otfload.plan.cost import addressable_boxes
 from otfload.plan.hooks import Hook, chain_apply, chain_needed
+from otfload.plan.leaf_bytes import addressable_boxes
 from otfload.plan.planner import LeafPlan
 from otfload.read.arena import Arena, aligned_empty
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from otfload.plan.boxes import Box, box_from_index
-from otfload.plan.cost import addressable_boxes
+from otfload.plan.leaf_bytes import addressable_boxes
 
 # Shards of accelerators larger than this go over in pieces of this size (None: one device_put each).
 # 4 GiB Llama onto an H200, same run (docs/benchmarks.md, "Into GPU memory"): 5.29 s and 6.6 GiB peak

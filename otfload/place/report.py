@@ -1,34 +1,37 @@
 """The load report: what a load fetched, placed and skipped, and how fast — and the byte counts
 it is judged against, computed from the plan alone.
 
-The per-leaf cost model (device boxes, needed and ideal bytes) is the plan's
-(:mod:`otfload.plan.cost`); what a reader fetches for it is the reader's
-(:meth:`~otfload.read.reader.TensorReader.planned`). Three byte counts per process, summed over a
-plan here, from the most to the least fundamental:
+The per-leaf byte counts (device boxes, needed and ideal bytes) are the plan's
+(:mod:`otfload.plan.leaf_bytes`); what a reader fetches for them is the reader's
+(:meth:`~otfload.read.reader.TensorReader.planned`, by :mod:`otfload.fetch`'s rule). Three byte
+counts per process, summed over a plan here and only here (the loader's report and ``otfload
+inspect`` alike), from the most to the least fundamental:
 
 * **ideal** (:func:`ideal_bytes`): the source bytes of the elements this process's devices hold,
   each distinct shard once — what no reader can go below;
-* **planned** (:func:`planned_bytes`): what the reader will ask the source for, from the plan (the
-  boxes it reads, the gaps it merges, whole pages of mapped files) — computed without reading;
+* **planned** (:func:`planned_fetches`, :func:`planned_bytes`): what the reader will ask the source
+  for, from the plan (the boxes it reads, the gaps it merges, whole pages of mapped files) —
+  computed without reading;
 * **read** (:attr:`LoadReport.bytes_read`): what the source really fetched, counted by the sources
-  themselves (:class:`~otfload.sources.ranges.FetchMeter`): HTTP requests sent, gaps they merged
+  themselves (:class:`~otfload.fetch.meter.FetchMeter`): HTTP requests sent, gaps they merged
   included; ``preadv`` calls; page ranges a mapped file prefetched.
 """
 
 from __future__ import annotations
 
-import mmap
 import resource
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import psutil
 from jax.sharding import Sharding
 
-from otfload.plan import cost
+from otfload.fetch.gaps import PAGE_BYTES
 from otfload.plan.boxes import Box
+from otfload.plan.leaf_bytes import leaf_reads, leaf_sibling_selection
 from otfload.plan.planner import LeafPlan, LoadPlan
 from otfload.read.reader import TensorReader
 
@@ -96,45 +99,66 @@ class LoadReport:
         )
 
 
+class FetchCount(NamedTuple):
+    """Bytes a reader asks its source for, and in how many requests."""
+
+    nbytes: int
+    requests: int
+
+
+def fetch_totals(counts: Iterable[FetchCount]) -> FetchCount:
+    """The sum of ``counts``."""
+    nbytes = requests = 0
+    for count in counts:
+        nbytes += count.nbytes
+        requests += count.requests
+    return FetchCount(nbytes, requests)
+
+
 def leaf_planned(
-    plan: LeafPlan, boxes: list[Box], reader: TensorReader, seen: dict[Hashable, tuple[int, int]] | None = None
-) -> tuple[int, int]:
-    """``(bytes, requests)`` ``reader`` asks its source for to build ``boxes`` of ``plan``'s leaf.
+    plan: LeafPlan, boxes: list[Box], reader: TensorReader, seen: dict[Hashable, FetchCount] | None = None
+) -> FetchCount:
+    """What ``reader`` asks its source for to build ``boxes`` of ``plan``'s leaf.
     ``seen`` (shared by the leaves of one plan) keeps the cost of each kind of read: the same leaf of
     every layer of an unscanned tree costs the same."""
     if not boxes or not plan.sources:
-        return 0, 0
-    union, selection, indices = cost.leaf_reads(plan, boxes)
-    total_bytes = total_requests = 0
+        return FetchCount(0, 0)
+    union, selection, indices = leaf_reads(plan, boxes)
     seen = {} if seen is None else seen
     paged = reader.maps or reader.pages
-    shared = cost.leaf_sibling_selection(plan, boxes)  # siblings' pages are theirs; remotely, spans read them
+    shared = leaf_sibling_selection(plan, boxes)  # siblings' pages are theirs; remotely, spans read them
+    counts = []
     for i in indices:
         info = plan.sources[i]
         # Reads of one kind, shape, page offset (local files fetch whole pages) and region cost the
         # same: a leaf's stacked tensors, and the same leaf in every layer of an unscanned tree.
-        page_offset = info.offset % mmap.PAGESIZE if paged and hasattr(info, "offset") else 0
+        page_offset = info.offset % PAGE_BYTES if paged and hasattr(info, "offset") else 0
         key = (type(info), info.dtype, info.shape, page_offset, union, selection, shared)
         if key not in seen:
-            seen[key] = reader.planned(info, union, selection, shared=shared)
-        total_bytes += seen[key][0]
-        total_requests += seen[key][1]
-    return total_bytes, total_requests
+            seen[key] = FetchCount(*reader.planned(info, union, selection, shared=shared))
+        counts.append(seen[key])
+    return fetch_totals(counts)
+
+
+def planned_fetches(
+    plan: LoadPlan, reader: TensorReader, shardings: Mapping[str, Sharding | None] | None = None,
+    devices: Iterable[jax.Device] | None = None,
+) -> dict[str, FetchCount]:
+    """What ``reader`` will fetch for each leaf of ``plan`` (by path) on ``devices`` (default: this
+    process's), each leaf read under ``shardings[path]`` (default: its own sharding)."""
+    shardings = shardings or {}
+    devices = None if devices is None else list(devices)
+    seen: dict[Hashable, FetchCount] = {}
+    return {path: leaf_planned(p, p.device_boxes(devices, shardings.get(path)), reader, seen)
+            for path, p in plan.leaves.items()}
 
 
 def planned_bytes(
     plan: LoadPlan, reader: TensorReader, shardings: Mapping[str, Sharding | None] | None = None,
     devices: Iterable[jax.Device] | None = None,
 ) -> int:
-    """Bytes ``reader`` will fetch for every leaf of ``plan`` on ``devices`` (default: this
-    process's), each leaf read under ``shardings[path]`` (default: its own sharding)."""
-    shardings = shardings or {}
-    devices = None if devices is None else list(devices)
-    seen: dict[Hashable, tuple[int, int]] = {}
-    return sum(
-        leaf_planned(p, p.device_boxes(devices, shardings.get(path)), reader, seen)[0]
-        for path, p in plan.leaves.items()
-    )
+    """Bytes ``reader`` will fetch for every leaf of ``plan``: :func:`planned_fetches`, summed."""
+    return fetch_totals(planned_fetches(plan, reader, shardings, devices).values()).nbytes
 
 
 def ideal_bytes(plan: LoadPlan, devices: Iterable[jax.Device] | None = None) -> int:

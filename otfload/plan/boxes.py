@@ -12,8 +12,10 @@ device shard needs. These pure functions answer three questions the loader asks:
   step reshape hooks use to carry boxes across a reshape;
 * which bytes a *selection* holds (:func:`selection_pieces`): a product of per-dimension interval
   lists, what a hook that widens a box (a head-interleaved reshape, a strided slice) really needs
-  inside it — read exactly, into the layout of its bounding box;
-* which ranges a reader fetches for those bytes (:func:`merge_runs`, :func:`page_runs`).
+  inside it — read exactly, into the layout of its bounding box.
+
+Which ranges a reader fetches for those bytes (whole pages, gaps read through) is
+:mod:`otfload.fetch.gaps`'s.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-
-from otfload.sources.ranges import group_ranges, merge_run_arrays  # byte-run merging lives with the reads
 
 Box = tuple[tuple[int, int], ...]
 # Per dimension, sorted disjoint half-open intervals; the selected elements are their product.
@@ -230,40 +230,3 @@ def selection_pieces(shape: Sequence[int], itemsize: int, selection: Selection, 
     """
     src, dst, length = selection_piece_arrays(shape, itemsize, selection, box)
     return list(zip(src.tolist(), dst.tolist(), length.tolist(), strict=True))
-
-
-# --- what a reader fetches -------------------------------------------------------------------------
-
-
-def page_run_arrays(
-    starts: np.ndarray, lengths: np.ndarray, base: int, limit: int, page: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`page_runs` on arrays of sorted runs; returns ``(starts, lengths)``."""
-    if len(starts) == 0:
-        return starts, lengths
-    s = np.maximum(0, (base + starts) // page * page - base)
-    e = np.minimum(limit, -(-(base + starts + lengths) // page) * page - base)
-    reach = np.maximum.accumulate(e)
-    s, e = group_ranges(s, e, s[1:] <= reach[:-1])
-    return s, e - s
-
-
-def _as_runs(starts: np.ndarray, lengths: np.ndarray) -> list[ByteRun]:
-    return [ByteRun(a, n) for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
-
-
-def _arrays(runs: Sequence[ByteRun]) -> tuple[np.ndarray, np.ndarray]:
-    return np.array([r.offset for r in runs], np.int64), np.array([r.length for r in runs], np.int64)
-
-
-def merge_runs(runs: Sequence[ByteRun], max_gap: int, max_extra: int) -> list[ByteRun]:
-    """``runs`` (sorted, disjoint) merged across their smallest gaps first: each gap read is at most
-    ``max_gap`` bytes and all of them together at most ``max_extra`` — fewer requests for a bounded
-    number of bytes nobody asked for."""
-    return _as_runs(*merge_run_arrays(*_arrays(runs), max_gap, max_extra))
-
-
-def page_runs(runs: Sequence[ByteRun], base: int, limit: int, page: int) -> list[ByteRun]:
-    """``runs`` (relative to ``base``, a file offset) grown to whole pages of the file, clipped to
-    ``[0, limit)`` and merged where they meet: the pages a mapped read faults in."""
-    return _as_runs(*page_run_arrays(*_arrays(runs), base, limit, page))

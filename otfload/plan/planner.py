@@ -28,7 +28,7 @@ from otfload.errors import MappingError, TensorProblem, UnfaithfulCastError, mis
 from otfload.index.checkpoint import CheckpointIndex
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
-from otfload.plan import cost
+from otfload.plan import leaf_bytes
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.boxes import Box
 from otfload.plan.hooks import Hook, Shape, chain_shapes
@@ -70,23 +70,23 @@ class LeafPlan:
         first = self.sources[0]
         return str(first.dtype) if isinstance(first, TensorInfo) else first.storage
 
-    def device_boxes(self, devices: cost.Devices | None = None, sharding: Sharding | None = None) -> list[Box]:
+    def device_boxes(self, devices: leaf_bytes.Devices | None = None, sharding: Sharding | None = None) -> list[Box]:
         """The distinct boxes of the leaf on ``devices`` (default: this process's) under ``sharding``
         (default: its own; a read layout chosen for it)."""
-        return cost.device_boxes(self.leaf, sharding, devices)
+        return leaf_bytes.device_boxes(self.leaf, sharding, devices)
 
-    def process_bytes(self, devices: cost.Devices | None = None) -> int:
+    def process_bytes(self, devices: leaf_bytes.Devices | None = None) -> int:
         """Stored source bytes the shards of ``devices`` (default: this process's) need, each HF tensor
         once, every part of quantized or adapted tensors included — without pages or gaps."""
-        return cost.leaf_needed(self, self.device_boxes(devices))
+        return leaf_bytes.leaf_needed(self, self.device_boxes(devices))
 
-    def ideal_bytes(self, devices: cost.Devices | None = None) -> int:
+    def ideal_bytes(self, devices: leaf_bytes.Devices | None = None) -> int:
         """Source bytes of the elements ``devices`` hold, each distinct shard once: no reader goes below."""
-        return cost.leaf_ideal(self, devices)
+        return leaf_bytes.leaf_ideal(self, devices)
 
     def shard_bytes(self) -> int:
         """Bytes of the leaf's largest device shard in its target dtype (what one device holds)."""
-        return cost.shard_bytes(self.leaf)
+        return leaf_bytes.shard_bytes(self.leaf)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary (what ``otfload inspect`` prints)."""

@@ -20,7 +20,6 @@ is read beyond what the box needs, and nothing larger than the box exists.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +30,17 @@ from typing import NamedTuple, cast
 import numpy as np
 
 from otfload.errors import TruncatedFileError
+from otfload.fetch.gaps import (
+    BOX_SPAN_GAP_BYTES,
+    MAPPED_GAP_BYTES,
+    MAX_GAP_FRACTION,
+    PAGE_BYTES,
+    PLANNED_GAPS,
+    merge_run_arrays,
+    page_run_arrays,
+)
+from otfload.fetch.meter import expected_fetch, fetching
+from otfload.fetch.requests import remote_fetch
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
 from otfload.plan.boxes import (
@@ -42,11 +52,10 @@ from otfload.plan.boxes import (
     box_shape,
     box_to_slices,
     byte_runs,
-    page_run_arrays,
     selection_piece_arrays,
     selection_size,
 )
-from otfload.plan.cost import part_selections, useful_selection
+from otfload.plan.leaf_bytes import part_selections, useful_selection
 from otfload.read.arena import Arena
 from otfload.sources.base import (
     DirectSource,
@@ -56,21 +65,8 @@ from otfload.sources.base import (
     RangeRead,
     Source,
 )
-from otfload.sources.ranges import coalesced_extents, expected_fetch, fetching, gap_policy, merge_run_arrays
+from otfload.sources.fetch_threads import gap_policy
 
-# The gap *inside one tensor's box* that reading the box as one span (first element to last) may
-# read per run it merges, instead of one read per run: a gap costs gap / ~10 GB/s, a separate read
-# ~2 µs locally (a preadv), so ~20 KiB breaks even; 32 KiB. Remote requests merge across larger
-# gaps later, between ranges of a file (sources.ranges.REMOTE_REQUEST_GAP_BYTES, 1 MiB).
-BOX_SPAN_GAP_BYTES = 32 * 1024
-# ... but never more than this fraction of the box's own bytes: when a process needs a column block,
-# the gaps are the other processes' columns, which it must not read (bytes per process ≈ its share).
-MAX_OVERREAD_FRACTION = 0.1
-# The kernel reads a mapped file in pages; a range's first and last pages are fetched whole.
-PAGE_BYTES = mmap.PAGESIZE
-# A mapped read merges ranges across gaps up to this size (within MAX_OVERREAD_FRACTION): one
-# madvise call costs ~2 µs, about what 16 KiB of page cache or NVMe read-in costs.
-MAPPED_GAP_BYTES = 16 * 1024
 # Set to 0 to read cold local files through the page cache like warm ones (no O_DIRECT).
 DIRECT_IO_ENV = "OTFLOAD_DIRECT_IO"
 
@@ -122,11 +118,11 @@ Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # source offsets, box offset
 def page_fetch_runs(info: TensorInfo, pieces: Pieces) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, lengths)`` (relative to the tensor) a local read fetches for ``pieces``: exactly
     their pages (clipped to the tensor), merged across gaps of at most MAPPED_GAP_BYTES while the
-    extra stays within MAX_OVERREAD_FRACTION — never the whole span between a box's first and last bytes."""
+    extra stays within MAX_GAP_FRACTION — never the whole span between a box's first and last bytes."""
     src, _, length = pieces
     order = np.argsort(src, kind="stable")
     starts, lengths = page_run_arrays(src[order], length[order], info.offset, info.nbytes, PAGE_BYTES)
-    return merge_run_arrays(starts, lengths, MAPPED_GAP_BYTES, int(MAX_OVERREAD_FRACTION * int(length.sum())))
+    return merge_run_arrays(starts, lengths, MAPPED_GAP_BYTES, int(MAX_GAP_FRACTION * int(length.sum())))
 
 
 def charged_page_bytes(
@@ -223,7 +219,7 @@ def _span(info: TensorInfo, box: Box, pieces: Pieces, siblings: int = 0) -> tupl
     end = int((src + length).max())
     needed = int(length.sum())
     extra = end - start - needed
-    if extra <= min(BOX_SPAN_GAP_BYTES * (len(src) - 1), MAX_OVERREAD_FRACTION * needed + siblings):
+    if extra <= min(BOX_SPAN_GAP_BYTES * (len(src) - 1), MAX_GAP_FRACTION * needed + siblings):
         return start, end - start
     return None
 
@@ -314,14 +310,14 @@ class TensorReader:
         self, starts: np.ndarray, lengths: np.ndarray, mode: str, charged: int | None = None
     ) -> tuple[int, int]:
         """``(bytes, requests)`` the source fetches for the ranges the reader asks in ``mode``: a
-        remote source merges the pieces of one ``read_many`` (:func:`~otfload.sources.ranges.coalesce`);
+        remote source merges the pieces of one ``read_many`` (:func:`~otfload.fetch.requests.remote_fetch`);
         page reads of a selection with holes count ``charged`` (:func:`charged_page_bytes`)."""
         if charged is not None:
             return charged, len(lengths)
         if mode != "pieces" or self.pages or len(starts) < 2:
             return int(lengths.sum()), len(lengths)
         order = np.argsort(starts, kind="stable")
-        _, merged, requests = coalesced_extents(starts[order], lengths[order], MAX_OVERREAD_FRACTION, 0)
+        _, merged, requests = remote_fetch(starts[order], lengths[order], PLANNED_GAPS)
         return int(merged.sum()), requests
 
     def read_boxes(
@@ -345,7 +341,7 @@ class TensorReader:
         reads = [r for _, p in pending for r in p.reads]
         if reads:
             fetched = sum(p.fetched for _, p in pending)
-            with expected_fetch(fetched, len(reads)), gap_policy(MAX_OVERREAD_FRACTION):  # the gaps are others' bytes
+            with expected_fetch(fetched, len(reads)), gap_policy(PLANNED_GAPS):  # the gaps are others' bytes
                 self.source.read_many(reads)
         for k, p in pending:
             out[k] = p.finish()
@@ -357,7 +353,7 @@ class TensorReader:
     ) -> np.ndarray:
         p = self._start_plain(info, box, arena, selection, view_ok, charge)
         if p.reads:  # a span (the box is a strided view of it) is chunked and fetched in parallel too
-            with _counting(p.charged)(p.fetched, len(p.reads)), gap_policy(MAX_OVERREAD_FRACTION):  # others' bytes
+            with _counting(p.charged)(p.fetched, len(p.reads)), gap_policy(PLANNED_GAPS):  # others' bytes
                 self.source.read_many(p.reads)
         return p.finish()
 
@@ -447,7 +443,7 @@ class TensorReader:
     def _read_derived_selection(
         self, info: DerivedTensor, box: Box, arena: Arena, selection: Selection, shared: Selection | None = None
     ) -> np.ndarray:
-        # Each part is read with its part selection (carried axis by axis, cost.part_selections); never
+        # Each part is read with its part selection (carried axis by axis, leaf_bytes.part_selections); never
         # as a mapped view (decoding touches the whole box: the holes' pages would be faulted in).
         arrays = {}
         for role, (part, pbox, psel), pshared in _with_shared(info, box, selection, shared):

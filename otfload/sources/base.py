@@ -23,6 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
+# Largest file size believed from a listing or metadata (Hub, fsspec): 16 TiB, far above any
+# safetensors shard; a larger (or a negative) one is a broken server, and planning must not
+# allocate or seek by it.
+MAX_FILE_BYTES = 1 << 44
+
 
 class RangeRead(NamedTuple):
     """Read ``len(out)`` bytes of ``file`` starting at ``offset`` into the writable buffer ``out``."""

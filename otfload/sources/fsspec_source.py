@@ -6,9 +6,9 @@ HTTP) every call runs on fsspec's event loop with its own deadline and is cancel
 the load is cancelled); idle timeouts go to gcsfs, botocore and aiohttp. For ``gs://``, ``s3://``
 (:mod:`otfload.sources.s3`) and ``http(s)://`` the range answer itself is checked
 (``Content-Range``, lengths, encoding) before a byte is taken.
-A large range is fetched as concurrent chunks of :data:`~otfload.sources.ranges.REMOTE_CHUNK_BYTES`
+A large range is fetched as concurrent chunks of :data:`~otfload.fetch.requests.REMOTE_CHUNK_BYTES`
 into the caller's buffer, never staged whole; at most
-:data:`~otfload.sources.ranges.MAX_REQUESTS_IN_FLIGHT` requests of a source are in flight at once,
+:data:`~otfload.sources.fetch_threads.MAX_REQUESTS_IN_FLIGHT` requests of a source are in flight at once,
 over all its threads. The first chunk that fails for good cancels its siblings and is raised, typed.
 """
 
@@ -26,6 +26,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 
 from otfload.errors import (
+    LoadCancelled,
     OtfloadError,
     SourceError,
     SourceNotFoundError,
@@ -33,18 +34,13 @@ from otfload.errors import (
     SourceProtocolError,
     TruncatedFileError,
 )
-from otfload.sources.base import RangeRead
+from otfload.fetch.requests import REMOTE_CHUNK_BYTES
+from otfload.sources.base import MAX_FILE_BYTES, RangeRead
 from otfload.sources.checkpoint_files import check_safe_format, is_checkpoint_file
-from otfload.sources.ranges import (
-    MAX_REQUESTS_IN_FLIGHT,
-    REMOTE_CHUNK_BYTES,
-    RangeSink,
-    check_range_answer,
-    read_chunked,
-)
+from otfload.sources.fetch_threads import MAX_REQUESTS_IN_FLIGHT, read_chunked
+from otfload.sources.range_answer import RangeSink, check_range_answer
 from otfload.sources.retry import (
     Deadline,
-    LoadCancelled,
     RequestSlots,
     RetriedCalls,
     RetryPolicy,
@@ -57,9 +53,6 @@ from otfload.sources.retry import (
 T = TypeVar("T")
 
 _USERINFO = re.compile(r"(?<=://)[^/@]*@")  # "s3://key:secret@bucket" -> "s3://bucket" in messages
-# Largest file size believed from a listing: 16 TiB, far above any safetensors shard; a larger (or
-# a negative) one is a broken server, and planning must not allocate or seek by it.
-MAX_FILE_BYTES = 1 << 44
 # Body chunks of an HTTP range answer: large enough for GB/s, small enough to notice a long body early.
 HTTP_CHUNK_BYTES = 1 << 20
 S3_PROTOCOLS = ("s3", "s3a")  # s3fs's: opened by otfload.sources.s3 (imported only then: botocore is slow to import)
@@ -99,7 +92,7 @@ class FsspecSource(RetriedCalls):
 
     # A range is fetched as concurrent chunks of at most this many bytes (smaller ones in up to
     # READ_SPLIT pieces); at most this many requests are in flight at once (a subclass may choose
-    # others; see otfload/sources/ranges.py).
+    # others; see otfload/fetch/requests.py).
     chunk_bytes: int = REMOTE_CHUNK_BYTES
     max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT
 

@@ -7,9 +7,9 @@ cache for that commit are read from disk; the rest by ``Range`` requests on ``re
 answer checked (``Content-Range``, lengths, encoding) before a byte is taken, and every request
 bounded by the idle, attempt and total time limits of :mod:`otfload.sources.retry`.
 A large range (a 500 MB embedding read whole) is fetched as concurrent chunks of
-:data:`~otfload.sources.ranges.REMOTE_CHUNK_BYTES` straight into the caller's buffer, never staged
+:data:`~otfload.fetch.requests.REMOTE_CHUNK_BYTES` straight into the caller's buffer, never staged
 whole; every request of the source, whichever thread sends it, takes one of
-:data:`~otfload.sources.ranges.MAX_REQUESTS_IN_FLIGHT` slots. The first chunk that fails for good
+:data:`~otfload.sources.fetch_threads.MAX_REQUESTS_IN_FLIGHT` slots. The first chunk that fails for good
 cancels its siblings (their requests are cut) and its own typed error is raised.
 Offline (``local_files_only`` or ``HF_HUB_OFFLINE``), only the cached snapshot is used.
 Both ``huggingface_hub`` majors are supported, 1.x (httpx) and 2.x (httpx2): see :mod:`otfload.sources.hub_http`.
@@ -58,21 +58,15 @@ from otfload.errors import (
     SourceProtocolError,
     TruncatedFileError,
 )
+from otfload.fetch.requests import REMOTE_CHUNK_BYTES
 from otfload.sources import http_body
-from otfload.sources.base import RangeRead
+from otfload.sources.base import MAX_FILE_BYTES, RangeRead
 from otfload.sources.checkpoint_files import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
+from otfload.sources.fetch_threads import MAX_REQUESTS_IN_FLIGHT, read_chunked, read_runs
 from otfload.sources.hub_http import httpx
 from otfload.sources.local import LocalSource
 from otfload.sources.names import check_member_name
-from otfload.sources.ranges import (
-    MAX_REQUESTS_IN_FLIGHT,
-    REMOTE_CHUNK_BYTES,
-    RangeSink,
-    check_range_answer,
-    coalesce,
-    read_chunked,
-    read_runs,
-)
+from otfload.sources.range_answer import RangeSink, check_range_answer
 from otfload.sources.retry import (
     Deadline,
     RequestSlots,
@@ -83,6 +77,7 @@ from otfload.sources.retry import (
     interrupt_at,
     is_transient_status,
 )
+from otfload.sources.runs import coalesce
 
 PUBLIC_HUB = "https://huggingface.co"  # descriptions name the endpoint only when it is another one
 # Whole-file downloads go through this much memory at a time, fetched as parallel pieces: every
@@ -92,9 +87,6 @@ DOWNLOAD_WINDOW_BYTES = MAX_REQUESTS_IN_FLIGHT * DOWNLOAD_PIECE_BYTES
 # Revision metadata accepted: model_info with blobs for a 100k-file repo is ~20 MB; more is not JSON
 # the Hub would send, and must not be buffered without end.
 MAX_METADATA_BYTES = 64 << 20
-# Largest file size believed from metadata: 16 TiB, far above any safetensors shard; a larger (or a
-# negative) size is a broken server, and planning must not allocate or seek by it.
-MAX_FILE_BYTES = 1 << 44
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a git object id: it names a cache folder/blob, so nothing else passes
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -117,7 +109,7 @@ class HubSource(RetriedCalls):
 
     # A range is fetched as concurrent chunks of at most this many bytes (smaller ones in up to
     # READ_SPLIT pieces); at most this many requests are in flight at once (a subclass may choose
-    # others; see otfload/sources/ranges.py).
+    # others; see otfload/fetch/requests.py).
     chunk_bytes: int = REMOTE_CHUNK_BYTES
     max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT
 

@@ -50,9 +50,9 @@ from otfload.errors import (
     SourceUnavailableError,
     TruncatedFileError,
 )
+from otfload.fetch.meter import fetching
 from otfload.pages import MADV_POPULATE_READ, madvise
 from otfload.sources.base import RangeRead
-from otfload.sources.ranges import fetching
 from otfload.sources.residency import resident_fraction
 
 # Ranges about to be read are announced with posix_fadvise(WILLNEED) in pieces of at most this size:

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import numpy as np
 
 from otfload.errors import InvalidOptionError
+from otfload.fetch.gaps import PAGE_BYTES
 
-PAGE_BYTES = mmap.PAGESIZE
 # A range with at least this fraction of its pages resident counts as warm: the builder's own
 # prefetch (fadvise + populate of exactly its pages) reads the few missing ones; announcing them from
 # the read-ahead thread too would save at most 2 % of the range's disk time (a judgement, not tuned).

@@ -5,7 +5,7 @@ credentials, endpoint, region, session and extra request arguments), so the answ
 headers are at hand before a byte is taken: a ``206`` must carry the ``Content-Range`` asked for, of
 an object of the listed size, and exactly that many bytes; a ``200`` (an endpoint ignoring ``Range``)
 is sliced when it is the whole object, as for ``gs://`` and the Hub
-(:func:`~otfload.sources.ranges.check_range_answer`). The body is copied into the caller's buffer as
+(:func:`~otfload.sources.range_answer.check_range_answer`). The body is copied into the caller's buffer as
 it arrives; a shorter range honestly labelled is followed by a request for the rest.
 
 Retries and time bounds are otfload's alone (:mod:`otfload.sources.retry`): the filesystem a source
@@ -23,7 +23,8 @@ from typing import Any
 from multidict import CIMultiDict
 from s3fs import S3FileSystem
 
-from otfload.sources.ranges import MAX_REQUESTS_IN_FLIGHT, RangeSink, check_range_answer
+from otfload.sources.fetch_threads import MAX_REQUESTS_IN_FLIGHT
+from otfload.sources.range_answer import RangeSink, check_range_answer
 from otfload.sources.retry import TransientError
 
 # Body bytes taken from the client per step: large enough for GB/s, small enough to stop a long body early.

@@ -101,7 +101,7 @@ def test_help_has_no_sphinx_roles():
         text = sub.format_help()
         assert ":mod:" not in text and ":class:" not in text and "``" not in text, name
     inspect_help = commands.choices["inspect"].format_help()
-    assert "cost model, otfload.plan.cost)" in " ".join(inspect_help.split())
+    assert "byte counts, otfload.plan.leaf_bytes)" in " ".join(inspect_help.split())
 
 
 def test_model_label():

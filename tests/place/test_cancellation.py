@@ -27,9 +27,10 @@ from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.mapping import as_table
 from otfload.plan.planner import LoadPlan, build_plan
 from otfload.sources.base import RangeRead, read_bytes
+from otfload.sources.fetch_threads import read_runs
 from otfload.sources.hub import HubSource
-from otfload.sources.ranges import coalesce, read_runs
 from otfload.sources.retry import RetryPolicy, TransientError
+from otfload.sources.runs import coalesce
 from tests.servers.hub_server import HubServer
 from tests.synthetic import write_checkpoint
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import otfload
+from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.checkpoint import open_index
 from otfload.place.loader import execute_plan
 from otfload.plan.boxes import box_to_slices
@@ -24,7 +25,6 @@ from otfload.plan.sharding import make_mesh
 from otfload.read.arena import Arena
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource, open_source
-from otfload.sources.ranges import FetchMeter, metering
 from tests.families.moe_helpers import MESHES
 from tests.helpers import evict, hf_tensors
 from tests.synthetic import write_checkpoint
@@ -178,29 +178,3 @@ def test_counted_bytes_are_the_bytes_the_kernel_read(big_matrix, box, mmap, requ
     # whole pages: a band ends on a page boundary at worst; an unaligned 8 KiB run touches 3 pages
     assert wanted <= meter.bytes <= (wanted + 2 * 4096 if box[1] == (0, 8192) else 1.5 * wanted)
     assert abs(kernel - meter.bytes) <= 0.05 * meter.bytes, (kernel, meter.bytes)  # no read-around
-
-
-# --- remote requests: gaps within a bounded fraction of the bytes asked ----------------------------------
-
-
-def column_block_reads(rows: int = 64, row_bytes: int = 32768, block: int = 1024) -> list:
-    from otfload.sources.base import RangeRead
-
-    return [RangeRead("f", i * row_bytes, memoryview(bytearray(block))) for i in range(rows)]
-
-
-def test_a_reader_bounds_the_gaps_remote_sources_merge_and_plans_them_exactly():
-    from otfload.sources.ranges import MAX_GAP_FRACTION, coalesce, coalesced_extents, gap_policy
-
-    reads = column_block_reads()
-    asked = sum(len(r.out) for r in reads)
-    with gap_policy(MAX_GAP_FRACTION):  # what TensorReader sets around read_many
-        runs = coalesce(reads)
-    fetched = sum(r.end - r.start for r in runs)
-    assert asked <= fetched <= (1 + MAX_GAP_FRACTION) * asked  # 31 KiB gaps: none is worth it
-    starts = np.array([r.offset for r in reads], np.int64)
-    lengths = np.array([len(r.out) for r in reads], np.int64)
-    _, planned, requests = coalesced_extents(starts, lengths, MAX_GAP_FRACTION, 0)
-    assert (int(planned.sum()), requests) == (fetched, len(runs))
-    # Callers without a policy keep one gap's worth (1 MiB) per file: the whole 2 MiB span here.
-    assert sum(r.end - r.start for r in coalesce(reads)) <= asked + (1 << 20) < 64 * 32768

@@ -10,12 +10,9 @@ import numpy as np
 import pytest
 
 from otfload.plan.boxes import (
-    ByteRun,
     box_selection,
     box_to_slices,
     crop,
-    merge_runs,
-    page_runs,
     selection_bounds,
     selection_pieces,
     selection_size,
@@ -131,19 +128,3 @@ def test_transpose_carries_a_selection():
     shapes = chain_shapes(hooks, in_shape)
     for box in sample_boxes(shapes[-1], limit=60):
         check(in_shape, hooks, box, exact=True)
-
-
-def test_runs_merge_across_the_smallest_gaps_within_the_budget():
-    runs = [ByteRun(0, 100), ByteRun(110, 100), ByteRun(400, 100), ByteRun(1000, 100)]
-    assert merge_runs(runs, max_gap=1000, max_extra=0) == runs
-    assert merge_runs(runs, max_gap=1000, max_extra=10) == [ByteRun(0, 210), ByteRun(400, 100), ByteRun(1000, 100)]
-    assert merge_runs(runs, max_gap=1000, max_extra=200) == [ByteRun(0, 500), ByteRun(1000, 100)]
-    assert merge_runs(runs, max_gap=100, max_extra=10**9) == [ByteRun(0, 210), ByteRun(400, 100), ByteRun(1000, 100)]
-
-
-def test_page_runs_are_whole_pages_clipped_to_the_tensor():
-    # a tensor at file offset 100, 10000 bytes long; pages of 4096
-    runs = [ByteRun(0, 10), ByteRun(9000, 10), ByteRun(9100, 10)]
-    assert page_runs(runs, base=100, limit=10000, page=4096) == [ByteRun(0, 3996), ByteRun(8092, 1908)]
-    touching = [ByteRun(0, 10), ByteRun(5000, 10), ByteRun(9990, 10)]  # neighbouring pages: one range
-    assert page_runs(touching, base=100, limit=10000, page=4096) == [ByteRun(0, 10000)]

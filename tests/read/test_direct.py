@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from otfload.errors import TruncatedFileError
+from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.checkpoint import open_index
 from otfload.plan.boxes import box_to_slices
 from otfload.read.arena import Arena
 from otfload.read.reader import DIRECT_IO_ENV, TensorReader
 from otfload.sources import LocalSource
 from otfload.sources.local import DIRECT_ALIGN
-from otfload.sources.ranges import FetchMeter, metering
 from otfload.sources.residency import resident_fraction
 from tests.helpers import evict
 from tests.synthetic import write_checkpoint

@@ -23,22 +23,16 @@ import numpy as np
 import pytest
 
 import otfload
-from otfload.errors import SourceProtocolError
+from otfload.errors import LoadCancelled, SourceProtocolError
+from otfload.fetch.meter import FetchMeter, metering
+from otfload.fetch.requests import MIN_CHUNK_BYTES, READ_SPLIT, REMOTE_CHUNK_BYTES, remote_chunk_bytes
 from otfload.place.loader import execute_plan
 from otfload.plan.planner import LoadPlan
 from otfload.sources.base import RangeRead, Source
 from otfload.sources.fsspec_source import FsspecSource
 from otfload.sources.http_body import BODY_PIECE_BYTES
 from otfload.sources.hub import HubSource
-from otfload.sources.ranges import (
-    MIN_CHUNK_BYTES,
-    READ_SPLIT,
-    REMOTE_CHUNK_BYTES,
-    FetchMeter,
-    metering,
-    remote_chunk_bytes,
-)
-from otfload.sources.retry import CancelToken, LoadCancelled, RequestSlots, RetryPolicy, cancel_scope
+from otfload.sources.retry import CancelToken, RequestSlots, RetryPolicy, cancel_scope
 from tests.servers.fault_proxy import FaultProxy
 from tests.servers.gcs_server import GcsServer
 from tests.servers.hub_server import STALL_HOLD_S, HubServer

@@ -34,8 +34,8 @@ from otfload.index.checkpoint import open_index
 from otfload.place.loader import execute_plan
 from otfload.sources import open_source
 from otfload.sources.base import read_bytes
+from otfload.sources.fetch_threads import MAX_REQUESTS_IN_FLIGHT
 from otfload.sources.fsspec_source import FsspecSource
-from otfload.sources.ranges import MAX_REQUESTS_IN_FLIGHT
 from otfload.sources.retry import RetryPolicy
 from tests.servers.fault_proxy import FaultProxy
 from tests.servers.net import free_port

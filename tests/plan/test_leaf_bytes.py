@@ -1,4 +1,4 @@
-"""The plan's cost model (otfload.plan.cost, LeafPlan's byte methods) against independent counts:
+"""The plan's byte counts (otfload.plan.leaf_bytes, LeafPlan's byte methods) against independent counts:
 numpy arrays of element numbers pushed through the hooks, and per-device shapes from JAX's own
 sharding of a real array."""
 
@@ -12,8 +12,8 @@ import pytest
 
 import otfload
 from otfload.plan.boxes import box_from_index, box_to_slices
-from otfload.plan.cost import bounding_box, placed_per_device
 from otfload.plan.hooks import run_forward
+from otfload.plan.leaf_bytes import bounding_box, placed_per_device
 
 
 @pytest.fixture(scope="module")

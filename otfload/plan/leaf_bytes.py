@@ -1,7 +1,7 @@
-"""What a leaf costs: the boxes its devices hold and the source bytes they need — from the plan alone.
+"""A leaf's bytes: the boxes its devices hold and the source bytes they need — from the plan alone.
 
-One model answers every "how many bytes" question, for the builder, the read-ahead, the reshard
-cost model, ``otfload inspect``, the benchmarks and the bytes-per-process tests alike:
+One count answers every "how many bytes" question, for the builder, the read-ahead, the read-layout
+chooser, ``otfload inspect``, the benchmarks and the bytes-per-process tests alike:
 
 * :func:`device_boxes` — the distinct boxes of a leaf on a set of devices (default: this process's),
   under its own sharding or a read layout chosen for it (devices with equal boxes share one build);
@@ -32,13 +32,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import jax
 import numpy as np
 
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
+from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.boxes import (
     Box,
     Selection,
@@ -54,10 +55,6 @@ from otfload.plan.boxes import (
     selection_union,
 )
 from otfload.plan.hooks import Hook, Shape, chain_needed, chain_selection
-
-if TYPE_CHECKING:
-    from otfload.plan.abstract import AbstractLeaf
-    from otfload.plan.planner import LeafPlan
 
 # A selection (a box with holes, see Hook.selection) of more runs than this is read as its bounding
 # box: per-element patterns (a stride-2 slice of the innermost axis) are cheaper read whole.
@@ -81,6 +78,26 @@ INDEX_MAP_CACHE_SIZE = 256
 REGION_CACHE_SIZE = 4096
 
 Devices = Iterable[jax.Device]
+
+
+class LeafSources(Protocol):
+    """What the counts read of a leaf's plan (:class:`~otfload.plan.planner.LeafPlan`, which calls
+    them: the planner imports this module, not the other way round)."""
+
+    @property
+    def leaf(self) -> AbstractLeaf: ...
+    @property
+    def stack_axes(self) -> tuple[str, ...]: ...
+    @property
+    def stack_shape(self) -> tuple[int, ...]: ...
+    @property
+    def sources(self) -> tuple[TensorInfo | DerivedTensor, ...]: ...
+    @property
+    def hooks(self) -> tuple[Hook, ...]: ...
+    @property
+    def shapes(self) -> tuple[Shape, ...]: ...
+    @property
+    def source_bytes(self) -> int: ...
 
 
 def bounding_box(boxes: Sequence[Box]) -> Box:
@@ -199,7 +216,7 @@ def needed_bytes(info: TensorInfo | DerivedTensor, box: Box, selection: Selectio
     return (selection_size(selection) if selection is not None else math.prod(box_shape(box))) * info.dtype.itemsize
 
 
-def _inner_boxes(plan: LeafPlan, boxes: Sequence[Box]) -> list[Box]:
+def _inner_boxes(plan: LeafSources, boxes: Sequence[Box]) -> list[Box]:
     """The distinct boxes of one stacked slice (the stack dims dropped) among ``boxes``."""
     n = len(plan.stack_axes)
     return list(dict.fromkeys(box[n:] for box in boxes))
@@ -217,7 +234,7 @@ def _carried_back(
 _carried_back_cached = functools.lru_cache(maxsize=REGION_CACHE_SIZE)(_carried_back)
 
 
-def _region(plan: LeafPlan, boxes: Sequence[Box], siblings: bool = False) -> tuple[Box, Selection]:
+def _region(plan: LeafSources, boxes: Sequence[Box], siblings: bool = False) -> tuple[Box, Selection]:
     key = (plan.hooks, plan.shapes, tuple(_inner_boxes(plan, boxes)), siblings)
     try:
         hash(key)
@@ -226,13 +243,13 @@ def _region(plan: LeafPlan, boxes: Sequence[Box], siblings: bool = False) -> tup
     return _carried_back_cached(*key)
 
 
-def source_region(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection]:
+def source_region(plan: LeafSources, boxes: Sequence[Box]) -> tuple[Box, Selection]:
     """The box of each source tensor that ``boxes`` of ``plan``'s leaf need (carried back through
     the hooks), and the selection inside it (widening hooks leave holes)."""
     return _region(plan, boxes)
 
 
-def leaf_reads(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection, list[int]]:
+def leaf_reads(plan: LeafSources, boxes: Sequence[Box]) -> tuple[Box, Selection, list[int]]:
     """What the builder reads for ``boxes`` of ``plan``'s leaf: :func:`source_region`, and the
     indices of the stacked source tensors read (row-major)."""
     n = len(plan.stack_axes)
@@ -244,14 +261,14 @@ def leaf_reads(plan: LeafPlan, boxes: Sequence[Box]) -> tuple[Box, Selection, li
     return union, selection, [int(i) for i in np.unique(np.concatenate(flat))]
 
 
-def leaf_sibling_selection(plan: LeafPlan, boxes: Sequence[Box]) -> Selection:
+def leaf_sibling_selection(plan: LeafSources, boxes: Sequence[Box]) -> Selection:
     """The elements of each source tensor that ``boxes`` of ``plan``'s leaf and its sibling leaves
     (the other offsets of a strided slice) read — :func:`leaf_reads`' selection and its holes that
     those siblings fill, on the same pages (up to one stride past the union box)."""
     return _region(plan, boxes, siblings=True)[1]
 
 
-def leaf_needed(plan: LeafPlan, boxes: Sequence[Box]) -> int:
+def leaf_needed(plan: LeafSources, boxes: Sequence[Box]) -> int:
     """Stored bytes of the source elements ``boxes`` of ``plan``'s leaf need (each HF tensor once),
     without pages or gaps."""
     if not boxes or not plan.sources:
@@ -260,7 +277,7 @@ def leaf_needed(plan: LeafPlan, boxes: Sequence[Box]) -> int:
     return sum(needed_bytes(plan.sources[i], union, selection) for i in indices)
 
 
-def leaf_ideal(plan: LeafPlan, devices: Devices | None = None) -> int:
+def leaf_ideal(plan: LeafSources, devices: Devices | None = None) -> int:
     """Source bytes of the elements of ``plan``'s leaf that ``devices`` hold, each distinct shard once."""
     if not plan.sources:
         return 0
