@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 
-from benchmarks.common import Target
+from benchmarks.target import Target
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose, reshape_groups, run_forward
 from otfload.plan.planner import LeafPlan
 
@@ -290,19 +290,6 @@ def otfload_whole_puts(target: Target) -> Run:
     return otfload_load(target)
 
 
-def otfload_workers(workers: int) -> Callable[[Target], Run]:
-    """otfload with ``workers`` builder threads (default: 2 for local files)."""
-
-    def prepare(target: Target) -> Run:
-        def run():
-            loaded, report = target.load_otfload(workers=workers)
-            return loaded, {"route": target.route, "workers": workers, "load_seconds": report.seconds}
-
-        return run
-
-    return prepare
-
-
 # --- accelerators (--platform gpu): the host-to-device copy and other loaders -----------------
 
 
@@ -449,23 +436,23 @@ def h2d(target: Target) -> Run:
     return run
 
 
-def _fastsafetensors_tensors(target: Target, gds: bool) -> dict[str, Any]:
+def _fastsafetensors_tensors(target: Target) -> dict[str, Any]:
     from fastsafetensors import fastsafe_open
 
     paths = [str(target.directory / f) for f in _files(target)]
-    with fastsafe_open(paths, framework="pt", device="cuda:0", nogds=not gds) as f:
+    with fastsafe_open(paths, framework="pt", device="cuda:0", nogds=True) as f:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (fastsafe_open is no mapping)
 
 
-def fastsafetensors(target: Target, gds: bool = False) -> Run:
+def fastsafetensors(target: Target) -> Run:
     """fastsafetensors 0.5 (``fastsafe_open``, torch tensors on ``cuda:0``; ``nogds``: its own
     parallel reads into a pinned bounce buffer): every HF tensor as stored, no hooks, no stacking."""
     import torch
 
     def run():
-        tensors = _fastsafetensors_tensors(target, gds)
+        tensors = _fastsafetensors_tensors(target)
         torch.cuda.synchronize()
-        return tensors, {"gds": gds}
+        return tensors, {}
 
     return run
 
@@ -476,7 +463,7 @@ def fastsafetensors_jax(target: Target) -> Run:
     import jax.numpy as jnp
 
     def run():
-        tensors = _fastsafetensors_tensors(target, gds=False)
+        tensors = _fastsafetensors_tensors(target)
         state = {name: jax.dlpack.from_dlpack(t) for name, t in tensors.items()}
         out = {}
         for path, lp in target.plan.leaves.items():
@@ -529,13 +516,10 @@ METHODS: dict[str, Callable[[Target], Run]] = {
     "otfload-hosthooks": otfload_hooks("never"),
     "otfload-fresh": otfload_fresh_buffers,
     "otfload-whole": otfload_whole_puts,
-    "otfload-w4": otfload_workers(4),
-    "otfload-w8": otfload_workers(8),
     "pageable": pageable,
     "pinned": pinned,
     "h2d": h2d,
     "fastsafetensors": fastsafetensors,
-    "fastsafetensors-gds": lambda target: fastsafetensors(target, gds=True),
     "fst-jax": fastsafetensors_jax,
     "direct": direct,
     "floor-all": floor_all_threads,

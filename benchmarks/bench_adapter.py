@@ -22,19 +22,13 @@ RSS before the load. Unless ``--cold``, every run first reads its files once, un
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
-import statistics
-import sys
-import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.bench_load import child_env, drop_caches, machine_line, warm
 
 METHODS = ("base", "adapter")
-GIB = 2**30
+GIB = harness.GIB
 DEFAULT_RANK = 16
 LORA_ALPHA = 32  # s = alpha / r = 2 at rank 16: a typical published setting
 # Magnitude of the random factors: deltas of the size of the base's own values (2^-10 .. 2^-3).
@@ -92,35 +86,20 @@ def child(method: str, directory: Path, adapter: Path, devices: int, cold: bool)
     import jax
 
     import otfload
-    from benchmarks.common import RssSampler, bench_mesh, current_rss, peak_rss
+    from benchmarks.target import bench_mesh, check_devices
 
-    if len(jax.devices()) != devices:
-        raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
+    check_devices(devices)
     mesh = bench_mesh(devices)
     options = {"adapter": adapter} if method == "adapter" else {}
     if not cold:
-        warm(directory)
+        harness.warm(directory)
         if method == "adapter":
-            warm(adapter)
-    gc.collect()
-    rss_before = current_rss()
-    with RssSampler() as sampler:
-        start, cpu_start = time.perf_counter(), time.process_time()
+            harness.warm(adapter)
+    with harness.measured() as measured:
         model, report = otfload.from_pretrained(directory, mesh=mesh, progress=False, return_report=True, **options)
         jax.block_until_ready(jax.tree.leaves(model))
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = max(peak_rss(), sampler.peak)
-    return {
-        "method": method,
-        "seconds": seconds,
-        "cpu_seconds": cpu,
-        "bytes_read": report.bytes_read,
-        "bytes_placed": report.bytes_placed,
-        "requests": report.requests,
-        "rss_before": rss_before,
-        "peak_rss": peak,
-        "loadavg": os.getloadavg()[0],
-    }
+    return {"method": method, **measured, "bytes_read": report.bytes_read, "bytes_placed": report.bytes_placed,
+            "requests": report.requests}  # fmt: skip
 
 
 # --- parent: orchestration --------------------------------------------------------------------------
@@ -128,46 +107,34 @@ def child(method: str, directory: Path, adapter: Path, devices: int, cold: bool)
 
 def run_child(method: str, directory: Path, adapter: Path, devices: int, cold: bool) -> dict:
     if cold:
-        drop_caches()
-    cmd = [sys.executable, "-m", "benchmarks.bench_adapter", "--child", method, "--dir", str(directory),
-           "--adapter-dir", str(adapter), "--devices", str(devices), *(["--cold"] if cold else [])]
-    return harness.run_child(cmd, child_env(devices), method)
+        harness.drop_caches(directory)
+        harness.drop_caches(adapter)
+    args = ["--child", method, "--dir", str(directory), "--adapter-dir", str(adapter), "--devices", str(devices),
+            *(["--cold"] if cold else [])]  # fmt: skip
+    return harness.run_child("benchmarks.bench_adapter", args, devices=devices, what=method)
 
 
 def measure(directory: Path, adapter: Path, devices: int, repeat: int, cold: bool) -> dict[str, dict]:
     """Median figures of each method over ``repeat`` interleaved rounds of fresh processes."""
-    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
-    for r in range(repeat):
-        for method in METHODS:
-            result = run_child(method, directory, adapter, devices, cold)
-            runs[method].append(result)
-            print(f"  round {r + 1}/{repeat} {method:8s} {result['seconds']:6.2f} s  cpu {result['cpu_seconds']:6.2f} s"
-                  f"  peak {result['peak_rss'] / GIB:5.2f} GiB  load avg {result['loadavg']:.2f}",
-                  file=sys.stderr, flush=True)
-    out = {}
-    for method, results in runs.items():
-        median = {k: statistics.median(r[k] for r in results) for k in
-                  ("seconds", "cpu_seconds", "peak_rss", "rss_before", "bytes_read", "bytes_placed")}
-        out[method] = {**median, "all_seconds": [round(r["seconds"], 2) for r in results]}
-    return out
+    runs = harness.rounds(METHODS, repeat, lambda m: run_child(m, directory, adapter, devices, cold))
+    keys = ("peak_rss", "rss_before", "peak_over_before", "bytes_read", "bytes_placed")
+    return {m: harness.summarize(rs, keys) for m, rs in runs.items()}
 
 
 def results_table(results: dict[str, dict]) -> str:
-    rows = ["| load | seconds (median) | runs (s) | CPU s | bytes read GiB | placed GiB | peak RSS GiB | "
-            "peak − before GiB |",
-            "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for method, r in results.items():
-        runs = harness.runs_cell(r["all_seconds"])
-        rows.append(f"| {method} | {r['seconds']:.2f} | {runs} | {r['cpu_seconds']:.2f} | "
-                    f"{r['bytes_read'] / GIB:.3f} | {r['bytes_placed'] / GIB:.3f} | {r['peak_rss'] / GIB:.2f} | "
-                    f"{(r['peak_rss'] - r['rss_before']) / GIB:.2f} |")
+    columns = ["load", "seconds (median)", "runs (s)", "CPU s", "bytes read GiB", "placed GiB", "peak RSS GiB",
+               "peak − before GiB"]  # fmt: skip
+    rows = [[method, f"{r['seconds']:.2f}", harness.runs_cell(r["all_seconds"]), f"{r['cpu_seconds']:.2f}",
+             f"{r['bytes_read'] / GIB:.3f}", f"{r['bytes_placed'] / GIB:.3f}", f"{r['peak_rss'] / GIB:.2f}",
+             f"{r['peak_over_before'] / GIB:.2f}"] for method, r in results.items()]  # fmt: skip
+    lines = [harness.table(columns, rows)]
     base, adapted = results["base"], results["adapter"]
-    rows.append("")
-    rows.append(f"adapter / base: time {adapted['seconds'] / base['seconds']:.2f}x, CPU "
+    lines.append("")
+    lines.append(f"adapter / base: time {adapted['seconds'] / base['seconds']:.2f}x, CPU "
                 f"{adapted['cpu_seconds'] / base['cpu_seconds']:.2f}x, bytes read "
                 f"{adapted['bytes_read'] / base['bytes_read']:.3f}x, peak RSS "
                 f"{adapted['peak_rss'] / base['peak_rss']:.2f}x")
-    return "\n".join(rows)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,10 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     from benchmarks.make_checkpoint import ensure_checkpoint
 
-    print(machine_line())
+    print(harness.machine_line())
     base = ensure_checkpoint(args.size_gib, out=args.dir)
     adapter = write_lora(base, adapter_dir(base, args.rank), args.rank)
-    base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    base_bytes = harness.tensor_bytes(base)
     adapter_bytes = (adapter / "adapter_model.safetensors").stat().st_size
     print(f"base {base}: {base_bytes / GIB:.3f} GiB; adapter {adapter}: rank {args.rank} on every projection, "
           f"{adapter_bytes / 2**20:.1f} MiB")

@@ -15,25 +15,21 @@ jitted training step that differentiates the factors only (``lora_factors`` /
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import statistics
 import time
 from pathlib import Path
 
-GIB = 2**30
+from benchmarks import harness
+
+GIB = harness.GIB
 
 
 def timed(fn, repeat: int) -> float:
     """Median seconds of ``fn()`` (blocked until ready) over ``repeat`` runs after one warm-up."""
     import jax
 
-    jax.block_until_ready(fn())
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+    return statistics.median(harness.times(lambda: jax.block_until_ready(fn()), repeat))
 
 
 def train_step_seconds(model, ids, repeat: int) -> tuple[int, float]:
@@ -69,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--devices", type=int, default=8)
     args = parser.parse_args(argv)
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    harness.simulate_cpu_devices(args.devices)
 
     import jax
     import jax.numpy as jnp
@@ -78,14 +74,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import otfload
     from benchmarks.bench_adapter import adapter_dir, write_lora
-    from benchmarks.bench_load import machine_line
-    from benchmarks.common import bench_mesh
     from benchmarks.make_checkpoint import ensure_checkpoint
-    print(machine_line())
+    from benchmarks.target import bench_mesh
+
+    print(harness.machine_line())
     base = ensure_checkpoint(args.size_gib, out=args.dir)
     adapter = write_lora(base, adapter_dir(base, args.rank), args.rank)
     mesh = bench_mesh(args.devices)
-    vocab = int(__import__("json").loads((base / "config.json").read_text())["vocab_size"])
+    vocab = int(json.loads((base / "config.json").read_text())["vocab_size"])
     ids = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (1, args.tokens)))
     forward = nnx.jit(lambda m, x: m(x))
     logits = {}

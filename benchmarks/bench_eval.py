@@ -31,7 +31,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.make_checkpoint import Dims, write_checkpoint
+from benchmarks.make_checkpoint import Dims, ensure_written
 
 ROOT = Path("bench_data") / "eval"
 PRESETS = {
@@ -70,10 +70,7 @@ def build_tokenizer(path: Path, vocab: int, lines: list[str]) -> None:
 def build(preset: str, texts: int, length: int) -> tuple[Path, Path]:
     """``(checkpoint dir with tokenizer.json, data.jsonl)``, written once per preset and shape."""
     dims = PRESETS[preset]
-    out = ROOT / preset
-    config = out / "config.json"
-    if not (config.exists() and json.loads(config.read_text()) == dims.config()):
-        write_checkpoint(out, dims)
+    out = ensure_written(ROOT / preset, dims)
     lines = corpus_lines()
     if not (out / "tokenizer.json").exists():
         build_tokenizer(out / "tokenizer.json", dims.vocab, lines)

@@ -11,10 +11,9 @@ The export is then checked bit-exact against the source, one tensor at a time.
 
 from __future__ import annotations
 
-import os
+from benchmarks import harness
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+harness.simulate_cpu_devices(8)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -27,8 +26,8 @@ import numpy as np  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import otfload  # noqa: E402
-from benchmarks.common import RssSampler, bench_mesh, current_rss  # noqa: E402
 from benchmarks.make_checkpoint import ensure_checkpoint  # noqa: E402
+from benchmarks.target import bench_mesh  # noqa: E402
 from otfload.export import export_hf  # noqa: E402
 from otfload.export.gather import leaf_arrays  # noqa: E402
 from otfload.index.checkpoint import open_index  # noqa: E402
@@ -66,9 +65,9 @@ def run(size_gib: float, scan_layers: bool) -> dict:
     largest_leaf = max(a.nbytes for a in leaves.values())
     out = Path(tempfile.mkdtemp(dir=src.parent)) / "export"
     try:
-        baseline = current_rss()
+        baseline = harness.current_rss()
         start = time.perf_counter()
-        with RssSampler() as sampler:
+        with harness.RssSampler() as sampler:
             export_hf(model, out, reference=src, max_shard_size="500MB")
         seconds = time.perf_counter() - start
         exported = sum(p.stat().st_size for p in out.glob("*.safetensors"))

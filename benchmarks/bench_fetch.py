@@ -28,12 +28,12 @@ local files, the server's for the Hub): 1.00 is each byte from the source once, 
 
 from __future__ import annotations
 
-import os
+from benchmarks import harness
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the planned rows
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+harness.simulate_cpu_devices(8)  # the planned rows
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -92,7 +92,7 @@ def measure(ckpt: Path, work: Path, policies: list[str], meshes: dict | None = N
         if not copies[-1].exists():
             shutil.copytree(ckpt, copies[-1])
     os.sync()  # only clean pages can be evicted
-    size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    size = harness.tensor_bytes(ckpt)
     with HubServer(work / "hub") as hub:
         repo = hub.add_repo("org/bench-fetch", ckpt)
         for mesh_name, mesh in (meshes or parse_meshes(DEFAULT_MESHES)).items():
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
             write_checkpoint(ckpt, dims)
         rows = measure(ckpt, work, args.policies.split(","), parse_meshes(args.meshes),
                        tuple(args.sources.split(",")), args.drop_caches, not args.pread)
-    size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) if ckpt.exists() else 0
+    size = harness.tensor_bytes(ckpt) if ckpt.exists() else 0
     text = f"Checkpoint: synthetic bf16 Llama, hidden {dims.hidden}, {dims.layers} layers ({size / 1e6:.0f} MB).\n\n"
     text += summary(rows) + "\n" + table(rows)
     print(text)

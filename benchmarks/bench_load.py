@@ -27,11 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from benchmarks import harness
@@ -47,23 +43,16 @@ COLD_TARGETS = {"fromfile": 0.8, "floor": 0.8, "cat": None, "dd": None, "orbax":
 GPU_METHODS = "pinned,pageable,fromfile,h2d,naive,fastsafetensors,fst-jax,orbax,otfload-fresh,otfload-whole,otfload"
 # Into accelerator memory no target is set (issue 20 §3 asks for the figures side by side).
 GPU_BASELINES = {
-    m: None for m in ("pinned", "pageable", "fromfile", "floor", "h2d", "naive", "fastsafetensors",
-                      "fastsafetensors-gds", "fst-jax", "orbax", "otfload-fresh", "otfload-whole", "otfload-w4",
-                      "otfload-w8", "otfload-nodirect", "direct", "floor-all", "dma-put", "otfload-primed",
-                      "otfload-staged", "otfload-devhooks", "otfload-hosthooks")
+    m: None for m in ("pinned", "pageable", "fromfile", "floor", "h2d", "naive", "fastsafetensors", "fst-jax",
+                      "orbax", "otfload-fresh", "otfload-whole", "otfload-nodirect", "direct", "floor-all", "dma-put",
+                      "otfload-primed", "otfload-staged", "otfload-devhooks", "otfload-hosthooks")
 }
-GIB = 2**30
+GIB = harness.GIB
 COLD_FILES_ONLY = False  # --cold-files: drop only the checkpoint's pages (posix_fadvise), never the whole cache
 LENIENT = False  # --lenient: a method that fails is reported and left out on CPU devices too (dry runs)
 
 
 # --- child: one method, one load, in this process ---------------------------------------------
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU time of every thread of this process so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def child(method: str, directory: Path, devices: int, cold: bool, platform: str = "cpu") -> dict:
@@ -75,72 +64,42 @@ def child(method: str, directory: Path, devices: int, cold: bool, platform: str 
     from flax import nnx
 
     from benchmarks.baselines import METHODS, largest_leaf_bytes, placed_bytes
-    from benchmarks.common import (
-        RssSampler,
-        bench_mesh,
-        current_rss,
-        disk_busy_ms,
-        disk_read_bytes,
-        open_target,
-        peak_rss,
-        resident_fraction,
-    )
+    from benchmarks.target import bench_mesh, check_devices, open_target, resident_fraction
 
-    _check_devices(devices, platform)
+    check_devices(devices, platform)
     target = open_target(directory, bench_mesh(devices))
     run = METHODS[method](target)
     if not cold:
-        warm(directory)
-    gc.collect()
-    rss_before = current_rss()
+        harness.warm(directory)
     resident = resident_fraction(directory)
-    with RssSampler() as sampler:
-        disk_start, busy_start = disk_read_bytes(), disk_busy_ms()
-        start, cpu_start = time.perf_counter(), _cpu_seconds()
+    with harness.measured() as figures:
         loaded, extra = run()
-        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
-        disk, busy = disk_read_bytes() - disk_start, disk_busy_ms() - busy_start
     gc.collect()
-    rss_after = current_rss()
-    peak = max(peak_rss(), sampler.peak)
-    held = nnx.state(loaded) if isinstance(loaded, nnx.Module) else loaded
+    rss_after = harness.current_rss()
+    placed = placed_bytes(nnx.state(loaded) if isinstance(loaded, nnx.Module) else loaded)
     return {
         "method": method,
         "directory": str(directory),
-        "seconds": seconds,
-        "cpu_seconds": cpu,
+        **figures,
         "checkpoint_bytes": target.checkpoint_bytes,
-        "placed_bytes": placed_bytes(held),
+        "placed_bytes": placed,
         "largest_leaf": largest_leaf_bytes(target),
-        "rss_before": rss_before,
         "rss_after": rss_after,
-        "peak_rss": peak,
-        "sampled_peak": sampler.peak,
-        "loadavg": os.getloadavg()[0],
+        # Not "peak − RSS after": memory freed during the load is often kept by the allocator, which
+        # would hide a naive loader's full copy of the checkpoint.
+        "transient": figures["peak_over_before"] - placed,
         "resident_before": resident,
-        "disk_bytes": disk,
-        "disk_busy": busy / 1e3 / seconds if seconds else 0.0,
         **extra,
     }
-
-
-def _check_devices(devices: int, platform: str) -> None:
-    import jax
-
-    have = jax.devices()
-    if platform == "cpu" and len(have) != devices:
-        raise SystemExit(f"expected {devices} devices, JAX has {len(have)}: is XLA_FLAGS set?")
-    if platform != "cpu" and (have[0].platform != platform or len(have) < devices):
-        raise SystemExit(f"expected {devices} {platform} devices, JAX has {have}")
 
 
 def child_verify(directory: Path, devices: int, platform: str, method: str) -> dict:
     """Load ``directory`` with otfload (as set up by ``method``, an otfload variant) and compare every
     leaf with numpy's (run in a fresh process)."""
     from benchmarks.baselines import METHODS, verify
-    from benchmarks.common import bench_mesh, open_target
+    from benchmarks.target import bench_mesh, check_devices, open_target
 
-    _check_devices(devices, platform)
+    check_devices(devices, platform)
     target = open_target(directory, bench_mesh(devices))
     METHODS[method](target)  # its settings; the load is verify's
     compared, wrong = verify(target)
@@ -150,56 +109,12 @@ def child_verify(directory: Path, devices: int, platform: str, method: str) -> d
 # --- parent: orchestration ---------------------------------------------------------------------
 
 
-def warm(directory: Path) -> None:
-    """Read every file of ``directory`` once so the runs find it in the page cache."""
-    buf = bytearray(16 * 2**20)
-    for path in sorted(directory.iterdir()):
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-
-def drop_caches(directory: Path, files_only: bool = False) -> str:
-    """Empty the page cache of ``directory``'s files (the whole page cache unless ``files_only``);
-    returns how it was done."""
-    os.sync()
-    reason = "--cold-files"
-    if not files_only:
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            return "drop_caches"
-        except OSError as e:  # not root (EACCES/EPERM), or a read-only /proc in a container
-            reason = f"{e.strerror} writing /proc/sys/vm/drop_caches"
-    for path in sorted(directory.iterdir()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drops the file's clean pages, any user
-        finally:
-            os.close(fd)
-    return f"posix_fadvise(DONTNEED) per file ({reason})"
-
-
-def child_env(devices: int, platform: str = "cpu") -> dict[str, str]:
-    """This process's environment with JAX on ``devices`` simulated CPU devices, or (another
-    ``platform``) on the machine's own accelerators."""
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "").split()
-    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    if platform != "cpu":
-        env["XLA_FLAGS"] = " ".join(flags)
-        env.pop("JAX_PLATFORMS", None)
-        return env
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def run_child(method: str, directory: Path, devices: int, cold: bool, platform: str = "cpu") -> dict:
-    cold_by = drop_caches(directory, COLD_FILES_ONLY) if cold else None
-    cmd = [sys.executable, "-m", "benchmarks.bench_load", "--child", method, "--dir", str(directory)]
-    cmd += ["--cold"] if cold else []
-    cmd += ["--devices", str(devices), "--platform", platform]
-    return {**harness.run_child(cmd, child_env(devices, platform), method), "cold_by": cold_by}
+    cold_by = harness.drop_caches(directory, COLD_FILES_ONLY) if cold else None
+    args = ["--child", method, "--dir", str(directory), *(["--cold"] if cold else []), "--devices", str(devices),
+            "--platform", platform]  # fmt: skip
+    result = harness.run_child("benchmarks.bench_load", args, devices=devices, platform=platform, what=method)
+    return {**result, "cold_by": cold_by}
 
 
 def measure(
@@ -212,52 +127,23 @@ def measure(
     accelerator ``platform`` a method that fails is reported and left out (its library may be missing).
     """
     dirs = {m: (elsewhere or {}).get(m, directory) for m in methods}
-    runs: dict[str, list[dict]] = {m: [] for m in methods}
-    for r in range(repeat):
-        for method in [m for m in methods if m in runs]:
-            try:
-                result = run_child(method, dirs[method], devices, cold, platform)
-            except RuntimeError as e:
-                if platform == "cpu" and not LENIENT:
-                    raise
-                print(f"  {method} left out: {e}", file=sys.stderr, flush=True)
-                del runs[method]
-                continue
-            runs[method].append(result)
-            print(
-                f"  round {r + 1}/{repeat} {method:8s} {result['seconds']:7.2f} s  cpu {result['cpu_seconds']:6.2f} s  "
-                f"peak {result['peak_rss'] / GIB:5.2f} GiB  disk {result['disk_bytes'] / 1e9:5.2f} GB  "
-                f"resident {_percent(result['resident_before'])}  load avg {result['loadavg']:.2f}",
-                file=sys.stderr,
-                flush=True,
-            )
+    runs = harness.rounds(methods, repeat, lambda m: run_child(m, dirs[m], devices, cold, platform),
+                          lenient=LENIENT or platform != "cpu", line=_progress)  # fmt: skip
     return {m: summarize(rs) for m, rs in runs.items()}
 
 
-def transient(result: dict) -> int:
-    """Peak RSS above the RSS before the load plus the loaded data (params or buffers) itself.
-
-    Not "peak − RSS after": memory freed during the load is often kept by the allocator, which
-    would hide a naive loader's full copy of the checkpoint.
-    """
-    return result["peak_rss"] - result["rss_before"] - result["placed_bytes"]
+def _progress(result: dict) -> str:
+    return (f"{harness.progress(result)}  disk {result['disk_bytes'] / 1e9:5.2f} GB  "
+            f"resident {_percent(result['resident_before'])}")
 
 
 def summarize(runs: list[dict]) -> dict:
-    """The run of median time, with the median of every memory figure and all the times."""
-    ordered = sorted(runs, key=lambda r: r["seconds"])
-    out = dict(ordered[len(ordered) // 2])
-    for key in ("peak_rss", "rss_before", "rss_after"):
-        out[key] = statistics.median(r[key] for r in runs)
-    out["seconds"] = statistics.median(r["seconds"] for r in runs)
-    out["cpu_seconds"] = statistics.median(r["cpu_seconds"] for r in runs)
-    out["all_seconds"] = [round(r["seconds"], 3) for r in runs]
-    out["transient"] = statistics.median(transient(r) for r in runs)
-    out["disk_bytes"] = statistics.median(r["disk_bytes"] for r in runs)
-    out["disk_busy"] = statistics.median(r["disk_busy"] for r in runs)
+    """The run of median time, with the median of every time, memory and disk figure and all the times;
+    the largest resident fraction at the start."""
+    keys = ("peak_rss", "rss_before", "rss_after", "transient", "disk_bytes", "disk_busy", "loadavg")
+    out = harness.summarize(runs, keys)
     residents = [r["resident_before"] for r in runs if r["resident_before"] is not None]
     out["resident_before"] = max(residents) if residents else None
-    out["loadavg"] = statistics.median(r["loadavg"] for r in runs)
     return out
 
 
@@ -269,23 +155,18 @@ def _percent(fraction: float | None) -> str:
 
 
 def results_table(results: dict[str, dict]) -> str:
+    columns = ["method", "checkpoint GiB", "seconds (median)", "runs (s)", "GB/s", "CPU s (median)", "peak RSS GiB",
+               "loaded GiB", "RSS after − before GiB", "transient GiB", "transient / largest leaf", "disk read GB",
+               "disk busy", "resident at start (max)"]  # fmt: skip
     rows = [
-        "| method | checkpoint GiB | seconds (median) | runs (s) | GB/s | CPU s (median) | peak RSS GiB | "
-        "loaded GiB | RSS after − before GiB | transient GiB | transient / largest leaf | disk read GB | "
-        "disk busy | resident at start (max) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for method, r in results.items():
-        gbps = r["checkpoint_bytes"] / r["seconds"] / 1e9
-        held = (r["rss_after"] - r["rss_before"]) / GIB
-        runs = harness.runs_cell(r["all_seconds"])
-        rows.append(
-            f"| {method} | {r['checkpoint_bytes'] / GIB:.3f} | {r['seconds']:.2f} | {runs} | {gbps:.2f} | "
-            f"{r['cpu_seconds']:.2f} | {r['peak_rss'] / GIB:.2f} | {r['placed_bytes'] / GIB:.2f} | {held:.2f} | "
-            f"{r['transient'] / GIB:.2f} | {r['transient'] / r['largest_leaf']:.2f} | {r['disk_bytes'] / 1e9:.3f} | "
-            f"{_percent(r['disk_busy'])} | {_percent(r['resident_before'])} |"
-        )
-    return "\n".join(rows)
+        [method, f"{r['checkpoint_bytes'] / GIB:.3f}", f"{r['seconds']:.2f}", harness.runs_cell(r["all_seconds"]),
+         f"{r['checkpoint_bytes'] / r['seconds'] / 1e9:.2f}", f"{r['cpu_seconds']:.2f}", f"{r['peak_rss'] / GIB:.2f}",
+         f"{r['placed_bytes'] / GIB:.2f}", f"{(r['rss_after'] - r['rss_before']) / GIB:.2f}",
+         f"{r['transient'] / GIB:.2f}", f"{r['transient'] / r['largest_leaf']:.2f}", f"{r['disk_bytes'] / 1e9:.3f}",
+         _percent(r["disk_busy"]), _percent(r["resident_before"])]
+        for method, r in results.items()
+    ]  # fmt: skip
+    return harness.table(columns, rows)
 
 
 def _rate(result: dict, clock: str) -> float:
@@ -320,15 +201,6 @@ def targets_table(results: dict[str, dict], cold: bool = False, platform: str = 
     return "\n".join(rows)
 
 
-def checkpoint_line(directory: Path) -> str:
-    config = json.loads((directory / "config.json").read_text())
-    files = sorted(directory.glob("*.safetensors"))
-    size = sum(f.stat().st_size for f in files)
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_local_experts")
-    shape = ", ".join(f"{k}={config[k]}" for k in keys if k in config)
-    return f"checkpoint {directory}: {size / GIB:.3f} GiB in {len(files)} files ({shape})"
-
-
 def scaling(kind: str, methods: list[str], repeat: int, cold: bool, moe: bool, plot: Path) -> str:
     """Load time vs checkpoint size (8 devices) and vs device count (1 GiB); a table and a PNG."""
     from benchmarks.make_checkpoint import ensure_checkpoint
@@ -354,16 +226,14 @@ def scaling(kind: str, methods: list[str], repeat: int, cold: bool, moe: bool, p
 
 
 def _scaling_table(label: str, rows: dict, methods: list[str]) -> str:
-    head = f"| {label} | " + " | ".join(f"{m} s | {m} GB/s | {m} peak GiB" for m in methods) + " |"
-    lines = [head, "|---" * (1 + 3 * len(methods)) + "|"]
-    for x, results in rows.items():
-        cells = []
-        for m in methods:
-            r = results[m]
-            gbps = r["checkpoint_bytes"] / r["seconds"] / 1e9
-            cells.append(f"{r['seconds']:.2f} | {gbps:.2f} | {r['peak_rss'] / GIB:.2f}")
-        lines.append(f"| {x:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    columns = [label, *(f"{m} {figure}" for m in methods for figure in ("s", "GB/s", "peak GiB"))]
+    cells = [
+        [f"{x:g}", *(cell for m in methods for cell in (
+            f"{results[m]['seconds']:.2f}", f"{results[m]['checkpoint_bytes'] / results[m]['seconds'] / 1e9:.2f}",
+            f"{results[m]['peak_rss'] / GIB:.2f}"))]
+        for x, results in rows.items()
+    ]  # fmt: skip
+    return harness.table(columns, cells)
 
 
 def _plot(series: dict, methods: list[str], path: Path) -> None:
@@ -387,14 +257,6 @@ def _plot(series: dict, methods: list[str], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-def machine_line() -> str:
-    import psutil
-
-    mem = psutil.virtual_memory().total / GIB
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"machine: {os.cpu_count()} CPUs, {mem:.1f} GiB RAM, load average {load}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -439,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from benchmarks.make_checkpoint import ensure_checkpoint
 
-    print(machine_line())
+    print(harness.machine_line())
     if args.scaling:
         methods = (args.methods or "floor,otfload").split(",")
         print(scaling(args.scaling, methods, args.repeat, args.cold, args.moe, args.plot))
@@ -447,18 +309,20 @@ def main(argv: list[str] | None = None) -> None:
         default = GPU_METHODS if args.platform != "cpu" else COLD_METHODS if args.cold else DEFAULT_METHODS
         methods = (args.methods or default).split(",")
         directory = args.dir or ensure_checkpoint(args.size_gib, args.moe)
-        print(checkpoint_line(directory))
+        print(f"checkpoint {harness.checkpoint_line(directory)}")
         for method in methods if args.verify else ():
             if method.startswith("otfload"):
                 checked = run_child(f"verify:{method}", directory, args.devices, False, args.platform)
                 verdict = "all equal" if not checked["wrong"] else f"DIFFERENT: {checked['wrong']}"
                 print(f"verify on {args.platform}: {method} vs numpy, {checked['leaves']} leaves bitwise: {verdict}")
-        mode = f"cold (before each run: {drop_caches(directory, args.cold_files)})" if args.cold else "warm page cache"
+        mode = "warm page cache"
+        if args.cold:
+            mode = f"cold (before each run: {harness.drop_caches(directory, args.cold_files)})"
         runs = f"median of {args.repeat} interleaved fresh-process runs"
         print(f"{args.devices} {args.platform} devices, {mode}, {runs}\n")
         elsewhere = {"loop": ensure_checkpoint(args.loop_size_gib, args.moe)} if args.loop_size_gib else None
         if elsewhere:
-            print(f"loop runs on {checkpoint_line(elsewhere['loop'])}: ratios compare GB/s\n")
+            print(f"loop runs on {harness.checkpoint_line(elsewhere['loop'])}: ratios compare GB/s\n")
         results = measure(methods, directory, args.devices, args.repeat, args.cold, elsewhere, args.platform)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
@@ -471,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
 
             ring = host_ring_bytes() / GIB
             print("\n" + figures_table(results) + "\n\n" + verdicts_table(results, args.cold, ring))
-    print(machine_line())
+    print(harness.machine_line())
 
 
 if __name__ == "__main__":

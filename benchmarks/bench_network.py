@@ -25,16 +25,15 @@ the wall time: near the machine's core count, the CPU (not the shaped network) i
 
 from __future__ import annotations
 
-import os
+from benchmarks import harness
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+harness.simulate_cpu_devices(8)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -45,7 +44,7 @@ import psutil  # noqa: E402
 from benchmarks.make_checkpoint import Dims, choose_dims, write_checkpoint  # noqa: E402
 
 BUCKET, REPO = "otfload-net", "org/bench-net"
-DEVICES = 8  # simulated CPU devices, fsdp=2 x tp=4 (benchmarks/common.py bench_mesh)
+DEVICES = 8  # simulated CPU devices, fsdp=2 x tp=4 (benchmarks/target.py bench_mesh)
 # Loaded once in each child before the clock starts (imports, devices, code paths): tiny, so that
 # the child's peak RSS is that of the measured load.
 WARMUP_DIMS = Dims(hidden=512, intermediate=1408, layers=2, vocab=1024)
@@ -63,7 +62,7 @@ def child(spec: dict) -> dict:
 
     import otfload
     import otfload.place.loader as loader
-    from benchmarks.common import bench_mesh
+    from benchmarks.target import bench_mesh
 
     mesh = bench_mesh(DEVICES)
     otfload.from_pretrained(spec["warmup"], mesh=mesh, progress=False)  # imports, devices, code paths
@@ -84,7 +83,7 @@ def child(spec: dict) -> dict:
         return array
 
     loader.build_leaf = timed_build_leaf
-    method, out = spec["method"], {"rss_before": psutil.Process().memory_info().rss}
+    method, out = spec["method"], {"rss_before": harness.current_rss()}
     usage_start, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()  # every thread's CPU
     if method == "otfload hub":
         otfload.from_pretrained(spec["repo"], endpoint=spec["endpoint"], cache_dir=spec["cache_dir"], mesh=mesh,
@@ -112,14 +111,10 @@ def child(spec: dict) -> dict:
     end = time.perf_counter()
     usage = resource.getrusage(resource.RUSAGE_SELF)  # CPU split in user and system; fresh pages faulted in
     user, system = usage.ru_utime - usage_start.ru_utime, usage.ru_stime - usage_start.ru_stime
-    out.update(total_s=end - start, first_leaf_s=first[0] - start if first else None, peak_rss=_peak_rss(),
+    out.update(total_s=end - start, first_leaf_s=first[0] - start if first else None, peak_rss=harness.peak_rss(),
                client_cpu_s=user + system, client_user_s=user, client_system_s=system,
                minor_faults=usage.ru_minflt - usage_start.ru_minflt)  # fmt: skip
     return out
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --- the servers and the runs -----------------------------------------------------------------------
@@ -134,12 +129,8 @@ def shape(faults, args) -> None:
 def run_child(spec: dict, servers: list[psutil.Process]) -> dict:
     """One run in a fresh process, with the CPU seconds it (measured part only) and the servers spent."""
     before = [p.cpu_times() for p in servers]
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_network", "--child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
-    stdout, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['method']} failed with exit code {proc.returncode}")
-    result = json.loads(stdout.strip().splitlines()[-1])
+    result = harness.run_child("benchmarks.bench_network", ["--child", json.dumps(spec)], devices=DEVICES,
+                               timeout=CHILD_TIMEOUT_S, what=spec["method"])  # fmt: skip
     after = [p.cpu_times() for p in servers]
     server_cpu = sum(a.user + a.system - b.user - b.system for a, b in zip(after, before, strict=True))
     result["cpu_s"] = result["client_cpu_s"] + server_cpu  # the servers idle while the child warms up
@@ -251,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="append the markdown section to this file")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        harness.report(child(json.loads(args.child)))
         return
     dims = choose_dims(int(args.size_gib * 2**30))
     command = " ".join(["python -m benchmarks.bench_network", *(argv if argv is not None else sys.argv[1:])])

@@ -21,22 +21,11 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-MODELS = ("deepseek-v3", "llama-3.1-405b", "qwen3-235b-a22b", "gpt-oss-120b")
+from benchmarks import harness
 
-# A fresh process per row: its peak RSS is the planning's, and the simulated device count is set
-# before JAX starts.
-CHILD = r"""
-import json, os, sys
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[3]}"
-os.environ["JAX_PLATFORMS"] = "cpu"
-from benchmarks.bench_plan import plan_row
-print(json.dumps(plan_row(sys.argv[1], sys.argv[2] == "1", sys.argv[4], int(sys.argv[5]), sys.argv[6])))
-"""
-ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("deepseek-v3", "llama-3.1-405b", "qwen3-235b-a22b", "gpt-oss-120b")
 
 
 def plan_row(path: str | Path, scan: bool, mesh: str, processes: int, platform: str) -> dict:
@@ -44,7 +33,6 @@ def plan_row(path: str | Path, scan: bool, mesh: str, processes: int, platform: 
     plan time (wall, and CPU of all threads: less sensitive to other jobs) and peak RSS, parameters
     placed, the bytes it needs, fetches and ideally holds."""
     import math
-    import resource
     import time
 
     from otfload.api import plan_model
@@ -57,7 +45,7 @@ def plan_row(path: str | Path, scan: bool, mesh: str, processes: int, platform: 
     start, cpu = time.perf_counter(), time.process_time()
     _, plan, src = plan_model(path, mesh=device_mesh, scan_layers=scan)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = harness.peak_rss()
     start = time.perf_counter()
     try:
         info = describe_plan(plan, src.description, None, "", None, reader=TensorReader(src), process=(0, processes),
@@ -71,16 +59,15 @@ def plan_row(path: str | Path, scan: bool, mesh: str, processes: int, platform: 
             "needed": t["process_bytes"], "fetched": t["fetch_bytes"], "ideal": t["ideal_bytes"],
             "requests": t["requests"], "resharded": t["resharded_leaves"],
             "describe_s": time.perf_counter() - start,
-            "peak_rss_after": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+            "peak_rss_after": harness.peak_rss()}  # fmt: skip
 
 
 def measure(path: Path, scan: bool, devices: int, mesh: str, processes: int, platform: str) -> dict:
-    """One (model, scan_layers) row, planned in a fresh process; the child's stderr if it fails."""
-    out = subprocess.run([sys.executable, "-c", CHILD, str(Path(path).resolve()), "1" if scan else "0", str(devices),
-                          mesh, str(processes), platform], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(f"planning {path} (scan_layers={scan}) failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """One (model, scan_layers) row, planned in a fresh process: its peak RSS is the planning's, and the
+    simulated device count is set before JAX starts."""
+    args = ["--child", str(Path(path).resolve()), "--devices", str(devices), "--mesh", mesh, "--processes",
+            str(processes), "--platform", platform, *([] if scan else ["--unscanned"])]  # fmt: skip
+    return harness.run_child("benchmarks.bench_plan", args, devices=devices, what=f"planning {path} (scan={scan})")
 
 
 def tensor_count(path: Path) -> int | None:
@@ -89,13 +76,9 @@ def tensor_count(path: Path) -> int | None:
     return len(json.loads(index.read_text())["weight_map"]) if index.exists() else None
 
 
-def load_line() -> str:
-    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=Path, required=True, help="directory with one replica per model")
+    parser.add_argument("--replicas", type=Path, help="directory with one replica per model (required)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--devices", type=int, default=256)
     parser.add_argument("--mesh", default="fsdp=32,tp=8")
@@ -104,8 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="fresh processes per row; the fastest plan is kept")
     parser.add_argument("--json", type=Path, default=None, help="also write every row's figures here")
     parser.add_argument("--plot", type=Path, default=None, help="draw them against model size (PNG)")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--unscanned", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    started = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, {load_line()}"
+    if args.child:
+        harness.report(plan_row(args.child, not args.unscanned, args.mesh, args.processes, args.platform))
+        return
+    if args.replicas is None:
+        parser.error("--replicas is required")
+    started = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, {harness.load_line()}"
     print(started)
     print("| model | scan_layers | leaves | plan s | plan CPU s | peak RSS (MiB) | process 0 needs (GiB) | "
           "fetches (GiB) | ideal (GiB) | fetched / ideal | requests | leaves resharded |")
@@ -122,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['peak_rss'] / 2**20:.0f} | "
                   f"{r['needed'] / 2**30:.1f} | {r['fetched'] / 2**30:.1f} | {r['ideal'] / 2**30:.1f} | "
                   f"{r['fetched'] / r['ideal']:.2f} | {r['requests']} | {r['resharded']} |", flush=True)
-    after = load_line()
+    after = harness.load_line()
     print(f"after: {after}")
     results = {"devices": args.devices, "mesh": args.mesh, "processes": args.processes, "platform": args.platform,
                "repeat": args.repeat, "machine": started, "machine_after": after,

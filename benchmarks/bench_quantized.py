@@ -29,24 +29,18 @@ the cast to bf16 — in ns per output element, next to a plain bf16 copy.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
-import os
-import resource
-import statistics
-import sys
 import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.bench_load import child_env, drop_caches, machine_line, warm
 
 VARIANTS = ("bf16", "fp8", "w4a16", "gptq", "awq")
 QUANTIZED = VARIANTS[1:]
 DEFAULT_METHODS = ",".join([*(f"{kind}-{v}" for v in VARIANTS for kind in ("floor", "otfload")),
                             *(f"keep-{v}" for v in QUANTIZED)])
-GIB = 2**30
+GIB = harness.GIB
 BF16_BYTES = 2
 # What the loader does per quantized tensor, timed one by one in the decode breakdown.
 OTFLOAD_STAGES = ("read parts", "widen codes", "apply scales", "cast to bf16")
@@ -55,26 +49,7 @@ OTFLOAD_STAGES = ("read parts", "widen codes", "apply scales", "cast to bf16")
 # --- child: one method, one load, in this process ---------------------------------------------------
 
 
-def proc_io() -> dict[str, int]:
-    """This process's I/O counters (all threads): rchar, read_bytes, syscr, ... ({} if unavailable)."""
-    try:
-        lines = Path("/proc/self/io").read_text().splitlines()
-    except OSError:
-        return {}
-    return {k: int(v) for k, v in (line.split(": ") for line in lines)}
-
-
-def _faults() -> tuple[int, int]:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt, usage.ru_majflt
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def disk_bytes(directory: Path) -> int:
+def checkpoint_bytes(directory: Path) -> int:
     """Bytes of every file of the checkpoint (shards, index, config)."""
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 
@@ -122,7 +97,7 @@ def _prepare(method: str, directory: Path, devices: int):
         raise SystemExit(f"unknown method {method!r}")
     quantized = "keep" if kind == "keep" else "dequantize"
     import otfload
-    from benchmarks.common import bench_mesh
+    from benchmarks.target import bench_mesh
 
     mesh = bench_mesh(devices)
     _, plan, src = otfload.plan_model(directory, mesh=mesh, dtype="bfloat16", quantized=quantized)
@@ -143,39 +118,18 @@ def child(method: str, directory: Path, devices: int, cold: bool) -> dict:
     """Run ``method`` once on ``directory`` and measure it (in a fresh process)."""
     import jax
 
-    from benchmarks.common import RssSampler, current_rss, peak_rss
+    from benchmarks.target import check_devices
 
-    if len(jax.devices()) != devices:
-        raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
+    check_devices(devices)
     figures, run = _prepare(method, directory, devices)
     if not cold:
-        warm(directory)
-    gc.collect()
-    rss_before = current_rss()
-    io_before, faults_before = proc_io(), _faults()
-    with RssSampler() as sampler:
-        start, cpu_start = time.perf_counter(), _cpu_seconds()
+        harness.warm(directory)
+    with harness.measured() as measured:
         loaded, extra = run()
         jax.block_until_ready(jax.tree.leaves(loaded))
-        seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
-    io_after, faults_after = proc_io(), _faults()
-    peak = max(peak_rss(), sampler.peak)
     del loaded
-    return {
-        "method": method,
-        "directory": str(directory),
-        "seconds": seconds,
-        "cpu_seconds": cpu,
-        "disk_bytes": disk_bytes(directory),
-        **{k: io_after[k] - io_before[k] for k in ("rchar", "read_bytes", "syscr") if k in io_after},
-        "minor_faults": faults_after[0] - faults_before[0],
-        "major_faults": faults_after[1] - faults_before[1],
-        "rss_before": rss_before,
-        "peak_rss": peak,
-        "loadavg": os.getloadavg()[0],
-        **figures,
-        **extra,
-    }
+    return {"method": method, "directory": str(directory), "checkpoint_bytes": checkpoint_bytes(directory), **measured,
+            **figures, **extra}  # fmt: skip
 
 
 # --- child: the decode alone -----------------------------------------------------------------------
@@ -198,7 +152,7 @@ def decode_breakdown(directory: Path, cold: bool = False) -> dict:
     from otfload.sources import open_source
 
     if not cold:
-        warm(directory)
+        harness.warm(directory)
     source = open_source(directory)
     reader, arena = TensorReader(source), Arena()
     stages = dict.fromkeys((*OTFLOAD_STAGES, "bf16 copy (reference)"), 0.0)
@@ -243,13 +197,12 @@ def decode_breakdown(directory: Path, cold: bool = False) -> dict:
 
 
 def _spawn(args: list[str], devices: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.bench_quantized", *args, "--devices", str(devices)]
-    return harness.run_child(cmd, child_env(devices), " ".join(args))
+    return harness.run_child("benchmarks.bench_quantized", [*args, "--devices", str(devices)], devices=devices)
 
 
 def run_child(method: str, directory: Path, devices: int, cold: bool) -> dict:
     if cold:
-        drop_caches()
+        harness.drop_caches(directory)
     return _spawn(["--child", method, "--dir", str(directory), *(["--cold"] if cold else [])], devices)
 
 
@@ -259,29 +212,8 @@ def variant_of(method: str) -> str:
 
 def measure(methods: list[str], dirs: dict[str, Path], devices: int, repeat: int, cold: bool) -> dict[str, dict]:
     """Median figures of each method over ``repeat`` interleaved rounds of fresh processes."""
-    runs: dict[str, list[dict]] = {m: [] for m in methods}
-    for r in range(repeat):
-        for method in methods:
-            result = run_child(method, dirs[variant_of(method)], devices, cold)
-            runs[method].append(result)
-            print(
-                f"  round {r + 1}/{repeat} {method:14s} {result['seconds']:7.2f} s  "
-                f"cpu {result['cpu_seconds']:6.2f} s  "
-                f"peak {result['peak_rss'] / GIB:5.2f} GiB  load avg {result['loadavg']:.2f}",
-                file=sys.stderr,
-                flush=True,
-            )
-    return {m: summarize(rs) for m, rs in runs.items()}
-
-
-def summarize(runs: list[dict]) -> dict:
-    """The run of median time, with the median of the time and memory figures and all the times."""
-    out = dict(sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2])
-    for key in ("seconds", "cpu_seconds", "peak_rss", "rss_before"):
-        out[key] = statistics.median(r[key] for r in runs)
-    out["peak_above_start"] = statistics.median(r["peak_rss"] - r["rss_before"] for r in runs)
-    out["all_seconds"] = [round(r["seconds"], 3) for r in runs]
-    return out
+    runs = harness.rounds(methods, repeat, lambda m: run_child(m, dirs[variant_of(m)], devices, cold))
+    return {m: harness.summarize(rs, ("peak_rss", "rss_before", "peak_over_before")) for m, rs in runs.items()}
 
 
 # --- reporting --------------------------------------------------------------------------------------
@@ -292,20 +224,17 @@ def _gib(n: float | None) -> str:
 
 
 def results_table(results: dict[str, dict]) -> str:
+    columns = ["method", "checkpoint on disk GiB", "seconds (median)", "runs (s)", "CPU s", "output GB/s", "placed GiB",
+               "read, LoadReport GiB", "rchar GiB", "read_bytes GiB", "minor faults", "peak RSS GiB",
+               "peak − start GiB"]  # fmt: skip
     rows = [
-        "| method | checkpoint on disk GiB | seconds (median) | runs (s) | CPU s | output GB/s | placed GiB | "
-        "read, LoadReport GiB | rchar GiB | read_bytes GiB | minor faults | peak RSS GiB | peak − start GiB |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for method, r in results.items():
-        runs = harness.runs_cell(r["all_seconds"])
-        rows.append(
-            f"| {method} | {_gib(r['disk_bytes'])} | {r['seconds']:.2f} | {runs} | {r['cpu_seconds']:.2f} | "
-            f"{r['placed_bytes'] / r['seconds'] / 1e9:.2f} | {_gib(r['placed_bytes'])} | "
-            f"{_gib(r.get('report_bytes_read'))} | {_gib(r.get('rchar'))} | {_gib(r.get('read_bytes'))} | "
-            f"{r['minor_faults']} | {r['peak_rss'] / GIB:.2f} | {r['peak_above_start'] / GIB:.2f} |"
-        )
-    return "\n".join(rows)
+        [method, _gib(r["checkpoint_bytes"]), f"{r['seconds']:.2f}", harness.runs_cell(r["all_seconds"]),
+         f"{r['cpu_seconds']:.2f}", f"{r['placed_bytes'] / r['seconds'] / 1e9:.2f}", _gib(r["placed_bytes"]),
+         _gib(r.get("report_bytes_read")), _gib(r.get("rchar")), _gib(r["disk_bytes"]), r["minor_faults"],
+         f"{r['peak_rss'] / GIB:.2f}", f"{r['peak_over_before'] / GIB:.2f}"]
+        for method, r in results.items()
+    ]  # fmt: skip
+    return harness.table(columns, rows)
 
 
 def _ratio(num: float | None, den: float | None) -> str:
@@ -327,16 +256,16 @@ def ratios_table(results: dict[str, dict]) -> str:
     row("CPU time / otfload-bf16 CPU time", lambda v, r: _ratio(r["cpu_seconds"], base and base["cpu_seconds"]))
     row("output GB/s / otfload-bf16 output GB/s", lambda v, r: _ratio(
         r["placed_bytes"] / r["seconds"], base and base["placed_bytes"] / base["seconds"]))
-    bf16_disk = (base or base_floor or {}).get("disk_bytes")
+    bf16_disk = (base or base_floor or {}).get("checkpoint_bytes")
     row("bytes read (LoadReport) / bf16 checkpoint on disk", lambda v, r: _ratio(r.get("report_bytes_read"), bf16_disk))
-    row("checkpoint on disk / bf16 checkpoint on disk", lambda v, r: _ratio(r["disk_bytes"], bf16_disk))
+    row("checkpoint on disk / bf16 checkpoint on disk", lambda v, r: _ratio(r["checkpoint_bytes"], bf16_disk))
     row("quantized weights only: stored / bf16 (computed)", lambda v, r: _ratio(
         r.get("plan_quantized_stored"), r.get("plan_quantized_logical")))
     row("load time / own floor time", lambda v, r: _ratio(r["seconds"], _get(results, f"floor-{v}", "seconds")))
     row("floor time / floor-bf16 time", lambda v, r: _ratio(
         _get(results, f"floor-{v}", "seconds"), base_floor and base_floor["seconds"]))
     row("peak − start / otfload-bf16 peak − start", lambda v, r: _ratio(
-        r["peak_above_start"], base and base["peak_above_start"]))
+        r["peak_over_before"], base and base["peak_over_before"]))
     return "\n".join(rows)
 
 
@@ -385,14 +314,6 @@ def breakdown_table(breakdowns: dict[str, dict]) -> str:
     return "\n".join(rows) + f"\n\n({counts})"
 
 
-def checkpoint_line(variant: str, directory: Path) -> str:
-    config = json.loads((directory / "config.json").read_text())
-    files = sorted(directory.glob("*.safetensors"))
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
-    shape = ", ".join(f"{k}={config[k]}" for k in keys if k in config)
-    return f"{variant:6s} {directory}: {disk_bytes(directory) / GIB:.3f} GiB in {len(files)} files ({shape})"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gib", type=float, default=0.5)
@@ -422,13 +343,13 @@ def main(argv: list[str] | None = None) -> None:
                or variant_of(m) not in (QUANTIZED if m.startswith("keep-") else VARIANTS)]
     if unknown:
         parser.error(f"unknown methods {unknown} (known: {DEFAULT_METHODS})")
-    print(machine_line())
+    print(harness.machine_line())
     base = args.dir or ensure_checkpoint(args.size_gib)
     if args.dir is not None and not (base / "config.json").exists():
         ensure_checkpoint(args.size_gib, out=base)
     dirs = {"bf16": base, **{v: ensure_quantized(base, v) for v in QUANTIZED}}
     for v, d in dirs.items():
-        print(checkpoint_line(v, d))
+        print(f"{v:6s} {harness.checkpoint_line(d)}")
     mode = "cold (page cache dropped before each run)" if args.cold else "warm page cache"
     print(f"{args.devices} devices, {mode}, median of {args.repeat} interleaved fresh-process runs\n")
     results = measure(methods, dirs, args.devices, args.repeat, args.cold)
@@ -436,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.breakdown:
         for v in QUANTIZED:
             if args.cold:
-                drop_caches()
+                harness.drop_caches(dirs[v])
             cold = ["--cold"] if args.cold else []
             breakdowns[v] = _spawn(["--decode-child", "--dir", str(dirs[v]), *cold], args.devices)
     if args.json:
@@ -444,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     print(results_table(results) + "\n\n" + ratios_table(results) + "\n\n" + device_bytes_lines(results))
     if breakdowns:
         print("\ndecode alone:\n\n" + breakdown_table(breakdowns))
-    print(machine_line())
+    print(harness.machine_line())
 
 
 if __name__ == "__main__":

@@ -16,32 +16,25 @@ measure the client side (request handling, parallelism, copies), not a network:
 
 from __future__ import annotations
 
-import os
+from benchmarks import harness
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+harness.simulate_cpu_devices(8)
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import otfload  # noqa: E402
-from benchmarks.common import bench_mesh  # noqa: E402
 from benchmarks.make_checkpoint import choose_dims, write_checkpoint  # noqa: E402
+from benchmarks.target import bench_mesh  # noqa: E402
 from otfload.cache import ShardCache  # noqa: E402
 from otfload.sources import open_source  # noqa: E402
 from tests.multihost.launch import run_workers  # noqa: E402
 from tests.servers.gcs_server import GcsServer  # noqa: E402
 
 BUCKET = "otfload-bench"
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def throughput(gcs: GcsServer, url: str, tensor_files: list[str], tensor_bytes: int, repeat: int) -> list[tuple]:
@@ -66,7 +59,7 @@ def throughput(gcs: GcsServer, url: str, tensor_files: list[str], tensor_bytes: 
         "otfload via ShardCache (fill + load)": cached,
     }
     load(2)()  # compile and warm once
-    seconds = {name: statistics.median(timed(fn) for _ in range(repeat)) for name, fn in methods.items()}
+    seconds = {name: statistics.median(harness.times(fn, repeat, warmup=0)) for name, fn in methods.items()}
     floor = seconds["gcsfs cat, whole files (floor)"]
     return [(name, s, tensor_bytes / s / 1e9, floor / s) for name, s in seconds.items()]
 

@@ -1,7 +1,7 @@
 """Restore time onto a 2x4 mesh from a native checkpoint saved on another layout vs its resharded copy,
 and vs otfload's on-the-fly load of the same tensors from HF safetensors.
 
-Usage: python benchmarks/bench_reshard.py [--mib 256] [--leaves 16] [--repeats 7] [--part-mib 64]
+Usage: python -m benchmarks.bench_reshard [--mib 256] [--leaves 16] [--repeats 7] [--part-mib 64]
 
 Save, reshard and restore each run in their own process (8 simulated CPU devices), so each peak RSS
 is that phase's own. The restore process alternates between the two checkpoints (warm page cache)
@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import harness
 
 SOURCE_MESH = {"fsdp": 8}
 TARGET_MESH = {"fsdp": 2, "tp": 4}
@@ -113,11 +111,9 @@ PHASES = {"save": phase_save, "reshard": phase_reshard, "restore": phase_restore
 
 
 def _run_phase(args: argparse.Namespace, phase: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    cmd = [sys.executable, __file__, "--phase", phase, "--workdir", str(args.workdir), "--mib", str(args.mib)]
-    cmd += ["--leaves", str(args.leaves), "--repeats", str(args.repeats), "--part-mib", str(args.part_mib)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    cmd = ["--phase", phase, "--workdir", str(args.workdir), "--mib", str(args.mib), "--leaves", str(args.leaves),
+           "--repeats", str(args.repeats), "--part-mib", str(args.part_mib)]  # fmt: skip
+    return harness.run_child("benchmarks.bench_reshard", cmd, devices=8, what=phase)
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -157,10 +153,8 @@ def main() -> None:
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         result = PHASES[args.phase](args)
-        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps(result))
+        harness.report({**result, "peak_rss_mib": harness.peak_rss() / 2**20})
         return
     own_dir = args.workdir is None
     args.workdir = Path(tempfile.mkdtemp(prefix="bench_reshard_")) if own_dir else args.workdir

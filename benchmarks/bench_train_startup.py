@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import runpy
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_load import child_env, drop_caches
-from benchmarks.make_checkpoint import Dims, write_checkpoint
+from benchmarks import harness
+from benchmarks.make_checkpoint import Dims, ensure_written
 
 ROOT = Path("bench_data") / "train_startup"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
@@ -97,24 +95,17 @@ def child(mode: str, checkpoint: str) -> dict[str, float]:
 
 def run_child(mode: str, checkpoint: Path, cold: bool = False) -> dict[str, float]:
     if cold:
-        drop_caches(checkpoint, files_only=True)
-    env = {**child_env(DEVICES), "TQDM_DISABLE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_train_startup", "--child", mode, str(checkpoint)],
-                         env=env, capture_output=True, text=True, check=True)
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+        harness.drop_caches(checkpoint, files_only=True)
+    return harness.run_child("benchmarks.bench_train_startup", ["--child", mode, str(checkpoint)],
+                             devices=DEVICES, env={"TQDM_DISABLE": "1"}, what=mode)  # fmt: skip
 
 
 def measure(preset: str, rounds: int, cold: bool = False) -> dict[str, Any]:
     dims = PRESETS[preset]
-    checkpoint = ROOT / preset
-    if not (checkpoint / "config.json").exists():
-        write_checkpoint(checkpoint, dims)
-    runs: dict[str, list[dict[str, float]]] = {"sequential": [], "overlapped": []}
+    checkpoint = ensure_written(ROOT / preset, dims)
     run_child("sequential", checkpoint)  # warm the page cache and the imports
-    for _ in range(rounds):
-        for mode in runs:
-            runs[mode].append(run_child(mode, checkpoint, cold))
+    runs = harness.rounds(["sequential", "overlapped"], rounds, lambda mode: run_child(mode, checkpoint, cold),
+                          line=lambda r: f"ready {r['ready']:6.2f} s  first step {r['first_step']:6.2f} s")
 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
@@ -140,13 +131,13 @@ def main() -> None:
                         help="drop the checkpoint files' pages before every run (posix_fadvise DONTNEED)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child)))
+        harness.report(child(*args.child))
         return
     print("| preset | params | load s | compile s | load then compile: first step s | overlapped: ready s "
           "| overlapped: first step s | ready / max(load, compile) | first step vs sequential "
           "| CPU s to ready: sequential / overlapped |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", file=sys.stderr)
+    print(f"before: {harness.machine_line()}", file=sys.stderr)
     for preset in args.preset or ["tiny", "small"]:
         r = measure(preset, args.rounds, args.cold)
         print(f"| {preset} | {r['params_m']:.0f} M | {r['load']:.2f} | {r['compile']:.2f} "
@@ -155,7 +146,7 @@ def main() -> None:
               f"| {r['cpu_sequential']:.1f} / {r['cpu_overlapped']:.1f} |", flush=True)
         if args.json:
             print(json.dumps(r["runs"]))
-    print(f"load average after: {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    print(f"after: {harness.load_line()}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -28,21 +28,15 @@ fresh process, warm page cache, interleaved rounds, medians:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import mmap
-import os
-import statistics
-import struct
-import sys
-import time
 from pathlib import Path
 
 from benchmarks import harness
 
 METHODS = ("contiguous", "numpy_alloc", "transposed", "tiled", "untiled", "transposed_unscanned", "tunix_style")
-GIB = 2**30
+GIB = harness.GIB
 KERNEL_SHAPE = (2048, 5632)  # a 22 MiB bf16 matrix, the issue's example
 
 
@@ -109,19 +103,15 @@ def tunix_style_load(directory: Path, abstract: dict, config: dict) -> dict:
     views: dict[str, np.ndarray] = {}
     handles = []
     for path in sorted(directory.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+        header, data_start = harness.safetensors_header(path)
         f = open(path, "rb")  # noqa: SIM115 - kept open with its mapping until the load ends
         mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         handles.append((f, mm))
         for name, meta in header.items():
-            if name == "__metadata__":
-                continue
             begin, end = meta["data_offsets"]
             dtype = np.dtype(getattr(ml_dtypes, _NP_DTYPES[meta["dtype"]], None) or _NP_DTYPES[meta["dtype"]])
             count = (end - begin) // dtype.itemsize
-            views[name] = np.frombuffer(mm, dtype, count, 8 + n + begin).reshape(meta["shape"])
+            views[name] = np.frombuffer(mm, dtype, count, data_start + begin).reshape(meta["shape"])
     out = {}
     for path, sds in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         key = dotted(path)
@@ -139,14 +129,6 @@ def tunix_style_load(directory: Path, abstract: dict, config: dict) -> dict:
 # --- child: one method, one load -------------------------------------------------------------------
 
 
-def _usage() -> tuple[float, int]:
-    """CPU seconds (user + system, every thread) and minor page faults of this process so far."""
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
-
-
 def child(method: str, directory: Path, devices: int) -> dict:
     """Load ``directory`` once with ``method`` and measure it (in a fresh process)."""
     import jax
@@ -154,14 +136,12 @@ def child(method: str, directory: Path, devices: int) -> dict:
 
     import otfload
     from benchmarks.baselines import placed_bytes
-    from benchmarks.bench_load import warm
-    from benchmarks.common import RssSampler, bench_mesh, current_rss, peak_rss
+    from benchmarks.target import bench_mesh, check_devices
     from otfload.mappings import maxtext_llama as mt
     from otfload.place import transpose
     from otfload.read import arena
 
-    if len(jax.devices()) != devices:
-        raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
+    check_devices(devices)
     mesh = bench_mesh(devices)
     config = json.loads((directory / "config.json").read_text())
     dtype = np.dtype(jax.numpy.bfloat16)
@@ -182,71 +162,37 @@ def child(method: str, directory: Path, devices: int) -> dict:
             return tunix_style_load(directory, abstract, config)
         return otfload.load_params(directory, abstract, table, mesh=mesh, progress=False)
 
-    warm(directory)
-    gc.collect()
-    rss_before = current_rss()
-    with RssSampler() as sampler:
-        start, (cpu_start, faults_start) = time.perf_counter(), _usage()
+    harness.warm(directory)
+    with harness.measured() as measured:
         loaded = run()
         jax.block_until_ready(loaded)
-        seconds, (cpu, faults) = time.perf_counter() - start, _usage()
-        cpu, faults = cpu - cpu_start, faults - faults_start
-    checkpoint_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    return {
-        "method": method, "seconds": seconds, "cpu_seconds": cpu, "checkpoint_bytes": checkpoint_bytes,
-        "placed_bytes": placed_bytes(loaded), "rss_before": rss_before, "minor_faults": faults,
-        "peak_rss": max(peak_rss(), sampler.peak),
-    }
+    placed = placed_bytes(loaded)
+    return {"method": method, **measured, "checkpoint_bytes": harness.tensor_bytes(directory), "placed_bytes": placed,
+            "transient": measured["peak_over_before"] - placed}  # fmt: skip
 
 
 # --- parent ----------------------------------------------------------------------------------------
 
 
 def run_child(method: str, directory: Path, devices: int) -> dict:
-    from benchmarks.bench_load import child_env
-
-    cmd = [sys.executable, "-m", "benchmarks.bench_transpose", "--child", method, "--dir", str(directory),
-           "--devices", str(devices)]
-    return harness.run_child(cmd, child_env(devices), method)
+    args = ["--child", method, "--dir", str(directory), "--devices", str(devices)]
+    return harness.run_child("benchmarks.bench_transpose", args, devices=devices, what=method)
 
 
 def measure(methods: list[str], directory: Path, devices: int, repeat: int) -> dict[str, dict]:
-    runs: dict[str, list[dict]] = {m: [] for m in methods}
-    for r in range(repeat):
-        for method in methods:
-            result = run_child(method, directory, devices)
-            runs[method].append(result)
-            print(f"  round {r + 1}/{repeat} {method:22s} {result['seconds']:6.2f} s  "
-                  f"cpu {result['cpu_seconds']:6.2f} s  peak {result['peak_rss'] / GIB:5.2f} GiB",
-                  file=sys.stderr, flush=True)
-    out = {}
-    for method, rs in runs.items():
-        out[method] = {
-            **rs[0],
-            "seconds": statistics.median(r["seconds"] for r in rs),
-            "cpu_seconds": statistics.median(r["cpu_seconds"] for r in rs),
-            "all_cpu_seconds": [round(r["cpu_seconds"], 2) for r in rs],
-            "minor_faults": statistics.median(r["minor_faults"] for r in rs),
-            "all_seconds": [round(r["seconds"], 2) for r in rs],
-            "transient": statistics.median(r["peak_rss"] - r["rss_before"] - r["placed_bytes"] for r in rs),
-            "peak_over_before": statistics.median(r["peak_rss"] - r["rss_before"] for r in rs),
-        }
-    return out
+    runs = harness.rounds(methods, repeat, lambda m: run_child(m, directory, devices))
+    return {m: harness.summarize(rs, ("minor_faults", "transient", "peak_over_before")) for m, rs in runs.items()}
 
 
 def table(results: dict[str, dict]) -> str:
     base = results.get("contiguous")
-    rows = ["| method | seconds (median) | runs (s) | GB/s | CPU s (median) | CPU runs (s) | minor faults | "
-            "peak − before GiB | transient GiB | speed / contiguous (wall, CPU) |",
-            "|---|---:|---|---:|---:|---|---:|---:|---:|---:|"]
-    for method, r in results.items():
-        rows.append(
-            f"| {method} | {r['seconds']:.2f} | {harness.runs_cell(r['all_seconds'])} | "
-            f"{r['checkpoint_bytes'] / r['seconds'] / 1e9:.2f} | {r['cpu_seconds']:.2f} | "
-            f"{harness.runs_cell(r['all_cpu_seconds'])} | {r['minor_faults']:,.0f} | "
-            f"{r['peak_over_before'] / GIB:.2f} | {r['transient'] / GIB:.2f} | {harness.speed_cell(base, r)} |"
-        )
-    return "\n".join(rows)
+    columns = ["method", "seconds (median)", "runs (s)", "GB/s", "CPU s (median)", "CPU runs (s)", "minor faults",
+               "peak − before GiB", "transient GiB", "speed / contiguous (wall, CPU)"]  # fmt: skip
+    rows = [[method, f"{r['seconds']:.2f}", harness.runs_cell(r["all_seconds"]),
+             f"{r['checkpoint_bytes'] / r['seconds'] / 1e9:.2f}", f"{r['cpu_seconds']:.2f}",
+             harness.runs_cell(r["all_cpu_seconds"]), f"{r['minor_faults']:,.0f}", f"{r['peak_over_before'] / GIB:.2f}",
+             f"{r['transient'] / GIB:.2f}", harness.speed_cell(base, r)] for method, r in results.items()]  # fmt: skip
+    return harness.table(columns, rows)
 
 
 def kernel_bench(repeat: int = 7) -> str:
@@ -262,12 +208,7 @@ def kernel_bench(repeat: int = 7) -> str:
     dst = np.ones((cols, rows), src.dtype)
 
     def best(fn) -> float:
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1e3
+        return min(harness.times(fn, repeat, warmup=0)) * 1e3
 
     lines = [f"{rows}×{cols} bf16 ({src.nbytes / 2**20:.0f} MiB), best of {repeat}, ms:",
              f"  contiguous np.copyto         {best(lambda: np.copyto(dst, src.reshape(cols, rows))):7.2f}",
@@ -313,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     results = measure(methods, directory, args.devices, args.repeat)
     print(table(results))
-    print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"at the end: {harness.load_line()}")
 
 
 if __name__ == "__main__":

@@ -36,22 +36,18 @@ must also agree on every leaf's dtype and ``PartitionSpec``.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
-import math
-import os
 import statistics
-import struct
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks import harness
+from benchmarks.make_checkpoint import Dims, ensure_written, random_bf16
 
 METHODS = ("tunix", "otfload_tunix", "otfload_tunix_factory", "otfload_own")
-GIB = 2**30
+GIB = harness.GIB
 DEFAULT_WORK = Path("/tmp/otfload-bench-tunix")
 MESH_AXES = ("fsdp", "tp")
 TP = 4
@@ -60,86 +56,51 @@ TP = 4
 # --- the checkpoint --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Qwen3Shape:
-    """A dense Qwen3's dimensions; ``heads * head_dim`` need not equal ``hidden`` (it does not in Qwen3)."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int = 16
-    kv_heads: int = 8
-    head_dim: int = 128
-    vocab: int = 32768
-
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every HF tensor name and shape (``[out, in]`` projections), in file order."""
-        h, q, kv, m = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        out = [("model.embed_tokens.weight", (self.vocab, h))]
-        for i in range(self.layers):
-            p = f"model.layers.{i}"
-            out += [
-                (f"{p}.input_layernorm.weight", (h,)),
-                (f"{p}.self_attn.q_proj.weight", (q, h)),
-                (f"{p}.self_attn.k_proj.weight", (kv, h)),
-                (f"{p}.self_attn.v_proj.weight", (kv, h)),
-                (f"{p}.self_attn.o_proj.weight", (h, q)),
-                (f"{p}.self_attn.q_norm.weight", (self.head_dim,)),
-                (f"{p}.self_attn.k_norm.weight", (self.head_dim,)),
-                (f"{p}.post_attention_layernorm.weight", (h,)),
-                (f"{p}.mlp.gate_proj.weight", (m, h)),
-                (f"{p}.mlp.up_proj.weight", (m, h)),
-                (f"{p}.mlp.down_proj.weight", (h, m)),
-            ]
-        return out + [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(2 * math.prod(shape) for _, shape in self.tensors())
-
-    def config(self) -> dict:
-        """The ``config.json`` of a transformers ``Qwen3ForCausalLM`` of this shape."""
-        return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "vocab_size": self.vocab,
-            "hidden_size": self.hidden,
-            "intermediate_size": self.intermediate,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": 40960,
-            "initializer_range": 0.02,
-            "rms_norm_eps": 1e-6,
-            "use_cache": True,
-            # tunix 0.1.7's Qwen3 rotates with 1e6 whatever ModelConfig says: Qwen3's own value
-            "rope_theta": 1_000_000.0,
-            "rope_scaling": None,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": self.layers,
-            "tie_word_embeddings": False,
-            "bos_token_id": 0,
-            "eos_token_id": 1,
-            "torch_dtype": "bfloat16",
-        }
+def qwen3_config(dims: Dims) -> dict:
+    """The ``config.json`` of a transformers ``Qwen3ForCausalLM`` of this shape."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": dims.vocab,
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.intermediate,
+        "num_hidden_layers": dims.layers,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        # tunix 0.1.7's Qwen3 rotates with 1e6 whatever ModelConfig says: Qwen3's own value
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": dims.layers,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
 
 
-# Qwen3-style widths between Qwen3-0.6B's and -1.7B's; the layer count sets the size. A smaller
-# vocabulary than Qwen3's 151,936 keeps most bytes in the layers at 1 GiB.
+# A dense Qwen3 (HF key names, q_norm / k_norm included; heads * head_dim need not be hidden), with
+# widths between Qwen3-0.6B's and -1.7B's; the layer count sets the size. A smaller vocabulary than
+# Qwen3's 151,936 keeps most bytes in the layers at 1 GiB.
+QWEN3 = dict(heads=16, kv_heads=8, head_dim=128, vocab=32768, qk_norm=True)
 WIDE = dict(hidden=1536, intermediate=4608)
-TINY = Qwen3Shape(hidden=64, intermediate=128, layers=2, heads=8, kv_heads=4, head_dim=16, vocab=256)
+TINY = Dims(hidden=64, intermediate=128, layers=2, heads=8, kv_heads=4, head_dim=16, vocab=256, qk_norm=True)
 
 
-def shape_for(size_bytes: int) -> Qwen3Shape:
-    """The :data:`WIDE` shape whose size is closest to ``size_bytes`` (two layers at least)."""
-    base = Qwen3Shape(**WIDE, layers=0).nbytes
-    per_layer = Qwen3Shape(**WIDE, layers=1).nbytes - base
-    return Qwen3Shape(**WIDE, layers=max(2, round((size_bytes - base) / per_layer)))
+def shape_for(size_bytes: int) -> Dims:
+    """The :data:`WIDE` Qwen3 shape whose size is closest to ``size_bytes`` (two layers at least)."""
+    base = Dims(**WIDE, layers=0, **QWEN3).nbytes
+    per_layer = Dims(**WIDE, layers=1, **QWEN3).nbytes - base
+    return Dims(**WIDE, layers=max(2, round((size_bytes - base) / per_layer)), **QWEN3)
 
 
 def _values(name: str, shape: tuple[int, ...], rng):
@@ -147,41 +108,26 @@ def _values(name: str, shape: tuple[int, ...], rng):
     import ml_dtypes
     import numpy as np
 
-    from benchmarks.make_checkpoint import random_bf16
-
     x = random_bf16(shape, rng)
     if name.endswith("norm.weight"):
         x = (x.astype(np.float32) + 1.0).astype(ml_dtypes.bfloat16)
     return x
 
 
-def write_checkpoint(out: Path, shape: Qwen3Shape, shard_bytes: int, seed: int = 0) -> Path:
-    """``config.json``, ``model-0000k-of-0000n.safetensors`` shards and their index, into ``out``."""
-    from benchmarks.make_checkpoint import write_shards
-
-    return write_shards(out, shape.tensors(), _values, shape.config(), shard_bytes=shard_bytes, seed=seed)
-
-
-def ensure_checkpoint(directory: Path, shape: Qwen3Shape, shard_bytes: int) -> Path:
-    config = directory / "config.json"
-    if not (config.exists() and json.loads(config.read_text()) == shape.config()):
-        print(f"writing {shape.nbytes / GIB:.3f} GiB Qwen3 checkpoint into {directory}", file=sys.stderr, flush=True)
-        write_checkpoint(directory, shape, shard_bytes)
-    return directory
+def ensure_checkpoint(directory: Path, dims: Dims, shard_bytes: int) -> Path:
+    """The Qwen3 checkpoint of ``dims`` in ``directory``, written first unless it is there."""
+    return ensure_written(directory, dims, config=qwen3_config(dims), values=_values, shard_bytes=shard_bytes)
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
     """Every tensor's hash, from the bytes in the safetensors files."""
     out = {}
     for path in sorted(directory.glob("*.safetensors")):
+        header, data_start = harness.safetensors_header(path)
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
             for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
                 begin, end = meta["data_offsets"]
-                f.seek(8 + n + begin)
+                f.seek(data_start + begin)
                 out[name] = _digest(f.read(end - begin))
     return out
 
@@ -283,12 +229,10 @@ def child(method: str, directory: Path, warmup: Path, devices: int, check: bool)
     from tunix.models.qwen3 import params as qwen3_params
 
     import otfload
-    from benchmarks.bench_load import warm
-    from benchmarks.common import RssSampler, current_rss, peak_rss
+    from benchmarks.target import check_devices
     from otfload.mappings import tunix_qwen3
 
-    if len(jax.devices()) != devices:
-        raise SystemExit(f"expected {devices} devices, JAX has {len(jax.devices())}: is XLA_FLAGS set?")
+    check_devices(devices)
     mesh = jax.make_mesh((devices // TP, TP), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
     def loader(path: Path):
@@ -311,17 +255,11 @@ def child(method: str, directory: Path, warmup: Path, devices: int, check: bool)
 
     ready(loader(warmup)())  # warm-up: the same code paths on a tiny checkpoint
     run = loader(directory)
-    warm(directory)
-    gc.collect()
-    rss_before = current_rss()
-    with RssSampler() as sampler:
-        start, cpu_start = time.perf_counter(), time.process_time()
+    harness.warm(directory)
+    with harness.measured() as measured:
         model = run()
         ready(model)
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = max(peak_rss(), sampler.peak)
-    result = {"method": method, "seconds": seconds, "cpu_seconds": cpu, "rss_before": rss_before, "peak_rss": peak,
-              "placed_bytes": sum(x.nbytes for x in _params(model).values())}
+    result = {"method": method, **measured, "placed_bytes": sum(x.nbytes for x in _params(model).values())}
     if method != "otfload_own":  # the share of the timed part tunix's abstract module takes, measured apart
         config = tunix_config(json.loads((directory / "config.json").read_text()))
         abstract = otfload.abstract_module if method == "otfload_tunix_factory" else nnx.eval_shape
@@ -337,36 +275,34 @@ def child(method: str, directory: Path, warmup: Path, devices: int, check: bool)
 
 
 def run_child(method: str, directory: Path, warmup: Path, devices: int, check: bool) -> dict:
-    from benchmarks.bench_load import child_env
-
-    cmd = [sys.executable, "-m", "benchmarks.bench_tunix", "--child", method, "--dir", str(directory),
-           "--warmup-dir", str(warmup), "--devices", str(devices), *(["--hash"] if check else [])]
-    return harness.run_child(cmd, child_env(devices), method)
+    args = ["--child", method, "--dir", str(directory), "--warmup-dir", str(warmup), "--devices", str(devices),
+            *(["--hash"] if check else [])]  # fmt: skip
+    return harness.run_child("benchmarks.bench_tunix", args, devices=devices, what=method)
 
 
 def measure(methods: list[str], directory: Path, warmup: Path, devices: int, repeat: int,
             check_all: bool) -> tuple[dict[str, dict], list[str]]:
     """Median figures per method over interleaved rounds, and the bitwise check's findings."""
     reference = file_hashes(directory)
-    runs: dict[str, list[dict]] = {m: [] for m in methods}
     problems: list[str] = []
     layouts: dict[str, dict[str, str]] = {}
-    for r in range(repeat):
-        for method in methods:
-            result = run_child(method, directory, warmup, devices, check=check_all or r == 0)
-            if "hashes" in result:
-                hashes = result.pop("hashes")
-                layouts[method] = result.pop("layout")
-                wrong = sorted(k for k in reference if hashes.get(k) != reference[k])
-                extra = sorted(set(hashes) - set(reference))
-                if wrong or extra:
-                    problems.append(f"round {r + 1} {method}: {len(wrong)} tensors differ from the checkpoint "
-                                    f"{wrong[:3]}, {len(extra)} unknown {extra[:3]}")
-                result["checked"] = len(reference) - len(wrong)
-            runs[method].append(result)
-            over = (result["peak_rss"] - result["rss_before"]) / GIB
-            print(f"  round {r + 1}/{repeat} {method:14s} {result['seconds']:6.2f} s  "
-                  f"cpu {result['cpu_seconds']:6.2f} s  peak-before {over:5.2f} GiB", file=sys.stderr, flush=True)
+    rounds_run = dict.fromkeys(methods, 0)
+
+    def run(method: str) -> dict:
+        rounds_run[method] += 1
+        result = run_child(method, directory, warmup, devices, check=check_all or rounds_run[method] == 1)
+        if "hashes" in result:
+            hashes = result.pop("hashes")
+            layouts[method] = result.pop("layout")
+            wrong = sorted(k for k in reference if hashes.get(k) != reference[k])
+            extra = sorted(set(hashes) - set(reference))
+            if wrong or extra:
+                problems.append(f"round {rounds_run[method]} {method}: {len(wrong)} tensors differ from the "
+                                f"checkpoint {wrong[:3]}, {len(extra)} unknown {extra[:3]}")  # fmt: skip
+            result["checked"] = len(reference) - len(wrong)
+        return result
+
+    runs = harness.rounds(methods, repeat, run)
     tunix_layout = layouts.get("tunix")
     for method in (m for m in layouts if m.startswith("otfload_tunix") and tunix_layout is not None):
         differ = sorted(k for k in tunix_layout if tunix_layout[k] != layouts[method].get(k))
@@ -375,12 +311,7 @@ def measure(methods: list[str], directory: Path, warmup: Path, devices: int, rep
     out = {}
     for method, rs in runs.items():
         out[method] = {
-            "seconds": statistics.median(r["seconds"] for r in rs),
-            "all_seconds": [r["seconds"] for r in rs],
-            "cpu_seconds": statistics.median(r["cpu_seconds"] for r in rs),
-            "all_cpu_seconds": [r["cpu_seconds"] for r in rs],
-            "peak_over_before": statistics.median(r["peak_rss"] - r["rss_before"] for r in rs),
-            "placed_bytes": rs[0]["placed_bytes"],
+            **harness.summarize(rs, ("peak_over_before",)),
             "eval_shape_seconds": statistics.median(r["eval_shape_seconds"] for r in rs)
             if "eval_shape_seconds" in rs[0] else None,
             "checked": next((r["checked"] for r in rs if "checked" in r), 0),
@@ -390,15 +321,12 @@ def measure(methods: list[str], directory: Path, warmup: Path, devices: int, rep
 
 def table(results: dict[str, dict]) -> str:
     base = results.get("tunix")
-    rows = ["| method | wall s (median) | wall runs (s) | CPU s (median) | CPU runs (s) | peak RSS − before GiB "
-            "| speed / tunix (wall, CPU) | of which abstract module s (apart) |",
-            "|---|---:|---|---:|---|---:|---:|---:|"]
-    for method, r in results.items():
-        rows.append(f"| {method} | {r['seconds']:.2f} | {harness.runs_cell(r['all_seconds'])} | "
-                    f"{r['cpu_seconds']:.2f} | {harness.runs_cell(r['all_cpu_seconds'])} | "
-                    f"{r['peak_over_before'] / GIB:.2f} | {harness.speed_cell(base, r)} | "
-                    f"{_opt(r['eval_shape_seconds'])} |")
-    return "\n".join(rows)
+    columns = ["method", "wall s (median)", "wall runs (s)", "CPU s (median)", "CPU runs (s)",
+               "peak RSS − before GiB", "speed / tunix (wall, CPU)", "of which abstract module s (apart)"]  # fmt: skip
+    rows = [[method, f"{r['seconds']:.2f}", harness.runs_cell(r["all_seconds"]), f"{r['cpu_seconds']:.2f}",
+             harness.runs_cell(r["all_cpu_seconds"]), f"{r['peak_over_before'] / GIB:.2f}", harness.speed_cell(base, r),
+             _opt(r["eval_shape_seconds"])] for method, r in results.items()]  # fmt: skip
+    return harness.table(columns, rows)
 
 
 def _opt(seconds: float | None) -> str:
@@ -429,14 +357,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     if args.shard_mb * 10**6 > 2 * 10**9:
         parser.error("--shard-mb: at most 2000")
-    load_start = os.getloadavg()
+    load_start = harness.load_line()
     shape = shape_for(int(args.size_gib * GIB))
     directory = ensure_checkpoint(args.work / f"qwen3-{args.size_gib:g}g", shape, args.shard_mb * 10**6)
     warmup = ensure_checkpoint(args.work / "qwen3-tiny", TINY, args.shard_mb * 10**6)
     files = sorted(directory.glob("*.safetensors"))
     print(f"checkpoint {directory}: {asdict(shape)}, {shape.nbytes / GIB:.3f} GiB in {len(files)} files; "
-          f"{args.devices} devices, mesh fsdp={args.devices // TP} x tp={TP}; load average at the start "
-          f"{', '.join(f'{x:.2f}' for x in load_start)}", flush=True)
+          f"{args.devices} devices, mesh fsdp={args.devices // TP} x tp={TP}; at the start: {load_start}", flush=True)
     results, problems = measure(methods, directory, warmup, args.devices, args.repeat, args.check == "all")
     print(f"\nTimed: ModelConfig → loaded nnx.Module with every array ready (abstract module, read, transpose, "
           f"place); fresh process per run, warm page cache, warm-up load of a tiny checkpoint first, "
@@ -463,8 +390,7 @@ def main(argv: list[str] | None = None) -> None:
               "tunix and the otfload_tunix methods agree on every leaf's dtype and PartitionSpec"
               if "tunix" in results and any(m.startswith("otfload_tunix") for m in results) else
               f"bitwise check passed: every tensor of every checked load equals the checkpoint's bytes ({checked})")
-    print(f"load average (1, 5, 15 min): start {', '.join(f'{x:.2f}' for x in load_start)}, "
-          f"end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"at the start: {load_start}; at the end: {harness.load_line()}")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,9 @@ Prints wall and CPU seconds of each run.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import re
-import resource
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_load import drop_caches
+from benchmarks import harness
 
 ADVISE_BYTES = 8 << 20  # as otfload.sources.local.ADVISE_CHUNK_BYTES
 MADV_POPULATE_READ = 22
@@ -46,13 +43,10 @@ def load_order(directory: Path) -> list[Tensor]:
     """Every tensor of ``directory``, leaf by leaf (layer indices removed), as a loader reads them."""
     tensors = []
     for path in sorted(directory.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+        header, data_start = harness.safetensors_header(path)
         for key, meta in header.items():
-            if key != "__metadata__":
-                start, end = meta["data_offsets"]
-                tensors.append((key, path.name, 8 + n + start, end - start))
+            start, end = meta["data_offsets"]
+            tensors.append((key, path.name, data_start + start, end - start))
     leaf_order: dict[str, int] = {}
     for key, *_ in tensors:
         leaf_order.setdefault(re.sub(r"\.\d+\.", ".N.", key), len(leaf_order))
@@ -129,8 +123,7 @@ class Strategies:
         """``(wall, CPU)`` seconds of one pass over every tensor."""
         self.maps = {f: mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for f, fd in self.fds.items()}
         stop, thread = threading.Event(), None
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        cpu, start = usage.ru_utime + usage.ru_stime, time.perf_counter()
+        cpu, start = harness.cpu_seconds(), time.perf_counter()
         if ahead:
             thread = threading.Thread(target=self.read_ahead, args=(stop,))
             thread.start()
@@ -140,9 +133,8 @@ class Strategies:
         stop.set()
         if thread is not None:
             thread.join()
-        usage = resource.getrusage(resource.RUSAGE_SELF)
         del out
-        return wall, usage.ru_utime + usage.ru_stime - cpu
+        return wall, harness.cpu_seconds() - cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,10 +158,10 @@ def main(argv: list[str] | None = None) -> None:
             ahead = case.endswith("_ra")
             method, workers = case.removesuffix("_ra").rsplit("_", 1)  # "m_copy_2w" -> m_copy, 2 threads
             if not args.warm:
-                how = drop_caches(args.dir)
+                how = harness.drop_caches(args.dir)
             time.sleep(0.2)
             runs[case].append(strategies.run(method, int(workers.rstrip("w")), ahead))
-    print(f"{args.dir}: {len(strategies.tensors)} tensors, page cache: {how}, load average {os.getloadavg()[0]:.2f}")
+    print(f"{args.dir}: {len(strategies.tensors)} tensors, page cache: {how}, {harness.load_line()}")
     for case, results in runs.items():
         cells = ", ".join(f"{w:.2f} s (CPU {c:.2f})" for w, c in results)
         print(f"{case:16s} {cells}")

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
+
+from benchmarks import harness
 
 VARIANTS = {
     "default": {},
@@ -80,17 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child == "compute-first")))
+        harness.report(child(args.child == "compute-first"))
         return
     rows = {}
     for name in args.variants.split(","):
-        env = {**os.environ, **VARIANTS[name]}
-        cmd = [sys.executable, "-m", "benchmarks.first_transfer", "--child", name]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            print(f"{name}: failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-            continue
-        rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        try:
+            rows[name] = harness.run_child("benchmarks.first_transfer", ["--child", name], env=VARIANTS[name],
+                                           timeout=120, what=name)  # fmt: skip
+        except RuntimeError as e:
+            print(f"{name}: failed: {str(e).strip().splitlines()[-1:]}", file=sys.stderr)
     phases = list(dict.fromkeys(k for r in sorted(rows.values(), key=len, reverse=True) for k in r if k != "platform"))
     print("| variant | platform | " + " | ".join(f"{p} s" for p in phases) + " |")
     print("|---|---|" + "---:|" * len(phases))

@@ -153,9 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = ["| route | first call s | GB/s | second call s | GB/s | RSS growth GiB |", "|---|---:|---:|---:|---:|---:|"]
     results = []
     for name in args.routes.split(","):
-        cmd = [sys.executable, "-m", "benchmarks.h2d_routes", "--child", name, "--gib", str(args.gib)]
         try:
-            r = harness.run_child(cmd, None, name)
+            r = harness.run_child("benchmarks.h2d_routes", ["--child", name, "--gib", str(args.gib)], what=name)
         except RuntimeError as e:
             rows.append(f"| {name} | failed: {str(e).strip().splitlines()[-1][:100]} | | | | |")
             continue

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -32,32 +33,41 @@ BF16_ONE = 0x3F80
 
 @dataclass(frozen=True)
 class Dims:
-    """Shape of a synthetic checkpoint; ``experts > 0`` makes it Mixtral-shaped."""
+    """Shape of a synthetic checkpoint; ``experts > 0`` makes it Mixtral-shaped, ``qk_norm`` gives each
+    layer Qwen3's query and key norms. ``heads`` (default ``hidden // head_dim``) times ``head_dim``
+    need not be ``hidden``."""
 
     hidden: int
     intermediate: int
     layers: int
     experts: int = 0
     vocab: int = VOCAB
+    heads: int = 0
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    qk_norm: bool = False
 
-    @property
-    def heads(self) -> int:
-        return self.hidden // HEAD_DIM
+    def __post_init__(self) -> None:
+        if not self.heads:
+            object.__setattr__(self, "heads", self.hidden // self.head_dim)
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every tensor's HF name and shape, in file order."""
-        h, i, kv = self.hidden, self.intermediate, KV_HEADS * HEAD_DIM
+        """Every tensor's HF name and shape (``[out, in]`` projections), in file order."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = [("model.embed_tokens.weight", (self.vocab, h))]
         for n in range(self.layers):
             p = f"model.layers.{n}"
             out += [
                 (f"{p}.input_layernorm.weight", (h,)),
-                (f"{p}.self_attn.q_proj.weight", (h, h)),
+                (f"{p}.self_attn.q_proj.weight", (q, h)),
                 (f"{p}.self_attn.k_proj.weight", (kv, h)),
                 (f"{p}.self_attn.v_proj.weight", (kv, h)),
-                (f"{p}.self_attn.o_proj.weight", (h, h)),
-                (f"{p}.post_attention_layernorm.weight", (h,)),
+                (f"{p}.self_attn.o_proj.weight", (h, q)),
             ]
+            if self.qk_norm:
+                out += [(f"{p}.self_attn.q_norm.weight", (self.head_dim,)),
+                        (f"{p}.self_attn.k_norm.weight", (self.head_dim,))]  # fmt: skip
+            out.append((f"{p}.post_attention_layernorm.weight", (h,)))
             if self.experts:
                 moe = f"{p}.block_sparse_moe"
                 out.append((f"{moe}.gate.weight", (self.experts, h)))
@@ -90,8 +100,8 @@ class Dims:
             "intermediate_size": self.intermediate,
             "num_hidden_layers": self.layers,
             "num_attention_heads": self.heads,
-            "num_key_value_heads": KV_HEADS,
-            "head_dim": HEAD_DIM,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0,
@@ -142,16 +152,17 @@ def _tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.n
 Values = Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray]
 
 
-def write_shards(
-    out: Path, tensors: list[tuple[str, tuple[int, ...]]], values: Values, config: dict, *, shard_bytes: int,
+def write_checkpoint(
+    out: Path, dims: Dims, *, config: dict | None = None, values: Values = _tensor, shard_bytes: int = 500 * 10**6,
     seed: int = 0,
 ) -> Path:
-    """``tensors`` (bf16 names and shapes, in file order) with ``values(name, shape, rng)`` as
-    ``model-0000k-of-0000n.safetensors`` shards of at most ``shard_bytes``, their index and
-    ``config`` (written last: it marks the checkpoint complete) into ``out``; returns ``out``."""
+    """``dims``' tensors with ``values(name, shape, rng)`` as ``model-0000k-of-0000n.safetensors`` shards
+    of at most ``shard_bytes``, their index and ``config`` (default ``dims.config()``; written last: it
+    marks the checkpoint complete) into ``out``; returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("*.safetensors"), *out.glob("*.json")]:
         old.unlink()
+    tensors = dims.tensors()
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in tensors:
@@ -167,16 +178,20 @@ def write_shards(
         file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({name: values(name, shape, rng) for name, shape in members}, out / file, metadata={"format": "pt"})
         weight_map.update({name: file for name, _ in members})
-    total = sum(2 * math.prod(shape) for _, shape in tensors)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": dims.nbytes}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "config.json").write_text(json.dumps(config or dims.config(), indent=1))
     return out
 
 
-def write_checkpoint(out: Path, dims: Dims, *, shard_bytes: int = 500 * 10**6, seed: int = 0) -> Path:
-    """Write ``config.json``, the shards and the index into ``out``; returns ``out``."""
-    return write_shards(out, dims.tensors(), _tensor, dims.config(), shard_bytes=shard_bytes, seed=seed)
+def ensure_written(out: Path, dims: Dims, **options: Any) -> Path:
+    """``out`` as :func:`write_checkpoint` writes it (same ``options``), written first unless its
+    ``config.json`` is already the one expected."""
+    config = options.get("config") or dims.config()
+    marker = out / "config.json"
+    if not (marker.exists() and json.loads(marker.read_text()) == config):
+        write_checkpoint(out, dims, **options)
+    return out
 
 
 def default_dir(size_gib: float, moe: bool) -> Path:
@@ -185,12 +200,7 @@ def default_dir(size_gib: float, moe: bool) -> Path:
 
 def ensure_checkpoint(size_gib: float, moe: bool = False, out: Path | None = None) -> Path:
     """The checkpoint directory for this size, written first if it is missing or of another shape."""
-    out = default_dir(size_gib, moe) if out is None else out
-    dims = choose_dims(int(size_gib * 2**30), moe)
-    config = out / "config.json"
-    if not (config.exists() and json.loads(config.read_text()) == dims.config()):
-        write_checkpoint(out, dims)
-    return out
+    return ensure_written(default_dir(size_gib, moe) if out is None else out, choose_dims(int(size_gib * 2**30), moe))
 
 
 def main(argv: list[str] | None = None) -> None:

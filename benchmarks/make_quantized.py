@@ -31,6 +31,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from benchmarks.harness import safetensors_header
+
 VARIANTS = ("fp8", "w4a16", "gptq", "awq")
 INT_LAYOUTS = ("gptq", "awq")
 # DeepSeek-V3's (and Qwen3-FP8's) weight_block_size: one scale per 128×128 block of [out, in].
@@ -110,13 +112,6 @@ def fp8_quantize(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> tuple[np.
     blocks /= scale[:, None, :, None]
     codes = padded[:rows, :cols].astype(ml_dtypes.float8_e4m3fn)
     return codes, scale
-
-
-def fp8_dequantize(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
-    """The float32 reference value of :func:`fp8_quantize`'s output."""
-    rows, cols = codes.shape
-    full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:rows, :cols]
-    return codes.astype(np.float32) * full
 
 
 def w4a16_quantize(w: np.ndarray, group: int = W4_GROUP) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -213,17 +208,9 @@ def stored_specs(variant: str, name: str, shape: tuple[int, ...]) -> list[tuple[
 # --- safetensors I/O ----------------------------------------------------------------------------------
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header and the offset of its data section."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
-
-
 def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) of every tensor of a bf16/float safetensors file, in file order (memory-mapped)."""
-    header, data_start = read_header(path)
-    header.pop("__metadata__", None)
+    header, data_start = safetensors_header(path)
     raw = np.memmap(path, np.uint8, mode="r")
     names = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F16": np.float16}
     for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -276,8 +263,7 @@ def write_quantized(src: Path, variant: str, out: Path) -> Path:
         old.unlink()
     weight_map, total = {}, 0
     for shard in sorted(src.glob("*.safetensors")):
-        header, _ = read_header(shard)
-        header.pop("__metadata__", None)
+        header, _ = safetensors_header(shard)
         order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
         specs = [s for name in order for s in stored_specs(variant, name, tuple(header[name]["shape"]))]
         produced = (quantize_tensor(variant, name, w) for name, w in iter_tensors(shard))

@@ -11,14 +11,13 @@ stacks are kept (``--raw``) for a flame graph.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.bench_load import child_env, drop_caches
+from benchmarks import harness
 from benchmarks.make_checkpoint import ensure_checkpoint
 
 # Stacks of the load itself: a frame in otfload or the baselines, not the benchmark's own planning.
@@ -71,13 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     directory = args.dir or ensure_checkpoint(args.size_gib, args.moe)
     if args.cold:
-        print(f"cold: {drop_caches(directory)}")
+        print(f"cold: {harness.drop_caches(directory)}")
     py_spy = Path(sys.executable).with_name("py-spy")
     cmd = [str(py_spy), "record", "--format", "raw", "--threads", "--rate", str(args.rate), "-o", str(args.raw)]
     load = [sys.executable, "-m", "benchmarks.bench_load", "--child", args.method, "--dir", str(directory)]
     load += ["--cold"] if args.cold else []
-    subprocess.run([*cmd, "--", *load, "--devices", str(args.devices)], env=child_env(args.devices), check=True)
-    print(f"{args.method} on {directory}, {args.devices} devices, load average {os.getloadavg()[0]:.2f}")
+    subprocess.run([*cmd, "--", *load, "--devices", str(args.devices)], env=harness.child_env(args.devices), check=True)
+    print(f"{args.method} on {directory}, {args.devices} devices, {harness.load_line()}")
     print(summarize(args.raw.read_text(), args.top))
 
 

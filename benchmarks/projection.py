@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from benchmarks import harness
 from otfload.place.collective_route import LOCAL_REQUEST_S, REMOTE_REQUEST_S, RESHARD_COMPILE_S
 
 MODELS = ("llama-3.1-405b", "deepseek-v3", "qwen3-235b-a22b", "gpt-oss-120b")
@@ -75,39 +75,41 @@ CLUSTERS = (
 )
 
 
-# One process of the cluster's mesh, planned as ``otfload inspect --process-index 0`` does; a remote
-# store is the replica seen through a source that neither maps nor pages (ranges, merged as remote).
-CHILD = r"""
-import json, os, sys
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[2]}"
-os.environ["JAX_PLATFORMS"] = "cpu"
-from otfload.api import plan_model
-from otfload.cli.inspect import describe_plan
-from otfload.cli.options import mesh_arg
-from otfload.plan.sharding import make_mesh
-from otfload.read.reader import TensorReader
-
 class Remote:
+    """A source seen as a remote store: it neither maps nor pages (ranges, merged as remote)."""
+
     mapped, page_granular = None, False
-    def __init__(self, source):
+
+    def __init__(self, source: Any):
         self.source = source
-    def __getattr__(self, name):
+
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)
 
-_, plan, src = plan_model(sys.argv[1], mesh=make_mesh(mesh_arg(sys.argv[3])))
-source = src if sys.argv[7] == "local" else Remote(src)
-info = describe_plan(plan, src.description, None, "", None, reader=TensorReader(source),
-                     process=(0, int(sys.argv[4])), reshard=sys.argv[6], platform=sys.argv[5])
-print(json.dumps(info["totals"]))
-"""
+
+def child_totals(replica: str, mesh: str, hosts: int, platform: str, policy: str, files: bool) -> dict:
+    """Process 0 of ``hosts`` on ``mesh`` (this process's simulated devices), planned as ``otfload
+    inspect --process-index 0`` does: its totals."""
+    from otfload.api import plan_model
+    from otfload.cli.inspect import describe_plan
+    from otfload.cli.options import mesh_arg
+    from otfload.plan.sharding import make_mesh
+    from otfload.read.reader import TensorReader
+
+    _, plan, src = plan_model(replica, mesh=make_mesh(mesh_arg(mesh)))
+    source = src if files else Remote(src)
+    info = describe_plan(plan, src.description, None, "", None, reader=TensorReader(source), process=(0, hosts),
+                         reshard=policy, platform=platform)  # fmt: skip
+    totals: dict = info["totals"]
+    return totals
 
 
 def totals(replica: Path, cluster: Cluster, policy: str) -> dict:
-    """Process 0's totals (bytes, requests, leaves resharded) of ``replica`` on ``cluster``."""
-    out = subprocess.run([sys.executable, "-c", CHILD, str(replica), str(cluster.devices), cluster.mesh,
-                          str(cluster.hosts), cluster.platform, policy, "local" if cluster.files else "remote"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Process 0's totals (bytes, requests, leaves resharded) of ``replica`` on ``cluster``, planned in a
+    fresh process on the cluster's device count."""
+    args = ["--child", str(replica), cluster.mesh, str(cluster.hosts), cluster.platform, policy,
+            "local" if cluster.files else "remote"]  # fmt: skip
+    return harness.run_child("benchmarks.projection", args, devices=cluster.devices, what=f"planning {replica}")
 
 
 def project(t: dict, model: str, cluster: Cluster, store: float) -> dict:
@@ -156,11 +158,18 @@ def table(replicas: Path, store: float, cache: Path | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=Path, required=True, help="one replica per model (scripts/make_replica.py)")
+    parser.add_argument("--replicas", type=Path, help="one replica per model (scripts/make_replica.py; required)")
     parser.add_argument("--cache", type=Path, default=None, help="keep each plan's totals here (JSON), reuse them")
     parser.add_argument("--store-gbps", type=float, default=100.0,
                         help="GB/s the shared store serves all hosts together (an assumption; default 100)")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        replica, mesh, hosts, platform, policy, kind = args.child
+        harness.report(child_totals(replica, mesh, int(hosts), platform, policy, kind == "local"))
+        return
+    if args.replicas is None:
+        parser.error("--replicas is required")
     print(table(args.replicas, args.store_gbps * 1e9, args.cache))
 
 

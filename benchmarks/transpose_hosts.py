@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import harness
 
 PROCESSES, LOCAL_DEVICES = 4, 2
 MESH = {"fsdp": 2, "tp": 4}
@@ -52,7 +53,6 @@ def worker(spec_path: str, pid: int) -> None:
         import otfload
         from benchmarks.bench_transpose import tunix_style_load
         from otfload.mappings import maxtext_llama as mt
-        from tests.multihost.fetch_worker import disk_read_bytes, evict
 
         directory = Path(spec["dirs"][pid])
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -60,17 +60,17 @@ def worker(spec_path: str, pid: int) -> None:
         config = json.loads((directory / "config.json").read_text())
         abstract = mt.abstract_params(config, mesh, np.dtype(jax.numpy.bfloat16), scan_layers=False)
         if spec["cold"]:
-            evict(directory)
+            harness.drop_caches(directory, files_only=True)
         sync_global_devices("transpose-hosts-start")
-        before, start = disk_read_bytes(), time.perf_counter()
-        cpu_start = time.process_time()
+        before, start = harness.proc_io().get("read_bytes", 0), time.perf_counter()
+        cpu_start = harness.cpu_seconds()
         if spec["method"] == "tunix_style":
             loaded = tunix_style_load(directory, abstract, config)
         else:
             loaded = otfload.load_params(directory, abstract, mt.TABLE, mesh=mesh, progress=False)
         jax.block_until_ready(loaded)
-        result = {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start,
-                  "read_bytes": disk_read_bytes() - before}  # fmt: skip
+        result = {"seconds": time.perf_counter() - start, "cpu_seconds": harness.cpu_seconds() - cpu_start,
+                  "read_bytes": harness.proc_io().get("read_bytes", 0) - before}  # fmt: skip
         sync_global_devices("transpose-hosts-end")
         (Path(spec["out"]) / f"proc{pid}.json").write_text(json.dumps(result))
     finally:
@@ -108,20 +108,16 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.make_checkpoint import ensure_checkpoint
 
     source = ensure_checkpoint(args.size_gib, moe=False)
-    checkpoint = sum(p.stat().st_size for p in source.glob("*.safetensors"))
-    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    checkpoint = harness.tensor_bytes(source)
     with tempfile.TemporaryDirectory(dir=source.parent) as tmp:
         dirs = [Path(shutil.copytree(source, Path(tmp) / f"copy{i}")) for i in range(PROCESSES)]  # own inodes
-        for r in range(args.repeat):
-            for method in METHODS:
-                result = run(method, dirs, not args.warm, Path(tmp) / f"{method}-{r}")
-                runs[method].append(result)
-                share = result["read_bytes"] / checkpoint
-                print(f"  round {r + 1}/{args.repeat} {method:12s} {result['seconds']:6.2f} s  read {share:4.2f} x "
-                      "checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        outs = (Path(tmp) / f"run-{i}" for i in range(len(METHODS) * args.repeat))
+        runs = harness.rounds(METHODS, args.repeat, lambda m: run(m, dirs, not args.warm, next(outs)),
+                              line=lambda r: f"{harness.progress(r)}  read {r['read_bytes'] / checkpoint:4.2f} x "
+                              "checkpoint")  # fmt: skip
     cache = "warm page cache" if args.warm else "cold: each process's own copy dropped from the page cache"
     print(f"\n{PROCESSES} processes × {LOCAL_DEVICES} devices, mesh fsdp=2 × tp=4, {checkpoint / 1e9:.3f} GB "
-          f"checkpoint, {cache}, medians of {args.repeat}; load average {os.getloadavg()[0]:.2f}\n")  # fmt: skip
+          f"checkpoint, {cache}, medians of {args.repeat}; {harness.load_line()}\n")  # fmt: skip
     print("| method | seconds (slowest process) | runs (s) | CPU s (all processes) | read by all / checkpoint |")
     print("|---|---:|---|---:|---:|")
     medians = {}

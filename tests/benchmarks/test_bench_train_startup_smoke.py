@@ -2,13 +2,14 @@
 consistent milestones (the timings themselves are measured by hand for docs/benchmarks.md, never
 asserted)."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.harness import result_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +21,6 @@ def test_child_runs_to_the_first_step(tiny_checkpoints, mode):
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_train_startup", "--child", mode, str(path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    times = json.loads(out.stdout.strip().splitlines()[-1])
+    times = result_of(out.stdout)
     assert 0 < times["load"] <= times["ready"] < times["first_step"]
     assert 0 < times["compile"] <= times["ready"]

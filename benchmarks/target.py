@@ -1,5 +1,5 @@
-"""What every benchmark method shares: the mesh, the load target (plan + otfload's own route) and
-memory measurement.
+"""The load target the benchmarks share: the mesh, and one checkpoint planned onto it with otfload's own
+route to load it (measuring a run is :mod:`benchmarks.harness`'s).
 
 The target is planned once per process with otfload's planner, so every method loads the same
 tensors onto the same ``NamedSharding`` s. A Mixtral checkpoint goes through
@@ -9,9 +9,6 @@ small benchmark mapping below (experts × layers stacked from per-expert keys).
 
 from __future__ import annotations
 
-import os
-import resource
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +16,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import psutil
 from jax.sharding import Mesh
 
 import otfload
@@ -33,6 +29,16 @@ from otfload.plan.planner import LoadPlan, build_plan
 from otfload.sources import open_source
 
 TP = 4
+
+
+def check_devices(devices: int, platform: str = "cpu") -> None:
+    """Stop unless JAX has ``devices`` simulated CPU devices (``platform="cpu"``), or at least
+    ``devices`` devices of another ``platform``."""
+    have = jax.devices()
+    if platform == "cpu" and len(have) != devices:
+        raise SystemExit(f"expected {devices} devices, JAX has {len(have)}: is XLA_FLAGS set?")
+    if platform != "cpu" and (have[0].platform != platform or len(have) < devices):
+        raise SystemExit(f"expected {devices} {platform} devices, JAX has {have}")
 
 
 def bench_mesh(n_devices: int | None = None) -> Mesh:
@@ -142,34 +148,6 @@ def open_target(directory: Path, mesh: Mesh) -> Target:
     return Target(directory, mesh, plan, index.total_bytes, "from_pretrained", load)
 
 
-def disk_read_bytes() -> int:
-    """Bytes this process really read from storage (not the page cache): ``read_bytes`` of
-    ``/proc/self/io``, which includes its waited-for children (``cat``, ``dd``); 0 where unknown."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:  # not Linux, or /proc hidden
-        pass
-    return 0
-
-
-def disk_busy_ms() -> int:
-    """Milliseconds the machine's disks have spent with I/O in flight (``io_ticks`` of
-    ``/proc/diskstats``, whole disks only, summed): over a run, busy / wall says whether the disk
-    or the CPU was the bottleneck (machine-wide: other processes' I/O counts too)."""
-    try:
-        disks = {p.name for p in Path("/sys/block").iterdir() if not p.name.startswith(("loop", "ram", "zram"))}
-        total = 0
-        for line in Path("/proc/diskstats").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 12 and fields[2] in disks:
-                total += int(fields[12])
-        return total
-    except OSError:
-        return 0
-
-
 def resident_fraction(directory: Path) -> float | None:
     """The fraction of the checkpoint's safetensors pages in the page cache (``mincore``)."""
     from otfload.sources.residency import file_resident_fraction
@@ -180,36 +158,3 @@ def resident_fraction(directory: Path) -> float | None:
     if not files or any(x is None for x in fractions):
         return None
     return sum(x * n for x, n in zip(fractions, sizes, strict=True)) / max(1, sum(sizes))
-
-
-def current_rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss() -> int:
-    """Peak RSS of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class RssSampler:
-    """A thread sampling this process's RSS every ``interval`` s; ``peak`` is the largest sample."""
-
-    def __init__(self, interval: float = 0.01):
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._process = psutil.Process(os.getpid())
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._process.memory_info().rss)
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
