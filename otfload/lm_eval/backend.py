@@ -14,7 +14,14 @@ as lm_eval's ``hf`` backend answers them, so the numbers compare:
 * ``loglikelihood`` (lm_eval's ``TemplateLM`` splits context and continuation, trailing spaces
   moving to the continuation) and ``loglikelihood_rolling`` (lm_eval's disjoint rolling windows of
   ``max_length``, summed) are scored by :mod:`otfload.lm_eval.scoring`;
-* ``generate_until`` by :mod:`otfload.lm_eval.generation`: greedy, stop strings, ``max_gen_toks``.
+* ``generate_until`` by :mod:`otfload.lm_eval.generation`: greedy, stop strings, ``max_gen_toks``;
+* ``apply_chat_template`` (lm_eval's ``--apply_chat_template``) renders the checkpoint's chat
+  template as transformers does (:mod:`otfload.lm_eval.chat`).
+
+In a ``jax.distributed`` job each process is one of lm_eval's ranks (``rank`` its process index,
+``world_size`` the process count): lm_eval gives it every ``world_size``-th document, it scores them
+on a mesh of its own devices, and lm_eval gathers the metrics to process 0, which alone gets the
+results; the gathers and barriers go through the job's key-value store (:mod:`otfload.lm_eval.ranks`).
 
 ``max_length`` defaults to the config's ``n_positions``/``max_position_embeddings``/``n_ctx`` (its
 ``text_config`` first), else 2048, as lm_eval resolves it. ``timings`` holds the seconds spent
@@ -27,6 +34,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
@@ -35,8 +43,10 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 from otfload.errors import InvalidOptionError
+from otfload.lm_eval.chat import render_chat, select_template
 from otfload.lm_eval.generation import Generator, generation_options, options_key
 from otfload.lm_eval.loading import BackgroundLoad
+from otfload.lm_eval.ranks import Ranks
 from otfload.lm_eval.scoring import Scorer, Timings, TokenRequest, make_row
 from otfload.models.base import CausalLM
 from otfload.plan.sharding import make_mesh
@@ -77,6 +87,8 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         del device, max_batch_size  # accepted for lm_eval's CLI; the mesh places the model
         self.timings = Timings()
         self._batch_size = _batch_size(batch_size)
+        self.ranks = Ranks()
+        self._rank, self._world_size = self.ranks.rank, self.ranks.world_size  # lm_eval's LM reads these
         self.mesh = _mesh(mesh)
         self.progress = progress
         self._load = BackgroundLoad(pretrained, mesh=self.mesh, progress=bool(progress), **load_options)
@@ -125,8 +137,28 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         return self._batch_size
 
     @property
+    def device(self) -> str:
+        """Where lm_eval keeps its bookkeeping tensors (request counts) in a multi-process job."""
+        return "cpu"
+
+    def all_gather(self, tensor: Any) -> Any:
+        return self.ranks.all_gather(tensor)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        return self.ranks.gather_object(obj, dst)
+
+    def barrier(self) -> None:
+        self.ranks.barrier()
+
+    @property
     def tokenizer_name(self) -> str:
         return str(self._load.config.get("_name_or_path", "otfload")).replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as the checkpoint's chat template renders it (:mod:`otfload.lm_eval.chat`): a
+        generation prompt after it, else its final message left open."""
+        template = select_template(self.tokenizer.chat_template)
+        return render_chat(template, chat_history, self.tokenizer.special_tokens_map, add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs: Any) -> list[int]:
@@ -218,12 +250,19 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
 
 def _mesh(mesh: Mesh | Mapping[str, int] | str | None) -> Mesh:
     """A ``Mesh`` from lm_eval's ``model_args`` (``"fsdp:2/tp:4"``), a dict or a ``fsdp=2,tp=4``
-    string; None: every device on ``fsdp`` (``from_pretrained``'s default)."""
-    if isinstance(mesh, Mesh):
-        return mesh
-    if isinstance(mesh, str):
-        mesh = mesh.replace(":", "=").replace("/", ",")
-    return make_mesh(mesh)
+    string, over this process's devices; None: all of them on ``fsdp`` (``from_pretrained``'s
+    default in a one-process job). Each process of a ``jax.distributed`` job scores its share of
+    the documents on a mesh of its own devices: a ``Mesh`` spanning processes is refused."""
+    if not isinstance(mesh, Mesh):
+        if isinstance(mesh, str):
+            mesh = mesh.replace(":", "=").replace("/", ",")
+        return make_mesh(mesh, jax.local_devices())
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+        raise InvalidOptionError(
+            f"mesh {dict(mesh.shape)} spans several processes: the lm_eval backend runs each process of a "
+            "jax.distributed job on a mesh of its own devices (jax.local_devices()), scoring its share of the "
+            "documents")
+    return mesh
 
 
 def _batch_size(value: int | str) -> int:

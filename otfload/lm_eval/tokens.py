@@ -13,7 +13,11 @@ and answers the same questions, so the backend tokenizes exactly as the referenc
   transformers 5 decides);
 * ``bos_id`` / ``eos_id`` / ``pad_id``: from the token strings of the tokenizer config; the
   checkpoint's ``config.json`` ids when the tokenizer config names none (transformers would have
-  none there, and lm_eval could not score an empty context).
+  none there, and lm_eval could not score an empty context);
+* ``chat_template``: the tokenizer config's ``chat_template`` (a list of named ones becomes a
+  dict), overridden by a ``chat_template.jinja`` file and completed by the named ones of
+  ``additional_chat_templates/*.jinja``, as transformers loads them; ``special_tokens_map`` the
+  named special tokens' texts a chat template sees (``bos_token``, ``eos_token``, ...).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ if TYPE_CHECKING:
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# The named special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Larger than any published tokenizer_config.json (chat templates make some ~100 kB); refuse more.
 MAX_CONFIG_BYTES = 16 << 20
 FORCE_BPE_CLEAN_UP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
@@ -43,7 +51,9 @@ class CheckpointTokenizer:
     """``tokenizer.json`` with the special tokens and decoding options of ``tokenizer_config.json``."""
 
     def __init__(self, tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any],
-                 model_config: Mapping[str, Any]) -> None:
+                 model_config: Mapping[str, Any], chat_templates: Mapping[str, str] | None = None) -> None:
+        """``chat_templates``: templates from files (``"default"``: ``chat_template.jinja``), which
+        take precedence over the tokenizer config's."""
         self.tokenizer = tokenizer
         # transformers (5.x) skips the clean-up for BPE models, which it would corrupt, unless forced.
         forced = bool(tokenizer_config.get(FORCE_BPE_CLEAN_UP, False))
@@ -55,15 +65,14 @@ class CheckpointTokenizer:
         pad = self._special(tokenizer_config, "pad_token", model_config.get("pad_token_id"))
         # lm_eval's configure_pad_token: the UNK token, else EOS, when the tokenizer names no padding.
         self.pad_id = next((t for t in (pad, self.unk_id, self.eos_id) if t is not None), 0)
+        self.special_tokens_map = {key: text for key in NAMED_SPECIAL_TOKENS
+                                   if (text := _token_text(tokenizer_config, key)) is not None}
+        self.chat_template = _chat_templates(tokenizer_config.get("chat_template"), chat_templates or {})
 
     def _special(self, config: Mapping[str, Any], key: str, fallback: int | None) -> int | None:
-        token = config.get(key)
-        if isinstance(token, dict):  # an AddedToken written out: {"content": "<s>", ...}
-            token = token.get("content")
+        token = _token_text(config, key)
         if token is None:
             return fallback
-        if not isinstance(token, str):
-            raise TokenizerError(f"{TOKENIZER_CONFIG}: {key} must be a token string, got {token!r}")
         found = self.tokenizer.token_to_id(token)
         if found is None:
             raise TokenizerError(f"{TOKENIZER_CONFIG}: {key} {token!r} is not in tokenizer.json's vocabulary")
@@ -97,7 +106,55 @@ def checkpoint_tokenizer(source: Source, model_config: Mapping[str, Any]) -> Che
     for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):  # the tokenizer config wins where both say
         if name in files:
             config.update(_json_object(source, name))
-    return CheckpointTokenizer(tokenizer_from_source(source), config, model_config)
+    templates = {"default" if name == CHAT_TEMPLATE_FILE else name.split("/")[-1].removesuffix(".jinja"):
+                 _text(source, name) for name in sorted(files) if _is_chat_template(name)}
+    return CheckpointTokenizer(tokenizer_from_source(source), config, model_config, templates)
+
+
+def _is_chat_template(name: str) -> bool:
+    """``chat_template.jinja`` or a named template ``additional_chat_templates/NAME.jinja``."""
+    return name == CHAT_TEMPLATE_FILE or (name.startswith(f"{CHAT_TEMPLATE_DIR}/") and name.endswith(".jinja"))
+
+
+def _token_text(config: Mapping[str, Any], key: str) -> str | None:
+    """The text of special token ``key`` as a tokenizer config writes it: a string or an AddedToken object."""
+    token = config.get(key)
+    if isinstance(token, dict):  # an AddedToken written out: {"content": "<s>", ...}
+        token = token.get("content")
+    if token is not None and not isinstance(token, str):
+        raise TokenizerError(f"{TOKENIZER_CONFIG}: {key} must be a token string, got {token!r}")
+    return token
+
+
+def _chat_templates(configured: Any, files: Mapping[str, str]) -> str | dict[str, str] | None:
+    """The checkpoint's chat template (one string) or named templates (a dict), as transformers
+    resolves them: the config's, then the files' (``"default"`` replaces a single configured one)."""
+    templates: str | dict[str, str] | None
+    if isinstance(configured, list):  # [{"name": ..., "template": ...}, ...]
+        try:
+            templates = {str(t["name"]): str(t["template"]) for t in configured}
+        except (TypeError, KeyError):
+            raise TokenizerError(f"{TOKENIZER_CONFIG}: chat_template must be a string or a list of "
+                                 "{name, template} objects") from None
+    elif configured is None or isinstance(configured, str):
+        templates = configured
+    else:
+        raise TokenizerError(f"{TOKENIZER_CONFIG}: chat_template must be a string, got {type(configured).__name__}")
+    if not files:
+        return templates
+    if set(files) == {"default"}:
+        return files["default"]
+    return {**(templates if isinstance(templates, dict) else {}), **files}
+
+
+def _text(source: Source, name: str) -> str:
+    size = source.size(name)
+    if size > MAX_CONFIG_BYTES:
+        raise TokenizerError(f"{name} in {source.description}: {size} bytes is too large for a chat template")
+    try:
+        return read_bytes(source, name).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{name} in {source.description}: not UTF-8 text ({e})") from None
 
 
 def _json_object(source: Source, name: str) -> dict[str, Any]:

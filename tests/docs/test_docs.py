@@ -8,9 +8,10 @@ Convention for code blocks (checked here for every page in ``PAGES`` and README.
   bash shell each (``-euo pipefail``) with the ``otfload`` script on PATH.
 - A block that needs a checkpoint reads its location from the environment variable
   ``OTFLOAD_EXAMPLE_CKPT`` (here a tiny local float32 Llama in several shard files, from the
-  ``tiny_checkpoints`` fixture, with a tiny ``tokenizer.json``; for a reader, a Hub id fallback), and
-  one that needs a PEFT LoRA adapter of it from ``OTFLOAD_EXAMPLE_ADAPTER`` (one PEFT saved here,
-  naming the Llama as its base).
+  ``tiny_checkpoints`` fixture, with a tiny ``tokenizer.json`` and a chat template; for a reader, a
+  Hub id fallback), one that needs a PEFT LoRA adapter of it from ``OTFLOAD_EXAMPLE_ADAPTER`` (one
+  PEFT saved here, naming the Llama as its base), and one that needs a quantized checkpoint from
+  ``OTFLOAD_EXAMPLE_QUANTIZED`` (that Llama with every linear layer in compressed-tensors FP8).
 - Shell commands run in a bash block only when they are fast on that tiny checkpoint (``otfload
   inspect``, ``load``, ``eval``, ...). Sample output goes in ```text blocks, and commands that are not
   run here (long measurements, commands that need the network or a real model) in ```console
@@ -20,7 +21,7 @@ Convention for code blocks (checked here for every page in ``PAGES`` and README.
   they are not run here.
 - Exempt (``EXEMPT``): the benchmark pages, whose bash blocks are the long measurements that
   reproduce their tables (minutes to hours on real checkpoints). Every other page in docs/ is in
-  ``PAGES`` or ``NOT_YET_RUN`` (so a new page cannot go unrun unnoticed).
+  ``PAGES`` (so a new page cannot go unrun unnoticed).
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ import otfload.errors
 from otfload.families.registry import supported_model_types
 from tests.adapters.support import make_adapter
 from tests.eval_support import with_tokenizer
+from tests.index.quant import layouts
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = ["index.md", "quickstart.md", "concepts.md", "architecture.md", "families.md", "adding_a_family.md",
          "troubleshooting.md", "sources.md", "export.md", "byo_model.md", "adapters.md", "evaluation.md",
-         "checkpoints.md", "reliability.md", "robustness.md", "training.md"]
+         "checkpoints.md", "reliability.md", "robustness.md", "training.md", "formats.md"]
 EXEMPT = {"benchmarks.md", "benchmarks_export.md", "benchmarks_remote.md", "benchmarks_reshard.md"}
-NOT_YET_RUN = {"formats.md"}  # its blocks name real Hub checkpoints and undefined names (issue 33 point 8)
 FENCES = {"python", "bash", "text", "console"}
+# The example checkpoint's chat template, as an instruction-tuned checkpoint has one.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 RUNNER = r"""
 import contextlib, re, subprocess, sys, traceback
@@ -73,9 +77,14 @@ def fence_languages(text: str) -> list[str]:
 def test_every_code_block_runs(tiny_checkpoints, tmp_path):
     llama, torch_model = tiny_checkpoints("llama")
     checkpoint = with_tokenizer(llama, tmp_path / "tiny-llama")
+    (checkpoint / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # evaluation.md's --apply-chat-template job
     adapter = make_adapter(torch_model, tmp_path / "tiny-lora", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                            base_model_name_or_path=str(checkpoint))
+    quantized = tmp_path / "tiny-fp8"
+    layouts.quantize_checkpoint(llama, quantized, layouts.is_linear, layouts.compressed_tensors("fp8_channel"),
+                                layouts.ct_config("fp8_channel"))
     env = {**os.environ, "OTFLOAD_EXAMPLE_CKPT": str(checkpoint), "OTFLOAD_EXAMPLE_ADAPTER": str(adapter),
+           "OTFLOAD_EXAMPLE_QUANTIZED": str(quantized),
            "TQDM_DISABLE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     pages = [str(DOCS / p) for p in PAGES] + [str(README)]
@@ -100,7 +109,7 @@ def test_every_fence_names_its_language():
 
 def test_every_page_is_run_or_exempt():
     pages = {p.name for p in DOCS.glob("*.md")}
-    assert pages == set(PAGES) | EXEMPT | NOT_YET_RUN, pages ^ (set(PAGES) | EXEMPT | NOT_YET_RUN)
+    assert pages == set(PAGES) | EXEMPT, pages ^ (set(PAGES) | EXEMPT)
 
 
 def test_families_table_is_the_registry():

@@ -1,0 +1,116 @@
+"""lm_eval's multi-process protocol over ``jax.distributed``: ranks, gathers and barriers.
+
+With several processes, ``lm_eval.evaluate`` gives each *rank* every ``world_size``-th document of
+each task, pads the request lists to one length (it all-gathers their counts), runs them, waits at a
+barrier after each request type and gathers the per-document metrics (and logged samples) to rank 0,
+which alone aggregates them and gets the results. Its ``hf`` backend does this with ``accelerate``;
+here the ranks are ``jax.distributed``'s processes and the exchanges go through the job's key-value
+store (its coordination service, :mod:`otfload.cache.coordination`), so no device and no torch
+process group takes part: each process scores its share on its own devices.
+
+Every process makes the same exchanges in the same order (lm_eval's protocol does), so the n-th
+exchange of a :class:`Ranks` has the same key on every process. Values are pickled, base64-encoded
+and cut into chunks the store takes; a process that does not arrive within the bound (one hour, or
+``OTFLOAD_COLLECTIVE_TIMEOUT`` seconds) ends the job with a
+:class:`~otfload.errors.CollectiveTimeoutError` naming it, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import pickle
+import threading
+from typing import Any
+
+import numpy as np
+
+from otfload.cache.coordination import Coordinator, current_coordinator
+from otfload.errors import CollectiveTimeoutError
+from otfload.place.agree import TIMEOUT_ENV, collective_timeout
+
+KEY_PREFIX = "otfload/lm_eval"
+# An evaluation's processes meet at a barrier after each request type: the fastest waits for the
+# slowest to score its share, which on a long task takes far longer than a load's exchanges.
+DEFAULT_TIMEOUT_S = 3600.0
+CHUNK_CHARS = 1 << 20  # per key: well under the coordination service's message limit (4 MiB)
+
+# The n-th Ranks built in a process meets the n-th of every other process (they build theirs in order).
+_jobs = itertools.count()
+_jobs_lock = threading.Lock()
+
+
+class Ranks:
+    """This process's rank among the job's ``world_size`` processes, and lm_eval's exchanges between them.
+
+    ``coordinator`` defaults to the job's (``jax.distributed``'s key-value store, or this process
+    alone); ``timeout_s`` bounds each wait for another process; ``job`` names the exchanges' keys,
+    the same on every process (default: the n-th ``Ranks`` of this process meets the n-th of the others).
+    """
+
+    def __init__(self, coordinator: Coordinator | None = None, timeout_s: float | None = None,
+                 job: str | None = None) -> None:
+        self.coordinator = current_coordinator() if coordinator is None else coordinator
+        self.rank = self.coordinator.process_index
+        self.world_size = self.coordinator.process_count
+        if timeout_s is None:
+            timeout_s = collective_timeout() if os.environ.get(TIMEOUT_ENV) else DEFAULT_TIMEOUT_S
+        self.timeout_s = timeout_s
+        if job is None:
+            with _jobs_lock:
+                job = str(next(_jobs))
+        self._space = f"{KEY_PREFIX}/{job}"
+        self._exchanges = itertools.count()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, by rank."""
+        if self.world_size == 1:
+            return [obj]
+        key = self._next_key()
+        self._publish(key, obj)
+        return [obj if q == self.rank else self._read(key, q) for q in range(self.world_size)]
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every process's ``obj`` by rank on process ``dst``; None on the others."""
+        if self.world_size == 1:
+            return [obj]
+        key = self._next_key()
+        if self.rank != dst:
+            self._publish(key, obj)
+            return None
+        return [obj if q == dst else self._read(key, q) for q in range(self.world_size)]
+
+    def barrier(self) -> None:
+        """Return once every process has reached its barrier of the same number."""
+        self.all_gather_object(None)
+
+    def all_gather(self, tensor: Any) -> Any:
+        """lm_eval's ``all_gather`` of a (torch) tensor: every process's, joined along the first
+        dimension (a scalar counting as one element), as a tensor of the same kind."""
+        parts = self.all_gather_object(np.asarray(tensor.detach().cpu()))
+        return tensor.new_tensor(np.concatenate([np.atleast_1d(p) for p in parts]))
+
+    # --- the store --------------------------------------------------------------------------------
+
+    def _next_key(self) -> str:
+        return f"{self._space}/{next(self._exchanges)}"
+
+    def _publish(self, key: str, obj: Any) -> None:
+        text = base64.b64encode(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+        chunks = [text[i : i + CHUNK_CHARS] for i in range(0, len(text), CHUNK_CHARS)] or [""]
+        for i, chunk in enumerate(chunks):
+            self.coordinator.publish(f"{key}/{self.rank}/{i}", chunk)
+        self.coordinator.publish(f"{key}/{self.rank}/chunks", str(len(chunks)))  # last: the others read on this
+
+    def _read(self, key: str, process: int) -> Any:
+        count = int(self._wait(f"{key}/{process}/chunks", process))
+        text = "".join(self._wait(f"{key}/{process}/{i}", process) for i in range(count))
+        return pickle.loads(base64.b64decode(text))  # noqa: S301  (written by this job's own processes)
+
+    def _wait(self, key: str, process: int) -> str:
+        value = self.coordinator.wait_for(key, self.timeout_s)
+        if value is None:
+            raise CollectiveTimeoutError(f"lm_eval: process {process} did not reach exchange {key!r} within "
+                                         f"{self.timeout_s:g} s ({TIMEOUT_ENV} sets the bound)", None, [process])
+        return value
