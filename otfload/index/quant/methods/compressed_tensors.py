@@ -18,19 +18,8 @@ import numpy as np
 from otfload.errors import ConfigError, UnsupportedQuantizationError
 from otfload.index.header import TensorInfo
 from otfload.index.quant.codes import Codes, PackedFp4Codes, PackedIntCodes, PlainCodes
-from otfload.index.quant.common import (
-    NVFP4_GROUP,
-    QuantConfig,
-    ReadValues,
-    Tensor,
-    as_grid,
-    checked_scale,
-    fail,
-    fit_block,
-    is_fp8,
-    scale_grid,
-    stored,
-)
+from otfload.index.quant.common import QuantConfig, ReadValues, Tensor, fail, stored
+from otfload.index.quant.methods.scale_grid import NVFP4_GROUP, as_grid, checked_scale, fit_block, is_fp8, scale_grid
 from otfload.index.quant.scales import BlockScales
 from otfload.index.quant.tensor import QuantizedTensor
 

@@ -15,17 +15,8 @@ import math
 from otfload.errors import ConfigError
 from otfload.index.header import TensorInfo
 from otfload.index.quant.codes import PlainCodes
-from otfload.index.quant.common import (
-    QuantConfig,
-    ReadValues,
-    Tensor,
-    as_grid,
-    checked_scale,
-    fail,
-    fit_block,
-    is_fp8,
-    stored,
-)
+from otfload.index.quant.common import QuantConfig, ReadValues, Tensor, fail, stored
+from otfload.index.quant.methods.scale_grid import as_grid, checked_scale, fit_block, is_fp8
 from otfload.index.quant.scales import BlockScales
 from otfload.index.quant.tensor import QuantizedTensor
 

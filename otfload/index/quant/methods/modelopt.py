@@ -17,18 +17,9 @@ import numpy as np
 from otfload.errors import ConfigError, UnsupportedQuantizationError
 from otfload.index.header import TensorInfo
 from otfload.index.quant.codes import PackedFp4Codes
-from otfload.index.quant.common import (
-    NVFP4_GROUP,
-    QuantConfig,
-    ReadValues,
-    Tensor,
-    checked_scale,
-    fail,
-    fit_block,
-    is_fp8,
-    stored,
-)
+from otfload.index.quant.common import QuantConfig, ReadValues, Tensor, fail, stored
 from otfload.index.quant.methods.fp8 import fp8_pairs, unscaled_fp8
+from otfload.index.quant.methods.scale_grid import NVFP4_GROUP, checked_scale, fit_block, is_fp8
 from otfload.index.quant.scales import BlockScales
 from otfload.index.quant.tensor import QuantizedTensor
 
