@@ -38,4 +38,4 @@ def cast_values_jax(values: jax.Array, bits: int = 0, add: int = 0) -> jax.Array
     return out + jnp.float32(add) if add else out
 
 
-CODEC = Codec("cast", packed=False, numpy=cast_values, jax=cast_values_jax)
+CODEC = Codec("cast", numpy=cast_values, jax=cast_values_jax)

@@ -1,4 +1,4 @@
-"""What a codec is: a name, whether its values are packed bit fields, and two decoders."""
+"""What a codec is: a name and two decoders, one for the host and one for the devices."""
 
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ class Codec:
     """One encoding of stored numbers and its host (numpy) and device (JAX) decoders.
 
     ``name`` is its key in :data:`~otfload.index.quant.codecs.CODECS`, recorded in every
-    :class:`~otfload.index.quant.parts.StoredPart`; ``packed``: its values are bit fields packed
-    into wider words (unpacked first: :func:`~otfload.index.quant.codecs.fields.unpack_fields`
-    on the devices, fused into the codec's own numpy unpacking on the host).
+    :class:`~otfload.index.quant.parts.StoredPart`. A packed codec's values are bit fields of wider
+    words, unpacked first: by :func:`~otfload.index.quant.codecs.fields.unpack_fields` on the
+    devices, in the codec's own module (fused with the decode) on the host.
     """
 
     name: str
-    packed: bool
     numpy: HostDecoder
     jax: DeviceDecoder

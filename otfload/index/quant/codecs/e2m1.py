@@ -38,4 +38,4 @@ def fp4_values(packed: np.ndarray) -> np.ndarray:
     return out
 
 
-CODEC = Codec("e2m1", packed=True, numpy=e2m1_values, jax=e2m1_values_jax)
+CODEC = Codec("e2m1", numpy=e2m1_values, jax=e2m1_values_jax)

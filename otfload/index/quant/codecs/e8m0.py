@@ -34,4 +34,4 @@ def e8m0_values_jax(scales: jax.Array, bits: int = 0, add: int = 0) -> jax.Array
     return jnp.where(s == E8M0_NAN, jnp.float32(jnp.nan), values)
 
 
-CODEC = Codec("e8m0", packed=False, numpy=e8m0_values, jax=e8m0_values_jax)
+CODEC = Codec("e8m0", numpy=e8m0_values, jax=e8m0_values_jax)

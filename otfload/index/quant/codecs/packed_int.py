@@ -89,4 +89,4 @@ def unpack_ints(words: np.ndarray, num_bits: int, start: int, stop: int) -> np.n
     return int_values(out, num_bits)
 
 
-CODEC = Codec("int", packed=True, numpy=int_values, jax=int_values_jax)
+CODEC = Codec("int", numpy=int_values, jax=int_values_jax)
