@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import harness
 from otfload.models.attention import CHUNKED, DPA, Context, attention
 from otfload.models.experts import BLOCKS, DENSE, RAGGED, block_size, expert_ffn
 from otfload.models.llama import LlamaConfig, LlamaForCausalLM
@@ -60,13 +61,7 @@ SMOKE = dict(moe=dict(hidden=64, inter=32, experts=16, top_k=4, tokens=(64,)),
 
 def timed(fn, args, repeat: int) -> float:
     """Median seconds of ``fn(*args)`` over ``repeat`` calls, after one untimed (compiling) call."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+    return statistics.median(harness.times(lambda: jax.block_until_ready(fn(*args)), repeat))
 
 
 def compiled_stats(fn, args):
