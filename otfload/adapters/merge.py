@@ -17,7 +17,8 @@ Each adapter's tensors decide what is adapted (``base_model.model.`` prefix stri
 A module whose key is not in the checkpoint is looked up under the checkpoint's names: transformers
 5 renames some modules and fuses per-expert weights at load time (Mixtral's ``block_sparse_moe`` is
 ``mlp``; ``experts.gate_up_proj`` ``[E, 2·I, H]`` is ``experts.{e}.w1`` and ``w3`` stacked), so an
-adapter trained on transformers 5 names parameters the stored checkpoint splits. A fused factor pair
+adapter trained on transformers 5 names parameters the stored checkpoint splits. Each family states
+how in its :attr:`~otfload.families.registry.Family.lora_layout` (:mod:`otfload.families.lora`). A fused factor pair
 then becomes one term per stored expert tensor (its ``A`` rows, its ``B`` rows and expert columns).
 
 Adapters apply in order, as PEFT's merge-then-load would: a replaced tensor drops the deltas merged
@@ -37,6 +38,8 @@ import numpy as np
 from otfload.adapters.config import AdapterConfig
 from otfload.adapters.tensor import AdaptedTensor, LoraTerm
 from otfload.errors import AdapterError
+from otfload.families.lora import ExpertLayout
+from otfload.families.registry import find_family
 from otfload.index.checkpoint import CheckpointIndex
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
@@ -59,33 +62,6 @@ TIED_PAIRS = (("model.embed_tokens.weight", "lm_head.weight"),)
 
 
 @dataclass(frozen=True)
-class ExpertLayout:
-    """How a family's transformers-5 module names map to the stored checkpoint's names.
-
-    ``renames`` are (runtime, stored) fragments; ``fused`` maps a runtime 3-D expert parameter to the
-    stored per-expert modules it concatenates along its output axis; ``transposed``: runtime 3-D expert
-    parameters are ``[E, in, out]`` (``is_transposed`` in transformers' experts implementation).
-    """
-
-    renames: tuple[tuple[str, str], ...] = ()
-    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    transposed: bool = False
-
-
-# transformers' ``conversion_mapping``: Mixtral renames block_sparse_moe and fuses w1|w3; the Qwen2-MoE
-# pattern (Qwen3-MoE, DeepSeek) fuses gate_proj|up_proj. GPT-OSS stores its fused [E, in, out] params.
-QWEN2_MOE = ExpertLayout(fused=(("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))
-LAYOUTS = {
-    "mixtral": ExpertLayout(renames=((".mlp.", ".block_sparse_moe."),),
-                            fused=(("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",)))),
-    "qwen3_moe": QWEN2_MOE,
-    "deepseek_v2": QWEN2_MOE,
-    "deepseek_v3": QWEN2_MOE,
-    "gpt_oss": ExpertLayout(transposed=True),
-}
-
-
-@dataclass(frozen=True)
 class Adapter:
     """One opened adapter: its position, location, config and tensors (names without the PEFT
     prefix, files in the combined source's namespace)."""
@@ -94,6 +70,13 @@ class Adapter:
     where: str
     config: AdapterConfig
     tensors: dict[str, TensorInfo]
+
+
+def lora_layout(model_type: object) -> ExpertLayout:
+    """The LoRA layout of ``model_type``'s family; none (names as stored) for a model type that no
+    family registers (a checkpoint loaded with the caller's own mapping table)."""
+    family = find_family(model_type) if isinstance(model_type, str) else None
+    return ExpertLayout() if family is None else family.lora_layout
 
 
 def strip_prefix(key: str) -> str:
@@ -112,8 +95,7 @@ class _Merger:
     def __init__(self, index: CheckpointIndex):
         self.tensors: dict[str, TensorInfo | DerivedTensor] = dict(index.tensors)
         self.config = dict(index.config)
-        model_type = self.config.get("model_type")
-        self.layout = LAYOUTS.get(model_type, ExpertLayout()) if isinstance(model_type, str) else ExpertLayout()
+        self.layout = lora_layout(self.config.get("model_type"))
         self.children: dict[str, set[str]] = defaultdict(set)
         for key in self.tensors:
             parent, _, name = key.rpartition(".")

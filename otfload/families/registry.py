@@ -1,12 +1,17 @@
-"""Model families by ``model_type``: config parser, NNX model class and mapping table.
+"""Model families by ``model_type``: config parser, NNX model class, mapping table, LoRA layout.
 
-Adding a family is one model module plus one mapping module that calls :func:`register`; the
-loader never changes.
+Each family is one package under :mod:`otfload.families` (``llama/``, ``gemma/``, ...: its config,
+model, mapping table and, for fused experts, LoRA layout) whose ``__init__`` calls :func:`register`.
+Every subpackage is imported on first use, so adding a family is adding its package; the loader
+and this registry never change. Plain modules beside the packages (this one, ``multimodal``,
+``lora``) are what families share.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -15,6 +20,7 @@ from flax import nnx
 
 from otfload.config.tensors import TensorCheck, check_tensors
 from otfload.errors import ConfigError, UnsupportedModelError
+from otfload.families.lora import ExpertLayout
 from otfload.plan.mapping import MappingTable
 
 
@@ -41,7 +47,9 @@ class Family(Generic[C]):
     ``to_dict()`` whose fields the mapping's hooks may name), raising :class:`~otfload.errors.ConfigError` for any
     field of the wrong type, out of range or inconsistent; ``build(cfg, scan_layers=, dtype=, rngs=)``
     constructs the NNX model; ``mapping(cfg)`` returns the table for that config; ``checks(cfg,
-    config)`` lists what the checkpoint's tensors must agree with (layer and expert counts, sizes).
+    config)`` lists what the checkpoint's tensors must agree with (layer and expert counts, sizes);
+    ``lora_layout`` maps the expert names LoRA adapters use to the checkpoint's
+    (:mod:`otfload.families.lora`).
     """
 
     name: str
@@ -50,6 +58,7 @@ class Family(Generic[C]):
     build: Callable[..., nnx.Module]
     mapping: Callable[[C], MappingTable]
     checks: Callable[[C, Mapping[str, Any]], Sequence[TensorCheck]] = no_checks
+    lora_layout: ExpertLayout = ExpertLayout()
 
     def config_for(self, config: dict[str, Any], tensors: Mapping[str, object]) -> C:
         """The parsed config, checked against the checkpoint's ``tensors`` (name → info with ``.shape``)
@@ -68,19 +77,25 @@ def register(family: Family[C]) -> Family[C]:
     return family
 
 
+def find_family(model_type: str) -> Family[Any] | None:
+    """The registered family of ``model_type``, or None when none is."""
+    _load_builtin_families()
+    return _FAMILIES.get(model_type)
+
+
 def family_for(config: Mapping[str, Any]) -> Family[Any]:
     """The registered family of ``config["model_type"]``; a typed error names unknown ones."""
-    _load_builtin_families()
     if not isinstance(config, Mapping):
         raise ConfigError("config", config, "must be a JSON object")
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise ConfigError("model_type", model_type, "is required: a string naming the model family")
-    if model_type not in _FAMILIES:
+    family = find_family(model_type)
+    if family is None:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
+            f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
         )
-    return _FAMILIES[model_type]
+    return family
 
 
 def supported_model_types() -> list[str]:
@@ -88,12 +103,11 @@ def supported_model_types() -> list[str]:
     return sorted(_FAMILIES)
 
 
-# The built-in family modules; each registers its families when imported. A new family adds its
-# module here (an explicit list: what is supported is visible, and nothing is imported by accident).
-BUILTIN_FAMILY_MODULES = ("llama", "mixtral", "qwen3_moe", "gemma", "deepseek", "gpt_oss")
-
-
+@functools.cache
 def _load_builtin_families() -> None:
-    """Import every built-in family module once; each registers its families on import."""
-    for name in BUILTIN_FAMILY_MODULES:
-        importlib.import_module(f"otfload.families.{name}")
+    """Import every family package of :mod:`otfload.families` once (each registers its families on
+    import)."""
+    package = importlib.import_module("otfload.families")
+    for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if module.ispkg:
+            importlib.import_module(f"{package.__name__}.{module.name}")

@@ -1,5 +1,5 @@
-"""Building blocks shared by the reference models: parameters with logical axes, norms, RoPE,
-attention. Layer math is written as pure functions of parameter dicts so one function serves
+"""Building blocks shared by the reference models: parameters with logical axes (dense, per-expert),
+norms, RoPE. Layer math is written as pure functions of parameter dicts so one function serves
 scanned (``jax.lax.scan`` over stacked params) and unscanned (a Python loop) models.
 """
 
@@ -65,6 +65,23 @@ class Dense(nnx.Module):
         self.kernel = make_param(rngs, shape, axes, dtype, stack)
         if bias_dims:
             self.bias = make_param(rngs, [shape[d] for d in bias_dims], [axes[d] for d in bias_dims], dtype, stack)
+
+
+class ExpertDense(Dense):
+    """Per-expert weights on a leading experts axis. ``shape``/``axes`` are ``(out, in)``; the kernel is
+    ``[E, out, in]``, or ``[E, in, out]`` with ``in_first``; the optional bias is ``[E, out]``."""
+
+    def __init__(
+        self, num_experts: int, shape: tuple[int, int], axes: tuple[str | None, str | None], *, bias: bool,
+        in_first: bool = False, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None,
+    ) -> None:
+        (out, inp), (out_axis, in_axis) = shape, axes
+        if in_first:
+            dims, names, out_dim = (inp, out), (in_axis, out_axis), 2
+        else:
+            dims, names, out_dim = (out, inp), (out_axis, in_axis), 1
+        super().__init__((num_experts, *dims), ("experts", *names), bias_dims=(0, out_dim) if bias else (),
+                         dtype=dtype, rngs=rngs, stack=stack)
 
 
 class Norm(nnx.Module):

@@ -212,7 +212,8 @@ def test_published_rope_configs_match_transformers(published):
     """RoPE frequencies, cos/sin factor and softmax scale at the real sizes (64 rope dims, factor 40)."""
     import importlib
 
-    from otfload.models.deepseek import DeepseekConfig, softmax_scale
+    from otfload.families.deepseek.config import DeepseekConfig
+    from otfload.families.deepseek.model import softmax_scale
     from otfload.models.layers import rope_attention_factor, rope_inv_freq
 
     hf = {**DEEPSEEK_BASE, "max_position_embeddings": 163840, "rope_theta": 10000, "qk_nope_head_dim": 128,
@@ -233,7 +234,7 @@ def test_published_rope_configs_match_transformers(published):
 @pytest.mark.parametrize("change", [{"attention_bias": True}, {"mlp_bias": True}, {"topk_method": "noaux_tc"}])
 def test_unsupported_variants_raise_a_typed_error(change):
     from otfload.errors import UnsupportedModelError
-    from otfload.models.deepseek import DeepseekConfig
+    from otfload.families.deepseek.config import DeepseekConfig
 
     hf = {**DEEPSEEK_BASE, **V2_LITE, "rope_theta": 10000, **change}
     DeepseekConfig.from_hf({**DEEPSEEK_BASE, **V2_LITE, "rope_theta": 10000})  # the unchanged config parses

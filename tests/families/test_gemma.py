@@ -8,7 +8,7 @@ import pytest
 
 import otfload
 from otfload.errors import ShapeMismatchError
-from otfload.models.gemma import GemmaConfig
+from otfload.families.gemma.config import GemmaConfig
 from tests.helpers import BASE, max_rel_diff, register_hf_model, rename_tensors, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
 

@@ -93,7 +93,7 @@ def test_the_published_kimi_configs_parse_as_deepseek_v3():
     family = family_for(real)
     cfg = family.parse_config(real)
     assert "kimi_k25" in family.name and cfg.model_type == "deepseek_v3"
-    assert (cfg.num_layers, cfg.n_routed_experts, cfg.mtp_layers, cfg.tie_word_embeddings) == (61, 384, 0, False)
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.mtp_layers, cfg.tie_word_embeddings) == (61, 384, 0, False)
     method, qc = quantization_method(real)  # nested in text_config
     assert method == "compressed-tensors" and qc["format"] == "pack-quantized"
     text = real["text_config"]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import otfload
-from otfload.models.qwen3_moe import qwen3_moe_config
+from otfload.families.qwen3_moe.config import qwen3_moe_config
 from tests.families.moe_helpers import MOE_BASE, check_parity, parity_cases, wrong_shape_error
 from tests.helpers import hf_tensors, register_hf_model
 

@@ -20,9 +20,9 @@ from otfload.errors import (
     MeshRequiredError,
     UnmappedLeafError,
 )
+from otfload.families.llama.model import LlamaForCausalLM
 from otfload.families.registry import family_for
 from otfload.index.checkpoint import open_index
-from otfload.models.llama import LlamaForCausalLM
 from otfload.plan.abstract import abstract_target
 from otfload.sources import open_source
 from tests.helpers import hf_tensors, jax_logits, max_rel_diff, token_ids, torch_logits

@@ -1,4 +1,6 @@
-"""Sparse mixture-of-experts decoders (Mixtral, Qwen3-MoE, GPT-OSS) built on the Llama pieces.
+"""The sparse mixture-of-experts decoder Mixtral introduced, built on the Llama family's layers;
+Qwen3-MoE and GPT-OSS build theirs from it too (their packages parse their configs into a
+:class:`~otfload.families.mixtral.config.MoeConfig` and map their checkpoints onto this model).
 
 Expert weights of a layer are stacked on a leading ``experts`` axis (logical axis ``"experts"``,
 sharded on ``ep`` by the default rules) in the orientation the checkpoint stores them, so loading
@@ -17,10 +19,7 @@ group is one stack, run in HF layer order one homogeneous run at a time.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,72 +27,29 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
+from otfload.families.llama.model import Attention, DecoderLayer, LlamaForCausalLM, layer_forward
+from otfload.families.mixtral.config import CLAMPED_SWIGLU, TOPK_SOFTMAX, MoeConfig
 from otfload.models.attention import Context, Window
 from otfload.models.base import CacheLayout, GroupCache, GroupCaches
 from otfload.models.experts import expert_ffn
-from otfload.models.layers import Dense, Norm, ParamOptions, Params, dense, make_param, pure, run_layers
-from otfload.models.llama import Attention, DecoderLayer, LlamaConfig, LlamaForCausalLM, layer_forward
-
-SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
-SWIGLU, CLAMPED_SWIGLU = "swiglu", "clamped_swiglu"
-
-
-@dataclass(frozen=True)
-class MoeConfig(LlamaConfig):
-    """A Llama-style decoder whose feed-forward is a sparse MoE on the layers in ``moe_layers``.
-
-    ``routing``: ``"softmax_topk"`` (softmax over all experts, keep the top k, renormalise if
-    ``norm_topk_prob``: Mixtral, Qwen3-MoE) or ``"topk_softmax"`` (top k of the logits, softmax over
-    them: GPT-OSS). ``activation``: ``"swiglu"`` or ``"clamped_swiglu"`` (GPT-OSS: gate clamped
-    above, up clamped both ways at ``swiglu_limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``).
-    ``sliding_layers`` lists the layers using ``sliding_window`` (None: all of them).
-    ``experts_in_first``: expert kernels are ``[E, in, out]`` (else ``[E, out, in]``).
-    """
-
-    num_experts: int = 0
-    experts_per_token: int = 0
-    expert_intermediate_size: int = 0
-    routing: str = SOFTMAX_TOPK
-    norm_topk_prob: bool = True
-    router_bias: bool = False
-    expert_bias: bool = False
-    activation: str = SWIGLU
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    attention_sinks: bool = False
-    moe_layers: tuple[int, ...] = ()
-    dense_layers: tuple[int, ...] = ()
-    sliding_layers: tuple[int, ...] | None = None
-    experts_in_first: bool = False
-
-    @classmethod
-    def extend(cls, base: LlamaConfig, **fields: Any) -> MoeConfig:
-        """``base``'s fields plus (or overridden by) ``fields``."""
-        return cls(**{**dataclasses.asdict(base), **fields})
-
-
-class ExpertDense(Dense):
-    """Per-expert weights on a leading experts axis. ``shape``/``axes`` are ``(out, in)``; the kernel is
-    ``[E, out, in]``, or ``[E, in, out]`` with ``in_first``; the optional bias is ``[E, out]``."""
-
-    def __init__(
-        self, num_experts: int, shape: tuple[int, int], axes: tuple[str | None, str | None], *, bias: bool,
-        in_first: bool = False, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None,
-    ) -> None:
-        (out, inp), (out_axis, in_axis) = shape, axes
-        if in_first:
-            dims, names, out_dim = (inp, out), (in_axis, out_axis), 2
-        else:
-            dims, names, out_dim = (out, inp), (out_axis, in_axis), 1
-        super().__init__((num_experts, *dims), ("experts", *names), bias_dims=(0, out_dim) if bias else (),
-                         dtype=dtype, rngs=rngs, stack=stack)
+from otfload.models.layers import (
+    Dense,
+    ExpertDense,
+    Norm,
+    ParamOptions,
+    Params,
+    dense,
+    make_param,
+    pure,
+    run_layers,
+)
 
 
 class SparseMoe(nnx.Module):
     """Router ``[E, hidden]`` and the experts' ``gate``/``up``/``down`` weights."""
 
     def __init__(self, cfg: MoeConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
-        h, m, e = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+        h, m, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.router = Dense((e, h), (None, "embed"), bias_dims=(0,) if cfg.router_bias else (), dtype=dtype,
                             rngs=rngs, stack=stack)
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
@@ -110,7 +66,7 @@ class MoeDecoderLayer(nnx.Module):
         self.input_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
         self.attn = Attention(cfg, dtype=dtype, rngs=rngs, stack=stack)
         if cfg.attention_sinks:
-            self.attn.sinks = make_param(rngs, (cfg.num_heads,), ("heads",), dtype, stack)
+            self.attn.sinks = make_param(rngs, (cfg.num_attention_heads,), ("heads",), dtype, stack)
         self.post_attn_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs, stack=stack)
         self.moe = SparseMoe(cfg, dtype=dtype, rngs=rngs, stack=stack)
 
@@ -119,9 +75,9 @@ def route(logits: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
     """Each token's top-k experts: ``(weights, idx)``, both ``[..., k]``, weights in float32."""
     logits = logits.astype(jnp.float32)
     if cfg.routing == TOPK_SOFTMAX:
-        top, idx = jax.lax.top_k(logits, cfg.experts_per_token)
+        top, idx = jax.lax.top_k(logits, cfg.num_experts_per_tok)
         return jax.nn.softmax(top, axis=-1), idx
-    top, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
+    top, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top = top / top.sum(axis=-1, keepdims=True)
     return top, idx
@@ -151,7 +107,7 @@ def layer_runs(cfg: MoeConfig) -> list[tuple[str, int, int, int]]:
     """Maximal runs of consecutive layers in one group: ``(group, first position, stop position,
     first HF layer)``, in HF layer order."""
     runs: list[tuple[str, int, int, int]] = []
-    for layer in range(cfg.num_layers):
+    for layer in range(cfg.num_hidden_layers):
         group, ids = ("layers", cfg.moe_layers) if layer in cfg.moe_layers else ("dense_layers", cfg.dense_layers)
         pos = ids.index(layer)
         if runs and runs[-1][0] == group and runs[-1][2] == pos:
@@ -189,7 +145,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg
-        shape = (cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+        shape = (cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
         layout = {"layers": (len(cfg.moe_layers), *shape)}
         if cfg.dense_layers:
             layout["dense_layers"] = (len(cfg.dense_layers), *shape)
@@ -200,10 +156,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
         rope = self.rope(ctx.positions)
-        sliding = range(cfg.num_layers) if cfg.sliding_layers is None else cfg.sliding_layers
+        sliding = range(cfg.num_hidden_layers) if cfg.sliding_layers is None else cfg.sliding_layers
         # Each layer's window (0: full attention): a static int when all layers share it, else one
         # per layer (numpy, so unscanned layers still see a static window).
-        windows = np.array([(cfg.sliding_window or 0) if i in sliding else 0 for i in range(cfg.num_layers)], np.int32)
+        windows = np.array([(cfg.sliding_window or 0) if i in sliding else 0 for i in range(cfg.num_hidden_layers)],
+                           np.int32)
         shared = int(windows[0]) if (windows == windows[0]).all() else None
 
         def forward(

@@ -1,4 +1,4 @@
-"""Mapping table for Qwen3-MoE: the MoE layers form the ``layers`` group and the dense
+"""Qwen3-MoE's mapping table: the MoE layers form the ``layers`` group and the dense
 (``mlp_only_layers`` / ``decoder_sparse_step``) ones the ``dense_layers`` group; every rule maps a
 group position to its HF layer through the config's ``moe_layers`` / ``dense_layers`` lists, so
 either group may be stacked even when the two interleave."""
@@ -10,10 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
-from otfload.families.llama import LLAMA_TABLE, attention_checks
-from otfload.families.registry import Family, register
-from otfload.models.moe import MoeConfig, MoeForCausalLM
-from otfload.models.qwen3_moe import EXPERT_FIELDS, qwen3_moe_config
+from otfload.families.llama.mapping import LLAMA_TABLE, attention_checks
+from otfload.families.mixtral.config import MoeConfig
+from otfload.families.qwen3_moe.config import EXPERT_FIELDS
 from otfload.plan.mapping import MappingTable, Rule
 
 MOE = "model.layers.{layer}.mlp"
@@ -53,7 +52,6 @@ QWEN3_MOE_TABLE = (
 )
 
 
-
 def qwen3_moe_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """The Llama checks plus the expert count against expert indices and router rows."""
     field = next((k for k in EXPERT_FIELDS if config.get(k) is not None), EXPERT_FIELDS[0])
@@ -64,15 +62,3 @@ def qwen3_moe_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count |
         *moe,
         Dim(field, cfg.num_experts, f"{MOE}.gate.weight", 0),
     )
-
-
-QWEN3_MOE = register(
-    Family(
-        name="qwen3_moe",
-        model_types=("qwen3_moe",),
-        parse_config=qwen3_moe_config,
-        build=MoeForCausalLM,
-        mapping=lambda cfg: QWEN3_MOE_TABLE,
-        checks=qwen3_moe_checks,
-    )
-)

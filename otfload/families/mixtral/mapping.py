@@ -1,5 +1,7 @@
-"""Mapping table for Mixtral: the Llama attention/norm/embedding keys plus the router and the
-per-expert ``w1`` (gate), ``w3`` (up), ``w2`` (down) keys, each stacked on the experts axis."""
+"""Mixtral's mapping table: the Llama attention/norm/embedding keys plus the router and the
+per-expert ``w1`` (gate), ``w3`` (up), ``w2`` (down) keys, each stacked on the experts axis; and
+its LoRA layout: transformers 5 renames ``block_sparse_moe`` to ``mlp`` and fuses ``w1|w3`` into
+``experts.gate_up_proj`` (``w2`` into ``down_proj``), the names adapters trained there use."""
 
 from __future__ import annotations
 
@@ -7,10 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
-from otfload.families.llama import LLAMA_TABLE, attention_checks
-from otfload.families.registry import Family, register
-from otfload.models.mixtral import mixtral_config
-from otfload.models.moe import MoeConfig, MoeForCausalLM
+from otfload.families.llama.mapping import LLAMA_TABLE, attention_checks
+from otfload.families.lora import ExpertLayout
+from otfload.families.mixtral.config import MoeConfig
 from otfload.plan.mapping import MappingTable, Rule
 
 MOE = "model.layers.{layer}.block_sparse_moe"
@@ -24,6 +25,8 @@ MIXTRAL_TABLE = MappingTable(
     ),
 ) + LLAMA_TABLE
 
+MIXTRAL_LORA = ExpertLayout(renames=((".mlp.", ".block_sparse_moe."),),
+                            fused=(("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))))
 
 
 def mixtral_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
@@ -33,15 +36,3 @@ def mixtral_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | D
         Count("num_local_experts", cfg.num_experts, "expert"),
         Dim("num_local_experts", cfg.num_experts, f"{MOE}.gate.weight", 0),
     )
-
-
-MIXTRAL = register(
-    Family(
-        name="mixtral",
-        model_types=("mixtral",),
-        parse_config=mixtral_config,
-        build=MoeForCausalLM,
-        mapping=lambda cfg: MIXTRAL_TABLE,
-        checks=mixtral_checks,
-    )
-)

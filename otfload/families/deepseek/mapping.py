@@ -1,4 +1,4 @@
-"""Mapping tables for DeepSeek-V2 and DeepSeek-V3 (``deepseek_v2``, ``deepseek_v3``).
+"""The mapping table of DeepSeek-V2 and DeepSeek-V3 (``deepseek_v2``, ``deepseek_v3``) and their checks.
 
 HF layers ``0 .. first_k_dense_replace - 1`` feed ``dense_layers`` and the rest ``moe_layers``,
 whose rules carry ``offsets={"layer": "first_k_dense_replace"}`` so the group's index ``i`` reads HF
@@ -12,8 +12,9 @@ its contiguous rows: ``kv_a_proj_with_mqa`` → ``kv_a`` (latent) + ``k_rope``; 
 Kimi-K2 (``kimi_k2``) is the DeepSeek-V3 architecture under another name (its ``architectures`` say
 ``DeepseekV3ForCausalLM``): the same model and table. Kimi-K2.5 (``kimi_k25``) wraps a ``kimi_k2``
 language model (``text_config``, tensors under ``language_model.``) with a vision tower, which is
-never read (:mod:`otfload.families.multimodal`); its ``text_config`` carries the
-``quantization_config`` (int4 routed experts), which the index honours there.
+never read (:mod:`otfload.families.multimodal`; both are registered in :mod:`otfload.families.deepseek`);
+its ``text_config`` carries the ``quantization_config`` (int4 routed experts), which the index
+honours there.
 
 ``lm_head.weight`` has no fallback: tied configs build no ``lm_head`` leaf, and an untied one whose
 checkpoint lacks it is a missing tensor.
@@ -21,22 +22,19 @@ checkpoint lacks it is a missing tensor.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 from otfload.config import Count, Dim
-from otfload.families.multimodal import text_model_family
-from otfload.families.registry import Family, register
-from otfload.models.deepseek import EXPERT_FIELDS, DeepseekConfig, DeepseekForCausalLM
+from otfload.families.deepseek.config import EXPERT_FIELDS, DeepseekConfig
 from otfload.plan.hooks import Reshape, Slice
 from otfload.plan.mapping import MappingTable, Rule
 
 HF = "model.layers.{layer}"
 ATTN = f"{HF}.self_attn"
 # kv_b_proj.weight [heads * (nope + v), kv_lora] viewed as [heads, nope + v, kv_lora].
-KV_B_HEADS = Reshape(("num_heads", -1, "kv_lora_rank"))
+KV_B_HEADS = Reshape(("num_attention_heads", -1, "kv_lora_rank"))
 
 
 def _mlp_rules(rule: Callable[..., Rule], target: str, source: str) -> list[Rule]:
@@ -50,16 +48,17 @@ def layer_rules(group: str, *, moe: bool) -> list[Rule]:
     rules = [
         rule(f"{g}.input_norm.scale", f"{HF}.input_layernorm.weight"),
         rule(f"{g}.post_attn_norm.scale", f"{HF}.post_attention_layernorm.weight"),
-        rule(f"{g}.attn.q.kernel", f"{ATTN}.q_proj.weight", (Reshape(("num_heads", -1, "hidden_size")),)),
+        rule(f"{g}.attn.q.kernel", f"{ATTN}.q_proj.weight", (Reshape(("num_attention_heads", -1, "hidden_size")),)),
         rule(f"{g}.attn.q_a.kernel", f"{ATTN}.q_a_proj.weight"),
         rule(f"{g}.attn.q_a_norm.scale", f"{ATTN}.q_a_layernorm.weight"),
-        rule(f"{g}.attn.q_b.kernel", f"{ATTN}.q_b_proj.weight", (Reshape(("num_heads", -1, "q_lora_rank")),)),
+        rule(f"{g}.attn.q_b.kernel", f"{ATTN}.q_b_proj.weight", (Reshape(("num_attention_heads", -1, "q_lora_rank")),)),
         rule(f"{g}.attn.kv_a.kernel", f"{ATTN}.kv_a_proj_with_mqa.weight", (Slice(0, 0, "kv_lora_rank"),)),
         rule(f"{g}.attn.k_rope.kernel", f"{ATTN}.kv_a_proj_with_mqa.weight", (Slice(0, "kv_lora_rank"),)),
         rule(f"{g}.attn.kv_a_norm.scale", f"{ATTN}.kv_a_layernorm.weight"),
         rule(f"{g}.attn.k_b.kernel", f"{ATTN}.kv_b_proj.weight", (KV_B_HEADS, Slice(1, 0, "qk_nope_head_dim"))),
         rule(f"{g}.attn.v_b.kernel", f"{ATTN}.kv_b_proj.weight", (KV_B_HEADS, Slice(1, "qk_nope_head_dim"))),
-        rule(f"{g}.attn.o.kernel", f"{ATTN}.o_proj.weight", (Reshape(("hidden_size", "num_heads", "v_head_dim")),)),
+        rule(f"{g}.attn.o.kernel", f"{ATTN}.o_proj.weight",
+             (Reshape(("hidden_size", "num_attention_heads", "v_head_dim")),)),
     ]
     if not moe:
         return rules + _mlp_rules(rule, f"{g}.mlp", f"{HF}.mlp")
@@ -89,39 +88,12 @@ def deepseek_checks(cfg: DeepseekConfig, config: Mapping[str, Any]) -> tuple[Cou
     """Layer (plus MTP) and expert counts, vocabulary, width, heads and router rows against the tensors."""
     experts = next((k for k in EXPERT_FIELDS if config.get(k) is not None), EXPERT_FIELDS[0])
     # Without MoE layers (every layer dense) no expert tensor is read, so none is counted.
-    moe = (Count(experts, cfg.n_routed_experts, "expert"),) if cfg.num_moe_layers else ()
+    moe = (Count(experts, cfg.num_experts, "expert"),) if cfg.num_moe_layers else ()
     return (
-        Count("num_hidden_layers", cfg.num_layers, "layer", extra=cfg.mtp_layers),
+        Count("num_hidden_layers", cfg.num_hidden_layers, "layer", extra=cfg.mtp_layers),
         *moe,
         Dim("vocab_size", cfg.vocab_size, "model.embed_tokens.weight", 0),
         Dim("hidden_size", cfg.hidden_size, "model.embed_tokens.weight", 1),
-        Dim("num_attention_heads", cfg.num_heads, f"{ATTN}.o_proj.weight", 1, ("v_head_dim", cfg.v_head_dim)),
-        Dim(experts, cfg.n_routed_experts, f"{HF}.mlp.gate.weight", 0),
+        Dim("num_attention_heads", cfg.num_attention_heads, f"{ATTN}.o_proj.weight", 1, ("v_head_dim", cfg.v_head_dim)),
+        Dim(experts, cfg.num_experts, f"{HF}.mlp.gate.weight", 0),
     )
-
-
-DEEPSEEK = register(
-    Family(
-        name="deepseek",
-        model_types=("deepseek_v2", "deepseek_v3"),
-        parse_config=DeepseekConfig.from_hf,
-        build=DeepseekForCausalLM,
-        mapping=lambda cfg: DEEPSEEK_TABLE,
-        checks=deepseek_checks,
-    )
-)
-
-
-def kimi_config(hf: dict[str, Any]) -> DeepseekConfig:
-    """A ``kimi_k2`` config parsed as the DeepSeek-V3 config it is."""
-    return DeepseekConfig.from_hf({**hf, "model_type": "deepseek_v3"})
-
-
-KIMI_K2 = register(
-    dataclasses.replace(DEEPSEEK, name="kimi_k2 (DeepSeek-V3 architecture)", model_types=("kimi_k2",),
-                        parse_config=kimi_config)
-)
-
-KIMI_K25 = register(
-    text_model_family("kimi_k25 (text model of a multimodal checkpoint)", ("kimi_k25",), KIMI_K2, "kimi_k2")
-)

@@ -1,4 +1,5 @@
-"""Mapping table for the Llama family (Llama 3, Mistral, Qwen2, Qwen3).
+"""The Llama family's mapping table (Llama 3, Mistral, Qwen2, Qwen3) and the checks of a config
+against the checkpoint's tensors; the MoE and Gemma tables extend them.
 
 ``lm_head.weight`` has no fallback: a tied model has no ``lm_head`` leaf, so an untied config
 (``tie_word_embeddings`` false, transformers' default for these families) whose checkpoint lacks
@@ -10,8 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from otfload.config import Count, Dim
-from otfload.families.registry import Family, register
-from otfload.models.llama import HeadShape, LlamaConfig, LlamaForCausalLM
+from otfload.families.llama.config import HeadShape, LlamaConfig
 from otfload.plan.hooks import Reshape
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -25,16 +25,19 @@ LLAMA_TABLE = MappingTable(
         Rule("layers.{layer}.input_norm.scale", f"{L}.input_layernorm.weight"),
         Rule("layers.{layer}.post_attn_norm.scale", f"{L}.post_attention_layernorm.weight"),
         Rule("layers.{layer}.attn.q.kernel", f"{L}.self_attn.q_proj.weight",
-             (Reshape(("num_heads", "head_dim", "hidden_size")),)),
+             (Reshape(("num_attention_heads", "head_dim", "hidden_size")),)),
         Rule("layers.{layer}.attn.k.kernel", f"{L}.self_attn.k_proj.weight",
-             (Reshape(("num_kv_heads", "head_dim", "hidden_size")),)),
+             (Reshape(("num_key_value_heads", "head_dim", "hidden_size")),)),
         Rule("layers.{layer}.attn.v.kernel", f"{L}.self_attn.v_proj.weight",
-             (Reshape(("num_kv_heads", "head_dim", "hidden_size")),)),
+             (Reshape(("num_key_value_heads", "head_dim", "hidden_size")),)),
         Rule("layers.{layer}.attn.o.kernel", f"{L}.self_attn.o_proj.weight",
-             (Reshape(("hidden_size", "num_heads", "head_dim")),)),
-        Rule("layers.{layer}.attn.q.bias", f"{L}.self_attn.q_proj.bias", (Reshape(("num_heads", "head_dim")),)),
-        Rule("layers.{layer}.attn.k.bias", f"{L}.self_attn.k_proj.bias", (Reshape(("num_kv_heads", "head_dim")),)),
-        Rule("layers.{layer}.attn.v.bias", f"{L}.self_attn.v_proj.bias", (Reshape(("num_kv_heads", "head_dim")),)),
+             (Reshape(("hidden_size", "num_attention_heads", "head_dim")),)),
+        Rule("layers.{layer}.attn.q.bias", f"{L}.self_attn.q_proj.bias",
+             (Reshape(("num_attention_heads", "head_dim")),)),
+        Rule("layers.{layer}.attn.k.bias", f"{L}.self_attn.k_proj.bias",
+             (Reshape(("num_key_value_heads", "head_dim")),)),
+        Rule("layers.{layer}.attn.v.bias", f"{L}.self_attn.v_proj.bias",
+             (Reshape(("num_key_value_heads", "head_dim")),)),
         Rule("layers.{layer}.attn.o.bias", f"{L}.self_attn.o_proj.bias"),
         Rule("layers.{layer}.attn.q_norm.scale", f"{L}.self_attn.q_norm.weight"),
         Rule("layers.{layer}.attn.k_norm.scale", f"{L}.self_attn.k_norm.weight"),
@@ -54,7 +57,7 @@ class AttentionConfig(HeadShape, Protocol):
     (:class:`LlamaConfig`, and Gemma's, which shares their names)."""
 
     @property
-    def num_layers(self) -> int: ...
+    def num_hidden_layers(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
 
@@ -65,25 +68,14 @@ def attention_checks(cfg: AttentionConfig, prefix: str = "model.") -> tuple[Coun
     embed, attn = f"{prefix}embed_tokens.weight", f"{prefix}layers.{{layer}}.self_attn"
     per_head = ("head_dim", cfg.head_dim)
     return (
-        Count("num_hidden_layers", cfg.num_layers, "layer"),
+        Count("num_hidden_layers", cfg.num_hidden_layers, "layer"),
         Dim("vocab_size", cfg.vocab_size, embed, 0),
         Dim("hidden_size", cfg.hidden_size, embed, 1),
-        Dim("num_attention_heads", cfg.num_heads, f"{attn}.q_proj.weight", 0, per_head),
-        Dim("num_key_value_heads", cfg.num_kv_heads, f"{attn}.k_proj.weight", 0, per_head),
+        Dim("num_attention_heads", cfg.num_attention_heads, f"{attn}.q_proj.weight", 0, per_head),
+        Dim("num_key_value_heads", cfg.num_key_value_heads, f"{attn}.k_proj.weight", 0, per_head),
     )
 
 
 def llama_checks(cfg: LlamaConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
+    """The Llama family's checks: :func:`attention_checks` of the top-level model."""
     return attention_checks(cfg)
-
-
-LLAMA = register(
-    Family(
-        name="llama",
-        model_types=("llama", "mistral", "qwen2", "qwen3"),
-        parse_config=LlamaConfig.from_hf,
-        build=LlamaForCausalLM,
-        mapping=lambda cfg: LLAMA_TABLE,
-        checks=llama_checks,
-    )
-)

@@ -1,11 +1,12 @@
-"""Mapping table for GPT-OSS: the Llama attention keys (with biases) plus ``self_attn.sinks``, the
+"""GPT-OSS's mapping table: the Llama attention keys (with biases) plus ``self_attn.sinks``, the
 biased router, and the fused experts. ``gate_up_proj [E, hidden, 2 * inter]`` is stored in x out
 with gate and up interleaved on the last axis, so the ``gate`` leaf takes ``[..., ::2]`` and ``up``
 ``[..., 1::2]``: each shard needs only its columns (in MXFP4, every other 1,440-byte row of the
 stored blocks), and the two leaves, siblings of one stride-2 slice, split the pages that hold rows
 of both (:func:`otfload.read.reader.charged_page_bytes`); ``down_proj [E, inter, hidden]`` is as is. The
 model keeps these expert kernels in x out (``experts_in_first``) and the router ``[E, hidden]`` as
-stored, so no tensor is transposed."""
+stored, so no tensor is transposed. LoRA adapters trained on transformers 5 name the same fused
+parameters, laid out ``[E, in, out]`` (``GPT_OSS_LORA``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
-from otfload.families.llama import LLAMA_TABLE, attention_checks
-from otfload.families.registry import Family, register
-from otfload.models.gpt_oss import gpt_oss_config
-from otfload.models.moe import MoeConfig, MoeForCausalLM
+from otfload.families.llama.mapping import LLAMA_TABLE, attention_checks
+from otfload.families.lora import ExpertLayout
+from otfload.families.mixtral.config import MoeConfig
 from otfload.plan.hooks import Slice
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -38,6 +38,7 @@ GPT_OSS_TABLE = MappingTable(
     ),
 ) + LLAMA_TABLE
 
+GPT_OSS_LORA = ExpertLayout(transposed=True)
 
 
 def gpt_oss_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
@@ -47,15 +48,3 @@ def gpt_oss_checks(cfg: MoeConfig, config: Mapping[str, Any]) -> tuple[Count | D
         Dim("num_local_experts", cfg.num_experts, f"{L}.mlp.router.weight", 0),
         Dim("num_local_experts", cfg.num_experts, f"{X}.gate_up_proj", 0),
     )
-
-
-GPT_OSS = register(
-    Family(
-        name="gpt_oss",
-        model_types=("gpt_oss",),
-        parse_config=gpt_oss_config,
-        build=MoeForCausalLM,
-        mapping=lambda cfg: GPT_OSS_TABLE,
-        checks=gpt_oss_checks,
-    )
-)

@@ -1,4 +1,4 @@
-"""GPT-OSS: biased attention with per-head sinks, alternating sliding/full attention
+"""GPT-OSS's config: biased attention with per-head sinks, alternating sliding/full attention
 (``layer_types``), YaRN RoPE, and a sparse MoE on every layer with a biased router (top k of the
 logits, then softmax) and biased experts with GPT-OSS's clamped SwiGLU. The expert kernels keep the
 checkpoint's ``[E, in, out]`` orientation (``experts_in_first``), so loading them is a copy."""
@@ -7,28 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from otfload.config import EXPERTS, POSITIVE, WINDOW, Choice, Fields, List, require
-from otfload.models.llama import LlamaConfig
-from otfload.models.mixtral import top_k
-from otfload.models.moe import CLAMPED_SWIGLU, TOPK_SOFTMAX, MoeConfig
-
-SLIDING, FULL = "sliding_attention", "full_attention"
-LAYER_TYPES = List(Choice(SLIDING, FULL))
-
-
-def layer_types(f: Fields, num_layers: int, default: list[str]) -> tuple[str, ...]:
-    """``layer_types`` (one per layer) or ``default``."""
-    types: tuple[str, ...] = f.get("layer_types", LAYER_TYPES, tuple(default))
-    require(len(types) == num_layers, f.name("layer_types"), list(types),
-            f"must list one type per layer (num_hidden_layers = {num_layers})")
-    return types
+from otfload.config import EXPERTS, POSITIVE, WINDOW, Fields
+from otfload.config.layer_types import FULL, SLIDING, layer_types
+from otfload.families.llama.config import LlamaConfig
+from otfload.families.mixtral.config import CLAMPED_SWIGLU, TOPK_SOFTMAX, MoeConfig, top_k
 
 
 def gpt_oss_config(hf: dict[str, Any]) -> MoeConfig:
     """The :class:`MoeConfig` of a GPT-OSS ``config.json``."""
     base, f = LlamaConfig.from_hf(hf), Fields(hf)
-    n = base.num_layers
-    types = layer_types(f, n, [SLIDING if (i + 1) % 2 else FULL for i in range(n)])
+    n = base.num_hidden_layers
+    types = layer_types(f, n, lambda: [SLIDING if (i + 1) % 2 else FULL for i in range(n)])
     experts = f.get("num_local_experts", EXPERTS)
     return MoeConfig.extend(
         base,
@@ -36,8 +25,8 @@ def gpt_oss_config(hf: dict[str, Any]) -> MoeConfig:
         sliding_layers=tuple(i for i, t in enumerate(types) if t == SLIDING),
         attention_sinks=True,
         num_experts=experts,
-        experts_per_token=top_k(f, experts, "num_local_experts"),
-        expert_intermediate_size=base.intermediate_size,
+        num_experts_per_tok=top_k(f, experts, "num_local_experts"),
+        moe_intermediate_size=base.intermediate_size,
         routing=TOPK_SOFTMAX,
         router_bias=True,
         expert_bias=True,

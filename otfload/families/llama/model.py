@@ -6,33 +6,15 @@ Kernels keep HF's ``[out, in]`` orientation (output dims first), so loading copi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from otfload.config import (
-    BOOL,
-    EPS,
-    HEAD_DIM,
-    HEADS,
-    HIDDEN,
-    INTERMEDIATE,
-    LAYERS,
-    NAME,
-    VOCAB,
-    WINDOW,
-    Choice,
-    Fields,
-    padding_idx,
-    require,
-)
-from otfload.config import rope_params as config_rope_params
+from otfload.families.llama.config import HeadShape, LlamaConfig
 from otfload.models.attention import Context, Window, self_attention
 from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
 from otfload.models.layers import (
@@ -52,41 +34,6 @@ from otfload.models.layers import (
 )
 
 Rope = tuple[jax.Array, jax.Array]
-# transformers' names of the activation Llama-family MLPs apply (SiLU; "swish" is the same function).
-ACTIVATIONS = Choice("silu", "swish")
-
-
-def rope_params(hf: Mapping[str, Any] | Fields) -> tuple[float, dict[str, Any] | None]:
-    """``(theta, scaling)`` from either the transformers 5 ``rope_parameters`` or older fields."""
-    return config_rope_params(hf if isinstance(hf, Fields) else Fields(hf))
-
-
-def attention_shape(f: Fields) -> tuple[int, int, int, int]:
-    """``(hidden_size, heads, kv_heads, head_dim)`` of a GQA config, checked for consistency."""
-    hidden, heads = f.get("hidden_size", HIDDEN), f.get("num_attention_heads", HEADS)
-    kv_heads = f.get("num_key_value_heads", HEADS, heads)
-    require(heads % kv_heads == 0, f.name("num_key_value_heads"), kv_heads,
-            f"must divide num_attention_heads ({heads}): each key/value head serves a whole group of query heads")
-    head_dim = f.get("head_dim", HEAD_DIM, None)
-    if head_dim is None:
-        require(hidden % heads == 0, f.name("hidden_size"), hidden,
-                f"must be divisible by num_attention_heads ({heads}) when head_dim is not given")
-        head_dim = hidden // heads
-    require(head_dim % 2 == 0, f.name("head_dim"), head_dim, "must be even: RoPE rotates pairs of dimensions")
-    return hidden, heads, kv_heads, head_dim
-
-
-class HeadShape(Protocol):
-    """The attention shape of a Llama-style config (Gemma's has the same names)."""
-
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
 
 
 class LayerShape(HeadShape, Protocol):
@@ -104,69 +51,13 @@ class LayerShape(HeadShape, Protocol):
     def qk_norm(self) -> bool: ...
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = None
-    pad_token_id: int | None = None
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
-        """Parse and check ``config.json`` (absent fields take transformers' defaults)."""
-        f = Fields(hf)
-        model_type = f.get("model_type", NAME)
-        hidden, heads, kv_heads, head_dim = attention_shape(f)
-        f.get("hidden_act", ACTIVATIONS, "silu")
-        theta, scaling = rope_params(f)
-        attention_bias = f.get("attention_bias", BOOL, False)
-        use_window = f.get("use_sliding_window", BOOL, model_type == "mistral")
-        return cls(
-            model_type=model_type,
-            vocab_size=f.get("vocab_size", VOCAB),
-            hidden_size=hidden,
-            intermediate_size=f.get("intermediate_size", INTERMEDIATE),
-            num_layers=f.get("num_hidden_layers", LAYERS),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=f.get("mlp_bias", BOOL, False),
-            qk_norm=model_type == "qwen3",
-            sliding_window=f.nullable("sliding_window", WINDOW, None) if use_window else None,
-            pad_token_id=padding_idx(f, f.get("vocab_size", VOCAB)),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 class Attention(nnx.Module):
     """q/k/v kernels ``(heads, head_dim, hidden)``, o ``(hidden, heads, head_dim)`` (HF's ``[out, in]``)."""
 
     sinks: nnx.Param[jax.Array]  # GPT-OSS's per-head attention sinks (set by its MoE decoder layer)
 
     def __init__(self, cfg: LayerShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
-        h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         qkv_bias = (0, 1) if cfg.qkv_bias else ()
         self.q = Dense((n, d, h), ("heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
@@ -267,9 +158,9 @@ class LlamaForCausalLM(CausalLM):
         """Create ``self.layers``: one stacked :class:`DecoderLayer` (scanned) or a list of them."""
         cfg = self.cfg
         if self.scan_layers:
-            self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=cfg.num_layers)
+            self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=cfg.num_hidden_layers)
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
 
     def rope(self, positions: jax.Array) -> Rope:
         """RoPE ``(cos, sin)`` tables for ``positions`` (YaRN's attention factor folded in)."""
@@ -291,7 +182,7 @@ class LlamaForCausalLM(CausalLM):
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg
-        return {"layers": (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)}
+        return {"layers": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)}
 
     def forward(
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
