@@ -19,9 +19,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 import otfload
-from otfload.api import storage_dtype
 from otfload.errors import OtfloadError
 from otfload.index.checkpoint import open_index
+from otfload.opening import storage_dtype
 from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.hooks import Reshape, Transpose
 from otfload.plan.mapping import MappingTable, Rule

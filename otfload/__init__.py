@@ -35,6 +35,7 @@ from otfload.errors import (
 from otfload.evaluate import EvalResult, evaluate
 from otfload.export import export_checkpoint, export_hf, export_native
 from otfload.generate import generate
+from otfload.options import LoadOptions
 from otfload.place.report import LoadReport
 from otfload.plan.eval_shape import abstract_module
 from otfload.plan.hooks import Hook, Reshape, Scale, Slice, Transpose
@@ -54,6 +55,7 @@ __all__ = [
     "HeaderError",
     "Hook",
     "IndivisibleShardingError",
+    "LoadOptions",
     "LoadReport",
     "MappingError",
     "MappingTable",

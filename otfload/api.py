@@ -1,134 +1,58 @@
 """The public entry points: ``from_pretrained`` (a ready, sharded NNX model), ``load_params`` (a
 model or parameter pytree the user brings, filled), and ``plan_model`` / ``plan_params`` (what
-either would do, from the headers alone). Their docstrings are NumPy-style, each with an example
+either would do, from the headers alone). Each takes the load's options as one
+:class:`~otfload.options.LoadOptions` (``options=``) and as keyword arguments, merged by
+:func:`~otfload.options.resolve_options`; each opens its checkpoint through the one front door,
+:func:`~otfload.opening.open_checkpoint`. Their docstrings are NumPy-style, each with an example
 that ``tests/docs/test_docstrings.py`` runs."""
 
 from __future__ import annotations
 
-import math
 import os
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Literal, overload
+from typing import Any, Literal, Unpack, overload
 
 import jax
-import ml_dtypes
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from otfload.adapters import AdaptedTensor, CombinedSource, check_adapted_are_mapped, open_adapted
 from otfload.adapters.kept import prepare_kept, require_merged
-from otfload.adapters.load import AdapterSpec
-from otfload.cache import wrap_with_cache
+from otfload.adapters.merge import check_adapted_are_mapped
 from otfload.errors import CheckpointMismatchError, mismatch_error
 from otfload.families.registry import family_for
-from otfload.index.checkpoint import CheckpointIndex, open_index, read_values
-from otfload.index.derived import is_derived
+from otfload.index.checkpoint import CheckpointIndex, read_values
 from otfload.index.dtypes import to_numpy_dtype
 from otfload.models.origin import remember_origin
+from otfload.opening import Opened, default_workers, open_checkpoint, storage_dtype
+from otfload.options import MODEL_FIELDS, LoadKeywords, LoadOptions, ParamsKeywords, resolve_options
 from otfload.place.collective_route import resolve_policy
-from otfload.place.loader import ACCELERATOR_WORKERS, DEFAULT_WORKERS, REMOTE_WORKERS, execute_plan
+from otfload.place.loader import execute_plan
 from otfload.place.report import LoadReport
 from otfload.place.warmup import start_first_transfers
 from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
 from otfload.plan.eval_shape import abstract_module
-from otfload.plan.keep import LAYER_LEAF, assemble_kept, check_quantized_mode, keep_plan
+from otfload.plan.keep import LAYER_LEAF, assemble_kept, keep_plan
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, make_mesh
-from otfload.sources import LocalSource, Source, open_source
-from otfload.sources.owned import is_owned, owned, owned_source
+from otfload.sources import Source
+from otfload.sources.owned import owned
 
-ShardCacheSpec = str | os.PathLike[str] | bool | None
-
-
-def open_cached(
-    source: str | os.PathLike[str] | Source,
-    shard_cache: ShardCacheSpec,
-    shard_cache_options: dict[str, Any] | None,
-    verify: str = "record",
-    **options: Any,
-) -> Source:
-    """Open ``source`` and, when asked, put the distributed shard cache in front of it. The cache
-    owns the source only if it was opened here; that one is closed again if the cache fails."""
-    with ExitStack() as on_error:
-        src = on_error.enter_context(owned(open_source(source, **options), source))
-        cached = wrap_with_cache(src, shard_cache, storage_options=shard_cache_options, verify=verify,
-                                 owns_source=is_owned(src, source))
-        on_error.pop_all()  # success: the caller owns ``cached``
-    return cached
-
-
-def default_workers(source: Source, devices: Sequence[Any] | None = None) -> int:
-    """Builder threads: few for local files onto CPU devices (CPU-bound), more for remote ones
-    (latency-bound) and for local files onto accelerators (one copy per byte, spread over the CPUs)."""
-    if isinstance(source, CombinedSource):  # a base with adapters: the base's bytes dominate
-        source = source.base
-    if not isinstance(source, LocalSource):
-        return REMOTE_WORKERS
-    devices = jax.local_devices() if devices is None else devices
-    if any(d.platform != "cpu" for d in devices):
-        return max(DEFAULT_WORKERS, min(ACCELERATOR_WORKERS, (os.cpu_count() or 1) // 2))
-    return DEFAULT_WORKERS
-
-
-def run_plan(
-    plan: LoadPlan, src: Source, given: object, workers: int | None, host_memory_budget: int | None,
-    progress: bool | None, reshard: str | None = None,
-) -> tuple[dict[str, jax.Array], LoadReport]:
-    """Execute ``plan``; ``src`` is closed afterwards unless it is ``given``, the caller's own source."""
-    with owned(src, given):
-        arrays, report = execute_plan(
-            plan, src, workers=workers or default_workers(src), host_memory_budget=host_memory_budget,
-            progress=progress, reshard=reshard,
-        )
-        infos = list(plan.activation.values())
-        report.activation_scales = dict(zip(plan.activation, read_values(src, infos), strict=True))
-        return arrays, report
-
-
-def storage_dtype(index: CheckpointIndex) -> np.dtype[Any]:
-    """The dtype holding most of the checkpoint's floating-point bytes; quantized weights count as
-    bf16, the dtype they were trained in, and a weight with adapters merged in as its base."""
-    weights: Counter[np.dtype[Any]] = Counter()
-    for info in index.tensors.values():
-        if isinstance(info, AdaptedTensor):
-            info = info.base
-        if is_derived(info):
-            weights[np.dtype(ml_dtypes.bfloat16)] += 2 * math.prod(info.shape)
-        elif np.issubdtype(info.dtype, np.floating) or info.dtype.kind == "V":
-            weights[info.dtype] += info.nbytes
-    if not weights:
-        return np.dtype(np.float32)
-    dtype: np.dtype[Any] = weights.most_common(1)[0][0]
-    return dtype
+Location = str | os.PathLike[str] | Source
+TableSpec = MappingTable | Sequence[Rule] | Mapping[str, str]
 
 
 def plan_model(
-    source: str | os.PathLike[str] | Source,
-    *,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
-    merge_adapter: bool = True,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    scan_layers: bool = True,
-    dtype: Any = None,
-    strict: bool = False,
-    quantized: str = "dequantize",
-    shard_cache: ShardCacheSpec = None,
-    shard_cache_options: dict[str, Any] | None = None,
-    verify: str = "record",
-    **source_options: Any,
+    source: Location, *, options: LoadOptions | None = None, **keywords: Unpack[LoadKeywords]
 ) -> tuple[nnx.Module, LoadPlan, Source]:
     """Everything ``from_pretrained`` does before reading a tensor byte: what ``otfload inspect`` prints.
 
     Parameters
     ----------
-    source, adapter, merge_adapter, mesh, rules, scan_layers, dtype, strict, quantized, shard_cache, \
-shard_cache_options, verify, **source_options
-        As for ``from_pretrained``; a ``timeout`` deadline starts now.
+    source, options, **keywords
+        As for ``from_pretrained`` (the options of the reads, ``workers``, ``host_memory_budget``,
+        ``progress`` and ``reshard``, are not used); a ``timeout`` deadline starts now.
 
     Returns
     -------
@@ -140,7 +64,7 @@ shard_cache_options, verify, **source_options
 
     Raises
     ------
-    SourceNotFoundError, UnsupportedModelError, CheckpointMismatchError, AdapterError
+    SourceNotFoundError, UnsupportedModelError, CheckpointMismatchError, AdapterError, InvalidOptionError
         As ``from_pretrained`` would, before reading any tensor.
 
     Examples
@@ -153,96 +77,48 @@ shard_cache_options, verify, **source_options
     >>> model.layers.attn.q.kernel.get_value()
     ShapeDtypeStruct(shape=(3, 4, 16, 64), dtype=float32)
     """
-    src, index, _ = open_adapted(
-        source, adapter, lambda location, **options: open_cached(
-            location, shard_cache, shard_cache_options, verify, **options),
-        merge_adapter=merge_adapter, check_config=family_for, **source_options,
-    )
+    model, plan, opened = _plan_model(source, resolve_options(options, keywords))
+    return model, plan, opened.source
+
+
+def _plan_model(source: Location, options: LoadOptions) -> tuple[nnx.Module, LoadPlan, Opened]:
+    """``plan_model``, with the opened checkpoint (its base too) in place of its source."""
+    opened = open_checkpoint(source, options, check_config=family_for)
     with ExitStack() as on_error:  # planning fails: close what this call opened
-        on_error.enter_context(owned(src, source))
+        on_error.enter_context(owned(opened.source, source))
+        index = opened.index
         family = family_for(index.config)
         cfg = family.config_for(index.config, index.tensors)  # typed, bounded, matched to the tensors
-        dtype = storage_dtype(index) if dtype is None else to_numpy_dtype(dtype)
-        mesh = make_mesh() if mesh is None else mesh
-        model = abstract_module(lambda: family.build(cfg, scan_layers=scan_layers, dtype=dtype, rngs=None))
+        dtype = storage_dtype(opened.base_index) if options.dtype is None else to_numpy_dtype(options.dtype)
+        mesh = make_mesh() if options.mesh is None else options.mesh
+        model = abstract_module(lambda: family.build(cfg, scan_layers=options.scan_layers, dtype=dtype, rngs=None))
         remember_origin(model, index.config, family.name)
-        leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if rules is None else rules)
-        plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=strict)
+        leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if options.rules is None else options.rules)
+        plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=options.strict)
         check_adapted_are_mapped(plan, index)
-        plan = keep_plan(plan, quantized, lambda path: LAYER_LEAF.match(path) is not None)
+        plan = keep_plan(plan, options.quantized, lambda path: LAYER_LEAF.match(path) is not None)
         plan.family, plan.config = family.name, index.config
-        on_error.pop_all()  # planned: the caller closes ``src`` unless it passed it in
-    return model, plan, src
+        on_error.pop_all()  # planned: the caller closes the source unless it passed it in
+    return model, plan, opened
 
 
 @overload
 def from_pretrained(
-    source: str | os.PathLike[str] | Source,
-    *,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
-    merge_adapter: bool = True,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    scan_layers: bool = True,
-    dtype: Any = None,
-    strict: bool = False,
-    quantized: str = "dequantize",
-    shard_cache: ShardCacheSpec = None,
-    shard_cache_options: dict[str, Any] | None = None,
-    verify: str = "record",
-    workers: int | None = None,
-    host_memory_budget: int | None = None,
-    progress: bool | None = None,
-    reshard: str | None = None,
-    return_report: Literal[False] = False,
-    **source_options: Any,
+    source: Location, *, options: LoadOptions | None = None, return_report: Literal[False] = False,
+    **keywords: Unpack[LoadKeywords],
 ) -> nnx.Module: ...
 
 
 @overload
 def from_pretrained(
-    source: str | os.PathLike[str] | Source,
-    *,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
-    merge_adapter: bool = True,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    scan_layers: bool = True,
-    dtype: Any = None,
-    strict: bool = False,
-    quantized: str = "dequantize",
-    shard_cache: ShardCacheSpec = None,
-    shard_cache_options: dict[str, Any] | None = None,
-    verify: str = "record",
-    workers: int | None = None,
-    host_memory_budget: int | None = None,
-    progress: bool | None = None,
-    reshard: str | None = None,
-    return_report: Literal[True],
-    **source_options: Any,
+    source: Location, *, options: LoadOptions | None = None, return_report: Literal[True],
+    **keywords: Unpack[LoadKeywords],
 ) -> tuple[nnx.Module, LoadReport]: ...
 
 
 def from_pretrained(
-    source: str | os.PathLike[str] | Source,
-    *,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
-    merge_adapter: bool = True,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    scan_layers: bool = True,
-    dtype: Any = None,
-    strict: bool = False,
-    quantized: str = "dequantize",
-    shard_cache: ShardCacheSpec = None,
-    shard_cache_options: dict[str, Any] | None = None,
-    verify: str = "record",
-    workers: int | None = None,
-    host_memory_budget: int | None = None,
-    progress: bool | None = None,
-    reshard: str | None = None,
-    return_report: bool = False,
-    **source_options: Any,
+    source: Location, *, options: LoadOptions | None = None, return_report: bool = False,
+    **keywords: Unpack[LoadKeywords],
 ) -> nnx.Module | tuple[nnx.Module, LoadReport]:
     """Load a Hugging Face safetensors checkpoint into a ready, sharded Flax NNX model.
 
@@ -255,60 +131,17 @@ def from_pretrained(
     source
         A local directory, a Hub repo id (``"org/name"``), a ``gs://``/fsspec URL, or a ``Source``.
         A local file or a path that does not exist fails at once (``SourceNotFoundError``).
-    adapter
-        PEFT LoRA adapter(s): a location (as ``source``, or ``"org/name@revision"``), a ``Source``,
-        or a list of them, merged into the base weights in order, per device box, in float32. A
-        ``source`` that holds an adapter and no model loads its ``base_model_name_or_path``.
-        docs/adapters.md lists what is merged and what can be kept.
-    merge_adapter
-        ``False`` keeps one adapter's LoRA factors as their own parameters (``LoraWeight``: base,
-        ``a`` and ``b`` sharded like the base), merged one layer at a time when the model runs, so
-        ``nnx.grad`` reaches ``a``/``b``; ``otfload.load_adapter`` swaps them and
-        ``otfload.export_adapter`` writes them back for PEFT.
-    mesh
-        The device mesh (default: every device on one ``fsdp`` axis).
-    rules
-        Logical axis name → mesh axes (default: ``otfload.DEFAULT_RULES``).
-    scan_layers
-        Stack the layers on a leading axis for ``jax.lax.scan`` (one array per layer parameter);
-        ``False`` keeps one parameter per layer.
-    dtype
-        Parameter dtype (``"bf16"``, a numpy dtype); ``None`` keeps the storage dtype.
-    strict
-        Make tensors no parameter uses an error (they are always reported).
-    quantized
-        ``"dequantize"`` decodes quantized weights (MXFP4, compressed-tensors, FP8) on load;
-        ``"keep"`` places the layers' kernels packed as ``QuantizedArray`` (codes and scales),
-        dequantized one layer at a time when the model runs (docs/formats.md).
-    shard_cache
-        A directory shared by the processes, or a ``gs://`` prefix (``True``: a single-host local
-        cache): each file is fetched once cluster-wide into it, and ranges are read from there.
-    shard_cache_options
-        fsspec ``storage_options`` of the ``shard_cache`` location (credentials, project).
-    verify
-        The shard cache's integrity check of the copies it reuses: ``"record"`` (size and the hash
-        recorded when the copy was filled, re-hashed only when the file changed on disk) or
-        ``"full"`` (re-hashed on every load); a copy that fails is fetched again. Not the command
-        line's ``otfload load --verify``, which compares the loaded model's logits with transformers.
-    workers
-        Builder threads (default: 2 for local files onto CPU devices, half the CPUs up to 8 onto
-        accelerators, 8 for remote sources).
-    host_memory_budget
-        Scratch bytes in flight (default: the largest leaf).
-    progress
-        A progress bar in bytes on stderr (default: when stderr is a terminal).
-    reshard
-        When a leaf is read in the storage's own layout (a band of rows, a distinct share per
-        process) and moved to its sharding by a collective: ``"auto"`` where the time model says it
-        is faster, ``"always"`` wherever it fetches fewer bytes, ``"never"``; default
-        ``$OTFLOAD_RESHARD``, else ``"auto"``.
+    options
+        The load's options in one ``otfload.LoadOptions`` (each field is described there).
     return_report
         Also return the ``LoadReport`` (bytes read and placed, requests, seconds, peak memory).
-    **source_options
-        Options of the source: ``revision``, ``token``, ``endpoint``, ``cache_dir``,
-        ``local_files_only`` (the Hub), ``storage_options`` (fsspec), ``retry`` (a ``RetryPolicy``),
-        ``timeout`` (the load's total deadline in seconds, from opening the source to the last byte;
-        default ``$OTFLOAD_TIMEOUT``, else none), ``mmap`` (local directories).
+    **keywords
+        ``LoadOptions`` fields by name, merged into ``options``: ``mesh``, ``rules``,
+        ``scan_layers``, ``dtype``, ``strict``, ``quantized``, ``adapter``, ``merge_adapter``,
+        ``shard_cache``, ``shard_cache_options``, ``verify``, ``workers``, ``host_memory_budget``,
+        ``progress``, ``reshard``, and the source's ``revision``, ``token``, ``endpoint``,
+        ``cache_dir``, ``local_files_only``, ``storage_options``, ``retry``, ``timeout``, ``mmap``.
+        A keyword that repeats a field ``options`` sets to another value is an ``InvalidOptionError``.
 
     Returns
     -------
@@ -330,7 +163,7 @@ def from_pretrained(
     AdapterError
         An adapter that cannot be applied to this checkpoint.
     InvalidOptionError
-        A bad ``quantized`` or ``reshard`` value.
+        A bad ``quantized``, ``reshard`` or ``verify`` value, or an option given twice.
 
     Examples
     --------
@@ -342,17 +175,12 @@ def from_pretrained(
     >>> report.leaves
     12
     """
-    resolve_policy(reshard)  # a bad value fails before anything is opened
-    check_quantized_mode(quantized)
+    options = resolve_options(options, keywords)
+    policy = resolve_policy(options.reshard)  # $OTFLOAD_RESHARD too: a bad value fails before anything is opened
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
-    model, plan, src = plan_model(
-        source, adapter=adapter, merge_adapter=merge_adapter, mesh=mesh, rules=rules, scan_layers=scan_layers,
-        dtype=dtype, strict=strict, shard_cache=shard_cache, shard_cache_options=shard_cache_options,
-        verify=verify, quantized=quantized, **source_options,
-    )
-    lora = None if merge_adapter else prepare_kept(plan, src, source)  # LoRA kept: the plan reads the bases
-    arrays, report = run_plan(plan if lora is None else lora.plan, src, source, workers, host_memory_budget,
-                              progress, reshard)
+    model, plan, opened = _plan_model(source, options)
+    lora = None if options.merge_adapter else prepare_kept(plan, opened.source, source)  # the plan reads the bases
+    arrays, report = run_plan(plan if lora is None else lora.plan, opened, source, options, policy)
     arrays = assemble_kept(plan, arrays)
     arrays = arrays if lora is None else lora.finish(model, arrays, report)
     state = nnx.state(model, nnx.Param)
@@ -361,77 +189,38 @@ def from_pretrained(
     return (model, report) if return_report else model
 
 
+def run_plan(
+    plan: LoadPlan, opened: Opened, given: object, options: LoadOptions, policy: str
+) -> tuple[dict[str, jax.Array], LoadReport]:
+    """Execute ``plan`` with the reshard ``policy``; the opened source is closed afterwards unless it
+    is ``given``, the caller's own."""
+    with owned(opened.source, given):
+        arrays, report = execute_plan(
+            plan, opened.source, workers=options.workers or default_workers(opened.base),
+            host_memory_budget=options.host_memory_budget, progress=options.progress, reshard=policy,
+        )
+        infos = list(plan.activation.values())
+        report.activation_scales = dict(zip(plan.activation, read_values(opened.source, infos), strict=True))
+        return arrays, report
+
+
 @overload
 def load_params(
-    source: str | os.PathLike[str] | Source,
-    abstract: Any,
-    mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
-    *,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
-    merge_adapter: bool = True,
-    config: Mapping[str, Any] | None = None,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    strict: bool = False,
-    quantized: str = "dequantize",
-    shard_cache: ShardCacheSpec = None,
-    shard_cache_options: dict[str, Any] | None = None,
-    verify: str = "record",
-    workers: int | None = None,
-    host_memory_budget: int | None = None,
-    progress: bool | None = None,
-    reshard: str | None = None,
-    return_report: Literal[False] = False,
-    **source_options: Any,
+    source: Location, abstract: Any, mapping: TableSpec, *, config: Mapping[str, Any] | None = None,
+    options: LoadOptions | None = None, return_report: Literal[False] = False, **keywords: Unpack[ParamsKeywords],
 ) -> Any: ...
 
 
 @overload
 def load_params(
-    source: str | os.PathLike[str] | Source,
-    abstract: Any,
-    mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
-    *,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
-    merge_adapter: bool = True,
-    config: Mapping[str, Any] | None = None,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    strict: bool = False,
-    quantized: str = "dequantize",
-    shard_cache: ShardCacheSpec = None,
-    shard_cache_options: dict[str, Any] | None = None,
-    verify: str = "record",
-    workers: int | None = None,
-    host_memory_budget: int | None = None,
-    progress: bool | None = None,
-    reshard: str | None = None,
-    return_report: Literal[True],
-    **source_options: Any,
+    source: Location, abstract: Any, mapping: TableSpec, *, config: Mapping[str, Any] | None = None,
+    options: LoadOptions | None = None, return_report: Literal[True], **keywords: Unpack[ParamsKeywords],
 ) -> tuple[Any, LoadReport]: ...
 
 
 def load_params(
-    source: str | os.PathLike[str] | Source,
-    abstract: Any,
-    mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
-    *,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None = None,
-    merge_adapter: bool = True,
-    config: Mapping[str, Any] | None = None,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    strict: bool = False,
-    quantized: str = "dequantize",
-    shard_cache: ShardCacheSpec = None,
-    shard_cache_options: dict[str, Any] | None = None,
-    verify: str = "record",
-    workers: int | None = None,
-    host_memory_budget: int | None = None,
-    progress: bool | None = None,
-    reshard: str | None = None,
-    return_report: bool = False,
-    **source_options: Any,
+    source: Location, abstract: Any, mapping: TableSpec, *, config: Mapping[str, Any] | None = None,
+    options: LoadOptions | None = None, return_report: bool = False, **keywords: Unpack[ParamsKeywords],
 ) -> Any:
     """Fill a model you bring from a checkpoint, and give it back in the kind it came.
 
@@ -455,10 +244,11 @@ def load_params(
         (``otfload.mappings`` ships tables).
     config
         Resolves the config field names hooks use (default: the checkpoint's ``config.json``).
-    adapter, merge_adapter, mesh, rules, strict, quantized, shard_cache, shard_cache_options, verify, \
-workers, host_memory_budget, progress, reshard, return_report, **source_options
-        As for ``from_pretrained`` (``merge_adapter=False`` needs its bundled models). With
-        ``quantized="keep"`` every quantized leaf comes back as a ``QuantizedArray``.
+    options, return_report, **keywords
+        As for ``from_pretrained``, but for ``scan_layers`` and ``dtype``: the tree you bring fixes
+        both (as keywords they are a ``TypeError``, in ``options`` they are not used), and
+        ``merge_adapter=False`` needs the bundled models. With ``quantized="keep"`` every quantized
+        leaf comes back as a ``QuantizedArray``.
 
     Returns
     -------
@@ -484,30 +274,75 @@ workers, host_memory_budget, progress, reshard, return_report, **source_options
     >>> params["embed"].shape, params["embed"].sharding.spec
     ((256, 64), P('tp', 'fsdp'))
     """
-    resolve_policy(reshard)  # a bad value fails before anything is opened
-    require_merged(merge_adapter)  # kept LoRA factors need the bundled models (from_pretrained)
-    check_quantized_mode(quantized)
+    options = resolve_options(options, keywords, unused=MODEL_FIELDS)
+    policy = resolve_policy(options.reshard)  # $OTFLOAD_RESHARD too: a bad value fails before anything is opened
+    require_merged(options.merge_adapter)  # kept LoRA factors need the bundled models (from_pretrained)
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
-    src, index, _ = open_adapted(
-        source, adapter, lambda location, **options: open_cached(
-            location, shard_cache, shard_cache_options, verify, **options),
-        merge_adapter=merge_adapter, require_config=False, **source_options,
-    )
-    with ExitStack() as on_error:  # planning fails: close what this call opened
-        on_error.enter_context(owned(src, source))
-        target, plan = plan_target(index, abstract, mapping, index.config if config is None else config, mesh, rules,
-                                   strict)
-        plan = keep_plan(plan, quantized)
-        plan.config = index.config
-        on_error.pop_all()  # run_plan closes it
-    arrays, report = run_plan(plan, src, source, workers, host_memory_budget, progress, reshard)
+    target, plan, opened = _plan_params(source, abstract, mapping, config, options)
+    arrays, report = run_plan(plan, opened, source, options, policy)
     tree = target.rebuild(assemble_kept(plan, arrays))
     return (tree, report) if return_report else tree
 
 
+def plan_params(
+    source: Location, abstract: Any, mapping: TableSpec, *, config: Mapping[str, Any] | None = None,
+    options: LoadOptions | None = None, **keywords: Unpack[ParamsKeywords],
+) -> LoadPlan:
+    """What ``load_params`` would do, from the headers and ``config.json`` alone.
+
+    Parameters
+    ----------
+    source, abstract, mapping, config, options, **keywords
+        As for ``load_params`` (the options of the reads, ``workers``, ``host_memory_budget``,
+        ``progress`` and ``reshard``, are not used).
+
+    Returns
+    -------
+    LoadPlan
+        Per leaf: the HF keys, hooks, stacking and sharding; no tensor byte is read.
+
+    Raises
+    ------
+    CheckpointMismatchError, MeshRequiredError, SourceNotFoundError, AdapterError, InvalidOptionError
+        As ``load_params`` would.
+
+    Examples
+    --------
+    >>> import jax, numpy as np, otfload
+    >>> sharded = jax.sharding.NamedSharding(otfload.make_mesh({"fsdp": 8}), jax.sharding.PartitionSpec(None, "fsdp"))
+    >>> head = jax.ShapeDtypeStruct((64, 256), np.float32, sharding=sharded)  # [embed, vocab]
+    >>> table = [otfload.Rule("head", "lm_head.weight", (otfload.Transpose(),))]  # HF stores [vocab, embed]
+    >>> plan = otfload.plan_params("./tiny-llama", {"head": head}, table)
+    >>> plan.leaves["head"].describe()["hooks"]
+    ['Transpose(perm=None)']
+    """
+    options = resolve_options(options, keywords, unused=MODEL_FIELDS)
+    require_merged(options.merge_adapter)
+    _, plan, opened = _plan_params(source, abstract, mapping, config, options)
+    with owned(opened.source, source):  # nothing is read: closed now unless the caller passed it in
+        return plan
+
+
+def _plan_params(
+    source: Location, abstract: Any, mapping: TableSpec, config: Mapping[str, Any] | None, options: LoadOptions
+) -> tuple[Target, LoadPlan, Opened]:
+    """The target, plan and opened checkpoint of ``load_params``; on an error the source is closed
+    unless it is ``source``."""
+    opened = open_checkpoint(source, options, require_config=False)
+    with ExitStack() as on_error:  # planning fails: close what this call opened
+        on_error.enter_context(owned(opened.source, source))
+        index = opened.index
+        target, plan = plan_target(index, abstract, mapping, index.config if config is None else config,
+                                   options.mesh, options.rules, options.strict)
+        plan = keep_plan(plan, options.quantized)
+        plan.config = index.config
+        on_error.pop_all()  # run_plan closes it
+    return target, plan, opened
+
+
 def plan_target(
-    index: CheckpointIndex, abstract: Any, mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
-    config: Mapping[str, Any], mesh: Mesh | None, rules: LogicalRules | None, strict: bool,
+    index: CheckpointIndex, abstract: Any, mapping: TableSpec, config: Mapping[str, Any], mesh: Mesh | None,
+    rules: LogicalRules | None, strict: bool,
 ) -> tuple[Target, LoadPlan]:
     """The target's leaves and their plan; unmapped leaves and checkpoint problems raise together."""
     table = as_table(mapping)
@@ -522,47 +357,3 @@ def plan_target(
     if unmapped:
         raise mismatch_error(unmapped)
     return target, plan
-
-
-def plan_params(
-    source: str | os.PathLike[str] | Source,
-    abstract: Any,
-    mapping: MappingTable | Sequence[Rule] | Mapping[str, str],
-    *,
-    config: Mapping[str, Any] | None = None,
-    mesh: Mesh | None = None,
-    rules: LogicalRules | None = None,
-    strict: bool = False,
-    **source_options: Any,
-) -> LoadPlan:
-    """What ``load_params`` would do, from the headers and ``config.json`` alone.
-
-    Parameters
-    ----------
-    source, abstract, mapping, config, mesh, rules, strict, **source_options
-        As for ``load_params``.
-
-    Returns
-    -------
-    LoadPlan
-        Per leaf: the HF keys, hooks, stacking and sharding; no tensor byte is read.
-
-    Raises
-    ------
-    CheckpointMismatchError, MeshRequiredError, SourceNotFoundError
-        As ``load_params`` would.
-
-    Examples
-    --------
-    >>> import jax, numpy as np, otfload
-    >>> sharded = jax.sharding.NamedSharding(otfload.make_mesh({"fsdp": 8}), jax.sharding.PartitionSpec(None, "fsdp"))
-    >>> head = jax.ShapeDtypeStruct((64, 256), np.float32, sharding=sharded)  # [embed, vocab]
-    >>> table = [otfload.Rule("head", "lm_head.weight", (otfload.Transpose(),))]  # HF stores [vocab, embed]
-    >>> plan = otfload.plan_params("./tiny-llama", {"head": head}, table)
-    >>> plan.leaves["head"].describe()["hooks"]
-    ['Transpose(perm=None)']
-    """
-    with owned_source(source, **source_options) as src:
-        index = open_index(src, require_config=False)
-        return plan_target(index, abstract, mapping, index.config if config is None else config, mesh, rules,
-                           strict)[1]

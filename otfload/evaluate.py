@@ -23,7 +23,7 @@ ahead of its first run, so compilation time is reported apart from the tokens/s 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from otfload.errors import EvalDataError, InvalidOptionError, TokenizerError
 from otfload.models.base import CausalLM
+from otfload.options import LoadKeywords, LoadOptions, resolve_options
 from otfload.sources.base import Source
 
 if TYPE_CHECKING:  # tokenizers is imported when first used
@@ -287,24 +288,23 @@ def model_config(model: CausalLM) -> dict[str, Any]:
 
 
 def load_with_tokenizer(
-    location: str | os.PathLike[str] | Source, tokenizer: TokenizerSpec | None = None, **load_options: Any
+    location: str | os.PathLike[str] | Source, tokenizer: TokenizerSpec | None = None, *,
+    options: LoadOptions | None = None, **keywords: Unpack[LoadKeywords],
 ) -> tuple[CausalLM, Tokenizer, float]:
     """``(model, tokenizer, seconds)``: the checkpoint at ``location`` loaded with
-    :func:`~otfload.api.from_pretrained` (``load_options`` are its keyword arguments, source options
-    included) and its ``tokenizer.json`` read from the same source, before any weight (a missing
-    tokenizer fails fast). ``tokenizer`` (a ``tokenizers.Tokenizer`` or another location) overrides it."""
+    :func:`~otfload.api.from_pretrained` (``options`` and ``keywords`` are its own) and its
+    ``tokenizer.json`` read from the same source, before any weight (a missing tokenizer fails
+    fast). ``tokenizer`` (a ``tokenizers.Tokenizer`` or another location) overrides it."""
     from otfload.api import from_pretrained
     from otfload.sources.owned import owned_source
     from otfload.tokenizer import as_tokenizer, tokenizer_from_source
 
-    if load_options.pop("return_report", False):
-        raise TypeError("return_report is not a load option here: the load time is in the result")
-    own = set(inspect.signature(from_pretrained).parameters) - {"source", "source_options", "return_report"}
-    source_options = {k: v for k, v in load_options.items() if k not in own}
+    load_options = resolve_options(options, keywords)  # return_report, say, is no option: the time is returned
+    source_options = load_options.source_options()
     start = time.perf_counter()
     with owned_source(location, **source_options) as source:
         tok = tokenizer_from_source(source) if tokenizer is None else as_tokenizer(tokenizer, **source_options)
-        model = from_pretrained(source, **{k: v for k, v in load_options.items() if k in own})
+        model = from_pretrained(source, options=load_options)
     assert isinstance(model, CausalLM)  # from_pretrained builds a bundled family model
     return model, tok, time.perf_counter() - start
 
@@ -317,10 +317,12 @@ def evaluate(
     max_len: int | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: bool | None = None,
-    **load_options: Any,
+    options: LoadOptions | None = None,
+    **keywords: Any,  # LoadKeywords but progress, which is this function's own (the load's too, unless set)
 ) -> EvalResult:
     """Score ``texts`` with a checkpoint (any location :func:`~otfload.api.from_pretrained` takes,
-    loaded with ``load_options``: ``mesh``, ``dtype``, ``revision``, ...) or with a bundled model.
+    loaded with ``options`` and ``keywords``: ``mesh``, ``dtype``, ``revision``, ...; the load's
+    progress bar is ``progress`` unless they set it) or with a bundled model.
 
     Each text is tokenized with the checkpoint's ``tokenizer.json`` (``tokenizer`` overrides it: a
     ``tokenizers.Tokenizer`` or a location; required with a model, which does not know its
@@ -339,12 +341,15 @@ def evaluate(
     if isinstance(source_or_model, nnx.Module):
         if tokenizer is None:
             raise TypeError("evaluate(model, ...) needs tokenizer= (a tokenizers.Tokenizer or a checkpoint location)")
-        if load_options:
-            raise TypeError(f"load options {sorted(load_options)} are for a checkpoint location, not a model")
+        if options is not None or keywords:
+            given = sorted(keywords) + (["options"] if options is not None else [])
+            raise TypeError(f"load options {given} are for a checkpoint location, not a model")
         model, tok, load_seconds = source_or_model, as_tokenizer(tokenizer), 0.0
     else:
-        progress_load = {"progress": progress} if "progress" not in load_options else {}
-        model, tok, load_seconds = load_with_tokenizer(source_or_model, tokenizer, **load_options, **progress_load)
+        load_options = resolve_options(options, keywords)
+        if load_options.progress is None:
+            load_options = dataclasses.replace(load_options, progress=progress)
+        model, tok, load_seconds = load_with_tokenizer(source_or_model, tokenizer, options=load_options)
     if max_len is None:
         max_len = model_config(model).get("max_position_embeddings")
     if max_len is not None and max_len < 1:

@@ -26,12 +26,13 @@ measures the time to the first step against loading, then compiling.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, Unpack
 
 import jax
 import optax
@@ -39,7 +40,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from otfload.api import from_pretrained, plan_model
+from otfload.options import LoadKeywords, LoadOptions, resolve_options
 from otfload.plan.abstract import dotted
+from otfload.plan.sharding import make_mesh
 from otfload.sources import Source
 from otfload.sources.owned import owned
 
@@ -71,13 +74,12 @@ class Startup(Generic[T]):
 
 
 def abstract_model(
-    source: str | os.PathLike[str] | Source, *, mesh: Mesh, scan_layers: bool = True, dtype: Any = None,
-    **options: Any,
+    source: str | os.PathLike[str] | Source, *, options: LoadOptions | None = None, **keywords: Unpack[LoadKeywords]
 ) -> nnx.Module:
-    """The model ``from_pretrained(source, mesh=mesh, scan_layers=..., dtype=..., **options)``
-    returns, with a ``jax.ShapeDtypeStruct`` (shape, dtype and ``NamedSharding``) for each
-    ``nnx.Param``: what ``nnx.jit(step).lower(...)`` needs. Reads headers and ``config.json`` only."""
-    model, plan, src = plan_model(source, mesh=mesh, scan_layers=scan_layers, dtype=dtype, **options)
+    """The model ``from_pretrained(source, options=options, **keywords)`` returns (``mesh=``, ``dtype=``,
+    ``scan_layers=``, ...), with a ``jax.ShapeDtypeStruct`` (shape, dtype and ``NamedSharding``) for
+    each ``nnx.Param``: what ``nnx.jit(step).lower(...)`` needs. Reads headers and ``config.json`` only."""
+    model, plan, src = plan_model(source, options=resolve_options(options, keywords))
     with owned(src, source):  # closed here unless the caller passed it in
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             leaf = plan.leaves[dotted(path)].leaf
@@ -130,17 +132,19 @@ def load_while_compiling(
     source: str | os.PathLike[str] | Source,
     compile: Callable[[nnx.Module], T],
     *,
-    mesh: Mesh,
-    scan_layers: bool = True,
-    dtype: Any = None,
-    **load_options: Any,
+    options: LoadOptions | None = None,
+    **keywords: Unpack[LoadKeywords],
 ) -> Startup[T]:
-    """Load ``source`` with ``from_pretrained`` while ``compile(abstract model)`` (see
-    :func:`abstract_model`) runs on a thread under ``jax.set_mesh(mesh)``; ``compile`` typically returns
-    ``nnx.jit(step).lower(abstract, abstract_optimizer(...), batch).compile()``. An error of either
-    is raised here (the load's first) once both are done."""
+    """Load ``source`` with ``from_pretrained(source, options=options, **keywords)`` while
+    ``compile(abstract model)`` (see :func:`abstract_model`) runs on a thread under
+    ``jax.set_mesh(mesh)`` (the options' mesh; default: every device on ``fsdp``); ``compile``
+    typically returns ``nnx.jit(step).lower(abstract, abstract_optimizer(...), batch).compile()``. An
+    error of either is raised here (the load's first) once both are done."""
     start = time.perf_counter()
-    abstract = abstract_model(source, mesh=mesh, scan_layers=scan_layers, dtype=dtype, **load_options)
+    load_options = resolve_options(options, keywords)
+    mesh = make_mesh() if load_options.mesh is None else load_options.mesh
+    load_options = dataclasses.replace(load_options, mesh=mesh)  # one mesh for the compile and the load
+    abstract = abstract_model(source, options=load_options)
     planned = time.perf_counter() - start
     result: dict[str, Any] = {}
 
@@ -155,7 +159,7 @@ def load_while_compiling(
     thread = threading.Thread(target=run, name="otfload-compile", daemon=True)
     thread.start()
     try:
-        model = from_pretrained(source, mesh=mesh, scan_layers=scan_layers, dtype=dtype, **load_options)
+        model = from_pretrained(source, options=load_options)
         loaded = time.perf_counter() - start
     finally:
         thread.join()

@@ -312,7 +312,7 @@ def test_default_workers_follow_the_source_and_the_devices(tmp_path):
     import os
     from types import SimpleNamespace
 
-    from otfload.api import default_workers
+    from otfload.opening import default_workers
     from otfload.sources import LocalSource
 
     local = LocalSource(tmp_path)

@@ -26,6 +26,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("read",),  # boxes of tensors from a source
     ("place",),  # read -> hooks -> stack -> place, the load report
     ("adapters",),  # LoRA adapters merged into the index and the reads
+    ("options", "opening"),  # LoadOptions; the front door: source, shard cache, index, adapters layered on
     ("api",),  # from_pretrained, load_params, plan_model
     ("checkpoint", "generate", "tokenizer", "training"),  # native checkpoints, decoding, training start-up
     ("export", "evaluate", "lm_eval"),  # back to HF safetensors; eval jobs; the lm-evaluation-harness backend

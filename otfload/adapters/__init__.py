@@ -1,5 +1,7 @@
 """PEFT LoRA adapters merged on the fly: ``from_pretrained(base, adapter="org/my-lora")``, or kept
-as separate factors (``merge_adapter=False``, :mod:`otfload.adapters.kept`).
+as separate factors (``merge_adapter=False``, :mod:`otfload.adapters.kept`). A layer on the opened
+base checkpoint: :func:`~otfload.adapters.load.add_adapters`, applied by the front door
+(:mod:`otfload.opening`).
 
 Each adapted weight becomes an :class:`~otfload.adapters.tensor.AdaptedTensor` in the checkpoint
 index (base + LoRA factors, a derived tensor decoded per device box), so planning, stacking and
@@ -7,7 +9,7 @@ sharding are those of the base; docs/adapters.md has the math and the supported 
 """
 
 from otfload.adapters.config import AdapterConfig, parse_adapter_config
-from otfload.adapters.load import open_adapted
+from otfload.adapters.load import add_adapters
 from otfload.adapters.merge import Adapter, check_adapted_are_mapped, merge_adapters
 from otfload.adapters.source import CombinedSource
 from otfload.adapters.tensor import AdaptedTensor, LoraTerm
@@ -21,10 +23,10 @@ __all__ = [
     "KernelLayout",
     "LoraTerm",
     "LoraWeight",
+    "add_adapters",
     "check_adapted_are_mapped",
     "lora_factors",
     "merge_adapters",
-    "open_adapted",
     "parse_adapter_config",
     "with_lora_factors",
 ]

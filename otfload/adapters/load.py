@@ -1,23 +1,24 @@
-"""Open a base checkpoint with PEFT LoRA adapters merged into its index.
+"""PEFT LoRA adapters as a layer on an opened base checkpoint (the front door, :mod:`otfload.opening`,
+opens the base and applies this layer).
 
 An adapter is any location :func:`~otfload.sources.open_source` opens (local directory,
 ``pathlib.Path``, ``file://``/``gs://``/fsspec URL, Hub repo id, ``"org/name@revision"``, or a
 :class:`~otfload.sources.Source`) holding ``adapter_config.json`` and ``adapter_model.safetensors``.
 Only the config and the safetensors header are read here; the factors are read later, box by box,
-through one :class:`~otfload.adapters.source.CombinedSource` over the base and every adapter.
+through one :class:`~otfload.adapters.source.CombinedSource` over the base and every adapter
+(:func:`add_adapters`).
 
-A location holding an adapter and no ``config.json`` may be given as the checkpoint itself: the base
-is then ``base_model_name_or_path`` from its config (at its ``revision``), opened with the same
-options.
+A location holding an adapter and no ``config.json`` may be given as the checkpoint itself
+(:func:`named_base`): the base is then ``base_model_name_or_path`` from its config (at its
+``revision``, :func:`base_location`), opened with the same options.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,10 @@ from otfload.adapters.merge import Adapter, merge_adapters, strip_prefix
 from otfload.adapters.source import CombinedSource, adapter_file
 from otfload.errors import AdapterError, CheckpointIndexError, SourceNotFoundError
 from otfload.index.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
-from otfload.index.checkpoint import CheckpointIndex, open_index, read_json
+from otfload.index.checkpoint import CheckpointIndex, read_json
 from otfload.index.header import read_header
 from otfload.sources import Source, open_source
 from otfload.sources.checkpoint_files import check_safe_format
-from otfload.sources.owned import is_owned
 
 AdapterSpec = str | os.PathLike[str] | Source
 # "org/name@revision": a Hub adapter at a revision (branch, tag or commit).
@@ -120,83 +120,52 @@ def check_architecture(config: AdapterConfig, base_config: Mapping[str, Any]) ->
                            f"but the base checkpoint is {model_type!r}: the adapter was made for another architecture")
 
 
-def open_adapted(
-    source: str | os.PathLike[str] | Source,
-    adapter: AdapterSpec | Sequence[AdapterSpec] | None,
-    open_base: Callable[..., Source],
-    *,
-    merge_adapter: bool = True,
-    require_config: bool = True,
-    check_config: Callable[[dict[str, Any]], object] | None = None,
-    **options: Any,
-) -> tuple[Source, CheckpointIndex, bool]:
-    """``(source, index, owned)``: the base checkpoint's source and index with ``adapter`` merged in
-    (with ``merge_adapter=False`` too: :mod:`otfload.adapters.kept` takes the terms back out of the plan).
-
-    ``open_base(location, **options)`` opens a base checkpoint (the API's source and cache options);
-    ``check_config`` goes to :func:`~otfload.index.checkpoint.open_index` (the family lookup).
-    With adapters the source is a :class:`CombinedSource` (``owned``: the caller closes it; it closes
-    only what was opened here). Without any, it is the base's source, ``owned`` unless it *is* the
-    :class:`Source` the caller passed (a shard cache ``open_base`` put around that one is owned).
-    Ownership follows :func:`otfload.sources.owned.is_owned`; on an error everything opened here is
-    closed again.
-    """
-    specs = adapter_specs(adapter)
-    if not merge_adapter and len(specs) > 1:
-        raise AdapterError(f"{len(specs)} adapters with merge_adapter=False: kept LoRA factors are one adapter at a "
-                           "time (merge them, or swap adapters with otfload.load_adapter)")
-    opened: list[Source] = []
-    try:
-        src = open_base(source, **options)
-        if is_owned(src, source):  # opened here, or a cache around the caller's source
-            opened.append(src)
-        first: tuple[Source, Adapter] | None = None  # the source itself is an adapter (and names its base)
-        if not specs and is_adapter_source(src):
-            first = (src, read_adapter(src, 0))
-            config = first[1].config
-            base = config.base_model_name_or_path
-            if base is None:
-                raise AdapterError(f"adapter {config.where}: field base_model_name_or_path is not set: pass the "
-                                   "base checkpoint as the source and this adapter as adapter=")
-            specs = [src]
-            base_options = {k: v for k, v in options.items() if k != "revision"}
-            if config.revision:
-                base_options["revision"] = config.revision
-            try:
-                src = open_base(base, **base_options)
-            except SourceNotFoundError as e:
-                raise SourceNotFoundError(
-                    f"adapter {config.where}: {CONFIG_FILE} names the base model base_model_name_or_path={base!r}, "
-                    f"which cannot be opened (a relative path is taken from the current directory, "
-                    f"{Path.cwd()}, not from the adapter's): {e}. Pass the base checkpoint as the source and "
-                    "this adapter as adapter=, or fix base_model_name_or_path"
-                ) from None
-            opened.append(src)
-        index = open_index(src, require_config=require_config, check_config=check_config)
-        if not specs:
-            return src, index, is_owned(src, source)
-        sources: list[Source] = []
-        adapters: list[Adapter] = []
-        for i, spec in enumerate(specs):
-            if first is not None and i == 0:  # read above, through a source already in ``opened`` if owned
-                sources.append(first[0])
-                adapters.append(first[1])
-                continue
-            adapter_src = open_adapter_source(spec, **options)
-            if is_owned(adapter_src, spec):
-                opened.append(adapter_src)
-            sources.append(adapter_src)
-            adapters.append(read_adapter(adapter_src, i))
-        for one in adapters:
-            check_architecture(one.config, index.config)
-        merged = merge_adapters(index, adapters)
-        return CombinedSource(src, sources, owned=opened), merged, True
-    except BaseException:
-        for opened_source in reversed(opened):
-            with contextlib.suppress(Exception):  # the original error matters more
-                opened_source.close()
-        raise
+def named_base(source: Source) -> Adapter | None:
+    """The adapter ``source`` holds when it holds one and no model (a location given as the checkpoint
+    itself: the base to load is the one its config names), else None."""
+    if not is_adapter_source(source):
+        return None
+    adapter = read_adapter(source, 0)
+    if adapter.config.base_model_name_or_path is None:
+        raise AdapterError(f"adapter {adapter.where}: field base_model_name_or_path is not set: pass the base "
+                           "checkpoint as the source and this adapter as adapter=")
+    return adapter
 
 
-__all__ = ["AdapterSpec", "adapter_specs", "check_architecture", "is_adapter_source", "open_adapted",
-           "open_adapter_source", "read_adapter"]
+def base_location(adapter: Adapter, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Where the base that ``adapter`` (from :func:`named_base`) names is, and the source options that
+    open it: the call's, at the adapter's ``revision`` (the call's is the adapter's own)."""
+    base = adapter.config.base_model_name_or_path
+    assert base is not None  # named_base checked it
+    base_options = {k: v for k, v in options.items() if k != "revision"}
+    if adapter.config.revision:
+        base_options["revision"] = adapter.config.revision
+    return base, base_options
+
+
+def base_not_found(adapter: Adapter, error: SourceNotFoundError) -> SourceNotFoundError:
+    """The error for a base that ``adapter``'s config names and that cannot be opened."""
+    base = adapter.config.base_model_name_or_path
+    return SourceNotFoundError(
+        f"adapter {adapter.where}: {CONFIG_FILE} names the base model base_model_name_or_path={base!r}, "
+        f"which cannot be opened (a relative path is taken from the current directory, {Path.cwd()}, not "
+        f"from the adapter's): {error}. Pass the base checkpoint as the source and this adapter as adapter=, "
+        "or fix base_model_name_or_path"
+    )
+
+
+def add_adapters(
+    base: Source, index: CheckpointIndex, adapters: Sequence[tuple[Source, Adapter]], owned: Sequence[Source]
+) -> tuple[CombinedSource, CheckpointIndex]:
+    """The adapter layer on an opened base: one source over ``base`` and every adapter's source
+    (closing only ``owned``), and ``index`` with the adapters merged in, in order, each checked
+    against the base's architecture first (with ``merge_adapter=False`` too:
+    :mod:`otfload.adapters.kept` takes the terms back out of the plan)."""
+    for _, adapter in adapters:
+        check_architecture(adapter.config, index.config)
+    merged = merge_adapters(index, [adapter for _, adapter in adapters])
+    return CombinedSource(base, [source for source, _ in adapters], owned=owned), merged
+
+
+__all__ = ["AdapterSpec", "add_adapters", "adapter_specs", "base_location", "base_not_found", "check_architecture",
+           "is_adapter_source", "named_base", "open_adapter_source", "read_adapter"]

@@ -22,11 +22,11 @@ def run(args: argparse.Namespace) -> int:
     from otfload.api import from_pretrained
     from otfload.sources.owned import owned_source
 
-    kwargs = options.layout_kwargs(args)
+    load_options = options.load_options(args)
     speeds: list[float] = []
-    with owned_source(args.source, **options.source_options(args)) as source:  # closed on return or error
+    with owned_source(args.source, **load_options.source_options()) as source:  # closed on return or error
         for i in range(args.repeats):  # at least one (``positive_int``)
-            model, report = from_pretrained(source, return_report=True, progress=False, **kwargs)
+            model, report = from_pretrained(source, options=load_options, return_report=True, progress=False)
             del model
             gc.collect()
             speeds.append(report.gbps)

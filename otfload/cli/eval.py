@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     texts = read_texts(args.data, args.format, args.text_key)  # a bad data file fails before the load
     enable_compile_cache(args.compile_cache)
     result = evaluate(args.source, texts, max_len=args.max_len, batch_size=args.batch_size, progress=args.progress,
-                      **options.source_options(args), **options.layout_kwargs(args))
+                      options=options.load_options(args))
     if args.json:
         print(json.dumps({"source": args.source, "data": args.data, **result.to_dict()}))
     else:

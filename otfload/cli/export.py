@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         out = export_native(args.src, args.out, step=args.step, scan_layers=args.scan_layers, **written)
     else:
         scan = True if args.scan_layers is None else args.scan_layers
-        out = export_checkpoint(args.src, args.out, mesh=options.mesh_of(args), scan_layers=scan, **written,
-                                **options.source_options(args))  # fmt: skip
+        load_options = options.load_options(args)  # the source's options and the mesh (--dtype is the written one)
+        out = export_checkpoint(args.src, args.out, mesh=load_options.mesh, scan_layers=scan, **written,
+                                **load_options.source_options())  # fmt: skip
     print(f"exported {args.src} to {out}")
     return 0

@@ -51,8 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from otfload.evaluate import load_with_tokenizer
     from otfload.generate import generate, special_tokens
 
-    model, tokenizer, seconds = load_with_tokenizer(args.source, progress=False, **options.source_options(args),
-                                                    **options.layout_kwargs(args))
+    model, tokenizer, seconds = load_with_tokenizer(args.source, options=options.load_options(args), progress=False)
     prompts = [e.ids for e in tokenizer.encode_batch(args.prompt)]
     if not all(prompts):
         raise OtfloadError("a prompt tokenizes to no ids (an empty prompt, and the tokenizer adds no BOS token)")

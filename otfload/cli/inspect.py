@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the command imports JAX and the pipeline only when it runs
     from jax.sharding import Mesh
 
     from otfload.errors import CheckpointMismatchError
+    from otfload.options import LoadOptions
     from otfload.plan.planner import LoadPlan
     from otfload.read.reader import TensorReader
 
@@ -107,22 +108,25 @@ def process_leaves(
 
 def inspect_source(
     source: Any, *, process_index: int | None = None, process_count: int | None = None, reshard: str = "auto",
-    platform: str | None = None, **kwargs: Any,
+    platform: str | None = None, options: LoadOptions | None = None, **keywords: Any,
 ) -> Info:
-    """The plan of ``source`` as a JSON-able dict; ``kwargs`` go to :func:`otfload.plan_model`.
+    """The plan of ``source`` as a JSON-able dict; ``options`` and ``keywords`` go to
+    :func:`otfload.plan_model`.
 
     Reads headers and ``config.json`` only; a checkpoint that does not fit the model raises
     :class:`~otfload.errors.CheckpointMismatchError`.
     """
 
     from otfload.api import plan_model
+    from otfload.options import resolve_options
     from otfload.read.reader import TensorReader
     from otfload.sources.owned import owned
 
-    _, plan, src = plan_model(source, **kwargs)
+    load_options = resolve_options(options, keywords)
+    _, plan, src = plan_model(source, options=load_options)
     with owned(src, source):  # a Source the caller passed in stays open
         info = describe_plan(plan, src.description, plan.config.get("model_type"), plan.family,
-                             kwargs.get("scan_layers", True), reader=TensorReader(src),
+                             load_options.scan_layers, reader=TensorReader(src),
                              process=(process_index, process_count), reshard=reshard, platform=platform)
     return info
 
@@ -350,13 +354,14 @@ def run(args: argparse.Namespace) -> int:
         if (args.mapping is None) != (args.target is None):
             print("otfload inspect: error: --mapping and --target go together", file=sys.stderr)
             return 2
+        load_options = options.load_options(args)
         if args.mapping is not None:
-            info = inspect_custom(args.source, args.mapping, args.target, options.mesh_of(args),
-                                  **options.source_options(args))
+            assert load_options.mesh is not None  # load_options makes --mesh a Mesh
+            info = inspect_custom(args.source, args.mapping, args.target, load_options.mesh,
+                                  **load_options.source_options())
         else:
             info = inspect_source(args.source, process_index=args.process_index, process_count=args.process_count,
-                                  reshard=args.reshard, platform=args.platform, quantized=args.quantized,
-                                  **options.layout_kwargs(args), **options.source_options(args))
+                                  reshard=args.reshard, platform=args.platform, options=load_options)
     except CheckpointMismatchError as e:
         print(json.dumps(problems_json(e), indent=1) if args.json else format_problems(e))
         return 1

@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
     from otfload.api import from_pretrained
     from otfload.sources.owned import owned_source
 
-    with owned_source(args.source, **options.source_options(args)) as source:  # closed on return or error
-        model, report = from_pretrained(source, return_report=True, reshard=args.reshard,
-                                        **options.layout_kwargs(args), **options.adapter_kwargs(args))
+    load_options = options.load_options(args)
+    with owned_source(args.source, **load_options.source_options()) as source:  # closed on return or error
+        model, report = from_pretrained(source, options=load_options, return_report=True)
         print(report.summary())
         if not args.merge_adapter:
             from otfload.adapters.kept import kept_record

@@ -1,19 +1,25 @@
-"""Options shared by the subcommands: the checkpoint source, the mesh, simulated devices, dtype."""
+"""Options shared by the subcommands: the checkpoint source, the mesh, simulated devices, dtype; and
+:func:`load_options`, the one place the load's flags become an :class:`~otfload.options.LoadOptions`."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
+    from otfload.options import LoadOptions
+
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # a Sphinx cross-reference in a docstring
+# The flags that are LoadOptions fields under the same name (``--scan-layers``: ``scan_layers``). Not
+# ``load --verify`` (a check of the loaded model, not the shard cache's ``verify``), nor ``--mesh``.
+LOAD_FLAGS = ("revision", "token", "dtype", "scan_layers", "adapter", "merge_adapter", "quantized", "reshard")
 
 
 def description(doc: str) -> str:
@@ -83,11 +89,6 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
                              "own parameters (--no-merge-adapter; one adapter)")
 
 
-def adapter_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``adapter`` and ``merge_adapter`` for ``from_pretrained``."""
-    return dict(adapter=getattr(args, "adapter", None), merge_adapter=getattr(args, "merge_adapter", True))
-
-
 def simulate_devices(n: int | None) -> None:
     """Make JAX see ``n`` CPU devices; must run before JAX initialises its backend."""
     if n is None:
@@ -99,10 +100,6 @@ def simulate_devices(n: int | None) -> None:
     jax.config.update("jax_platforms", "cpu")  # type: ignore[no-untyped-call]  # jax's Config.update is unannotated
 
 
-def source_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("revision", "token") if getattr(args, k, None) is not None}
-
-
 def mesh_of(args: argparse.Namespace) -> Mesh:
     """The ``Mesh`` of ``--mesh`` (every device on ``fsdp`` when not given)."""
     from otfload.plan.sharding import make_mesh
@@ -110,6 +107,13 @@ def mesh_of(args: argparse.Namespace) -> Mesh:
     return make_mesh(args.mesh)
 
 
-def layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``mesh``, ``scan_layers`` and ``dtype`` for ``plan_model`` / ``from_pretrained``."""
-    return dict(mesh=mesh_of(args), scan_layers=args.scan_layers, dtype=args.dtype)
+def load_options(args: argparse.Namespace, *, mesh: bool = True) -> LoadOptions:
+    """The :class:`~otfload.options.LoadOptions` of a subcommand's flags (:data:`LOAD_FLAGS`, and
+    ``--mesh`` made a ``Mesh`` unless ``mesh`` is False: a command that resolves it otherwise); a flag
+    the subcommand lacks or left unset keeps the option's default."""
+    from otfload.options import LoadOptions
+
+    given = {name: getattr(args, name) for name in LOAD_FLAGS if getattr(args, name, None) is not None}
+    if mesh and hasattr(args, "mesh"):
+        given["mesh"] = mesh_of(args)
+    return LoadOptions(**given)

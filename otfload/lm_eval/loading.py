@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import inspect
 import os
 import time
 from typing import Any
@@ -31,45 +30,41 @@ from flax import nnx
 from otfload.api import from_pretrained, plan_model
 from otfload.lm_eval.tokens import CheckpointTokenizer, checkpoint_tokenizer
 from otfload.models.base import CausalLM
+from otfload.options import LoadOptions, resolve_options
 from otfload.plan.abstract import dotted
 from otfload.plan.planner import LoadPlan
 from otfload.sources.base import Source
 from otfload.sources.owned import owned, owned_source
 
-_PLAN_OPTIONS = set(inspect.signature(plan_model).parameters) - {"source", "source_options"}
-_LOAD_OPTIONS = set(inspect.signature(from_pretrained).parameters) - {"source", "source_options", "return_report"}
-
 
 class BackgroundLoad:
-    """``from_pretrained(location, **options)`` running on a thread, with what is known before it ends.
+    """``from_pretrained(location, options=options, **keywords)`` running on a thread, with what is
+    known before it ends. ``keywords`` are :class:`~otfload.options.LoadOptions` fields by name (as
+    lm_eval's ``model_args`` give them, with the backend's ``mesh`` and ``progress``)."""
 
-    ``options`` are :func:`~otfload.api.from_pretrained`'s keywords, source options included.
-    """
-
-    def __init__(self, location: str | os.PathLike[str] | Source, **options: Any) -> None:
+    def __init__(self, location: str | os.PathLike[str] | Source, *, options: LoadOptions | None = None,
+                 **keywords: Any) -> None:
         self.start = time.perf_counter()
         self.seconds: float | None = None  # from this call to the end of the weights' load, once it has ended
-        source_options = {k: v for k, v in options.items() if k not in _LOAD_OPTIONS}
+        load_options = resolve_options(options, keywords)
         self._stack = contextlib.ExitStack()
         try:
-            self.source = self._stack.enter_context(owned_source(location, **source_options))
-            plan_options = {k: v for k, v in options.items() if k in _PLAN_OPTIONS}
-            abstract, plan, planned = plan_model(self.source, **plan_options)
+            self.source = self._stack.enter_context(owned_source(location, **load_options.source_options()))
+            abstract, plan, planned = plan_model(self.source, options=load_options)
             with owned(planned, self.source):  # a source the plan wrapped around ours (adapters, shard cache)
                 self.config: dict[str, Any] = plan.config
                 self.tokenizer: CheckpointTokenizer = checkpoint_tokenizer(self.source, plan.config)
-            same_leaves = options.get("quantized", "dequantize") != "keep" and options.get("merge_adapter", True)
+            same_leaves = load_options.quantized != "keep" and load_options.merge_adapter
             self.abstract: CausalLM | None = _with_shardings(abstract, plan) if same_leaves else None
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="otfload-load")
-            load_options = {k: v for k, v in options.items() if k in _LOAD_OPTIONS}
             self._future: concurrent.futures.Future[Any] = self._pool.submit(self._run, load_options)
         except BaseException:
             self._stack.close()
             raise
 
-    def _run(self, load_options: dict[str, Any]) -> Any:
+    def _run(self, load_options: LoadOptions) -> Any:
         try:
-            return from_pretrained(self.source, **load_options)
+            return from_pretrained(self.source, options=load_options)
         finally:
             self.seconds = time.perf_counter() - self.start
 

@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import jax
 from tqdm.auto import tqdm
 
+from otfload.errors import LoadCancelled
 from otfload.fetch.meter import FetchMeter, metering
 from otfload.place.agree import agree_load
 from otfload.place.builder import ByteBudget, build_leaf
@@ -43,7 +44,7 @@ from otfload.read.pinned import DmaRegistry
 from otfload.read.readahead import local_residency, start_read_ahead
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
-from otfload.sources.retry import CancelToken, LoadCancelled, cancel_scope
+from otfload.sources.retry import CancelToken, cancel_scope
 
 # Two builders keep one core reading while the other copies; more only adds scratch memory on a
 # 2-core host. Raise it for remote sources, where threads mostly wait on the network.
