@@ -9,7 +9,9 @@ accelerator's): the dry run checks that every row is produced.
 
 from __future__ import annotations
 
-GIB = 2**30
+from benchmarks import harness
+
+GIB = harness.GIB
 # Warm targets (issue 30): GB/s into device memory, and the ratio to fastsafetensors, for a checkpoint
 # of at least BIG_CHECKPOINT_GIB and for a smaller one (the 4 GiB of the issue's table).
 BIG_CHECKPOINT_GIB = 16
@@ -39,36 +41,32 @@ def _first_leaf(r: dict) -> str:
 
 def figures_table(results: dict[str, dict]) -> str:
     """One row per limit and loader: GB/s, total and first-leaf seconds, peak and kept host memory."""
-    rows = [
-        "| route | GB/s | total s | first leaf s | peak RSS GiB | RSS kept GiB | note |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
+    rows: list[list[object]] = []
     for name in (*LIMITS, *LOADERS):
         r = results.get(name)
         if r is None:
-            rows.append(f"| {name} | not measured | | | | | |")
+            rows.append([name, "not measured", "", "", "", "", ""])
             continue
         note = r.get("dma") or r.get("host_route") or ("O_DIRECT" if r.get("o_direct") else "")
         if name == "direct" and not r.get("o_direct"):
             note = "buffered: the file system refused O_DIRECT"
         if name == "dma-put" and not str(note).startswith("direct DMA"):
             note = f"unavailable — {note}"
-        rows.append(
-            f"| {name} | {_gbps(r):.2f} | {r['seconds']:.2f} | {_first_leaf(r)} | {r['peak_rss'] / GIB:.2f} | "
-            f"{_kept(r):.2f} | {note} |"
-        )
-    return "\n".join(rows)
+        rows.append([name, f"{_gbps(r):.2f}", f"{r['seconds']:.2f}", _first_leaf(r), f"{r['peak_rss'] / GIB:.2f}",
+                     f"{_kept(r):.2f}", note])  # fmt: skip
+    columns = ["route", "GB/s", "total s", "first leaf s", "peak RSS GiB", "RSS kept GiB", "note"]
+    return harness.table(columns, rows)
 
 
 def verdicts_table(results: dict[str, dict], cold: bool, ring_gib: float) -> str:
     """Each target of issue 30 that this run's methods can judge, with the measured figure."""
-    rows = ["| target | measured | verdict |", "|---|---:|---|"]
+    rows: list[list[object]] = []
 
     def judge(label: str, value: float | None, goal: float, unit: str = "") -> None:
         if value is None:
-            rows.append(f"| {label} | not measured | |")
+            rows.append([label, "not measured", ""])
         else:
-            rows.append(f"| {label} | {value:.2f}{unit} | {'PASS' if value >= goal else 'MISS'} |")
+            rows.append([label, f"{value:.2f}{unit}", "PASS" if value >= goal else "MISS"])
 
     mine = results.get("otfload-primed") or results.get("otfload")
     fst = results.get("fastsafetensors")
@@ -76,7 +74,7 @@ def verdicts_table(results: dict[str, dict], cold: bool, ring_gib: float) -> str
         plain, floor = results.get("otfload"), results.get("direct")
         ratio = _gbps(plain) / _gbps(floor) if plain and floor else None
         judge(f"cold: otfload ≥ {COLD_OVER_DIRECT}× O_DIRECT read", ratio, COLD_OVER_DIRECT, "×")
-        return "\n".join(rows)
+        return harness.table(["target", "measured", "verdict"], rows)
     big = bool(mine) and mine["checkpoint_bytes"] >= BIG_CHECKPOINT_GIB * GIB
     size = f"≥ {BIG_CHECKPOINT_GIB} GiB" if big else f"< {BIG_CHECKPOINT_GIB} GiB"
     judge(f"warm, one transfer before: ≥ {WARM_GBPS[big]:g} GB/s ({size})", mine and _gbps(mine), WARM_GBPS[big])
@@ -89,4 +87,4 @@ def verdicts_table(results: dict[str, dict], cold: bool, ring_gib: float) -> str
         judge("peak host RSS ≤ fastsafetensors' + ring (GiB to spare)", None, 0.0)
     kept_room = KEPT_GIB + ring_gib - _kept(mine) if mine else None
     judge(f"RSS kept ≤ {KEPT_GIB} GiB + ring (GiB to spare)", kept_room, 0.0)
-    return "\n".join(rows)
+    return harness.table(["target", "measured", "verdict"], rows)

@@ -31,6 +31,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.make_checkpoint import Dims, ensure_written
 
 ROOT = Path("bench_data") / "eval"
@@ -99,11 +100,11 @@ def measure(args: argparse.Namespace) -> None:
     dims = PRESETS[args.preset]
     params = dims.nbytes // 2
     dtype = args.dtype or "bfloat16"
-    print("| preset | parameters | dtype | texts × ids | batch | load s | compile s | tokens/s | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.preset} | {params / 1e6:.0f} M | {dtype} | {args.texts} × {args.len} | {args.batch_size} | "
-          f"{result['load_seconds']:.2f} | {result['compile_seconds']:.1f} | {result['tokens_per_second']:.0f} | "
-          f"{peak / 2**30:.2f} GiB |")
+    columns = ["preset", "parameters", "dtype", "texts × ids", "batch", "load s", "compile s", "tokens/s", "peak RSS"]
+    row = [args.preset, f"{params / 1e6:.0f} M", dtype, f"{args.texts} × {args.len}", args.batch_size,
+           f"{result['load_seconds']:.2f}", f"{result['compile_seconds']:.1f}", f"{result['tokens_per_second']:.0f}",
+           f"{peak / harness.GIB:.2f} GiB"]  # fmt: skip
+    print(harness.table(columns, [row], left=3))
     print(f"nll per token {result['nll_per_token']:.3f}, {result['tokens']} predicted tokens, "
           f"eval {result['eval_seconds']:.1f} s")
 
@@ -168,9 +169,7 @@ MESHES = [  # (name, devices, dense bf16 peak FLOP/s per device, memory per devi
 def project(seq: int, mfu: float) -> None:
     tokens = 1e9
     print(f"Projection at s = {seq}, MFU {mfu:.0%}, bf16 weights fully sharded, one sequence per device")
-    print("| model | params (active) | KV / token | GFLOP / token | mesh | weights / device | logits / seq "
-          "| tokens/s | 1e9 tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for arch in ARCHS:
         total, active = arch.counts()
         flops = 2 * active + arch.layers * arch.heads * (arch.attn_dims or 2 * arch.head_dim) * seq
@@ -179,9 +178,13 @@ def project(seq: int, mfu: float) -> None:
             weights = 2 * total / n
             logits = seq * arch.vocab * 4
             fits = "" if weights + logits < memory else " (does not fit)"
-            print(f"| {arch.name} | {total / 1e9:.1f} B ({active / 1e9:.1f} B) | {arch.kv_per_token() / 1024:.0f} KiB "
-                  f"| {flops / 1e9:.1f} | {mesh} | {weights / 1e9:.1f} GB{fits} | {logits / 1e9:.2f} GB "
-                  f"| {rate / 1e3:.0f} k | {tokens / rate / 3600:.2f} h |")
+            rows.append([arch.name, f"{total / 1e9:.1f} B ({active / 1e9:.1f} B)",
+                         f"{arch.kv_per_token() / 1024:.0f} KiB", f"{flops / 1e9:.1f}", mesh,
+                         f"{weights / 1e9:.1f} GB{fits}", f"{logits / 1e9:.2f} GB",
+                         f"{rate / 1e3:.0f} k", f"{tokens / rate / 3600:.2f} h"])  # fmt: skip
+    columns = ["model", "params (active)", "KV / token", "GFLOP / token", "mesh", "weights / device", "logits / seq",
+               "tokens/s", "1e9 tokens"]  # fmt: skip
+    print(harness.table(columns, rows))
 
 
 def main(argv: list[str] | None = None) -> None:

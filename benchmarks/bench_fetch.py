@@ -159,11 +159,10 @@ def planned_rows(repo: str, endpoint: str, mesh: dict, mesh_name: str, work: Pat
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| source | mesh | policy | process | fetched (report, MB) | kernel / server (MB) | ideal (MB) | "
-        "fetched / ideal | all processes / checkpoint | requests | leaves resharded | seconds | reshard s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    columns = ["source", "mesh", "policy", "process", "fetched (report, MB)", "kernel / server (MB)", "ideal (MB)",
+               "fetched / ideal", "all processes / checkpoint", "requests", "leaves resharded", "seconds",
+               "reshard s"]  # fmt: skip
+    cells = []
     for r in rows:
         if r["source"] == "Hub":
             real = f"{r['served_all'] / 1e6:.1f} (all)" if r["process"] == 0 else ""
@@ -171,13 +170,11 @@ def table(rows: list[dict]) -> str:
             real = f"{r['kernel_read_bytes'] / 1e6:.1f}"
         else:
             real = "—"
-        lines.append(
-            f"| {r['source']} | {r['mesh']} | {r['policy']} | {r['process']} | {r['bytes_read'] / 1e6:.1f} | {real} | "
-            f"{r['bytes_ideal'] / 1e6:.1f} | {r['bytes_read'] / r['bytes_ideal']:.2f} | "
-            f"{r['cluster']:.3f} | {r['requests']} | {len(r['resharded'])} | {r['seconds']:.1f} | "
-            f"{r.get('reshard_seconds', float('nan')):.1f} |"
-        )
-    return "\n".join(lines) + "\n"
+        cells.append([r["source"], r["mesh"], r["policy"], r["process"], f"{r['bytes_read'] / 1e6:.1f}", real,
+                      f"{r['bytes_ideal'] / 1e6:.1f}", f"{r['bytes_read'] / r['bytes_ideal']:.2f}",
+                      f"{r['cluster']:.3f}", r["requests"], len(r["resharded"]), f"{r['seconds']:.1f}",
+                      f"{r.get('reshard_seconds', float('nan')):.1f}"])  # fmt: skip
+    return harness.table(columns, cells, left=3) + "\n"
 
 
 def summary(rows: list[dict]) -> str:
@@ -187,8 +184,7 @@ def summary(rows: list[dict]) -> str:
     jobs: dict[tuple[str, str, str], list[dict]] = {}
     for r in rows:
         jobs.setdefault((r["source"], r["mesh"], r["policy"]), []).append(r)
-    lines = ["| source | mesh | policy | counted / ideal (worst process) | report / counted | seconds (slowest) | "
-             "route (process 0) |", "|---|---|---|---:|---:|---:|---|"]
+    cells = []
     for (source, mesh, policy), job in jobs.items():
         if source == "local, warm":  # nothing comes from the disk: the report's bytes are page-cache reads
             worst, honest = max(r["bytes_read"] / r["bytes_ideal"] for r in job), "(page cache)"
@@ -201,9 +197,10 @@ def summary(rows: list[dict]) -> str:
         else:
             worst, honest = max(r["bytes_read"] / r["bytes_ideal"] for r in job), "planned"
         seconds = max(r["seconds"] for r in job)
-        lines.append(f"| {source} | {mesh} | {policy} | {worst:.2f} | {honest} | {seconds:.1f} | "
-                     f"{job[0].get('route', '')} |")
-    return "\n".join(lines) + "\n"
+        cells.append([source, mesh, policy, f"{worst:.2f}", honest, f"{seconds:.1f}", job[0].get("route", "")])
+    columns = ["source", "mesh", "policy", "counted / ideal (worst process)", "report / counted", "seconds (slowest)",
+               "route (process 0)"]  # fmt: skip
+    return harness.table(columns, cells, left=3) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

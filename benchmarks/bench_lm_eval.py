@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.bench_eval import PRESETS, build, corpus_lines
 
 ROOT = Path("bench_data") / "lm_eval"
@@ -119,11 +120,10 @@ def part_hf(ckpt: Path, tasks: Path, env: dict[str, str], questions: int) -> Non
     a, b = ours["results"]["bench_mc"], theirs["bench_mc"]
     t = ours["timings"]
     print(f"\n{questions} questions ({4 * questions} loglikelihood requests), batch {BATCH}, float32")
-    print("| backend | job wall s | acc | acc_norm | load s | compile s | score s |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| otfload | {ours_wall:.1f} | {a['acc,none']:.4f} | {a['acc_norm,none']:.4f} | {t['load_seconds']:.1f} "
-          f"| {t['compile_seconds']:.1f} | {t['score_seconds']:.1f} |")
-    print(f"| hf | {hf_wall:.1f} | {b['acc,none']:.4f} | {b['acc_norm,none']:.4f} | | | |")
+    rows = [["otfload", f"{ours_wall:.1f}", f"{a['acc,none']:.4f}", f"{a['acc_norm,none']:.4f}",
+             f"{t['load_seconds']:.1f}", f"{t['compile_seconds']:.1f}", f"{t['score_seconds']:.1f}"],
+            ["hf", f"{hf_wall:.1f}", f"{b['acc,none']:.4f}", f"{b['acc_norm,none']:.4f}", "", "", ""]]  # fmt: skip
+    print(harness.table(["backend", "job wall s", "acc", "acc_norm", "load s", "compile s", "score s"], rows))
     print(f"hf / otfload wall: {hf_wall / ours_wall:.2f}x; metrics equal: "
           f"{(a['acc,none'], a['acc_norm,none']) == (b['acc,none'], b['acc_norm,none'])}")
 
@@ -135,25 +135,24 @@ def part_cache(ckpt: Path, tasks: Path, env: dict[str, str]) -> None:
     finally:
         shutil.rmtree(cache)
     first, second = (r[1]["timings"]["compile_seconds"] for r in runs)
-    print("\n| run | job wall s | compile s | of which tracing + lowering s |")
-    print("|---|---|---|---|")
-    for i, (wall, result) in enumerate(runs, 1):
-        t = result["timings"]
-        print(f"| {i} | {wall:.1f} | {t['compile_seconds']:.2f} | {t['lower_seconds']:.2f} |")
+    rows = [[i, f"{wall:.1f}", f"{r['timings']['compile_seconds']:.2f}", f"{r['timings']['lower_seconds']:.2f}"]
+            for i, (wall, r) in enumerate(runs, 1)]  # fmt: skip
+    print("\n" + harness.table(["run", "job wall s", "compile s", "of which tracing + lowering s"], rows))
     print(f"second / first compile: {second / first:.1%}")
 
 
 def part_overlap(ckpt: Path, env: dict[str, str]) -> None:
     print(f"\nwidths {list(WIDTHS)}, batch {BATCH}, compilation cache off")
-    print("| mode | load s | compile s | max(load, compile) s | load + compile wall s | wall / max |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for mode in ("sequential", "overlapped"):
         _, stdout = child([sys.executable, "-c", OVERLAP_CHILD, mode, ",".join(map(str, WIDTHS)), str(ckpt),
                            str(BATCH)], env)
         r = json.loads(stdout.strip().splitlines()[-1])
         longest = max(r["load_seconds"], r["compile_seconds"])
-        print(f"| {mode} | {r['load_seconds']:.2f} | {r['compile_seconds']:.2f} | {longest:.2f} | {r['ready']:.2f} "
-              f"| {r['ready'] / longest:.2f} |")
+        rows.append([mode, f"{r['load_seconds']:.2f}", f"{r['compile_seconds']:.2f}", f"{longest:.2f}",
+                     f"{r['ready']:.2f}", f"{r['ready'] / longest:.2f}"])  # fmt: skip
+    print(harness.table(["mode", "load s", "compile s", "max(load, compile) s", "load + compile wall s", "wall / max"],
+                        rows))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

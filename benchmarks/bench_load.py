@@ -178,7 +178,7 @@ def targets_table(results: dict[str, dict], cold: bool = False, platform: str = 
     """otfload's throughput over each baseline's (wall clock and CPU time), and its transient memory;
     ``cold``: against the cold floors and targets (a baseline without a target is shown, not judged);
     an accelerator ``platform``: against its baselines, none judged."""
-    rows = ["| figure | measured (wall) | measured (CPU time) | target | verdict (wall) |", "|---|---:|---:|---:|---|"]
+    rows: list[list[object]] = []
     mine = results.get("otfload")
     if mine is None:
         return "(otfload not measured: no ratios)"
@@ -187,18 +187,12 @@ def targets_table(results: dict[str, dict], cold: bool = False, platform: str = 
         if base in results:
             ratio = _rate(mine, "seconds") / _rate(results[base], "seconds")
             cpu_ratio = _rate(mine, "cpu_seconds") / _rate(results[base], "cpu_seconds")
-            if target is None:
-                rows.append(f"| otfload speed / {base} | {ratio:.2f} | {cpu_ratio:.2f} | | |")
-                continue
-            verdict = "PASS" if ratio >= target else "MISS"
-            rows.append(f"| otfload speed / {base} | {ratio:.2f} | {cpu_ratio:.2f} | ≥ {target:g} | {verdict} |")
+            judged = ("", "") if target is None else (f"≥ {target:g}", "PASS" if ratio >= target else "MISS")
+            rows.append([f"otfload speed / {base}", f"{ratio:.2f}", f"{cpu_ratio:.2f}", *judged])
     transient, largest = mine["transient"], mine["largest_leaf"]
-    verdict = "PASS" if transient <= largest else "MISS"
-    rows.append(
-        f"| otfload transient host memory | {transient / GIB:.3f} GiB | | ≤ {largest / GIB:.3f} GiB "
-        f"(largest leaf) | {verdict} |"
-    )
-    return "\n".join(rows)
+    rows.append(["otfload transient host memory", f"{transient / GIB:.3f} GiB", "",
+                 f"≤ {largest / GIB:.3f} GiB (largest leaf)", "PASS" if transient <= largest else "MISS"])  # fmt: skip
+    return harness.table(["figure", "measured (wall)", "measured (CPU time)", "target", "verdict (wall)"], rows)
 
 
 def scaling(kind: str, methods: list[str], repeat: int, cold: bool, moe: bool, plot: Path) -> str:

@@ -118,8 +118,8 @@ def _block_step_flops(params, block: int) -> float:
 def bench_moe(shapes: dict, model_shapes: dict, repeat: int) -> None:
     print(f"\n## MoE feed-forward: hidden {shapes['hidden']}, expert inter {shapes['inter']}, "
           f"{shapes['experts']} experts, top {shapes['top_k']}\n")
-    print("| tokens | impl | ms (median) | XLA temp MiB | FLOPs executed (G) | FLOPs / dense | max abs diff / dense |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print(harness.table(["tokens", "impl", "ms (median)", "XLA temp MiB", "FLOPs executed (G)", "FLOPs / dense",
+                         "max abs diff / dense"], [], left=2))  # fmt: skip
     for tokens in shapes["tokens"]:
         params, x, cfg = _moe_problem(shapes["hidden"], shapes["inter"], shapes["experts"], shapes["top_k"], tokens)
         ref = None
@@ -135,8 +135,8 @@ def bench_moe(shapes: dict, model_shapes: dict, repeat: int) -> None:
             out = np.asarray(fn(params, x))
             ref = out if ref is None else ref
             dense_flops = flops if dense_flops is None else dense_flops
-            print(f"| {tokens} | {impl} | {seconds * 1e3:.1f} | {temp / MIB:.1f} | {flops / 1e9:.2f} | "
-                  f"{flops / dense_flops:.3f} | {np.abs(out - ref).max():.1e} |")
+            print(harness.row([tokens, impl, f"{seconds * 1e3:.1f}", f"{temp / MIB:.1f}", f"{flops / 1e9:.2f}",
+                               f"{flops / dense_flops:.3f}", f"{np.abs(out - ref).max():.1e}"]))  # fmt: skip
     ideal = 2 * 3 * shapes["hidden"] * shapes["inter"] * shapes["top_k"]
     print(f"\nIdeal expert FLOPs per token: 2 × 3 matmuls × {shapes['hidden']} × {shapes['inter']} × top "
           f"{shapes['top_k']} = {ideal / 1e6:.1f} M (dense: × {shapes['experts']} / {shapes['top_k']}).")
@@ -151,13 +151,12 @@ def bench_moe_model(shapes: dict, repeat: int) -> None:
     print(f"\n## MoE model forward: Mixtral-shaped, {hf['num_hidden_layers']} layers (scanned), hidden "
           f"{hf['hidden_size']}, {hf['num_local_experts']} experts of {hf['intermediate_size']}, top "
           f"{hf['num_experts_per_tok']}, 1 × {tokens} tokens\n")
-    print("| moe_impl | ms (median) | XLA temp MiB |")
-    print("|---|---:|---:|")
+    print(harness.table(["moe_impl", "ms (median)", "XLA temp MiB"], []))
     for impl in (DENSE, BLOCKS):
         model.moe_impl = impl
         forward, _, temp = compiled_stats(lambda m, i: m(i), (model, ids))
         seconds = timed(forward, (model, ids), repeat)
-        print(f"| {impl} | {seconds * 1e3:.1f} | {temp / MIB:.1f} |")
+        print(harness.row([impl, f"{seconds * 1e3:.1f}", f"{temp / MIB:.1f}"]))
 
 
 # --- attention -------------------------------------------------------------------------------------
@@ -188,8 +187,7 @@ def _attention_fn(method: str, scale: float):
 def bench_attention(shapes: dict, repeat: int, max_temp_gib: float) -> None:
     heads, kv_heads, dim = shapes["heads"], shapes["kv_heads"], shapes["dim"]
     print(f"\n## Attention: 1 × s tokens, {heads} query heads, {kv_heads} KV heads, head dim {dim}, causal\n")
-    print("| tokens | method | ms (median) | XLA temp MiB | temp / tokens (KiB) |")
-    print("|---:|---|---:|---:|---:|")
+    print(harness.table(["tokens", "method", "ms (median)", "XLA temp MiB", "temp / tokens (KiB)"], [], left=2))
     rng = np.random.default_rng(0)
     for seq in shapes["seqs"]:
         q = jnp.asarray(rng.normal(size=(1, seq, heads, dim)), jnp.float32)
@@ -199,7 +197,7 @@ def bench_attention(shapes: dict, repeat: int, max_temp_gib: float) -> None:
             compiled, _, temp = compiled_stats(fn, (q, k, v))
             runs = temp <= max_temp_gib * GIB
             seconds = f"{timed(compiled, (q, k, v), repeat) * 1e3:.1f}" if runs else "not run"
-            print(f"| {seq} | {method} | {seconds} | {temp / MIB:.1f} | {temp / 1024 / seq:.1f} |")
+            print(harness.row([seq, method, seconds, f"{temp / MIB:.1f}", f"{temp / 1024 / seq:.1f}"]))
 
 
 # --- decode ----------------------------------------------------------------------------------------
@@ -211,8 +209,8 @@ def bench_decode(shapes: dict, repeat: int) -> None:
     steps = shapes["steps"]
     print(f"\n## Decoding: Llama-shaped, {hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, batch 1; "
           f"time per new token\n")
-    print("| context | with KV cache (ms / token) | full recompute (ms / token) | recompute / cache |")
-    print("|---:|---:|---:|---:|")
+    print(harness.table(["context", "with KV cache (ms / token)", "full recompute (ms / token)", "recompute / cache"],
+                        [], left=0))  # fmt: skip
     step = jax.jit(lambda m, i, p, c: m.run(i, None, p, c, last_only=True), donate_argnums=(3,))
     full = jax.jit(lambda m, i: m.run(i, last_only=True)[0])
     rng = np.random.default_rng(0)
@@ -230,7 +228,7 @@ def bench_decode(shapes: dict, repeat: int) -> None:
             per_token.append(time.perf_counter() - start)
         cached = statistics.median(per_token)
         recompute = timed(full, (model, ids[:, : context + 1]), repeat)
-        print(f"| {context} | {cached * 1e3:.2f} | {recompute * 1e3:.1f} | {recompute / cached:.0f}× |")
+        print(harness.row([context, f"{cached * 1e3:.2f}", f"{recompute * 1e3:.1f}", f"{recompute / cached:.0f}×"]))
 
 
 def main(argv: list[str] | None = None) -> None:

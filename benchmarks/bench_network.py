@@ -197,22 +197,19 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def table(rows: list[dict], tensor_bytes: int) -> list[str]:
-    lines = [
-        "| store | method | first leaf (s) | total (s) | GB/s | requests (file GETs) | MB served | "
-        "CPU s: client + servers | CPU / wall | peak RSS GiB (before) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    columns = ["store", "method", "first leaf (s)", "total (s)", "GB/s", "requests (file GETs)", "MB served",
+               "CPU s: client + servers", "CPU / wall", "peak RSS GiB (before)"]  # fmt: skip
+    cells = []
     for r in rows:
         first = f"{r['first_leaf_s']:.2f}" if r["first_leaf_s"] is not None else "—"
         if r["method"] == "download then load":
             first += f" (download {r['download_s']:.2f})"
-        lines.append(
-            f"| {r['store']} | {r['method']} | {first} | {r['total_s']:.2f} | {tensor_bytes / r['total_s'] / 1e9:.3f} "
-            f"| {r['requests']} ({r['file_gets']}) | {r['served'] / 1e6:.1f} "
-            f"| {r['client_cpu_s']:.2f} + {r['cpu_s'] - r['client_cpu_s']:.2f} "
-            f"| {r['cpu_s'] / r['total_s']:.2f} | {r['peak_rss'] / 2**30:.2f} ({r['rss_before'] / 2**30:.2f}) |"
-        )
-    return lines
+        cells.append([r["store"], r["method"], first, f"{r['total_s']:.2f}", f"{tensor_bytes / r['total_s'] / 1e9:.3f}",
+                      f"{r['requests']} ({r['file_gets']})", f"{r['served'] / 1e6:.1f}",
+                      f"{r['client_cpu_s']:.2f} + {r['cpu_s'] - r['client_cpu_s']:.2f}",
+                      f"{r['cpu_s'] / r['total_s']:.2f}",
+                      f"{r['peak_rss'] / harness.GIB:.2f} ({r['rss_before'] / harness.GIB:.2f})"])  # fmt: skip
+    return harness.table(columns, cells, left=2).splitlines()
 
 
 def ratios(rows: list[dict]) -> list[str]:

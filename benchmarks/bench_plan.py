@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--replicas is required")
     started = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, {harness.load_line()}"
     print(started)
-    print("| model | scan_layers | leaves | plan s | plan CPU s | peak RSS (MiB) | process 0 needs (GiB) | "
-          "fetches (GiB) | ideal (GiB) | fetched / ideal | requests | leaves resharded |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(harness.table(["model", "scan_layers", "leaves", "plan s", "plan CPU s", "peak RSS (MiB)",
+                         "process 0 needs (GiB)", "fetches (GiB)", "ideal (GiB)", "fetched / ideal", "requests",
+                         "leaves resharded"], [], left=2))  # fmt: skip
     rows = []
     for model in args.models.split(","):
         for scan in (True, False):
@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             r = min(runs, key=lambda run: run["plan_s"])  # the least disturbed by other jobs on the machine
             r["plan_s_runs"] = [run["plan_s"] for run in runs]
             rows.append({"model": model, "scan_layers": scan, "tensors": tensor_count(args.replicas / model), **r})
-            print(f"| {model} | {scan} | {r['leaves']} | {r['plan_s']:.2f} | {r['plan_cpu_s']:.2f} | "
-                  f"{r['peak_rss'] / 2**20:.0f} | "
-                  f"{r['needed'] / 2**30:.1f} | {r['fetched'] / 2**30:.1f} | {r['ideal'] / 2**30:.1f} | "
-                  f"{r['fetched'] / r['ideal']:.2f} | {r['requests']} | {r['resharded']} |", flush=True)
+            print(harness.row([model, scan, r["leaves"], f"{r['plan_s']:.2f}", f"{r['plan_cpu_s']:.2f}",
+                               f"{r['peak_rss'] / 2**20:.0f}", f"{r['needed'] / 2**30:.1f}",
+                               f"{r['fetched'] / 2**30:.1f}", f"{r['ideal'] / 2**30:.1f}",
+                               f"{r['fetched'] / r['ideal']:.2f}", r["requests"], r["resharded"]]), flush=True)
     after = harness.load_line()
     print(f"after: {after}")
     results = {"devices": args.devices, "mesh": args.mesh, "processes": args.processes, "platform": args.platform,

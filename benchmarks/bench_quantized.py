@@ -247,10 +247,10 @@ def ratios_table(results: dict[str, dict]) -> str:
     present = [v for v in VARIANTS if f"otfload-{v}" in results]
     if not present:
         return "(no otfload method measured: no ratios)"
-    rows = ["| figure | " + " | ".join(present) + " |", "|---" + "|---:" * len(present) + "|"]
+    rows: list[list[object]] = []
 
     def row(label: str, cell) -> None:
-        rows.append(f"| {label} | " + " | ".join(cell(v, results[f"otfload-{v}"]) for v in present) + " |")
+        rows.append([label, *(cell(v, results[f"otfload-{v}"]) for v in present)])
 
     row("load time / otfload-bf16 load time", lambda v, r: _ratio(r["seconds"], base and base["seconds"]))
     row("CPU time / otfload-bf16 CPU time", lambda v, r: _ratio(r["cpu_seconds"], base and base["cpu_seconds"]))
@@ -266,7 +266,7 @@ def ratios_table(results: dict[str, dict]) -> str:
         _get(results, f"floor-{v}", "seconds"), base_floor and base_floor["seconds"]))
     row("peak − start / otfload-bf16 peak − start", lambda v, r: _ratio(
         r["peak_over_before"], base and base["peak_over_before"]))
-    return "\n".join(rows)
+    return harness.table(["figure", *present], rows)
 
 
 def _get(results: dict[str, dict], method: str, key: str) -> float | None:
@@ -276,42 +276,40 @@ def _get(results: dict[str, dict], method: str, key: str) -> float | None:
 def device_bytes_lines(results: dict[str, dict]) -> str:
     """Bytes placed on the devices, measured (``LoadReport.bytes_placed``): ``quantized="keep"`` vs
     ``"dequantize"`` (bf16), with what the plan of the dequantising load estimated for keep."""
-    lines = ["| variant | dequantize: placed GiB | keep: placed GiB | keep / dequantize | "
-             "keep, estimated from the dequantize plan GiB |", "|---|---:|---:|---:|---:|"]
+    rows = []
     for v in QUANTIZED:
         dense, kept = results.get(f"otfload-{v}"), results.get(f"keep-{v}")
         if dense is None and kept is None:
             continue
         placed = dense and dense["placed_bytes"]
         keep = kept and kept["placed_bytes"]
-        lines.append(f"| {v} | {_gib(placed)} | {_gib(keep)} | {_ratio(keep, placed)} | "
-                     f"{_gib(dense and dense.get('plan_keep_placed'))} |")
-    return "device bytes (all leaves, all devices; measured):\n\n" + "\n".join(lines)
+        rows.append([v, _gib(placed), _gib(keep), _ratio(keep, placed), _gib(dense and dense.get("plan_keep_placed"))])
+    columns = ["variant", "dequantize: placed GiB", "keep: placed GiB", "keep / dequantize",
+               "keep, estimated from the dequantize plan GiB"]  # fmt: skip
+    return "device bytes (all leaves, all devices; measured):\n\n" + harness.table(columns, rows)
 
 
 def breakdown_table(breakdowns: dict[str, dict]) -> str:
     stages = list(dict.fromkeys(s for b in breakdowns.values() for s in b["stages"]))
     names = list(breakdowns)
-    rows = [
-        "| stage (one thread, whole tensors; ns per output element) | " + " | ".join(names) + " |",
-        "|---" + "|---:" * len(names) + "|",
-    ]
+    rows: list[list[object]] = []
     for stage in stages:
         cells = []
         for v in names:
             b = breakdowns[v]
             seconds = b["stages"].get(stage)
             cells.append("—" if seconds is None else f"{seconds * 1e9 / b['elements']:.2f}")
-        rows.append(f"| {stage} | " + " | ".join(cells) + " |")
+        rows.append([stage, *cells])
     totals = []
     for v in names:
         b = breakdowns[v]
         otf = sum(s for k, s in b["stages"].items() if k in OTFLOAD_STAGES)
         totals.append(f"{otf * 1e9 / b['elements']:.2f} ({BF16_BYTES * b['elements'] / otf / 1e9:.2f} GB/s bf16)")
-    rows.append("| total of otfload's stages | " + " | ".join(totals) + " |")
+    rows.append(["total of otfload's stages", *totals])
     counts = ", ".join(f"{v}: {b['tensors']} tensors, {b['elements'] / 1e6:.1f} M elements"
                        for v, b in breakdowns.items())
-    return "\n".join(rows) + f"\n\n({counts})"
+    table = harness.table(["stage (one thread, whole tensors; ns per output element)", *names], rows)
+    return f"{table}\n\n({counts})"
 
 
 def main(argv: list[str] | None = None) -> None:

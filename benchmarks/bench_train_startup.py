@@ -133,17 +133,16 @@ def main() -> None:
     if args.child:
         harness.report(child(*args.child))
         return
-    print("| preset | params | load s | compile s | load then compile: first step s | overlapped: ready s "
-          "| overlapped: first step s | ready / max(load, compile) | first step vs sequential "
-          "| CPU s to ready: sequential / overlapped |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(harness.table(["preset", "params", "load s", "compile s", "load then compile: first step s",
+                         "overlapped: ready s", "overlapped: first step s", "ready / max(load, compile)",
+                         "first step vs sequential", "CPU s to ready: sequential / overlapped"], []))  # fmt: skip
     print(f"before: {harness.machine_line()}", file=sys.stderr)
     for preset in args.preset or ["tiny", "small"]:
         r = measure(preset, args.rounds, args.cold)
-        print(f"| {preset} | {r['params_m']:.0f} M | {r['load']:.2f} | {r['compile']:.2f} "
-              f"| {r['sequential_first']:.2f} | {r['overlapped_ready']:.2f} | {r['overlapped_first']:.2f} "
-              f"| {r['vs_max']:.2f}x | {r['vs_sequential']:.2f}x "
-              f"| {r['cpu_sequential']:.1f} / {r['cpu_overlapped']:.1f} |", flush=True)
+        print(harness.row([preset, f"{r['params_m']:.0f} M", f"{r['load']:.2f}", f"{r['compile']:.2f}",
+                           f"{r['sequential_first']:.2f}", f"{r['overlapped_ready']:.2f}",
+                           f"{r['overlapped_first']:.2f}", f"{r['vs_max']:.2f}x", f"{r['vs_sequential']:.2f}x",
+                           f"{r['cpu_sequential']:.1f} / {r['cpu_overlapped']:.1f}"]), flush=True)
         if args.json:
             print(json.dumps(r["runs"]))
     print(f"after: {harness.load_line()}", file=sys.stderr)

@@ -90,11 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         except RuntimeError as e:
             print(f"{name}: failed: {str(e).strip().splitlines()[-1:]}", file=sys.stderr)
     phases = list(dict.fromkeys(k for r in sorted(rows.values(), key=len, reverse=True) for k in r if k != "platform"))
-    print("| variant | platform | " + " | ".join(f"{p} s" for p in phases) + " |")
-    print("|---|---|" + "---:|" * len(phases))
-    for name, r in rows.items():
-        cells = " | ".join(f"{r[p]:.3f}" if p in r else "" for p in phases)
-        print(f"| {name} | {r['platform']} | {cells} |")
+    cells = [[name, r["platform"], *(f"{r[p]:.3f}" if p in r else "" for p in phases)] for name, r in rows.items()]
+    print(harness.table(["variant", "platform", *(f"{p} s" for p in phases)], cells, left=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

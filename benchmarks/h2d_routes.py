@@ -150,22 +150,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         harness.report(child(args.child, args.gib))
         return
-    rows = ["| route | first call s | GB/s | second call s | GB/s | RSS growth GiB |", "|---|---:|---:|---:|---:|---:|"]
+    rows: list[list[object]] = []
     results = []
     for name in args.routes.split(","):
         try:
             r = harness.run_child("benchmarks.h2d_routes", ["--child", name, "--gib", str(args.gib)], what=name)
         except RuntimeError as e:
-            rows.append(f"| {name} | failed: {str(e).strip().splitlines()[-1][:100]} | | | | |")
+            rows.append([name, f"failed: {str(e).strip().splitlines()[-1][:100]}", "", "", "", ""])
             continue
         results.append(r)
         (a, b), gb = r["seconds"], r["bytes"] / 1e9
-        rows.append(f"| {name} | {a:.3f} | {gb / a:.2f} | {b:.3f} | {gb / b:.2f} | {r['rss_growth'] / 2**30:.2f} |")
-        print(rows[-1], file=sys.stderr, flush=True)
+        rows.append([name, f"{a:.3f}", f"{gb / a:.2f}", f"{b:.3f}", f"{gb / b:.2f}", f"{r['rss_growth'] / 2**30:.2f}"])
+        print(f"{name}: {a:.3f} s, then {b:.3f} s", file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    print("\n".join(rows))
+    print(harness.table(["route", "first call s", "GB/s", "second call s", "GB/s", "RSS growth GiB"], rows))
 
 
 if __name__ == "__main__":

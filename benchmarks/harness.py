@@ -298,11 +298,15 @@ def machine_line() -> str:
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[object]], left: int = 1) -> str:
-    """A Markdown table: the first ``left`` columns aligned left, the others right."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if i < left else "---:" for i in
-                                                             range(len(columns))) + "|"]  # fmt: skip
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)
+    """A Markdown table: the first ``left`` columns aligned left, the others right (no ``rows``: its
+    head, for a table printed row by row with :func:`row`)."""
+    align = "|" + "|".join("---" if i < left else "---:" for i in range(len(columns))) + "|"
+    return "\n".join([row(columns), align, *map(row, rows)])
+
+
+def row(cells: Sequence[object]) -> str:
+    """One row of a Markdown table."""
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def runs_cell(values: Sequence[float]) -> str:

@@ -49,11 +49,12 @@ def summarize(raw: str, top: int) -> str:
         own[_function(frames[-1])] += n
     if not total:
         return "no samples of the load"
-    lines = [f"{total} samples during the load (all threads)", "", "| inclusive % | function |", "|---:|---|"]
-    lines += [f"| {100 * n / total:.1f} | `{name}` |" for name, n in inclusive.most_common(top)]
-    lines += ["", "| self % | function |", "|---:|---|"]
-    lines += [f"| {100 * n / total:.1f} | `{name}` |" for name, n in own.most_common(top)]
-    return "\n".join(lines)
+    def top_rows(counts: Counter) -> list[list[object]]:
+        return [[f"{100 * n / total:.1f}", f"`{name}`"] for name, n in counts.most_common(top)]
+
+    return "\n\n".join([f"{total} samples during the load (all threads)",
+                         harness.table(["inclusive %", "function"], top_rows(inclusive), left=0),
+                         harness.table(["self %", "function"], top_rows(own), left=0)])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -131,11 +131,7 @@ def seconds(s: float) -> str:
 
 
 def table(replicas: Path, store: float, cache: Path | None = None) -> str:
-    lines = [
-        "| cluster | source | model | checkpoint | policy | per host | requests per host | all hosts / checkpoint | "
-        "host-bound | store-bound | reshard | **load** |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     for cluster in CLUSTERS:
         for model in MODELS:
@@ -148,12 +144,13 @@ def table(replicas: Path, store: float, cache: Path | None = None) -> str:
                 t = known[key]
                 p = project(t, model, cluster, store)
                 store_s = seconds(p["store_s"]) if cluster.shared else "—"
-                lines.append(
-                    f"| {cluster.name} | {cluster.source} | {model} | {t['source_bytes'] / 1e9:.0f} GB | {policy} | "
-                    f"{p['per_host'] / 1e9:.1f} GB | {p['requests']:,} | {p['all_hosts'] / t['source_bytes']:.2f} | "
-                    f"{seconds(p['host_s'])} | {store_s} | {seconds(p['reshard_s'])} | **{seconds(p['total'])}** |"
-                )
-    return "\n".join(lines) + "\n"
+                rows.append([cluster.name, cluster.source, model, f"{t['source_bytes'] / 1e9:.0f} GB", policy,
+                             f"{p['per_host'] / 1e9:.1f} GB", f"{p['requests']:,}",
+                             f"{p['all_hosts'] / t['source_bytes']:.2f}", seconds(p["host_s"]), store_s,
+                             seconds(p["reshard_s"]), f"**{seconds(p['total'])}**"])  # fmt: skip
+    columns = ["cluster", "source", "model", "checkpoint", "policy", "per host", "requests per host",
+               "all hosts / checkpoint", "host-bound", "store-bound", "reshard", "**load**"]  # fmt: skip
+    return harness.table(columns, rows, left=3) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

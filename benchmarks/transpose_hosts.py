@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,17 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     cache = "warm page cache" if args.warm else "cold: each process's own copy dropped from the page cache"
     print(f"\n{PROCESSES} processes × {LOCAL_DEVICES} devices, mesh fsdp=2 × tp=4, {checkpoint / 1e9:.3f} GB "
           f"checkpoint, {cache}, medians of {args.repeat}; {harness.load_line()}\n")  # fmt: skip
-    print("| method | seconds (slowest process) | runs (s) | CPU s (all processes) | read by all / checkpoint |")
-    print("|---|---:|---|---:|---:|")
-    medians = {}
-    for method, results in runs.items():
-        seconds = statistics.median(r["seconds"] for r in results)
-        medians[method] = seconds
-        each = ", ".join(f"{r['seconds']:.2f}" for r in results)
-        print(f"| {method} | {seconds:.2f} | {each} | "
-              f"{statistics.median(r['cpu_seconds'] for r in results):.2f} | "
-              f"{statistics.median(r['read_bytes'] for r in results) / checkpoint:.2f} |")  # fmt: skip
-    print(f"\notfload / tunix_style: {medians['tunix_style'] / medians['otfload']:.2f}× (target ≥ 2×)")
+    medians = {m: harness.summarize(rs, ("read_bytes",)) for m, rs in runs.items()}
+    rows = [[m, f"{r['seconds']:.2f}", harness.runs_cell(r["all_seconds"]), f"{r['cpu_seconds']:.2f}",
+             f"{r['read_bytes'] / checkpoint:.2f}"] for m, r in medians.items()]  # fmt: skip
+    print(harness.table(["method", "seconds (slowest process)", "runs (s)", "CPU s (all processes)",
+                         "read by all / checkpoint"], rows))  # fmt: skip
+    ratio = medians["tunix_style"]["seconds"] / medians["otfload"]["seconds"]
+    print(f"\notfload / tunix_style: {ratio:.2f}× (target ≥ 2×)")
 
 
 if __name__ == "__main__":
