@@ -4,12 +4,14 @@ The stages (docs/architecture.md) are the pipeline — fetch → sources → ind
 — with the model-side packages beside it (config, models, families, mappings: what the plan is
 computed *for*) and the consumers after it. Each module's imports are read with ``ast`` (function-
 level and ``TYPE_CHECKING`` imports count too), so a backwards import fails here even when it is
-lazy. A module in no stage fails too: a new package must say where it sits.
+lazy. A module in no stage fails too: a new package must say where it sits, here and in the map of
+docs/architecture.md, which must name every package and module of ``otfload/`` at its stage.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "otfload"  # read as text: nothing is imported
@@ -104,3 +106,23 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     src.write_text("from . import boxes\n\ndef f():\n    from otfload.place.report import leaf_reads\n")
     assert imported_modules(src, "otfload.plan.x") == {"otfload.plan.boxes", "otfload.place.report"}
     assert STAGE[stage_of("otfload.place.report")] > STAGE[stage_of("otfload.plan.x")]
+
+
+def map_rooms(text: str) -> dict[str, int]:
+    """``{room: stage}`` from the map of docs/architecture.md: each line of its ``otfload/`` block names
+    rooms (``name/`` a package, ``name.py`` a module) and, after them, their stage."""
+    block = re.search(r"```text\notfload/\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ```text map starting with otfload/"
+    rooms = {}
+    for line in block.group(1).splitlines():
+        row = re.match(r"  (\S+(?:  \S+)*) +(\d+)  ", line)
+        if row:
+            rooms |= {name.removesuffix("/").removesuffix(".py"): int(row.group(2)) for name in row.group(1).split()}
+    return rooms
+
+
+def test_the_map_names_every_room_at_its_stage():
+    rooms = map_rooms((ROOT.parent / "docs" / "architecture.md").read_text())
+    on_disk = {p.stem for p in ROOT.glob("*.py")} | {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert set(rooms) == on_disk, f"missing from the map: {on_disk - set(rooms)}, gone: {set(rooms) - on_disk}"
+    assert rooms == {name: STAGE[name] for name in rooms}  # each at its stage of STAGES
