@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from otfload.models.attention import CACHE_AXES
 from otfload.models.base import CausalLM
@@ -123,6 +123,12 @@ def _step(
         assert pad is not None  # special_tokens falls back to the first EOS id
         nxt = jnp.where(unfinished, nxt, pad)
         unfinished = unfinished & ~jnp.isin(nxt, jnp.asarray(eos, jnp.int32))
+    if mesh is not None:
+        # The new tokens go back to the host every step: replicated, every process of a mesh
+        # spanning several holds them all (a row-sharded array could not be read there).
+        replicated = NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]  # jax: unannotated
+        nxt, unfinished = (jax.lax.with_sharding_constraint(x, replicated)  # type: ignore[no-untyped-call]
+                           for x in (nxt, unfinished))
     return nxt, cache, unfinished
 
 

@@ -18,10 +18,13 @@ as lm_eval's ``hf`` backend answers them, so the numbers compare:
 * ``apply_chat_template`` (lm_eval's ``--apply_chat_template``) renders the checkpoint's chat
   template as transformers does (:mod:`otfload.lm_eval.chat`).
 
-In a ``jax.distributed`` job each process is one of lm_eval's ranks (``rank`` its process index,
-``world_size`` the process count): lm_eval gives it every ``world_size``-th document, it scores them
-on a mesh of its own devices, and lm_eval gathers the metrics to process 0, which alone gets the
-results; the gathers and barriers go through the job's key-value store (:mod:`otfload.lm_eval.ranks`).
+In a ``jax.distributed`` job the mesh says how the processes share the work. On a mesh of its own
+devices each process is one of lm_eval's ranks (``rank`` its process index, ``world_size`` the
+process count): lm_eval gives it every ``world_size``-th document, it scores them, and lm_eval
+gathers the metrics to process 0, which alone gets the results; the gathers and barriers go
+through the job's key-value store (:mod:`otfload.lm_eval.ranks`). On a mesh spanning every process
+(a model too large for one host) the processes drive one replica together: each runs every request,
+each batch sharded over the mesh's batch axes, and each gets the results (process 0 writes them).
 
 ``max_length`` defaults to the config's ``n_positions``/``max_position_embeddings``/``n_ctx`` (its
 ``text_config`` first), else 2048, as lm_eval resolves it. ``timings`` holds the seconds spent
@@ -30,6 +33,7 @@ loading, compiling, scoring and generating.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -42,14 +46,15 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
+from otfload.cache.coordination import LocalCoordinator
 from otfload.errors import InvalidOptionError
 from otfload.lm_eval.chat import render_chat, select_template
 from otfload.lm_eval.generation import Generator, generation_options, options_key
 from otfload.lm_eval.loading import BackgroundLoad
 from otfload.lm_eval.ranks import Ranks
-from otfload.lm_eval.scoring import Scorer, Timings, TokenRequest, make_row
+from otfload.lm_eval.scoring import Scorer, Timings, TokenRequest, make_row, spans_processes
 from otfload.models.base import CausalLM
-from otfload.plan.sharding import make_mesh
+from otfload.plan.sharding import make_mesh, parse_mesh_spec
 from otfload.sources.base import Source
 
 DEFAULT_BATCH_SIZE = 16  # rows per forward pass; a multiple of the usual data-parallel mesh sizes
@@ -87,9 +92,11 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         del device, max_batch_size  # accepted for lm_eval's CLI; the mesh places the model
         self.timings = Timings()
         self._batch_size = _batch_size(batch_size)
-        self.ranks = Ranks()
-        self._rank, self._world_size = self.ranks.rank, self.ranks.world_size  # lm_eval's LM reads these
         self.mesh = _mesh(mesh)
+        # A mesh of this process's devices is one of lm_eval's ranks; one spanning every process is one
+        # replica that all processes drive together, each with every request: a single rank.
+        self.ranks = Ranks(LocalCoordinator() if spans_processes(self.mesh) else None)
+        self._rank, self._world_size = self.ranks.rank, self.ranks.world_size  # lm_eval's LM reads these
         self.progress = progress
         self._load = BackgroundLoad(pretrained, mesh=self.mesh, progress=bool(progress), **load_options)
         self.tokenizer = self._load.tokenizer
@@ -245,23 +252,27 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
 
     def _bar(self, total: int, desc: str, disable: bool) -> tqdm[Any]:
         show = not disable if self.progress is None else self.progress
-        return tqdm(total=total, desc=f"otfload {desc}", disable=not show or self.rank != 0)
+        return tqdm(total=total, desc=f"otfload {desc}", disable=not show or jax.process_index() != 0)
 
 
 def _mesh(mesh: Mesh | Mapping[str, int] | str | None) -> Mesh:
     """A ``Mesh`` from lm_eval's ``model_args`` (``"fsdp:2/tp:4"``), a dict or a ``fsdp=2,tp=4``
-    string, over this process's devices; None: all of them on ``fsdp`` (``from_pretrained``'s
-    default in a one-process job). Each process of a ``jax.distributed`` job scores its share of
-    the documents on a mesh of its own devices: a ``Mesh`` spanning processes is refused."""
+    string: over this process's devices (None: all of them on ``fsdp``), or, in a job of several
+    processes, over every process's devices when the sizes multiply to their number. A ``Mesh`` is
+    used as it is: of this process's devices, or of every process's."""
     if not isinstance(mesh, Mesh):
         if isinstance(mesh, str):
-            mesh = mesh.replace(":", "=").replace("/", ",")
+            mesh = parse_mesh_spec(mesh.replace(":", "=").replace("/", ","))
+        every = jax.devices()
+        if mesh is not None and jax.process_count() > 1 and math.prod(mesh.values()) == len(every):
+            return make_mesh(mesh, every)
         return make_mesh(mesh, jax.local_devices())
-    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+    processes = {d.process_index for d in mesh.devices.flat}
+    if 1 < len(processes) < jax.process_count():
         raise InvalidOptionError(
-            f"mesh {dict(mesh.shape)} spans several processes: the lm_eval backend runs each process of a "
-            "jax.distributed job on a mesh of its own devices (jax.local_devices()), scoring its share of the "
-            "documents")
+            f"mesh {dict(mesh.shape)} spans processes {sorted(processes)} of {jax.process_count()}: the lm_eval "
+            "backend runs on a mesh of each process's own devices (each process scores a share of the documents) "
+            "or on one spanning every process (every batch sharded over its batch axes)")
     return mesh
 
 

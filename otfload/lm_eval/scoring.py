@@ -14,7 +14,9 @@ Rows are sorted longest first (lm_eval's order) and cut into batches of ``batch_
 is padded on the right to one of a few widths chosen from the batches' lengths
 (:mod:`otfload.lm_eval.buckets`) and its missing rows are filled with one masked-in token. The
 device computes per row only the two numbers lm_eval keeps (log-softmax in float32 whatever the
-parameter dtype), so no ``[batch, width, vocab]`` array comes back to the host.
+parameter dtype), so no ``[batch, width, vocab]`` array comes back to the host; they come back
+replicated, so that on a mesh spanning several processes (each driving the same batches) every
+process reads all of them, and each process places only its own devices' part of a batch.
 
 Each ``[batch, width]`` shape is compiled ahead of running it, against an abstract model (leaves
 as ``jax.ShapeDtypeStruct`` with their shardings) when one is given: the shapes are known from the
@@ -33,7 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from otfload.errors import EvalRequestError
 from otfload.lm_eval.buckets import ALIGN, choose_widths, width_for
@@ -110,7 +112,9 @@ def _loglik_of_batch(model: CausalLM, ids: jax.Array, mask: jax.Array, at: jax.A
     return jnp.where(scored, picked, 0.0).sum(-1), (greedy | ~scored).all(-1)
 
 
-_loglik = jax.jit(_loglik_of_batch)
+def spans_processes(mesh: Mesh | None) -> bool:
+    """Whether ``mesh`` holds devices of other processes (a replica several processes drive)."""
+    return mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
 
 
 class Scorer:
@@ -128,6 +132,11 @@ class Scorer:
         self.batch_size, self.max_length, self.mesh, self.abstract = batch_size, max_length, mesh, abstract
         self.timings = timings
         self._compiled: dict[Shape, Any] = {}
+        # The two numbers per row come back replicated: every process reads all of them (and on a
+        # mesh spanning processes, a row-sharded result could not be read here).
+        replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+        self._step = jax.jit(_loglik_of_batch) if replicated is None else jax.jit(_loglik_of_batch,
+                                                                                 out_shardings=replicated)
 
     def plan(self, rows: Sequence[Row]) -> list[tuple[list[int], Shape]]:
         """``[(row indices, shape)]``: the batches, longest rows first, and each one's padded width
@@ -154,7 +163,7 @@ class Scorer:
             start = time.perf_counter()
             ids, mask = (self._struct(shape.width, dtype) for dtype in (jnp.int32, jnp.bool_))
             at, scored = (self._struct(shape.scored, dtype) for dtype in (jnp.int32, jnp.bool_))
-            lowered = _loglik.lower(target, ids, mask, at, at, scored)
+            lowered = self._step.lower(target, ids, mask, at, at, scored)
             self.timings.lower_seconds += time.perf_counter() - start
             self._compiled[shape] = lowered.compile()
             self.timings.compile_seconds += time.perf_counter() - start
@@ -197,9 +206,18 @@ class Scorer:
             ids[r, :n], mask[r, :n] = row.ids, True
             at[r, :c], targets[r, :c], scored[r, :c] = np.arange(n - c, n), row.targets[n - c :], True
         mask[len(rows):, 0] = True  # filler rows: one token, nothing scored
-        args = [jax.device_put(a, self._sharding(a.shape[1])) for a in (ids, mask, at, targets, scored)]
+        args = [self._put(a) for a in (ids, mask, at, targets, scored)]
         result: tuple[jax.Array, jax.Array] = self._compiled[shape](model, *args)
         return result
+
+    def _put(self, host: np.ndarray) -> jax.Array:
+        """``host`` (the same on every process) on the devices, rows on the batch axes; each process
+        places only its devices' part (a mesh spanning processes has devices it cannot reach)."""
+        sharding = self._sharding(host.shape[1])
+        if sharding is None or sharding.is_fully_addressable:
+            placed: jax.Array = jax.device_put(host, sharding)
+            return placed
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def _sharding(self, width: int) -> NamedSharding | None:
         if self.mesh is None:
