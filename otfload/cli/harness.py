@@ -7,15 +7,23 @@ itself (its task files, few-shot samplers, filters and metrics), so the numbers 
 task YAML files. Compiled executables are kept for the next job (--compile-cache). Prints
 lm_eval's table and the time spent loading, compiling, scoring and generating; --json prints one
 object instead: {"source", "tasks", "results" (lm_eval's task -> "metric,filter" -> value),
-"timings"}. Needs the lm-eval extra (pip install "otfload[lm-eval]").
+"timings"}. --apply-chat-template renders prompts with the checkpoint's chat template (few-shot
+examples as turns). A job can run as several processes (one per host, each started with
+--coordinator, --num-processes and --process-id): on a --mesh of each process's devices each scores
+a share of the documents; on one over every process's devices they run every batch together,
+sharded over the mesh; the first process alone prints. Needs the lm-eval extra
+(pip install "otfload[lm-eval]").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from otfload.cli import options
@@ -27,7 +35,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = commands.add_parser("lm-eval", help="run lm-evaluation-harness tasks, scored by otfload",
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
-    options.add_layout_args(p)
+    options.add_layout_args(p, mesh_help="mesh axes over this process's devices, e.g. fsdp=4,tp=2 (in a job of "
+                            "several processes, over all of theirs when the sizes multiply to their count)")
     options.add_adapter_args(p)
     p.add_argument("--tasks", required=True, metavar="T[,T...]", help="lm_eval task or group names")
     p.add_argument("--include-path", metavar="DIR", help="a directory of lm_eval task YAML files to add")
@@ -40,36 +49,47 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="context window in tokens (default: the config's max_position_embeddings)")
     p.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
                    help="quantized weights decoded on load (default) or kept packed")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="render each prompt with the checkpoint's chat template (few-shot turns as messages)")
     p.add_argument("--seed", type=int, default=1234, help="lm_eval's seed for few-shot sampling (default: 1234)")
     add_compile_cache_arg(p)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars on stderr: the load's too (--progress), none (--no-progress); default: "
                         "the requests' bars")
     p.add_argument("--json", action="store_true", help="print one JSON object with lm_eval's results")
+    dist = p.add_argument_group("several processes (jax.distributed), one command per process")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="the address of process 0's coordination service")
+    dist.add_argument("--num-processes", type=options.positive_int, metavar="N", help="processes in the job")
+    dist.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    _join_job(args)
     enable_compile_cache(args.compile_cache)
+    import jax
     import lm_eval
-    from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
     from otfload.lm_eval import OtfloadLM
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    manager = TaskManager(include_path=args.include_path)
+    manager = _task_manager(tasks, args.include_path)
     unknown = [t for t in tasks if not manager.match_tasks([t]) and not os.path.exists(t)]
     if unknown:  # before the load, not after it
         raise InvalidOptionError(f"--tasks: no lm_eval task or group named {', '.join(unknown)} "
                                  f"({len(manager.all_tasks)} known; --include-path adds a directory of task files)")
-    layout = options.layout_kwargs(args)
-    model = OtfloadLM(args.source, batch_size=args.batch_size, max_length=args.max_length, progress=args.progress,
-                      quantized=args.quantized, **layout, **options.adapter_kwargs(args),
-                      **options.source_options(args))
-    out = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-                                  task_manager=manager, random_seed=args.seed, numpy_random_seed=args.seed,
-                                  torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+    # OtfloadLM resolves --mesh: over this process's devices (each process scores a share of the
+    # documents), or over every process's when its sizes multiply to their count (one replica)
+    model = OtfloadLM(args.source, mesh=args.mesh, options=options.load_options(args, mesh=False),
+                      batch_size=args.batch_size, max_length=args.max_length, progress=args.progress)
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        out = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                                      task_manager=manager, apply_chat_template=args.apply_chat_template,
+                                      random_seed=args.seed, numpy_random_seed=args.seed,
+                                      torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+    if out is None or jax.process_index() != 0:  # in a jax.distributed job, process 0 alone prints the results
+        return 0
     timings = model.timings.to_dict()
     if args.json:
         results = _plain(out["results"])
@@ -79,6 +99,51 @@ def run(args: argparse.Namespace) -> int:
         print("load {load_seconds:.2f} s (compiling {compile_seconds:.2f} s alongside); scoring {score_seconds:.2f} s; "
               "generating {generate_seconds:.2f} s".format(**timings))
     return 0
+
+
+def _task_manager(tasks: list[str], include_path: str | None) -> Any:
+    """lm_eval's task index: of ``include_path`` alone when every task named is a task file there, else
+    with lm_eval's built-in tasks too (indexing those reads ~14k YAML files: about 16 s of a job)."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import Kind
+
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        index = local.task_index
+        if all(os.path.exists(t) or (t in index and index[t].kind in (Kind.TASK, Kind.PY_TASK)) for t in tasks):
+            return local
+    return TaskManager(include_path=include_path)
+
+
+def _join_job(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` with --coordinator, --num-processes and --process-id (all or none)."""
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if all(v is None for v in given):
+        return
+    if any(v is None for v in given):
+        raise InvalidOptionError("--coordinator, --num-processes and --process-id go together: a process joins a "
+                                 "job by all three")
+    if not 0 <= args.process_id < args.num_processes:
+        raise InvalidOptionError(f"--process-id {args.process_id}: expected 0 to {args.num_processes - 1}")
+    import jax
+
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 pointed at stderr for the job, so that --json's stdout holds the JSON object
+    only: native libraries print there too (Gloo, which XLA's CPU collectives use in a multi-process
+    job, prints a line per connection)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _plain(value: Any) -> Any:

@@ -67,8 +67,10 @@ SEQ_LEN_KEYS = ("n_positions", "max_position_embeddings", "n_ctx")  # in lm_eval
 class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its classes are Any
     """An lm_eval model scored by otfload. ``pretrained`` is any location ``from_pretrained``
     takes; ``mesh`` a ``Mesh``, a dict of axis sizes or ``"fsdp:2/tp:4"`` (``fsdp=2,tp=4`` where
-    commas are free); other keywords (``dtype``, ``adapter``, ``quantized``, ``revision``, ...) go
-    to ``from_pretrained``. ``batch_size`` rows per forward pass (``"auto"``: the default);
+    commas are free) over this process's devices, or in a ``jax.distributed`` job over every
+    process's when the sizes multiply to their count (see the module's docstring); other keywords
+    (``dtype``, ``adapter``, ``quantized``, ``revision``, ...) go to ``from_pretrained``.
+    ``batch_size`` rows per forward pass (``"auto"``: the default);
     ``device`` and ``max_batch_size`` (lm_eval's CLI passes them) are not used: the mesh says
     where the model runs. ``progress``: None shows lm_eval's bars as it asks (the load's not),
     True shows the load's bar too, False none."""

@@ -1,0 +1,130 @@
+"""An lm_eval job over two real ``jax.distributed`` processes on 127.0.0.1 (2 CPU devices each).
+
+On a mesh of its own devices each process is one of lm_eval's ranks: it answers only its share of
+the requests; process 0 alone gets the results. On a mesh spanning both, the two drive one replica
+and each runs every request. Either way the results equal a one-process job's (every sample's
+responses, within 1e-4 for loglikelihoods; the metrics). ``otfload lm-eval`` run as two processes
+(``--coordinator/--num-processes/--process-id``) prints its JSON from process 0 only, the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from tests.cli.test_cli import OTFLOAD  # noqa: E402
+from tests.eval_support import with_tokenizer  # noqa: E402
+from tests.lmeval.tasks import TASKS, tokenizer_config, write_tasks  # noqa: E402
+from tests.lmeval.test_parity import REL, evaluate  # noqa: E402
+from tests.multihost.launch import REPO_ROOT, wait_workers, worker_env  # noqa: E402
+from tests.servers.net import free_port  # noqa: E402
+
+PROCESSES, LOCAL_DEVICES, BATCH = 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoints, tmp_path_factory):
+    path, _ = tiny_checkpoints("llama")
+    checkpoint = with_tokenizer(path, tmp_path_factory.mktemp("llama-lm-eval-mh"))
+    tokenizer_config(checkpoint)
+    return checkpoint, write_tasks(tmp_path_factory.mktemp("tasks"), questions=9)  # odd: ranks' shares differ
+
+
+@pytest.fixture(scope="module")
+def one_process(setup):
+    import jax
+
+    from otfload.lm_eval import OtfloadLM
+    from otfload.plan.sharding import make_mesh
+
+    checkpoint, tasks = setup
+    mesh = make_mesh({"fsdp": LOCAL_DEVICES}, jax.devices()[:LOCAL_DEVICES])  # as one worker's
+    return evaluate(OtfloadLM(str(checkpoint), mesh=mesh, batch_size=BATCH), tasks, TASKS)
+
+
+def by_doc(samples) -> dict:
+    return {task: {str(s["doc_id"]): s["resps"] for s in rows} for task, rows in samples.items()}
+
+
+def assert_same_results(mine: dict, ref: dict) -> None:
+    assert set(mine) == set(ref)
+    for task, metrics in ref.items():
+        assert set(mine[task]) == set(metrics)
+        for key, value in metrics.items():
+            if isinstance(value, float) and not math.isnan(value):
+                assert math.isclose(mine[task][key], value, rel_tol=REL), (task, key, mine[task][key], value)
+            elif not isinstance(value, float):
+                assert mine[task][key] == value, (task, key)
+
+
+def assert_same_responses(mine: dict, ref: dict) -> None:
+    assert {t: sorted(d) for t, d in mine.items()} == {t: sorted(d) for t, d in ref.items()}  # every document once
+    for task, docs in ref.items():
+        for doc, resps in docs.items():
+            for x, y in zip(mine[task][doc], resps, strict=True):
+                if isinstance(y[0], str):
+                    assert x == y, (task, doc)
+                elif isinstance(y[0], tuple | list):
+                    assert math.isclose(x[0][0], y[0][0], rel_tol=REL) and x[0][1] == y[0][1], (task, doc)
+                else:
+                    assert math.isclose(x[0], y[0], rel_tol=REL), (task, doc)
+
+
+def run_processes(commands, timeout_s=600.0) -> list[str]:
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for cmd in commands]
+    try:
+        outs = [p.communicate(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(err[-4000:] for _, err in outs)
+    return [out for out, _ in outs]
+
+
+@pytest.mark.parametrize(("mesh", "replicas"), [("fsdp:2", True), ("fsdp:2/tp:2", False)],
+                         ids=["mesh-per-process", "mesh-over-both"])
+def test_two_processes_get_one_process_numbers(setup, one_process, tmp_path, mesh, replicas):
+    """A mesh of each process's 2 devices: each is a rank answering its share, only process 0 gets
+    the results. A mesh of all 4 devices (its sizes multiply to the job's count): one replica both
+    processes drive, every request run by both, each batch sharded over the two processes."""
+    checkpoint, tasks = setup
+    spec = {"processes": PROCESSES, "local_devices": LOCAL_DEVICES, "port": free_port(), "checkpoint": str(checkpoint),
+            "mesh": mesh, "task_dir": str(tasks), "tasks": list(TASKS), "batch_size": BATCH, "out": str(tmp_path)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.lmeval.distributed_worker", str(tmp_path / "spec.json"),
+                               str(i)], cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(PROCESSES)]
+    wait_workers(procs, timeout_s=600)
+    reports = [json.loads((tmp_path / f"proc{i}.json").read_text()) for i in range(PROCESSES)]
+    total = sum(len(s) * len(s[0]["resps"]) for s in one_process["samples"].values())  # requests of one process
+    if replicas:
+        assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
+        assert reports[1]["out"] is None  # only process 0 gets (and so writes) the results
+        for r in reports:  # a share each: about half (lm_eval pads the smaller share to the larger one)
+            assert 0 < r["answered"] <= total // 2 + len(TASKS) * 4
+    else:
+        assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 1), (0, 1)]
+        assert [r["answered"] for r in reports] == [total, total]
+        assert reports[1]["out"] == reports[0]["out"]
+    mine = reports[0]["out"]
+    assert_same_responses(mine["samples"], by_doc(one_process["samples"]))
+    assert_same_results(mine["results"], one_process["results"])
+
+
+def test_cli_job_over_two_processes_prints_from_process_0_only(setup, one_process):
+    checkpoint, tasks = setup
+    port = free_port()
+    commands = [[str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
+                 "--devices", str(LOCAL_DEVICES), "--mesh", f"fsdp={LOCAL_DEVICES}", "--batch-size", str(BATCH),
+                 "--compile-cache", "off", "--no-progress", "--json", "--coordinator", f"127.0.0.1:{port}",
+                 "--num-processes", str(PROCESSES), "--process-id", str(i)] for i in range(PROCESSES)]
+    first, second = run_processes(commands)
+    assert second == ""
+    assert_same_results(json.loads(first)["results"], one_process["results"])
