@@ -130,12 +130,9 @@ def _report(args: argparse.Namespace) -> None:
         ("restore from resharded checkpoint", restore["dst"], restore),
         ("otfload on-the-fly from HF safetensors", restore["hf"], restore),
     ]
-    print(f"| {'phase':<40} | {'seconds':>8} | {'GiB/s':>6} | {'peak RSS MiB':>12} |")
-    print(f"|{'-' * 42}|{'-' * 9}:|{'-' * 7}:|{'-' * 13}:|")
-    for name, times, phase in rows_out:
-        seconds = statistics.median(times)
-        rss = phase["peak_rss_mib"]
-        print(f"| {name:<40} | {seconds:>8.3f} | {mib / 1024 / seconds:>6.2f} | {rss:>12.0f} |")
+    cells = [[name, f"{statistics.median(times):.3f}", f"{mib / 1024 / statistics.median(times):.2f}",
+              f"{phase['peak_rss_mib']:.0f}"] for name, times, phase in rows_out]  # fmt: skip
+    print(harness.table(["phase", "seconds", "GiB/s", "peak RSS MiB"], cells))
     ratio = statistics.median(restore["src"]) / statistics.median(restore["dst"])
     print(f"\nrestore speed-up from resharding (median): {ratio:.2f}x")
     print("restore seconds src:", " ".join(f"{t:.3f}" for t in restore["src"]))
