@@ -3,6 +3,7 @@
     python -m benchmarks.bench_lm_eval                       # all three parts, ~10 min on 2 busy cores
     python -m benchmarks.bench_lm_eval --questions 200 --parts hf
     python -m benchmarks.bench_lm_eval --parts overlap --preset small  # a 160 M model: a longer load
+    python -m benchmarks.bench_lm_eval --parts backends                # the two backends alone, same task index
 
 The checkpoint is ``benchmarks.bench_eval``'s ``tiny`` preset (``--preset``; a random Llama-shaped
 model, 13 M parameters, bf16 on disk, scored in float32 by both backends) with its BPE tokenizer and a
@@ -15,7 +16,12 @@ Parts:
 
 * ``hf``: ``otfload lm-eval ... --json`` against lm_eval's own command line with ``--model hf``
   (``dtype=float32``, same batch size): wall time of each job end to end, and both backends'
-  ``acc`` / ``acc_norm``. otfload runs with its compilation cache off (a first run).
+  ``acc`` / ``acc_norm``. otfload runs with its compilation cache off (a first run). Each command
+  line as it runs: ``otfload lm-eval`` indexes only ``--include-path`` when every task named is
+  there; lm_eval's indexes its ~14k built-in task files too (it has no flag to skip them).
+* ``backends``: the backends alone, on equal terms: each in a fresh process through
+  ``lm_eval.simple_evaluate`` with the same task index (the include path only, lm_eval's
+  ``TaskManager(include_defaults=False)``), ``--rounds`` rounds alternating, medians.
 * ``cache``: the same ``otfload lm-eval`` job twice with a fresh ``--compile-cache`` directory:
   the ``compile_seconds`` of each (tracing + lowering + XLA compilation; the XLA part alone is
   what the cache can skip, tracing and lowering happen every run).
@@ -58,6 +64,26 @@ else:
     lm.scorer.compile(widths, lm.model)  # against the loaded model, after the load
 ready = time.perf_counter() - start
 print(json.dumps({"ready": ready, **lm.timings.to_dict()}))
+"""
+
+
+BACKEND_CHILD = """
+import json, sys, time
+start = time.perf_counter()
+import lm_eval
+from lm_eval.tasks import TaskManager
+backend, ckpt, tasks, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+manager = TaskManager(include_path=tasks, include_defaults=False)
+if backend == "hf":
+    from lm_eval.models.huggingface import HFLM
+    model = HFLM(pretrained=ckpt, batch_size=batch, device="cpu", dtype="float32")
+else:
+    from otfload.lm_eval import OtfloadLM
+    model = OtfloadLM(ckpt, dtype="float32", batch_size=batch)
+out = lm_eval.simple_evaluate(model=model, tasks=["bench_mc"], task_manager=manager)
+metrics = out["results"]["bench_mc"]
+print(json.dumps({"wall": time.perf_counter() - start, "acc": metrics["acc,none"],
+                  "acc_norm": metrics["acc_norm,none"]}))
 """
 
 
@@ -141,6 +167,23 @@ def part_cache(ckpt: Path, tasks: Path, env: dict[str, str]) -> None:
     print(f"second / first compile: {second / first:.1%}")
 
 
+def part_backends(ckpt: Path, tasks: Path, env: dict[str, str], rounds: int) -> None:
+    runs: dict[str, list[dict]] = {"otfload": [], "hf": []}
+    for _ in range(rounds):
+        for backend in runs:
+            _, stdout = child([sys.executable, "-c", BACKEND_CHILD, backend, str(ckpt), str(tasks), str(BATCH)], env)
+            runs[backend].append(json.loads(stdout.strip().splitlines()[-1]))
+    walls = {b: sorted(r["wall"] for r in rs) for b, rs in runs.items()}
+    median = {b: w[len(w) // 2] for b, w in walls.items()}
+    rows = [[b, f"{median[b]:.1f}", ", ".join(f"{w:.1f}" for w in walls[b]), f"{rs[0]['acc']:.4f}",
+             f"{rs[0]['acc_norm']:.4f}"] for b, rs in runs.items()]  # fmt: skip
+    print(f"\nthe backends alone (simple_evaluate, task index of the include path only), {rounds} rounds")
+    print(harness.table(["backend", "process wall s (median)", "runs s", "acc", "acc_norm"], rows))
+    same = all((r["acc"], r["acc_norm"]) == (runs["hf"][0]["acc"], runs["hf"][0]["acc_norm"]) for rs in runs.values()
+               for r in rs)
+    print(f"hf / otfload: {median['hf'] / median['otfload']:.2f}x; metrics equal: {same}")
+
+
 def part_overlap(ckpt: Path, env: dict[str, str]) -> None:
     print(f"\nwidths {list(WIDTHS)}, batch {BATCH}, compilation cache off")
     rows = []
@@ -158,7 +201,9 @@ def part_overlap(ckpt: Path, env: dict[str, str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", type=int, default=1000)
-    parser.add_argument("--parts", default="hf,cache,overlap", help="comma-separated: hf, cache, overlap")
+    parser.add_argument("--parts", default="hf,backends,cache,overlap",
+                        help="comma-separated: hf, backends, cache, overlap")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the backends part (default: 3)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="the checkpoint (bench_eval's)")
     args = parser.parse_args(argv)
     ckpt = checkpoint(args.preset).resolve()
@@ -169,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = args.parts.split(",")
     if "hf" in parts:
         part_hf(ckpt, tasks, env, args.questions)
+    if "backends" in parts:
+        part_backends(ckpt, tasks, env, args.rounds)
     if "cache" in parts:
         part_cache(ckpt, tasks, env)
     if "overlap" in parts:
