@@ -57,6 +57,19 @@ def no_descriptor_leak(request):
             DESCRIPTOR_LEAKS.append(f"{request.module.__name__}: {len(after) - len(before)} more open: {new[:8]}")
 
 
+def pytest_sessionfinish(session):
+    """On a pytest-xdist worker (``-n``), hand ``DESCRIPTOR_LEAKS`` to the controller, which reports them."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["descriptor_leaks"] = DESCRIPTOR_LEAKS
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: collect a finished worker's ``DESCRIPTOR_LEAKS``."""
+    DESCRIPTOR_LEAKS.extend(getattr(node, "workeroutput", {}).get("descriptor_leaks", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     """List the modules that leaked descriptors (``DESCRIPTOR_LEAKS``)."""
     if DESCRIPTOR_LEAKS:
