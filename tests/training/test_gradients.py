@@ -27,12 +27,9 @@ from tests.models.kinds import KINDS
 
 MOE = {"mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"}
 DENSE_MESH, MOE_MESH = {"fsdp": 2, "tp": 4}, {"fsdp": 2, "ep": 4}
-# Unscanned layers take their own forward code paths where a family has per-layer attention types or
-# layer groups: tests/models/test_padding.py checks each of those against transformers. Their gradient
-# is autodiff of that forward, through the same layer and expert code (the experts' custom VJP
-# included) whose gradients the scanned cases check; one unscanned case checks the unscanned tree
-# end to end: DeepSeek-V3, its routed experts on ep and its dense first layer in the layer list.
-UNSCANNED = ["deepseek_v3"]
+# Unscanned layers take their own code paths where a family has per-layer attention types or layer
+# groups (as in tests/models/test_padding.py); DeepSeek-V3 adds unscanned routed experts on ep.
+UNSCANNED = ["mistral", "qwen3_moe", "gpt_oss", "gemma3_text", "deepseek_v2", "deepseek_v3"]
 CASES = [(k, True) for k in KINDS] + [(k, False) for k in UNSCANNED]
 PAD = 7
 # The project's float32 parity bar (max |ours - torch| / max |torch|), per gradient tensor.
