@@ -57,10 +57,9 @@ def main() -> None:
 
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", spec["local_devices"])  # before any backend use
-    jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=spec["processes"], process_id=pid,
-                               initialization_timeout=60)  # fmt: skip
+    from tests.multihost.launch import join_cpu_job
+
+    join_cpu_job(spec, pid)
     out = Path(spec["out"])
     try:
         (out / f"proc{pid}.json").write_text(json.dumps(export(spec, out)))

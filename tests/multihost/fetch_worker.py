@@ -174,12 +174,10 @@ def main() -> None:
 
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", spec["local_devices"])
+    from tests.multihost.launch import join_cpu_job
+
+    join_cpu_job(spec, pid)
     n = spec["processes"]
-    if n > 1:
-        jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=n, process_id=pid,
-                                   initialization_timeout=60)  # fmt: skip
     try:
         load(spec, pid, out)
     except BaseException:

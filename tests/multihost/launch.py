@@ -20,6 +20,18 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def join_cpu_job(spec: dict, pid: int) -> None:
+    """In a worker: ``spec["local_devices"]`` CPU devices and, for a job of several processes, its
+    ``jax.distributed`` coordinator on 127.0.0.1 (process ``pid``)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", spec["local_devices"])  # before any backend use
+    if spec["processes"] > 1:
+        jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=spec["processes"], process_id=pid,
+                                   initialization_timeout=60)  # fmt: skip
+
+
 def start_workers(spec: dict, processes: int, out: Path) -> list[subprocess.Popen]:
     """Write ``spec`` (plus ``processes``, ``port``, ``out``) and start one worker per process."""
     out.mkdir(parents=True, exist_ok=True)
