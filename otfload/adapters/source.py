@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from otfload.sources.base import MappedSource, PageGranularSource, RangeRead, Source
+from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.sources.base import MappedSource, PageGranularSource, RangeRead, Source, read_many
 
 NAMESPACE = "@adapter{}/"
 
@@ -77,7 +78,7 @@ class CombinedSource:
         source, name = self.route(file)
         source.read_into(name, offset, out)
 
-    def read_many(self, reads: Sequence[RangeRead]) -> None:
+    def read_many(self, reads: Sequence[RangeRead], gaps: GapPolicy = DEFAULT_GAPS) -> None:
         groups: dict[int, tuple[Source, list[RangeRead]]] = {}
         by_source: dict[int, list[RangeRead]] = defaultdict(list)
         for read in reads:
@@ -85,7 +86,7 @@ class CombinedSource:
             groups.setdefault(id(source), (source, by_source[id(source)]))
             by_source[id(source)].append(read._replace(file=name))
         for source, group in groups.values():
-            source.read_many(group)
+            read_many(source, group, gaps)
 
     def _mapped_route(self, file: str) -> tuple[MappedSource | None, str]:
         """The part holding ``file`` if it maps its files (else None), and the file's name in it."""

@@ -48,7 +48,8 @@ from otfload.errors import (
     ChecksumMismatchError,
     SourceError,
 )
-from otfload.sources.base import PinnedSource, RangeRead, Source
+from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.sources.base import PinnedSource, RangeRead, Source, read_many
 from otfload.sources.names import checked_listing
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,8 @@ class ShardCache:
     def read_into(self, file: str, offset: int, out: memoryview) -> None:
         self._cache.read_into(file, offset, out)
 
-    def read_many(self, reads: Sequence[RangeRead]) -> None:
-        self._cache.read_many(reads)
+    def read_many(self, reads: Sequence[RangeRead], gaps: GapPolicy = DEFAULT_GAPS) -> None:
+        read_many(self._cache, reads, gaps)
 
     def close(self) -> None:
         self._cache.close()

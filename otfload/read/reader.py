@@ -64,8 +64,8 @@ from otfload.sources.base import (
     RangePrefetchingSource,
     RangeRead,
     Source,
+    read_many,
 )
-from otfload.sources.fetch_threads import gap_policy
 
 # Set to 0 to read cold local files through the page cache like warm ones (no O_DIRECT).
 DIRECT_IO_ENV = "OTFLOAD_DIRECT_IO"
@@ -341,8 +341,8 @@ class TensorReader:
         reads = [r for _, p in pending for r in p.reads]
         if reads:
             fetched = sum(p.fetched for _, p in pending)
-            with expected_fetch(fetched, len(reads)), gap_policy(PLANNED_GAPS):  # the gaps are others' bytes
-                self.source.read_many(reads)
+            with expected_fetch(fetched, len(reads)):
+                read_many(self.source, reads, PLANNED_GAPS)  # the gaps are others' bytes
         for k, p in pending:
             out[k] = p.finish()
         return [a for a in out if a is not None]
@@ -353,8 +353,8 @@ class TensorReader:
     ) -> np.ndarray:
         p = self._start_plain(info, box, arena, selection, view_ok, charge)
         if p.reads:  # a span (the box is a strided view of it) is chunked and fetched in parallel too
-            with _counting(p.charged)(p.fetched, len(p.reads)), gap_policy(PLANNED_GAPS):  # others' bytes
-                self.source.read_many(p.reads)
+            with _counting(p.charged)(p.fetched, len(p.reads)):
+                read_many(self.source, p.reads, PLANNED_GAPS)  # the gaps are others' bytes
         return p.finish()
 
     def _start_plain(

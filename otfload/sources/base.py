@@ -13,15 +13,23 @@ protocol here, checked with ``isinstance`` (which a type checker follows, unlike
 - :class:`PageGranularSource` — says whether its files are read in whole pages (local files);
 - :class:`DownloadableSource` — keeps whole-file copies itself (the Hub's cache);
 - :class:`HashedSource` / :class:`DigestSource` — publishes a file's sha256 / other checksums;
-- :class:`PinnedSource` — is pinned to a commit (a Hub revision), part of a shard cache's key.
+- :class:`PinnedSource` — is pinned to a commit (a Hub revision), part of a shard cache's key;
+- :class:`GapReadingSource` — its ``read_many`` takes the caller's gap rule (``gaps=``, a
+  :class:`~otfload.fetch.gaps.GapPolicy`): every built-in source. A keyword is not a method
+  ``isinstance`` can see, so :func:`read_many` checks the signature, and calls a source written to
+  the protocol without it (a user's) with ``reads`` alone.
 
 Who closes a source is decided in one place: :mod:`otfload.sources.owned`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, TypeGuard, runtime_checkable
+
+from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
 
 # Largest file size believed from a listing or metadata (Hub, fsspec): 16 TiB, far above any
 # safetensors shard; a larger (or a negative) one is a broken server, and planning must not
@@ -59,7 +67,8 @@ class Source(Protocol):
         ...
 
     def read_many(self, reads: Sequence[RangeRead]) -> None:
-        """Perform several range reads, possibly in parallel."""
+        """Perform several range reads, possibly in parallel (a :class:`GapReadingSource` also takes
+        the gap rule its batch is coalesced under)."""
         ...
 
     def close(self) -> None:
@@ -156,6 +165,39 @@ class PinnedSource(Protocol):
 
     @property
     def commit(self) -> str | None: ...
+
+
+class GapReadingSource(Protocol):
+    """A source whose ``read_many`` takes ``gaps``: how many bytes between the ranges asked it may
+    read to save requests (:func:`~otfload.fetch.gaps.joined_gaps`' budget). The default,
+    :data:`~otfload.fetch.gaps.DEFAULT_GAPS`, is the rule for a batch nobody planned; a reader that
+    planned its pieces passes :data:`~otfload.fetch.gaps.PLANNED_GAPS`, the rule its plan predicted
+    the requests with. Sources that read no gaps (local files) take it and ignore it; wrappers pass
+    it on."""
+
+    def read_many(self, reads: Sequence[RangeRead], gaps: GapPolicy = DEFAULT_GAPS) -> None: ...
+
+
+@functools.cache
+def _takes_gaps(cls: type) -> bool:
+    try:
+        return "gaps" in inspect.signature(cls.read_many).parameters
+    except (AttributeError, TypeError, ValueError):  # no read_many on the class, or no signature to read
+        return False
+
+
+def takes_gaps(source: Source) -> TypeGuard[GapReadingSource]:
+    """Whether ``source``'s ``read_many`` takes a ``gaps`` keyword (its class's signature, read once)."""
+    return _takes_gaps(type(source))
+
+
+def read_many(source: Source, reads: Sequence[RangeRead], gaps: GapPolicy) -> None:
+    """``source.read_many(reads)`` coalesced under ``gaps`` where the source takes the rule
+    (:class:`GapReadingSource`); a source written without it reads ``reads`` its own way."""
+    if takes_gaps(source):
+        source.read_many(reads, gaps=gaps)
+    else:
+        source.read_many(reads)
 
 
 def read_bytes(source: Source, file: str, offset: int = 0, length: int | None = None) -> bytes:

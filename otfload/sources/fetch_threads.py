@@ -3,20 +3,19 @@
 :func:`read_runs` fetches :class:`~otfload.sources.runs.Run` s with bounded concurrency and
 scatters the bytes into the callers' buffers; the first failure cancels the rest. Every fetch is
 recorded on the load's :class:`~otfload.fetch.meter.FetchMeter`. :func:`read_chunked` is a remote
-source's ``read_many``: the reads coalesced under the gap policy in force (:func:`gap_policy`: a
-reader that planned its pieces sets one around ``read_many``), then fetched.
+source's ``read_many``: the reads coalesced under the gap rule its caller passed (``gaps``, see
+:class:`~otfload.sources.base.GapReadingSource`), then fetched.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 
 from otfload.errors import LoadCancelled
-from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.fetch.gaps import GapPolicy
 from otfload.fetch.meter import current_meter, fetching, metering
 from otfload.fetch.requests import remote_chunk_bytes
 from otfload.sources.base import RangeRead
@@ -130,30 +129,12 @@ def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX
             wait(running)
 
 
-# The gap policy of this thread's read_chunked calls. ``Source.read_many(reads)`` has no room for
-# one (its signature is the public Source protocol, implemented by wrappers and users' sources), so
-# a reader that planned its pieces sets it around the call.
-_gaps = threading.local()  # .policy: GapPolicy | None
-
-
-@contextmanager
-def gap_policy(policy: GapPolicy) -> Iterator[None]:
-    """Within the block, every remote source's ``read_many`` (:func:`read_chunked`) of this thread
-    reads gaps within ``policy``: a reader that planned its pieces says how much it may fetch
-    beyond them (:data:`~otfload.fetch.gaps.PLANNED_GAPS`)."""
-    previous = getattr(_gaps, "policy", None)
-    _gaps.policy = policy
-    try:
-        yield
-    finally:
-        _gaps.policy = previous
-
-
-def read_chunked(reads: Sequence[RangeRead], fetch_into: FetchInto, largest_chunk: int, max_in_flight: int) -> None:
-    """Read ``reads`` from a remote source: coalesced (under :func:`gap_policy`'s policy, else
-    :data:`~otfload.fetch.gaps.DEFAULT_GAPS`) into runs of at most
+def read_chunked(
+    reads: Sequence[RangeRead], fetch_into: FetchInto, largest_chunk: int, max_in_flight: int, gaps: GapPolicy
+) -> None:
+    """Read ``reads`` from a remote source: coalesced under ``gaps`` (the rule the plan predicted
+    the requests with, :func:`~otfload.fetch.requests.remote_fetch`) into runs of at most
     ``remote_chunk_bytes(total, largest_chunk)`` bytes (so even one range splits into READ_SPLIT
     requests), at most ``max_in_flight`` of them at once."""
     chunk = remote_chunk_bytes(sum(r.out.nbytes for r in reads), largest_chunk)
-    policy = getattr(_gaps, "policy", None) or DEFAULT_GAPS
-    read_runs(coalesce(reads, max_run=chunk, policy=policy), fetch_into, max_workers=max_in_flight)
+    read_runs(coalesce(reads, max_run=chunk, policy=gaps), fetch_into, max_workers=max_in_flight)

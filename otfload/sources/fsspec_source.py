@@ -34,6 +34,7 @@ from otfload.errors import (
     SourceProtocolError,
     TruncatedFileError,
 )
+from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
 from otfload.fetch.requests import REMOTE_CHUNK_BYTES
 from otfload.sources.base import MAX_FILE_BYTES, RangeRead
 from otfload.sources.checkpoint_files import check_safe_format, is_checkpoint_file
@@ -162,8 +163,8 @@ class FsspecSource(RetriedCalls):
             raise TruncatedFileError(file, f"wanted {want} bytes at offset {offset}, file has {size}")
         self.read_many([RangeRead(file, offset, out)])
 
-    def read_many(self, reads: Sequence[RangeRead]) -> None:
-        read_chunked(reads, self._read_range, self.chunk_bytes, self.max_requests_in_flight)
+    def read_many(self, reads: Sequence[RangeRead], gaps: GapPolicy = DEFAULT_GAPS) -> None:
+        read_chunked(reads, self._read_range, self.chunk_bytes, self.max_requests_in_flight, gaps)
 
     def close(self) -> None:
         """Nothing to release: fsspec shares filesystem instances (and their sessions) process-wide."""

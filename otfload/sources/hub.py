@@ -58,6 +58,7 @@ from otfload.errors import (
     SourceProtocolError,
     TruncatedFileError,
 )
+from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
 from otfload.fetch.requests import REMOTE_CHUNK_BYTES
 from otfload.sources import http_body
 from otfload.sources.base import MAX_FILE_BYTES, RangeRead
@@ -198,10 +199,10 @@ class HubSource(RetriedCalls):
             self._local().read_into(self._snapshot_relpath(file), offset, out)
         else:
             read_chunked([RangeRead(file, offset, out)], self._read_remote_into, self.chunk_bytes,
-                         self.max_requests_in_flight)
+                         self.max_requests_in_flight, DEFAULT_GAPS)
 
-    def read_many(self, reads: Sequence[RangeRead]) -> None:
-        read_chunked(reads, self._read_run, self.chunk_bytes, self.max_requests_in_flight)
+    def read_many(self, reads: Sequence[RangeRead], gaps: GapPolicy = DEFAULT_GAPS) -> None:
+        read_chunked(reads, self._read_run, self.chunk_bytes, self.max_requests_in_flight, gaps)
 
     def close(self) -> None:
         self._connections.close()

@@ -50,6 +50,7 @@ from otfload.errors import (
     SourceUnavailableError,
     TruncatedFileError,
 )
+from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
 from otfload.fetch.meter import fetching
 from otfload.pages import MADV_POPULATE_READ, madvise
 from otfload.sources.base import RangeRead
@@ -444,7 +445,9 @@ class LocalSource:
         with fetching(done):
             return done
 
-    def read_many(self, reads: Sequence[RangeRead]) -> None:
+    def read_many(self, reads: Sequence[RangeRead], gaps: GapPolicy = DEFAULT_GAPS) -> None:
+        """Read each range (``gaps`` is not needed: every range is advised first, and the kernel
+        reads pages, not requests)."""
         for r in reads:  # every range advised first: the kernel reads them while we copy
             self._advise(r.file, [(r.offset, len(r.out))])
         for r in reads:

@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 
+from otfload.adapters.source import CombinedSource
+from otfload.fetch.gaps import DEFAULT_GAPS, PLANNED_GAPS
 from otfload.index.checkpoint import open_index
 from otfload.plan.boxes import box_to_slices
 from otfload.read.arena import ALIGNMENT, Arena, aligned_empty
@@ -34,6 +36,52 @@ def test_read_box_equals_numpy_and_counts_requests(index, key, box, requests):
     got = reader.read_box(idx[key], box, Arena())
     np.testing.assert_array_equal(got, tensors[key][box_to_slices(box)])
     assert reader.stats.requests == requests
+
+
+class UsersSource:
+    """A source written to the protocol before ``read_many`` took ``gaps``: it records each batch."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+        self.description = inner.description
+
+    def list_files(self):
+        return self.inner.list_files()
+
+    def size(self, file):
+        return self.inner.size(file)
+
+    def read_into(self, file, offset, out):
+        self.inner.read_into(file, offset, out)
+
+    def read_many(self, reads):
+        self.batches.append((len(reads), None))
+        self.inner.read_many(reads)
+
+    def close(self):
+        pass
+
+
+class GapReadingSource(UsersSource):
+    """A source whose ``read_many`` takes the caller's gap rule, as every built-in one does."""
+
+    def read_many(self, reads, gaps=DEFAULT_GAPS):
+        self.batches.append((len(reads), gaps))
+        self.inner.read_many(reads, gaps=gaps)
+
+
+@pytest.mark.parametrize("kind,combined", [(UsersSource, False), (GapReadingSource, False),
+                                           (UsersSource, True), (GapReadingSource, True)])
+def test_the_reader_passes_its_gap_rule_to_sources_that_take_it(index, kind, combined):
+    # A column block of 8 rows, read by ranges (the wrappers map nothing): one batch of 8 pieces. A
+    # source that takes ``gaps`` is told the planned rule, directly or through a combined source; a
+    # user's source without the keyword is called with the reads alone and reads them all the same.
+    idx, tensors = index
+    source = kind(idx.source)
+    reader = TensorReader(CombinedSource(source, []) if combined else source)
+    box = ((0, 8), (1000, 2000))
+    np.testing.assert_array_equal(reader.read_box(idx["wide"], box, Arena()), tensors["wide"][box_to_slices(box)])
+    assert source.batches == [(8, PLANNED_GAPS if kind is GapReadingSource else None)]
 
 
 def test_arena_reuses_memory_and_aligns():

@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from otfload.fetch.gaps import PLANNED_GAPS
+from otfload.fetch.gaps import DEFAULT_GAPS, PLANNED_GAPS
 from otfload.fetch.requests import REMOTE_CHUNK_BYTES, remote_fetch
 from otfload.sources.base import RangeRead
-from otfload.sources.fetch_threads import FETCH_THREADS, gap_policy, read_chunked, read_runs
+from otfload.sources.fetch_threads import FETCH_THREADS, read_chunked, read_runs
 from otfload.sources.runs import coalesce
 from tests.sources.test_runs import reads_of
 
@@ -106,7 +106,7 @@ def test_a_fetch_that_reads_runs_itself_does_not_wait_for_the_busy_threads():
     assert all(r.out.tobytes() == FILES["a"][r.offset : r.offset + 10] for r in reads)
 
 
-def test_read_chunked_reads_the_gaps_its_scope_allows_and_the_plan_predicts():
+def test_read_chunked_reads_the_gaps_its_caller_allows_and_the_plan_predicts():
     reads = [RangeRead("a", i * 256, memoryview(bytearray(16))) for i in range(64)]  # 240-byte gaps
     starts = np.array([r.offset for r in reads], np.int64)
     lengths = np.array([len(r.out) for r in reads], np.int64)
@@ -116,12 +116,12 @@ def test_read_chunked_reads_the_gaps_its_scope_allows_and_the_plan_predicts():
         asked.append((offset, len(out)))
         fetch_from_files(file, offset, out)
 
-    with gap_policy(PLANNED_GAPS):  # what a TensorReader sets: 10% of 1 KiB allows no 240-byte gap
-        read_chunked(reads, recording, REMOTE_CHUNK_BYTES, 4)
+    # what a TensorReader passes: 10% of 1 KiB allows no 240-byte gap
+    read_chunked(reads, recording, REMOTE_CHUNK_BYTES, 4, PLANNED_GAPS)
     planned, planned_lengths, requests = remote_fetch(starts, lengths, PLANNED_GAPS)
     assert sorted(asked) == list(zip(planned.tolist(), planned_lengths.tolist(), strict=True))
     assert len(asked) == requests == 64
     assert all(bytes(r.out) == FILES["a"][r.offset : r.offset + 16] for r in reads)
     asked.clear()
-    read_chunked(reads, recording, REMOTE_CHUNK_BYTES, 4)  # no scope: one gap's worth per file, all joined
+    read_chunked(reads, recording, REMOTE_CHUNK_BYTES, 4, DEFAULT_GAPS)  # one gap's worth per file, all joined
     assert asked == [(0, 63 * 256 + 16)] and remote_fetch(starts, lengths)[2] == 1

@@ -55,7 +55,7 @@ def column_block_reads(rows: int = 64, row_bytes: int = 32768, block: int = 1024
 def test_a_planned_batch_reads_gaps_within_the_fraction_and_the_plan_predicts_it_exactly():
     reads = column_block_reads()
     asked = sum(len(r.out) for r in reads)
-    runs = coalesce(reads, policy=PLANNED_GAPS)  # what read_chunked uses around a TensorReader's read_many
+    runs = coalesce(reads, policy=PLANNED_GAPS)  # what a TensorReader passes to read_many
     fetched = sum(r.end - r.start for r in runs)
     assert asked <= fetched <= (1 + MAX_GAP_FRACTION) * asked  # 31 KiB gaps: none is worth it
     starts = np.array([r.offset for r in reads], np.int64)
