@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any, Literal, Unpack, overload
 
 import jax
@@ -175,18 +176,45 @@ def from_pretrained(
     >>> report.leaves
     12
     """
-    options = resolve_options(options, keywords)
+    model, report = plan_load(source, resolve_options(options, keywords)).load()
+    return (model, report) if return_report else model
+
+
+@dataclass(frozen=True)
+class PlannedLoad:
+    """``from_pretrained`` cut in two: :func:`plan_load` has planned ``source`` (``model`` is the
+    abstract model, ``plan`` its load plan, the checkpoint is open), :meth:`load` reads and places.
+    What happens in between (``otfload.training`` compiles a step against the plan) plans nothing
+    again."""
+
+    model: nnx.Module
+    plan: LoadPlan
+    opened: Opened
+    given: Location
+    options: LoadOptions
+    policy: str
+
+    def load(self) -> tuple[nnx.Module, LoadReport]:
+        """Read and place every leaf into :attr:`model` (now loaded, and returned) with the report;
+        the checkpoint is closed afterwards unless it is the ``Source`` the caller passed in."""
+        model, plan, opened, given = self.model, self.plan, self.opened, self.given
+        lora = None if self.options.merge_adapter else prepare_kept(plan, opened.source, given)  # reads the bases
+        arrays, report = run_plan(plan if lora is None else lora.plan, opened, given, self.options, self.policy)
+        arrays = assemble_kept(plan, arrays)
+        arrays = arrays if lora is None else lora.finish(model, arrays, report)
+        state = nnx.state(model, nnx.Param)
+        loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
+        nnx.update(model, nnx.from_flat_state(loaded))
+        return model, report
+
+
+def plan_load(source: Location, options: LoadOptions) -> PlannedLoad:
+    """What ``from_pretrained(source, options=options)`` does before reading a tensor byte (the
+    checkpoint stays open for :meth:`PlannedLoad.load`)."""
     policy = resolve_policy(options.reshard)  # $OTFLOAD_RESHARD too: a bad value fails before anything is opened
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
     model, plan, opened = _plan_model(source, options)
-    lora = None if options.merge_adapter else prepare_kept(plan, opened.source, source)  # the plan reads the bases
-    arrays, report = run_plan(plan if lora is None else lora.plan, opened, source, options, policy)
-    arrays = assemble_kept(plan, arrays)
-    arrays = arrays if lora is None else lora.finish(model, arrays, report)
-    state = nnx.state(model, nnx.Param)
-    loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
-    nnx.update(model, nnx.from_flat_state(loaded))
-    return (model, report) if return_report else model
+    return PlannedLoad(model, plan, opened, source, options, policy)
 
 
 def run_plan(

@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, Unpack
 
@@ -39,9 +40,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from otfload.api import from_pretrained, plan_model
+from otfload.api import plan_load, plan_model
 from otfload.options import LoadKeywords, LoadOptions, resolve_options
 from otfload.plan.abstract import dotted
+from otfload.plan.planner import LoadPlan
 from otfload.plan.sharding import make_mesh
 from otfload.sources import Source
 from otfload.sources.owned import owned
@@ -81,10 +83,16 @@ def abstract_model(
     each ``nnx.Param``: what ``nnx.jit(step).lower(...)`` needs. Reads headers and ``config.json`` only."""
     model, plan, src = plan_model(source, options=resolve_options(options, keywords))
     with owned(src, source):  # closed here unless the caller passed it in
-        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-            leaf = plan.leaves[dotted(path)].leaf
-            # jax's ShapeDtypeStruct and PartitionSpec constructors are unannotated.
-            var.set_value(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding))  # type: ignore[no-untyped-call]
+        return _placed(model, plan)
+
+
+def _placed(model: nnx.Module, plan: LoadPlan) -> nnx.Module:
+    """``model`` (planned, abstract) with each ``nnx.Param`` the shape, dtype and sharding ``plan``
+    gives its leaf."""
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        leaf = plan.leaves[dotted(path)].leaf
+        # jax's ShapeDtypeStruct and PartitionSpec constructors are unannotated.
+        var.set_value(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding))  # type: ignore[no-untyped-call]
     return model
 
 
@@ -144,8 +152,12 @@ def load_while_compiling(
     load_options = resolve_options(options, keywords)
     mesh = make_mesh() if load_options.mesh is None else load_options.mesh
     load_options = dataclasses.replace(load_options, mesh=mesh)  # one mesh for the compile and the load
-    abstract = abstract_model(source, options=load_options)
-    planned = time.perf_counter() - start
+    planned = plan_load(source, load_options)  # planned once: the compile's shapes, then the load's reads
+    with ExitStack() as on_error:
+        on_error.enter_context(owned(planned.opened.source, source))
+        abstract = _placed(nnx.clone(planned.model), planned.plan)  # its own variables: the load fills the model's
+        on_error.pop_all()  # the load closes the checkpoint
+    planned_seconds = time.perf_counter() - start
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -159,10 +171,10 @@ def load_while_compiling(
     thread = threading.Thread(target=run, name="otfload-compile", daemon=True)
     thread.start()
     try:
-        model = from_pretrained(source, options=load_options)
+        model, _ = planned.load()
         loaded = time.perf_counter() - start
     finally:
         thread.join()
     if "error" in result:
         raise result["error"]
-    return Startup(model, result["compiled"], StartupTimes(planned, loaded, result["seconds"]))
+    return Startup(model, result["compiled"], StartupTimes(planned_seconds, loaded, result["seconds"]))
