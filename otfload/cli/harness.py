@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # documents), or over every process's when its sizes multiply to their count (one replica)
     model = OtfloadLM(args.source, mesh=args.mesh, options=options.load_options(args, mesh=False),
                       batch_size=args.batch_size, max_length=args.max_length, progress=args.progress)
-    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext(), _leaving_on_error(model):
         out = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
                                       task_manager=manager, apply_chat_template=args.apply_chat_template,
                                       random_seed=args.seed, numpy_random_seed=args.seed,
@@ -157,3 +157,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None
     return value
+
+
+@contextlib.contextmanager
+def _leaving_on_error(model: Any) -> Iterator[None]:
+    """The job's error told to the other processes (:meth:`otfload.lm_eval.ranks.Ranks.leave`), so
+    that they end with it instead of waiting for this process at lm_eval's next exchange."""
+    try:
+        yield
+    except BaseException as err:
+        model.ranks.leave(f"{type(err).__name__}: {err}")
+        raise

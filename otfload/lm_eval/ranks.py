@@ -13,21 +13,30 @@ exchange of a :class:`Ranks` has the same key on every process. Values are pickl
 and cut into chunks the store takes; a process that does not arrive within the bound (one hour, or
 ``OTFLOAD_COLLECTIVE_TIMEOUT`` seconds) ends the job with a
 :class:`~otfload.errors.CollectiveTimeoutError` naming it, instead of a hang.
+
+A process that fails stops taking part at once, not an hour later: lm_eval raises on a rank given no
+document of a task (``--limit`` below the process count), before that rank's first exchange. Such a
+process says so in the store (:meth:`Ranks.leave`, called when ``otfload lm-eval`` fails and when the
+process exits), and a wait for it checks that mark every :data:`LEFT_POLL_S` seconds: the others end
+with a :class:`~otfload.errors.CollectiveError` naming it and its reason.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
+import contextlib
 import itertools
 import os
 import pickle
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
 from otfload.cache.coordination import Coordinator, current_coordinator
-from otfload.errors import CollectiveTimeoutError
+from otfload.errors import CollectiveError, CollectiveTimeoutError
 from otfload.place.agree import TIMEOUT_ENV, collective_timeout
 
 KEY_PREFIX = "otfload/lm_eval"
@@ -35,6 +44,9 @@ KEY_PREFIX = "otfload/lm_eval"
 # slowest to score its share, which on a long task takes far longer than a load's exchanges.
 DEFAULT_TIMEOUT_S = 3600.0
 CHUNK_CHARS = 1 << 20  # per key: well under the coordination service's message limit (4 MiB)
+# A wait looks this often for the mark of a process that left the job: one extra store lookup a
+# second costs nothing next to scoring, and a failed process stops the others within a second.
+LEFT_POLL_S = 1.0
 
 # The n-th Ranks built in a process meets the n-th of every other process (they build theirs in order).
 _jobs = itertools.count()
@@ -62,6 +74,18 @@ class Ranks:
                 job = str(next(_jobs))
         self._space = f"{KEY_PREFIX}/{job}"
         self._exchanges = itertools.count()
+        self._left = False
+        if self.world_size > 1:
+            atexit.register(self.leave, "its process exited")  # whatever ended it: the others stop waiting
+
+    def leave(self, reason: str) -> None:
+        """Tell the other processes that this one takes no further part in the job (``reason`` goes
+        into their error). Once per process; harmless when the store is already gone."""
+        if self._left or self.world_size == 1:
+            return
+        self._left = True
+        with contextlib.suppress(Exception):  # at exit the coordination service may be shut down
+            self.coordinator.publish(self._left_key(self.rank), reason)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every process's ``obj``, by rank."""
@@ -109,8 +133,19 @@ class Ranks:
         return pickle.loads(base64.b64decode(text))  # noqa: S301  (written by this job's own processes)
 
     def _wait(self, key: str, process: int) -> str:
-        value = self.coordinator.wait_for(key, self.timeout_s)
-        if value is None:
-            raise CollectiveTimeoutError(f"lm_eval: process {process} did not reach exchange {key!r} within "
-                                         f"{self.timeout_s:g} s ({TIMEOUT_ENV} sets the bound)", None, [process])
-        return value
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            value = self.coordinator.wait_for(key, min(LEFT_POLL_S, max(0.0, remaining)))
+            if value is not None:
+                return value
+            reason = self.coordinator.wait_for(self._left_key(process), 0.0)
+            if reason is not None:
+                raise CollectiveError(f"lm_eval: process {process} left the job before exchange {key!r}: {reason}",
+                                      None, [process])
+            if remaining <= 0:
+                raise CollectiveTimeoutError(f"lm_eval: process {process} did not reach exchange {key!r} within "
+                                             f"{self.timeout_s:g} s ({TIMEOUT_ENV} sets the bound)", None, [process])
+
+    def _left_key(self, process: int) -> str:
+        return f"{self._space}/left/{process}"

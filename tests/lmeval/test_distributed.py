@@ -128,3 +128,26 @@ def test_cli_job_over_two_processes_prints_from_process_0_only(setup, one_proces
     first, second = run_processes(commands)
     assert second == ""
     assert_same_results(json.loads(first)["results"], one_process["results"])
+
+
+
+def test_a_process_that_fails_ends_the_job_on_every_process(setup):
+    """``--limit 1`` over two processes: lm_eval gives process 1 no document and raises there before
+    its first exchange; process 0, waiting for it, ends within seconds with an error naming process
+    1 and its reason, not after the hour-long collective bound."""
+    checkpoint, tasks = setup
+    port = free_port()
+    commands = [[str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
+                 "--devices", str(LOCAL_DEVICES), "--mesh", f"fsdp={LOCAL_DEVICES}", "--batch-size", str(BATCH),
+                 "--compile-cache", "off", "--no-progress", "--limit", "1", "--coordinator", f"127.0.0.1:{port}",
+                 "--num-processes", str(PROCESSES), "--process-id", str(i)] for i in range(PROCESSES)]
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for cmd in commands]
+    try:
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode != 0 for p in procs)
+    assert "did not find any docs" in errors[1], errors[1][-3000:]
+    assert "process 1 left the job" in errors[0] and "did not find any docs" in errors[0], errors[0][-3000:]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from otfload.cache.coordination import LocalCoordinator
-from otfload.errors import CollectiveTimeoutError
+from otfload.errors import CollectiveError, CollectiveTimeoutError
 from otfload.lm_eval import ranks
 from otfload.lm_eval.ranks import Ranks
 
@@ -79,3 +79,15 @@ def test_a_process_that_never_arrives_is_named():
         return info.value.processes
 
     assert run_ranks(2, job, timeout_s=0.3)[0] == [1]
+
+
+def test_a_process_that_left_ends_the_wait_with_its_reason():
+    def job(r):
+        if r.rank == 1:
+            r.leave("ValueError: no documents")  # fails before its first exchange
+            return None
+        with pytest.raises(CollectiveError, match="process 1 left the job .*ValueError: no documents") as info:
+            r.barrier()
+        return type(info.value), info.value.processes
+
+    assert run_ranks(2, job, timeout_s=600)[0] == (CollectiveError, [1])  # not the 600 s timeout
