@@ -65,7 +65,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    _join_job(args)
+    from otfload.lm_eval.ranks import join_job
+
+    flags = ("--coordinator", "--num-processes", "--process-id")
+    join_job(args.coordinator, args.num_processes, args.process_id, flags)
     enable_compile_cache(args.compile_cache)
     import jax
     import lm_eval
@@ -113,21 +116,6 @@ def _task_manager(tasks: list[str], include_path: str | None) -> Any:
         if all(os.path.exists(t) or (t in index and index[t].kind in (Kind.TASK, Kind.PY_TASK)) for t in tasks):
             return local
     return TaskManager(include_path=include_path)
-
-
-def _join_job(args: argparse.Namespace) -> None:
-    """``jax.distributed.initialize`` with --coordinator, --num-processes and --process-id (all or none)."""
-    given = [args.coordinator, args.num_processes, args.process_id]
-    if all(v is None for v in given):
-        return
-    if any(v is None for v in given):
-        raise InvalidOptionError("--coordinator, --num-processes and --process-id go together: a process joins a "
-                                 "job by all three")
-    if not 0 <= args.process_id < args.num_processes:
-        raise InvalidOptionError(f"--process-id {args.process_id}: expected 0 to {args.num_processes - 1}")
-    import jax
-
-    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
 
 
 @contextlib.contextmanager

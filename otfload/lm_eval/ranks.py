@@ -31,12 +31,13 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from otfload.cache.coordination import Coordinator, current_coordinator
-from otfload.errors import CollectiveError, CollectiveTimeoutError
+from otfload.errors import CollectiveError, CollectiveTimeoutError, InvalidOptionError
 from otfload.place.agree import TIMEOUT_ENV, collective_timeout
 
 KEY_PREFIX = "otfload/lm_eval"
@@ -48,9 +49,32 @@ CHUNK_CHARS = 1 << 20  # per key: well under the coordination service's message 
 # second costs nothing next to scoring, and a failed process stops the others within a second.
 LEFT_POLL_S = 1.0
 
+# How a process names the job it joins (``jax.distributed.initialize``'s arguments), as lm_eval's
+# ``model_args`` spell them; the command line's flags are the same with dashes.
+JOB_ARGS = ("coordinator", "num_processes", "process_id")
+
 # The n-th Ranks built in a process meets the n-th of every other process (they build theirs in order).
 _jobs = itertools.count()
 _jobs_lock = threading.Lock()
+
+
+def join_job(coordinator: str | None, num_processes: int | None, process_id: int | None,
+             names: Sequence[str] = JOB_ARGS) -> None:
+    """``jax.distributed.initialize(coordinator, num_processes, process_id)`` when all three are
+    given (none: nothing to join). ``names`` are the three as the caller's user spells them (flags,
+    ``model_args``), for the errors."""
+    given = (coordinator, num_processes, process_id)
+    if all(v is None for v in given):
+        return
+    if any(v is None for v in given):
+        raise InvalidOptionError(f"{', '.join(names[:2])} and {names[2]} go together: a process joins a job "
+                                 "by all three")
+    assert num_processes is not None and process_id is not None
+    if not 0 <= int(process_id) < int(num_processes):
+        raise InvalidOptionError(f"{names[2]} {process_id}: expected 0 to {int(num_processes) - 1}")
+    import jax
+
+    jax.distributed.initialize(coordinator, num_processes=int(num_processes), process_id=int(process_id))
 
 
 class Ranks:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from otfload.cache.coordination import LocalCoordinator
-from otfload.errors import CollectiveError, CollectiveTimeoutError
+from otfload.errors import CollectiveError, CollectiveTimeoutError, InvalidOptionError
 from otfload.lm_eval import ranks
 from otfload.lm_eval.ranks import Ranks
 
@@ -91,3 +91,12 @@ def test_a_process_that_left_ends_the_wait_with_its_reason():
         return type(info.value), info.value.processes
 
     assert run_ranks(2, job, timeout_s=600)[0] == (CollectiveError, [1])  # not the 600 s timeout
+
+
+def test_joining_a_job_takes_all_three_or_none():
+    ranks.join_job(None, None, None)  # one process: nothing to join (jax.distributed untouched)
+    flags = ("--coordinator", "--num-processes", "--process-id")
+    with pytest.raises(InvalidOptionError, match="--coordinator, --num-processes and --process-id go together"):
+        ranks.join_job("127.0.0.1:1", 2, None, flags)
+    with pytest.raises(InvalidOptionError, match="process_id 2: expected 0 to 1"):
+        ranks.join_job("127.0.0.1:1", 2, 2)
