@@ -83,27 +83,19 @@ def process_leaves(
     plan: LoadPlan, reader: TensorReader, devices: list[jax.Device], process_of: Callable[[jax.Device], int] | None,
     policy: str, platform: str | None = None,
 ) -> tuple[dict[str, Info], Info]:
-    """Per leaf of ``plan``: the bytes one process needs, fetches (and in how many requests, in
-    which layout) and ideally holds; and the fetch and ideal totals (:mod:`otfload.place.report`'s)."""
-    from otfload.place.collective_route import choose_read_shardings, leaf_signature
-    from otfload.place.report import fetch_totals, ideal_bytes, planned_fetches
+    """Per leaf of ``plan``: what one process fetches for it (and in how many requests, in which
+    layout); and the fetch totals (:mod:`otfload.place.report`'s)."""
+    from otfload.place.collective_route import choose_read_shardings
+    from otfload.place.report import fetch_totals, planned_fetches
 
     choices = choose_read_shardings(plan.leaves, reader, policy, process_of=process_of, platform=platform)
     bands = {path: choice.sharding for path, choice in choices.items() if choice is not None}
     fetches = planned_fetches(plan, reader, bands, devices)
-    out, memo = {}, {}
-    for path, p in plan.leaves.items():
-        band = bands.get(path)
-        key = (leaf_signature(p), None if band is None else str(band.spec))
-        if key not in memo:  # leaves that read alike (unscanned layers) are counted once
-            memo[key] = (p.process_bytes(devices), p.ideal_bytes(devices), None if band is None else str(band.spec))
-        needed, ideal, read_as = memo[key]
-        out[path] = {"process_bytes": needed, "fetch_bytes": fetches[path].nbytes, "requests": fetches[path].requests,
-                     "ideal_bytes": ideal, "read_as": read_as}
-    if not out:
-        return out, {}
+    out = {path: {"fetch_bytes": f.nbytes, "requests": f.requests,
+                  "read_as": None if (band := bands.get(path)) is None else str(band.spec)}
+           for path, f in fetches.items()}
     fetched = fetch_totals(fetches.values())
-    return out, {"fetch_bytes": fetched.nbytes, "requests": fetched.requests, "ideal_bytes": ideal_bytes(plan, devices)}
+    return out, {"fetch_bytes": fetched.nbytes, "requests": fetched.requests} if out else {}
 
 
 def inspect_source(
@@ -179,21 +171,32 @@ def describe_plan(
     reshard: str = "auto", platform: str | None = None,
 ) -> Info:
     """A plan as the JSON-able dict ``otfload inspect`` prints; with ``reader`` (of the plan's
-    source), what one process (``process``: index and count, see :func:`process_devices`) fetches."""
+    source), what one process (``process``: index and count, see :func:`process_devices`) fetches.
+    Every byte count and total is :mod:`otfload.place.report`'s."""
     import jax
 
+    from otfload.place.report import process_counts, process_totals
     from otfload.plan.leaf_bytes import placed_per_device
 
     first = next(iter(plan.leaves.values())).leaf.sharding if plan.leaves else None
     mesh = first.mesh if isinstance(first, jax.sharding.NamedSharding) else None  # planned leaves: named
     mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None  # ... on a concrete mesh
     devices, process_of = process_devices(mesh, *process) if mesh is not None else ([], None)
-    fetch_totals: Info = {}
+    held = process_counts(plan, devices)
+    summed = process_totals(held.values())
+    fetches: dict[str, Info] = {}
+    totals: Info = {}
     if reader is not None:
-        counts, fetch_totals = process_leaves(plan, reader, devices, process_of, reshard, platform)
-    else:
-        counts = {path: {"process_bytes": p.process_bytes(devices)} for path, p in plan.leaves.items()}
-    leaves = [{**p.describe(), **counts[path], "shard_bytes": p.shard_bytes()} for path, p in plan.leaves.items()]
+        fetches, totals = process_leaves(plan, reader, devices, process_of, reshard, platform)
+        totals = {**totals, "ideal_bytes": summed.ideal} if totals else {}
+    leaves = []
+    for path, p in plan.leaves.items():
+        fetch = fetches.get(path)
+        leaf = {**p.describe(), "process_bytes": held[path].needed}
+        if fetch is not None:
+            leaf |= {"fetch_bytes": fetch["fetch_bytes"], "requests": fetch["requests"],
+                     "ideal_bytes": held[path].ideal, "read_as": fetch["read_as"]}
+        leaves.append(leaf | {"shard_bytes": held[path].device})
     return {
         "source": description,
         "model_type": model_type,
@@ -213,10 +216,10 @@ def describe_plan(
             "leaves": len(leaves),
             "hf_tensors": sum(leaf["num_hf_keys"] for leaf in leaves),
             "source_bytes": plan.source_bytes,
-            "process_bytes": sum(leaf["process_bytes"] for leaf in leaves),
-            **fetch_totals,
+            "process_bytes": summed.needed,
+            **totals,
             "resharded_leaves": sum(1 for leaf in leaves if leaf.get("read_as")),
-            "device_bytes": sum(leaf["shard_bytes"] for leaf in leaves),
+            "device_bytes": summed.device,
         },
     }
 

@@ -48,8 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from otfload.errors import InvalidOptionError
 from otfload.place.report import leaf_planned
 from otfload.plan.abstract import AbstractLeaf
-from otfload.plan.hooks import Hook, Shape
-from otfload.plan.planner import LeafPlan
+from otfload.plan.planner import LeafPlan, LeafSignature, leaf_signature
 from otfload.read.reader import TensorReader
 
 # --- the time model's constants ---------------------------------------------------------------------
@@ -295,22 +294,6 @@ def choose_read_shardings(
         if memo[key].sharding is not None:
             chosen[path] = memo[key]
     return chosen
-
-
-# What a leaf's reads depend on (see leaf_signature): shape, dtype, spec, hooks, shapes, sources'
-# count, storage and the first source's shape.
-LeafSignature = tuple[
-    tuple[int, ...], str, str, tuple[Hook, ...], tuple[Shape, ...], int, str, tuple[int, ...] | None
-]
-
-
-def leaf_signature(plan: LeafPlan) -> LeafSignature:
-    """What a leaf's reads depend on but the tensors' names and offsets: leaves with equal
-    signatures (the layers of an unscanned model) read alike."""
-    leaf = plan.leaf
-    first = plan.sources[0] if plan.sources else None
-    return (leaf.shape, str(leaf.dtype), str(getattr(leaf.sharding, "spec", leaf.sharding)), plan.hooks,
-            plan.shapes, len(plan.sources), plan.storage, getattr(first, "shape", None))
 
 
 def with_sharding(plan: LeafPlan, sharding: Sharding) -> LeafPlan:

@@ -5,7 +5,8 @@ The per-leaf byte counts (device boxes, needed and ideal bytes) are the plan's
 (:mod:`otfload.plan.leaf_bytes`); what a reader fetches for them is the reader's
 (:meth:`~otfload.read.reader.TensorReader.planned`, by :mod:`otfload.fetch`'s rule). Three byte
 counts per process, summed over a plan here and only here (the loader's report and ``otfload
-inspect`` alike), from the most to the least fundamental:
+inspect`` alike; :func:`process_counts` gives a plan's per leaf with the device memory each takes,
+:func:`process_totals` and :func:`fetch_totals` sum them), from the most to the least fundamental:
 
 * **ideal** (:func:`ideal_bytes`): the source bytes of the elements this process's devices hold,
   each distinct shard once — what no reader can go below;
@@ -22,7 +23,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -32,7 +33,7 @@ from jax.sharding import Sharding
 from otfload.fetch.gaps import PAGE_BYTES
 from otfload.plan.boxes import Box
 from otfload.plan.leaf_bytes import leaf_reads, leaf_sibling_selection
-from otfload.plan.planner import LeafPlan, LoadPlan
+from otfload.plan.planner import LeafPlan, LeafSignature, LoadPlan, leaf_signature
 from otfload.read.reader import TensorReader
 
 
@@ -106,13 +107,48 @@ class FetchCount(NamedTuple):
     requests: int
 
 
+class ProcessBytes(NamedTuple):
+    """What one process's devices take of a leaf (or, summed by :func:`process_totals`, of a plan):
+    ``needed``, the stored source bytes their boxes need, each HF tensor once
+    (:meth:`~otfload.plan.planner.LeafPlan.process_bytes`); ``ideal``, the source bytes of the
+    elements they hold, each distinct shard once; ``device``, the leaf's largest device shard in its
+    target dtype (device memory)."""
+
+    needed: int
+    ideal: int
+    device: int
+
+
+Counts = TypeVar("Counts", FetchCount, ProcessBytes)
+
+
+def _column_sums(counts: Iterable[Counts], zero: Counts) -> Counts:
+    return type(zero)._make(sum(column) for column in zip(zero, *counts, strict=True))
+
+
 def fetch_totals(counts: Iterable[FetchCount]) -> FetchCount:
     """The sum of ``counts``."""
-    nbytes = requests = 0
-    for count in counts:
-        nbytes += count.nbytes
-        requests += count.requests
-    return FetchCount(nbytes, requests)
+    return _column_sums(counts, FetchCount(0, 0))
+
+
+def process_totals(counts: Iterable[ProcessBytes]) -> ProcessBytes:
+    """The sum of ``counts`` (a plan's, from :func:`process_counts`)."""
+    return _column_sums(counts, ProcessBytes(0, 0, 0))
+
+
+def process_counts(plan: LoadPlan, devices: Iterable[jax.Device] | None = None) -> dict[str, ProcessBytes]:
+    """:class:`ProcessBytes` of each leaf of ``plan`` (by path) on ``devices`` (default: this
+    process's); leaves that read alike (equal :func:`~otfload.plan.planner.leaf_signature`: the
+    layers of an unscanned tree) are counted once."""
+    devices = None if devices is None else list(devices)
+    seen: dict[LeafSignature, ProcessBytes] = {}
+    out = {}
+    for path, p in plan.leaves.items():
+        key = leaf_signature(p)
+        if key not in seen:
+            seen[key] = ProcessBytes(p.process_bytes(devices), p.ideal_bytes(devices), p.shard_bytes())
+        out[path] = seen[key]
+    return out
 
 
 def leaf_planned(

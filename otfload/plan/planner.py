@@ -106,6 +106,22 @@ class LeafPlan:
         }
 
 
+# What a leaf's reads depend on (see leaf_signature): shape, dtype, spec, hooks, shapes, sources'
+# count, storage and the first source's shape.
+LeafSignature = tuple[
+    tuple[int, ...], str, str, tuple[Hook, ...], tuple[Shape, ...], int, str, tuple[int, ...] | None
+]
+
+
+def leaf_signature(plan: LeafPlan) -> LeafSignature:
+    """What a leaf's reads depend on but the tensors' names and offsets: leaves with equal
+    signatures (the layers of an unscanned model) read alike."""
+    leaf = plan.leaf
+    first = plan.sources[0] if plan.sources else None
+    return (leaf.shape, str(leaf.dtype), str(getattr(leaf.sharding, "spec", leaf.sharding)), plan.hooks,
+            plan.shapes, len(plan.sources), plan.storage, getattr(first, "shape", None))
+
+
 @dataclass
 class LoadPlan:
     """Every leaf's plan plus the checkpoint tensors that no leaf uses."""

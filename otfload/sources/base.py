@@ -179,7 +179,7 @@ class GapReadingSource(Protocol):
 
 
 @functools.cache
-def _takes_gaps(cls: type) -> bool:
+def _takes_gaps(cls: type[Source]) -> bool:
     try:
         return "gaps" in inspect.signature(cls.read_many).parameters
     except (AttributeError, TypeError, ValueError):  # no read_many on the class, or no signature to read
