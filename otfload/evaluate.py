@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from otfload.errors import EvalDataError, InvalidOptionError, TokenizerError
 from otfload.models.base import CausalLM
 from otfload.options import LoadKeywords, LoadOptions, resolve_options
+from otfload.programs import CachedJit
 from otfload.sources.base import Source
 
 if TYPE_CHECKING:  # tokenizers is imported when first used
@@ -71,6 +72,7 @@ class EvalResult:
     load_seconds: float  # tokenizer and weights (0 for a model passed in)
     eval_seconds: float  # tokenizing and scoring, compilation included
     compile_seconds: float = 0.0  # of eval_seconds, compiling the scoring step (once per batch width)
+    lower_seconds: float = 0.0  # of compile_seconds, tracing and lowering (0 for programs kept by an earlier job)
     text_nll: tuple[float, ...] = field(default=(), repr=False)
     text_tokens: tuple[int, ...] = field(default=(), repr=False)
 
@@ -93,7 +95,8 @@ class EvalResult:
             "texts": self.texts, "scored": self.texts - self.skipped, "skipped": self.skipped,
             "truncated": self.truncated, "max_len": self.max_len, "batch_size": self.batch_size,
             "load_seconds": self.load_seconds, "eval_seconds": self.eval_seconds,
-            "compile_seconds": self.compile_seconds, "tokens_per_second": self.tokens_per_second,
+            "compile_seconds": self.compile_seconds, "lower_seconds": self.lower_seconds,
+            "tokens_per_second": self.tokens_per_second,
         }
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
@@ -191,15 +194,16 @@ def _nll_of_batch(model: CausalLM, ids: jax.Array, mask: jax.Array) -> tuple[jax
     return jnp.where(valid, nll, 0.0).sum(-1), valid.sum(-1)
 
 
-_score = jax.jit(_nll_of_batch)
+_score = CachedJit(_nll_of_batch)
 
 
 def score(
     model: CausalLM, sequences: Sequence[np.ndarray], *, batch_size: int = DEFAULT_BATCH_SIZE,
     max_len: int | None = None, progress: bool | None = None,
-) -> tuple[np.ndarray, np.ndarray, float]:
+) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Summed NLL (float64) and predicted-token count of each id sequence, scored independently,
-    and the seconds spent compiling (once per batch width, ahead of running it).
+    the seconds spent compiling (once per batch width, ahead of running it) and, of those, tracing
+    and lowering (none for a program kept by an earlier job: :mod:`otfload.programs`).
 
     ``sequences`` are 1-d int arrays no longer than ``max_len``; sequences of fewer than 2 ids
     predict nothing (0, 0). ``progress`` shows a bar of predicted tokens on stderr (None: when
@@ -215,7 +219,7 @@ def score(
     count = np.zeros(len(sequences), np.int64)
     order = sorted((i for i, s in enumerate(sequences) if len(s) >= 2), key=lambda i: -len(sequences[i]))
     if not order:
-        return nll, count, 0.0
+        return nll, count, 0.0, 0.0
     _check_vocab(model, sequences)
     mesh = model_mesh(model)
     show = sys.stderr.isatty() if progress is None else progress
@@ -223,7 +227,7 @@ def score(
                file=sys.stderr, dynamic_ncols=True)
     pending: list[tuple[list[int], Any]] = []
     compiled: dict[tuple[int, ...], Any] = {}
-    compile_seconds = 0.0
+    compile_seconds = lower_seconds = 0.0
 
     def collect() -> None:
         rows, out = pending.pop(0)
@@ -240,14 +244,16 @@ def score(
                 ids, mask = (jax.device_put(a, _batch_sharding(a.shape, mesh)) for a in (ids, mask))
             if ids.shape not in compiled:  # compiled ahead, so that its time is known apart
                 start_compile = time.perf_counter()
-                compiled[ids.shape] = _score.lower(model, ids, mask).compile()
+                program = _score.compile(model, ids, mask)
+                compiled[ids.shape] = program.compiled
                 compile_seconds += time.perf_counter() - start_compile
+                lower_seconds += program.lower_seconds
             pending.append((rows, compiled[ids.shape](model, ids, mask)))  # dispatched; collected a batch later
             if len(pending) > 1:
                 collect()
         while pending:
             collect()
-    return nll, count, compile_seconds
+    return nll, count, compile_seconds, lower_seconds
 
 
 def _pack(rows: list[np.ndarray], batch_size: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -356,13 +362,14 @@ def evaluate(
         raise ValueError(f"max_len must be at least 1; got {max_len}")
     start = time.perf_counter()
     sequences, truncated = encode(tok, texts, max_len)
-    nll, count, compile_seconds = score(model, sequences, batch_size=batch_size, max_len=max_len, progress=progress)
+    nll, count, compile_seconds, lower_seconds = score(model, sequences, batch_size=batch_size, max_len=max_len,
+                                                       progress=progress)
     seconds = time.perf_counter() - start
     return EvalResult(
         nll=float(nll.sum()), tokens=int(count.sum()), texts=len(texts),
         skipped=int(sum(len(s) < 2 for s in sequences)),
         truncated=truncated, max_len=max_len, batch_size=batch_size, load_seconds=load_seconds, eval_seconds=seconds,
-        compile_seconds=compile_seconds,
+        compile_seconds=compile_seconds, lower_seconds=lower_seconds,
         text_nll=tuple(nll.tolist()), text_tokens=tuple(count.tolist()),
     )
 

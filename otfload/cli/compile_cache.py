@@ -1,12 +1,14 @@
-"""XLA's persistent compilation cache for command-line jobs: ``--compile-cache DIR|off``.
+"""The persistent compilation cache for command-line jobs: ``--compile-cache DIR|off``.
 
 A short eval job is dominated by compilation (seconds per scoring shape for a real model on an
 accelerator, every run). JAX can keep each compiled executable on disk, keyed by the computation,
 its shapes and shardings, the devices and the JAX/XLA versions, so a second job on the same model
-and shapes loads the executable instead of compiling it. The CLI turns it on by default, in
-``$OTFLOAD_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/otfload/xla`` (``~/.cache/otfload/xla``); ``off``
-leaves JAX's own setting alone. Every executable is kept, however fast it compiled (JAX's default
-keeps only those over a second, which would leave out the small shapes of a small model).
+and shapes loads the executable instead of compiling it; the eval jobs' scoring programs are kept
+whole beside them, in ``DIR/otfload-programs`` (:mod:`otfload.programs`), so such a job does not
+even trace and lower them. The CLI turns it on by default, in ``$OTFLOAD_COMPILE_CACHE``, else
+``$XDG_CACHE_HOME/otfload/xla`` (``~/.cache/otfload/xla``); ``off`` leaves JAX's own setting alone.
+Every executable is kept, however fast it compiled (JAX's default keeps only those over a second,
+which would leave out the small shapes of a small model).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def default_dir() -> Path:
 
 def add_compile_cache_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", metavar="DIR|off", default=None,
-                        help=f"keep compiled XLA executables in DIR for later jobs (default: ${ENV_VAR}, else "
+                        help=f"keep compiled programs in DIR for later jobs (default: ${ENV_VAR}, else "
                              "~/.cache/otfload/xla); off: compile afresh")
 
 
