@@ -22,6 +22,7 @@ materialize it one layer at a time inside ``run_layers``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import EllipsisType
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from otfload.index.quant.codecs import CODECS
 from otfload.index.quant.codecs.fields import unpack_fields
+from otfload.index.quant.parts import StoredPart
 
 ROLES = ("codes", "scale", "zero_point", "global_scale")
 # What ``QuantizedArray.__getitem__`` accepts for one leading axis (or a tuple of them).
@@ -55,6 +57,13 @@ class PartLayout:
     multiplies: bool = False
     order: tuple[int, ...] | None = None
     add: int = 0
+
+    @classmethod
+    def of_part(cls, part: StoredPart, block: tuple[int, ...], pack_axis: int | None) -> PartLayout:
+        """The layout of the stored ``part`` once it is a leaf: ``block`` and ``pack_axis`` (counted
+        from the start, as the plan carries them through the hooks), its decoding as stored."""
+        return cls(block, part.codec, part.bits, None if pack_axis is None else pack_axis - len(block), part.field,
+                   part.multiplies, part.order, part.add)
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +102,16 @@ class QuantizedArray:
     def nbytes(self) -> int:
         """Bytes of every placed part (the stored bytes, not the dense weight's)."""
         return sum(a.nbytes for a in self.parts().values())
+
+    @classmethod
+    def from_parts(
+        cls, parts: Mapping[str, jax.Array], shape_tail: tuple[int, ...], dtype_name: str,
+        layouts: tuple[tuple[str, PartLayout], ...], storage: str,
+    ) -> QuantizedArray:
+        """The weight whose placed parts are ``parts`` (by role, see :data:`ROLES`; codes required):
+        the inverse of :meth:`parts`."""
+        return cls(parts["codes"], parts.get("scale"), parts.get("zero_point"), parts.get("global_scale"),
+                   shape_tail, dtype_name, layouts, storage)
 
     def parts(self) -> dict[str, jax.Array]:
         return {role: getattr(self, role) for role in ROLES if getattr(self, role) is not None}

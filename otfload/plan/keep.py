@@ -81,8 +81,7 @@ class KeptLeaf:
     def assemble(self, arrays: dict[str, Any]) -> QuantizedArray:
         """The QuantizedArray from the placed part arrays (removed from ``arrays``)."""
         placed = {role: arrays.pop(path) for role, path in self.parts.items()}
-        return QuantizedArray(placed["codes"], placed.get("scale"), placed.get("zero_point"),
-                              placed.get("global_scale"), self.shape_tail, self.dtype, self.layouts, self.storage)
+        return QuantizedArray.from_parts(placed, self.shape_tail, self.dtype, self.layouts, self.storage)
 
 
 def _transpose(hook: Transpose, state: PartState) -> tuple[Hook, PartState]:
@@ -271,10 +270,7 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
                             NamedSharding(sharding.mesh, part_specs[role]))
         leaves[path] = LeafPlan(leaf, plan.rule, plan.stack_axes, infos, hooks[role], shapes)
         paths[role] = path
-        n = len(state.logical)
-        layouts.append((role, PartLayout(state.block, part.codec, part.bits,
-                                         None if state.pack_axis is None else state.pack_axis - n, part.field,
-                                         part.multiplies, part.order, part.add)))
+        layouts.append((role, PartLayout.of_part(part, state.block, state.pack_axis)))
     kept = KeptLeaf(plan.path, paths, tuple(layouts), plan.slice_shape, str(plan.leaf.dtype.name),
                     sources[0].storage, spec, note)
     return kept, leaves
