@@ -8,6 +8,7 @@ from otfload.plan.boxes import box_to_slices
 from otfload.read.arena import ALIGNMENT, Arena, aligned_empty
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource
+from tests.index.support import RecordingSource
 from tests.synthetic import write_checkpoint
 
 
@@ -38,28 +39,16 @@ def test_read_box_equals_numpy_and_counts_requests(index, key, box, requests):
     assert reader.stats.requests == requests
 
 
-class UsersSource:
+class UsersSource(RecordingSource):
     """A source written to the protocol before ``read_many`` took ``gaps``: it records each batch."""
 
     def __init__(self, inner):
-        self.inner, self.batches = inner, []
-        self.description = inner.description
-
-    def list_files(self):
-        return self.inner.list_files()
-
-    def size(self, file):
-        return self.inner.size(file)
-
-    def read_into(self, file, offset, out):
-        self.inner.read_into(file, offset, out)
+        super().__init__(inner)
+        self.batches = []
 
     def read_many(self, reads):
         self.batches.append((len(reads), None))
         self.inner.read_many(reads)
-
-    def close(self):
-        pass
 
 
 class GapReadingSource(UsersSource):
