@@ -42,6 +42,7 @@ from otfload.lm_eval.buckets import ALIGN, choose_widths, width_for
 from otfload.models.attention import make_context
 from otfload.models.base import CausalLM
 from otfload.plan.sharding import logical_to_sharding
+from otfload.programs import CachedJit
 
 # A token-level request as lm_eval's TemplateLM hands it over: ((context, continuation) strings or
 # None for rolling windows, context ids, continuation ids).
@@ -56,7 +57,7 @@ class Timings:
 
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
-    lower_seconds: float = 0.0  # of compile_seconds, tracing and lowering: what no compilation cache skips
+    lower_seconds: float = 0.0  # of compile_seconds, tracing and lowering (0 for programs an earlier job kept)
     score_seconds: float = 0.0
     generate_seconds: float = 0.0
 
@@ -135,8 +136,7 @@ class Scorer:
         # The two numbers per row come back replicated: every process reads all of them (and on a
         # mesh spanning processes, a row-sharded result could not be read here).
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
-        self._step = jax.jit(_loglik_of_batch) if replicated is None else jax.jit(_loglik_of_batch,
-                                                                                 out_shardings=replicated)
+        self._step = CachedJit(_loglik_of_batch, out_shardings=replicated)
 
     def plan(self, rows: Sequence[Row]) -> list[tuple[list[int], Shape]]:
         """``[(row indices, shape)]``: the batches, longest rows first, and each one's padded width
@@ -163,9 +163,9 @@ class Scorer:
             start = time.perf_counter()
             ids, mask = (self._struct(shape.width, dtype) for dtype in (jnp.int32, jnp.bool_))
             at, scored = (self._struct(shape.scored, dtype) for dtype in (jnp.int32, jnp.bool_))
-            lowered = self._step.lower(target, ids, mask, at, at, scored)
-            self.timings.lower_seconds += time.perf_counter() - start
-            self._compiled[shape] = lowered.compile()
+            program = self._step.compile(target, ids, mask, at, at, scored)  # from the kept programs if there
+            self.timings.lower_seconds += program.lower_seconds
+            self._compiled[shape] = program.compiled
             self.timings.compile_seconds += time.perf_counter() - start
 
     def _struct(self, width: int, dtype: Any) -> jax.ShapeDtypeStruct:

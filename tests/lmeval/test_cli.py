@@ -1,6 +1,7 @@
 """``otfload lm-eval`` and ``python -m otfload.lm_eval run --model otfload``: the installed commands
 in subprocesses, as a user runs them. The JSON holds lm_eval's ``results`` equal to its ``hf``
-backend's; a second job finds every executable in the persistent compilation cache (no new entry)."""
+backend's; a second job loads its scoring programs from the persistent cache (no tracing or
+lowering, no new entry) and gives the same results."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+from otfload.programs import DIR_NAME  # noqa: E402
 from tests.cli.test_cli import OTFLOAD  # noqa: E402
 from tests.eval_support import with_tokenizer  # noqa: E402
 from tests.lmeval.tasks import tokenizer_config, write_tasks  # noqa: E402
@@ -48,8 +50,12 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
     first = lm_eval_job(checkpoint, tasks, cache)
     entries = sorted(p.name for p in cache.iterdir())
     assert any("loglik_of_batch" in name for name in entries)  # the scoring step was cached
+    programs = {p.name: p.stat().st_mtime_ns for p in (cache / DIR_NAME).iterdir()}
+    assert programs and all(name.startswith("_loglik_of_batch-") for name in programs)
     second = lm_eval_job(checkpoint, tasks, cache)
-    assert sorted(p.name for p in cache.iterdir()) == entries  # every executable came from the cache
+    assert sorted(p.name for p in cache.iterdir()) == entries  # nothing compiled: no new XLA entry
+    assert {p.name: p.stat().st_mtime_ns for p in (cache / DIR_NAME).iterdir()} == programs  # none rewritten
+    assert second["timings"]["lower_seconds"] == 0.0  # every scoring program loaded: nothing traced or lowered
     assert second["results"] == first["results"]
     timings = first["timings"]
     assert set(timings) == {"load_seconds", "compile_seconds", "lower_seconds", "score_seconds", "generate_seconds"}
