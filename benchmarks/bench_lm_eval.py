@@ -23,8 +23,9 @@ Parts:
   ``lm_eval.simple_evaluate`` with the same task index (the include path only, lm_eval's
   ``TaskManager(include_defaults=False)``), ``--rounds`` rounds alternating, medians.
 * ``cache``: the same ``otfload lm-eval`` job twice with a fresh ``--compile-cache`` directory:
-  the ``compile_seconds`` of each (tracing + lowering + XLA compilation; the XLA part alone is
-  what the cache can skip, tracing and lowering happen every run).
+  the ``compile_seconds`` of each (tracing + lowering + XLA compilation, or loading the programs
+  the first job kept: ``otfload.programs``), its tracing + lowering part, the CPU seconds of each
+  job, and whether the two jobs' results are equal.
 * ``overlap``: in a child process, the backend is built (weights loading on their thread) and the
   scoring step compiled for ``--widths`` either after the load ends (sequential) or while it runs
   (overlapped): the wall time from construction to "weights in and shapes compiled", against the
@@ -156,15 +157,23 @@ def part_hf(ckpt: Path, tasks: Path, env: dict[str, str], questions: int) -> Non
 
 def part_cache(ckpt: Path, tasks: Path, env: dict[str, str]) -> None:
     cache = Path(tempfile.mkdtemp(prefix="otfload-xla-"))
+    load_before, runs = os.getloadavg()[0], []
     try:
-        runs = [otfload_job(ckpt, tasks, str(cache), env) for _ in range(2)]
+        for _ in range(2):
+            before = os.times()
+            wall, result = otfload_job(ckpt, tasks, str(cache), env)
+            after = os.times()
+            cpu = after.children_user + after.children_system - before.children_user - before.children_system
+            runs.append((wall, cpu, result))
     finally:
         shutil.rmtree(cache)
-    first, second = (r[1]["timings"]["compile_seconds"] for r in runs)
-    rows = [[i, f"{wall:.1f}", f"{r['timings']['compile_seconds']:.2f}", f"{r['timings']['lower_seconds']:.2f}"]
-            for i, (wall, r) in enumerate(runs, 1)]  # fmt: skip
-    print("\n" + harness.table(["run", "job wall s", "compile s", "of which tracing + lowering s"], rows))
-    print(f"second / first compile: {second / first:.1%}")
+    print(f"\nload average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
+    rows = [[i, f"{wall:.1f}", f"{cpu:.1f}", f"{r['timings']['compile_seconds']:.2f}",
+             f"{r['timings']['lower_seconds']:.2f}"] for i, (wall, cpu, r) in enumerate(runs, 1)]  # fmt: skip
+    print(harness.table(["run", "job wall s", "job CPU s", "compile s", "of which tracing + lowering s"], rows))
+    first, second = (r[2]["timings"]["compile_seconds"] for r in runs)
+    same = runs[0][2]["results"] == runs[1][2]["results"]
+    print(f"second / first compile: {second / first:.1%}; results equal: {same}")
 
 
 def part_backends(ckpt: Path, tasks: Path, env: dict[str, str], rounds: int) -> None:
