@@ -8,7 +8,7 @@ ranges into scratch) → ``place`` (hooks, one ``np.stack``, placement) → this
 """
 
 from otfload.adapters.export import export_adapter
-from otfload.adapters.kept import load_adapter
+from otfload.adapters.factored import load_adapter
 from otfload.api import from_pretrained, load_params, plan_model, plan_params
 from otfload.errors import (
     AdapterError,

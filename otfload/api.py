@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from otfload.adapters.kept import prepare_kept, require_merged
+from otfload.adapters.factored import prepare_factored, require_merged
 from otfload.adapters.merge import check_adapted_are_mapped
 from otfload.errors import CheckpointMismatchError, mismatch_error
 from otfload.families.registry import family_for
@@ -198,7 +198,7 @@ class PlannedLoad:
         """Read and place every leaf into :attr:`model` (now loaded, and returned) with the report;
         the checkpoint is closed afterwards unless it is the ``Source`` the caller passed in."""
         model, plan, opened, given = self.model, self.plan, self.opened, self.given
-        lora = None if self.options.merge_adapter else prepare_kept(plan, opened.source, given)  # reads the bases
+        lora = None if self.options.merge_adapter else prepare_factored(plan, opened.source, given)  # reads the bases
         arrays, report = run_plan(plan if lora is None else lora.plan, opened, given, self.options, self.policy)
         arrays = assemble_kept(plan, arrays)
         arrays = arrays if lora is None else lora.finish(model, arrays, report)

@@ -1,5 +1,5 @@
 """PEFT LoRA adapters merged on the fly: ``from_pretrained(base, adapter="org/my-lora")``, or kept
-as separate factors (``merge_adapter=False``, :mod:`otfload.adapters.kept`). A layer on the opened
+as separate factors (``merge_adapter=False``, :mod:`otfload.adapters.factored`). A layer on the opened
 base checkpoint: :func:`~otfload.adapters.load.add_adapters`, applied by the front door
 (:mod:`otfload.opening`).
 

@@ -1,7 +1,7 @@
-"""``export_adapter``: write a model's kept LoRA factors back as a PEFT adapter.
+"""``export_adapter``: write a model's separate LoRA factors back as a PEFT adapter.
 
 For every adapted leaf of a model loaded with ``merge_adapter=False`` (its record in
-:mod:`otfload.adapters.kept`), the factors are gathered to the host and each stacked slice is
+:mod:`otfload.adapters.factored`), the factors are gathered to the host and each stacked slice is
 turned back into PEFT's layout by inverting the load's gathers exactly: ``A[:, a_index] = a`` gives
 ``lora_A`` ``[r, in]``, ``B[b_index] = b`` gives ``lora_B`` ``[out, r]`` (zero padding beyond a
 slice's own rank dropped). Keys are ``base_model.model.<module>.lora_A.weight`` with the module
@@ -26,7 +26,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from otfload.adapters.config import CONFIG_FILE, WEIGHTS_FILE, AdapterConfig
-from otfload.adapters.kept import kept_record
+from otfload.adapters.factored import factored_record
 from otfload.adapters.merge import PEFT_PREFIX
 from otfload.adapters.weight import LoraWeight
 from otfload.atomic import atomic_dir
@@ -68,8 +68,8 @@ def adapter_config_json(config: AdapterConfig | None, modules: list[str]) -> dic
 
 
 def adapter_tensors(model: nnx.Module, dtype: Any = None) -> tuple[dict[str, np.ndarray], list[str]]:
-    """``({PEFT key: tensor}, adapted modules)`` of a kept model's current factors."""
-    record = kept_record(model)
+    """``({PEFT key: tensor}, adapted modules)`` of a factored model's current factors."""
+    record = factored_record(model)
     if not record.leaves:
         raise AdapterError("the model has no LoRA factors to export (it was loaded with merge_adapter=False and no "
                            "adapter, or its adapter was removed); load one with otfload.load_adapter")
@@ -103,13 +103,13 @@ def adapter_tensors(model: nnx.Module, dtype: Any = None) -> tuple[dict[str, np.
 
 def export_adapter(model: nnx.Module, out_dir: str | os.PathLike[str], *, dtype: Any = None,
                    overwrite: bool = False) -> Path:
-    """Write the kept LoRA adapter of ``model`` (loaded with ``merge_adapter=False``, maybe trained
+    """Write the separate LoRA adapter of ``model`` (loaded with ``merge_adapter=False``, maybe trained
     since) to ``out_dir`` as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``)
     that ``peft.PeftModel.from_pretrained(base, out_dir)`` loads; returns the path. ``dtype``
     (``None``: the factors' float32) casts the factors. The write is atomic; an existing ``out_dir``
     is replaced only with ``overwrite=True``. In a multi-process job every process calls it and
     process 0 writes."""
-    record = kept_record(model)
+    record = factored_record(model)
     tensors, modules = adapter_tensors(model, dtype)
     target = Path(out_dir)
     if jax.process_index() != 0:

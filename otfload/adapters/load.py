@@ -160,7 +160,7 @@ def add_adapters(
     """The adapter layer on an opened base: one source over ``base`` and every adapter's source
     (closing only ``owned``), and ``index`` with the adapters merged in, in order, each checked
     against the base's architecture first (with ``merge_adapter=False`` too:
-    :mod:`otfload.adapters.kept` takes the terms back out of the plan)."""
+    :mod:`otfload.adapters.factored` takes the terms back out of the plan)."""
     for _, adapter in adapters:
         check_architecture(adapter.config, index.config)
     merged = merge_adapters(index, [adapter for _, adapter in adapters])

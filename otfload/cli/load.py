@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
         model, report = from_pretrained(source, options=load_options, return_report=True)
         print(report.summary())
         if not args.merge_adapter:
-            from otfload.adapters.kept import kept_record
+            from otfload.adapters.factored import factored_record
 
-            print(f"adapter kept: LoRA factors on {len(kept_record(model).leaves)} leaves")
+            print(f"adapter kept: LoRA factors on {len(factored_record(model).leaves)} leaves")
         if args.verify and not verify(model, args.source, config_vocab_size(source), args.adapter):
             print("otfload: verification failed", file=sys.stderr)
             return 1

@@ -1,8 +1,8 @@
-"""LoRA kept separate (``merge_adapter=False``): factors placed as their own parameters.
+"""LoRA factored (``merge_adapter=False``): the adapter's factors placed as their own parameters.
 
 The adapter is merged into the checkpoint index exactly as for a merged load
 (:func:`~otfload.adapters.merge.merge_adapters`: module names, experts, rank and alpha patterns are
-resolved once, in one place), and the plan is built from it. :func:`keep_plan` then takes the LoRA
+resolved once, in one place), and the plan is built from it. :func:`factored_plan` then takes the LoRA
 terms back out of the plan: every leaf reads its base tensors unchanged, and each adapted leaf
 records, per stacked slice, the term (``A``, ``B``, rank, scale) of its base tensor.
 
@@ -21,7 +21,7 @@ places them with the base leaf's sharding on the matching dims (rank axis replic
 stacked leaf share the largest rank of the leaf (smaller ones zero-padded; see
 :mod:`otfload.adapters.weight`).
 
-What a kept adapter cannot be, each an :class:`~otfload.errors.AdapterError` naming the module:
+What a factored adapter cannot be, each an :class:`~otfload.errors.AdapterError` naming the module:
 several adapters at once (one at a time: swap with :func:`load_adapter`), ``modules_to_save``
 (replacement tensors), a LoRA on a weight used outside the layer loop (embeddings, ``lm_head``),
 PEFT's fused expert factors (``target_parameters`` on 3-D expert tensors) and transposed-expert
@@ -59,10 +59,10 @@ from otfload.plan.planner import LeafPlan, LoadPlan
 from otfload.sources import Source
 from otfload.sources.owned import owned
 
-FACTOR_DTYPE = np.dtype(np.float32)  # trainable factors are kept in float32 whatever the base dtype
+FACTOR_DTYPE = np.dtype(np.float32)  # trainable factors are stored in float32 whatever the base dtype
 LAYOUT_HOOKS = (Reshape, Transpose, Slice)  # hooks that move elements only (traced on index views)
 LORA_A_SUFFIX = ".lora_A.weight"
-# A kept leaf's placed factors: ``(a, b, scale)``.
+# A factored leaf's placed factors: ``(a, b, scale)``.
 Factors = tuple[jax.Array, jax.Array, jax.Array]
 
 
@@ -83,7 +83,7 @@ class SliceTerm:
 
 
 @dataclass(frozen=True)
-class KeptLeaf:
+class FactoredLeaf:
     """An adapted leaf: its layout, the factor gathers and the term of each slice (None: not adapted)."""
 
     path: str
@@ -151,8 +151,8 @@ def _slice_term(info: AdaptedTensor, path: str) -> SliceTerm:
     return SliceTerm(module, term.a, term.b, term.rank, term.scale)
 
 
-def keep_leaf(plan: LeafPlan) -> tuple[LeafPlan, KeptLeaf | None]:
-    """The leaf's plan reading its base tensors, and its kept factors (None when not adapted)."""
+def factored_leaf(plan: LeafPlan) -> tuple[LeafPlan, FactoredLeaf | None]:
+    """The leaf's plan reading its base tensors, and its factors (None when not adapted)."""
     adapted = [isinstance(s, AdaptedTensor) for s in plan.sources]
     for info in plan.sources:
         if is_adapted(info) and not isinstance(info, AdaptedTensor):
@@ -171,35 +171,35 @@ def keep_leaf(plan: LeafPlan) -> tuple[LeafPlan, KeptLeaf | None]:
         raise AdapterError(f"leaf {plan.path!r}: its sharding {type(sharding).__name__} is not a NamedSharding; "
                            "kept LoRA factors are placed on the base leaf's mesh")
     bases = tuple(s.base if isinstance(s, AdaptedTensor) else s for s in plan.sources)
-    kept = KeptLeaf(plan.path, layout, b_index, a_index, hook_scale, tuple(plan.stack_shape), sharding, terms)
-    return dataclasses.replace(plan, sources=bases), kept
+    factored = FactoredLeaf(plan.path, layout, b_index, a_index, hook_scale, tuple(plan.stack_shape), sharding, terms)
+    return dataclasses.replace(plan, sources=bases), factored
 
 
-def keep_plan(plan: LoadPlan) -> tuple[LoadPlan, dict[str, KeptLeaf]]:
-    """``plan`` reading every base tensor unmerged, and the kept factors of each adapted leaf."""
+def factored_plan(plan: LoadPlan) -> tuple[LoadPlan, dict[str, FactoredLeaf]]:
+    """``plan`` reading every base tensor unmerged, and the factors of each adapted leaf."""
     leaves: dict[str, LeafPlan] = {}
-    kept: dict[str, KeptLeaf] = {}
+    factored: dict[str, FactoredLeaf] = {}
     for path, leaf in plan.leaves.items():
-        leaves[path], factors = keep_leaf(leaf)
+        leaves[path], factors = factored_leaf(leaf)
         if factors is not None:
-            kept[path] = factors
+            factored[path] = factors
     used: dict[str, str] = {}
-    for path, kept_leaf in kept.items():
-        for term in kept_leaf.terms:
+    for path, adapted in factored.items():
+        for term in adapted.terms:
             if term is not None and used.setdefault(term.a.name, path) != path:
                 raise AdapterError(f"module {term.module!r} feeds leaves {used[term.a.name]!r} and {path!r}; its "
                                    "kept factors would be duplicated (merge the adapter instead)")
-    return dataclasses.replace(plan, leaves=leaves), kept
+    return dataclasses.replace(plan, leaves=leaves), factored
 
 
 def require_merged(merge_adapter: bool) -> None:
-    """``load_params`` merges: kept factors need a model whose forward pass materializes them."""
+    """``load_params`` merges: separate factors need a model whose forward pass applies them."""
     if not merge_adapter:
         raise AdapterError("merge_adapter=False is for the bundled models (from_pretrained): a model you bring "
                            "has no forward pass that applies kept LoRA factors; merge the adapter instead")
 
 
-def _specs(leaf: KeptLeaf) -> tuple[PartitionSpec, PartitionSpec]:
+def _specs(leaf: FactoredLeaf) -> tuple[PartitionSpec, PartitionSpec]:
     """Shardings of ``a`` and ``b``: the base's stack dims, then its input (output) dims; rank replicated."""
     stack = len(leaf.stack_shape)
     spec = tuple(leaf.sharding.spec)
@@ -214,18 +214,18 @@ def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def place_factors(kept: Mapping[str, KeptLeaf], source: Source) -> tuple[dict[str, Factors], int]:
+def place_factors(factored: Mapping[str, FactoredLeaf], source: Source) -> tuple[dict[str, Factors], int]:
     """``({path: (a, b, scale)}, bytes read)``: every factor read whole, gathered into the kernel
     layout, stacked and placed with the base leaf's sharding."""
     infos: dict[tuple[str, str], TensorInfo] = {}
-    for leaf in kept.values():
+    for leaf in factored.values():
         for term in leaf.terms:
             if term is not None:
                 infos.setdefault((term.a.file, term.a.name), term.a)
                 infos.setdefault((term.b.file, term.b.name), term.b)
     values = dict(zip(infos, read_values(source, list(infos.values())), strict=True))
     placed: dict[str, Factors] = {}
-    for path, leaf in kept.items():
+    for path, leaf in factored.items():
         r = leaf.rank
         a = np.zeros((*leaf.stack_shape, r, *leaf.a_index.shape), FACTOR_DTYPE)
         b = np.zeros((*leaf.stack_shape, *leaf.b_index.shape, r), FACTOR_DTYPE)
@@ -247,20 +247,20 @@ def place_factors(kept: Mapping[str, KeptLeaf], source: Source) -> tuple[dict[st
 
 
 @dataclass
-class KeptRecord:
+class FactoredRecord:
     """What a model loaded with ``merge_adapter=False`` needs to swap or export its adapter: the
     plan of the base (headers only), the base's index, and the adapter now in place."""
 
     plan: LoadPlan
     index: CheckpointIndex
     adapter: AdapterConfig | None
-    leaves: dict[str, KeptLeaf]
+    leaves: dict[str, FactoredLeaf]
 
 
-_RECORDS: weakref.WeakKeyDictionary[Any, KeptRecord] = weakref.WeakKeyDictionary()
+_RECORDS: weakref.WeakKeyDictionary[Any, FactoredRecord] = weakref.WeakKeyDictionary()
 
 
-def kept_record(model: Any) -> KeptRecord:
+def factored_record(model: Any) -> FactoredRecord:
     """The record of a model loaded with ``merge_adapter=False`` (``AdapterError`` for any other)."""
     try:
         record = _RECORDS.get(model)
@@ -279,7 +279,7 @@ def _values(model: nnx.Module, paths: set[str], replace: Callable[[str, Any], An
     nnx.update(model, nnx.from_flat_state(flat))
 
 
-def _install(model: nnx.Module, record: KeptRecord, placed: Mapping[str, Factors]) -> None:
+def _install(model: nnx.Module, record: FactoredRecord, placed: Mapping[str, Factors]) -> None:
     """Put the factors in ``placed`` on the model's leaves; leaves adapted before and not now get
     their base back."""
     def value(path: str, current: Any) -> Any:
@@ -292,28 +292,28 @@ def _install(model: nnx.Module, record: KeptRecord, placed: Mapping[str, Factors
     _values(model, set(record.leaves) | set(placed), value)
 
 
-def wrap_arrays(arrays: dict[str, jax.Array], kept: Mapping[str, KeptLeaf], placed: Mapping[str, Factors]
+def wrap_arrays(arrays: dict[str, jax.Array], factored: Mapping[str, FactoredLeaf], placed: Mapping[str, Factors]
                 ) -> dict[str, Any]:
-    """The loaded leaf arrays with each kept leaf's base wrapped into its :class:`LoraWeight`."""
+    """The loaded leaf arrays with each factored leaf's base wrapped into its :class:`LoraWeight`."""
     out: dict[str, Any] = dict(arrays)
     for path, (a, b, scale) in placed.items():
-        out[path] = LoraWeight(arrays[path], a, b, scale, kept[path].layout)
+        out[path] = LoraWeight(arrays[path], a, b, scale, factored[path].layout)
     return out
 
 
 @dataclass
-class KeptLoad:
+class FactoredLoad:
     """A ``merge_adapter=False`` load in progress: the plan of the base, the adapted leaves, their
     placed factors and the adapter's config (None without an adapter)."""
 
     plan: LoadPlan
-    leaves: dict[str, KeptLeaf]
+    leaves: dict[str, FactoredLeaf]
     placed: dict[str, Factors]
     adapter: AdapterConfig | None
     bytes_read: int
 
     def finish(self, model: Any, arrays: dict[str, jax.Array], report: Any) -> dict[str, Any]:
-        """The leaf values of ``model`` (kept leaves wrapped); records ``model`` for
+        """The leaf values of ``model`` (factored leaves wrapped); records ``model`` for
         :func:`load_adapter` and :func:`~otfload.adapters.export.export_adapter` and counts the factor
         bytes in ``report``."""
         origin = origin_of(model)
@@ -322,7 +322,7 @@ class KeptLoad:
         }
         index = CheckpointIndex(source=None, config=dict(origin.config if origin else {}), tensors=tensors,
                                 headers={})
-        _RECORDS[model] = KeptRecord(self.plan, index, self.adapter, self.leaves)
+        _RECORDS[model] = FactoredRecord(self.plan, index, self.adapter, self.leaves)
         report.bytes_read += self.bytes_read
         return wrap_arrays(arrays, self.leaves, self.placed)
 
@@ -338,28 +338,28 @@ def adapter_config_of(source: Source) -> AdapterConfig | None:
     return parse_adapter_config(read_json(source, adapter_file(0, CONFIG_FILE)), where)
 
 
-def prepare_kept(plan: LoadPlan, source: Source, given: object) -> KeptLoad:
+def prepare_factored(plan: LoadPlan, source: Source, given: object) -> FactoredLoad:
     """Take the LoRA terms out of ``plan`` (built on the merged index) and place the factors; on
     failure ``source`` is closed unless it is ``given`` (the caller's own)."""
     with ExitStack() as on_error:
         on_error.enter_context(owned(source, given))
         adapter = adapter_config_of(source)
-        base_plan, kept = keep_plan(plan)
-        placed, nbytes = place_factors(kept, source)
+        base_plan, factored = factored_plan(plan)
+        placed, nbytes = place_factors(factored, source)
         on_error.pop_all()
-    return KeptLoad(base_plan, kept, placed, adapter, nbytes)
+    return FactoredLoad(base_plan, factored, placed, adapter, nbytes)
 
 
 def load_adapter(
     model: nnx.Module, adapter: str | os.PathLike[str] | Source | None, **source_options: Any
 ) -> nnx.Module:
-    """Replace the kept LoRA adapter of ``model`` (loaded with ``merge_adapter=False``) by ``adapter``
+    """Replace the separate LoRA adapter of ``model`` (loaded with ``merge_adapter=False``) by ``adapter``
     (any location ``from_pretrained`` takes one from), or remove it (``None``); the base weights stay
     on the devices untouched. Returns ``model``, changed in place. ``source_options`` (``revision=``,
     ``token=``, ...) open the adapter."""
     from otfload.adapters.load import check_architecture, open_adapter_source, read_adapter
 
-    record = kept_record(model)
+    record = factored_record(model)
     if adapter is None:
         _install(model, record, {})
         record.adapter, record.leaves = None, {}
@@ -375,14 +375,14 @@ def load_adapter(
                   for path, leaf in record.plan.leaves.items()}
         plan = dataclasses.replace(record.plan, leaves=leaves)
         check_adapted_are_mapped(plan, merged)
-        _, kept = keep_plan(plan)
-        placed, _ = place_factors(kept, CombinedSource(src, [src]))
+        _, factored = factored_plan(plan)
+        placed, _ = place_factors(factored, CombinedSource(src, [src]))
     old = record.leaves
-    record.leaves = {**old, **kept}  # old leaves stay known until their bases are restored
+    record.leaves = {**old, **factored}  # old leaves stay known until their bases are restored
     _install(model, record, placed)
-    record.adapter, record.leaves = opened.config, kept
+    record.adapter, record.leaves = opened.config, factored
     return model
 
 
-__all__ = ["KeptLeaf", "KeptLoad", "KeptRecord", "keep_plan", "kept_record", "load_adapter", "place_factors",
-           "prepare_kept", "trace_layout", "wrap_arrays"]
+__all__ = ["FactoredLeaf", "FactoredLoad", "FactoredRecord", "factored_plan", "factored_record", "load_adapter",
+           "place_factors", "prepare_factored", "trace_layout", "wrap_arrays"]

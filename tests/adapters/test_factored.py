@@ -1,4 +1,4 @@
-"""LoRA kept separate (``merge_adapter=False``): logits equal ``peft.PeftModel``'s (f32, ≤ 1e-4 ×
+"""LoRA factored (``merge_adapter=False``): logits equal ``peft.PeftModel``'s (f32, ≤ 1e-4 ×
 max|logits|) and the merged load's, scanned and unscanned, on meshes that cut every matrix; the
 gradient w.r.t. the factors equals PyTorch's on PEFT's ``lora_A``/``lora_B``; the adapter swaps on a
 loaded base; ``export_adapter`` writes an adapter PEFT loads with the same logits."""
@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import otfload
-from otfload.adapters.kept import kept_record
+from otfload.adapters.factored import factored_record
 from otfload.adapters.weight import LoraWeight, lora_factors, with_lora_factors
 from otfload.errors import AdapterError
 from otfload.plan.sharding import make_mesh
@@ -32,7 +32,7 @@ MOE = ["qwen3_moe_per_expert", "mixtral_per_expert"]
 @pytest.fixture(scope="module")
 def adapters(peft_adapters, tiny_checkpoints, tmp_path_factory):
     """``peft_adapters`` plus Qwen3 adapters on every projection (two, for swapping)."""
-    root = tmp_path_factory.mktemp("kept")
+    root = tmp_path_factory.mktemp("factored")
 
     def get(name: str):
         if name.startswith("qwen3_all"):
@@ -49,7 +49,7 @@ def mesh_for(name: str):
     return make_mesh(MESHES["fsdp2_ep4"]) if name in MOE else make_mesh({"fsdp": 2, "tp": 4})
 
 
-def kept_model(adapters, name: str, scan_layers: bool = True):
+def factored_model(adapters, name: str, scan_layers: bool = True):
     path, torch_model, (adapter,) = adapters(name)
     model = otfload.from_pretrained(path, adapter=adapter, merge_adapter=False, mesh=mesh_for(name),
                                     scan_layers=scan_layers)
@@ -61,8 +61,8 @@ PARITY_CASES = [(name, i % 2 == 0) for i, name in enumerate(DENSE + MOE)] + [(DE
 
 
 @pytest.mark.parametrize(("name", "scan_layers"), PARITY_CASES)
-def test_kept_logits_match_peft_and_merged(adapters, name, scan_layers):
-    model, path, torch_model, adapter = kept_model(adapters, name, scan_layers)
+def test_factored_logits_match_peft_and_merged(adapters, name, scan_layers):
+    model, path, torch_model, adapter = factored_model(adapters, name, scan_layers)
     ids = token_ids()
     reference = peft_logits(torch_model, [adapter], ids)
     ours = jax_logits(model, ids)
@@ -78,7 +78,7 @@ def test_kept_logits_match_peft_and_merged(adapters, name, scan_layers):
 def test_factors_are_sharded_like_the_base(adapters):
     """q's kernel is ``[layers, heads, head_dim, hidden]``: b takes the heads/head_dim sharding,
     a the hidden one, the rank axis is replicated; the factor values are PEFT's, gathered by row."""
-    model, _, _, adapter = kept_model(adapters, "qwen3_all")
+    model, _, _, adapter = factored_model(adapters, "qwen3_all")
     weight = model.layers.attn.q.kernel.get_value()
     assert isinstance(weight, LoraWeight)
     base_spec = tuple(weight.base.sharding.spec) + (None,) * (4 - len(weight.base.sharding.spec))
@@ -112,7 +112,7 @@ def torch_factor_grads(torch_model, adapter, ids, modules) -> dict[str, tuple[np
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_gradients_match_torch(adapters, scan_layers):
-    model, _, torch_model, adapter = kept_model(adapters, "qwen3_all", scan_layers)
+    model, _, torch_model, adapter = factored_model(adapters, "qwen3_all", scan_layers)
     ids = token_ids()
     w = jnp.asarray(loss_weights((*ids.shape, model.cfg.vocab_size)))
     grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(ids)) * w))(model)
@@ -127,7 +127,7 @@ def test_gradients_match_torch(adapters, scan_layers):
             g_a, g_b = g_a[2], g_b[2]
         ref_a, ref_b = reference[module]
         path = f"layers.attn.{name}.kernel" if scan_layers else f"layers.2.attn.{name}.kernel"
-        leaf = kept_record(model).leaves[path]
+        leaf = factored_record(model).leaves[path]
         ours_a = np.empty_like(ref_a)
         ours_a[:, leaf.a_index.ravel()] = g_a.reshape(g_a.shape[0], -1)
         ours_b = np.empty_like(ref_b)
@@ -166,7 +166,7 @@ def sgd_step(model, ids: np.ndarray, lr: float = 0.2) -> None:
 def test_export_adapter_loads_in_peft(adapters, tmp_path, name, scan_layers):
     import json
 
-    model, _, torch_model, adapter = kept_model(adapters, name, scan_layers)
+    model, _, torch_model, adapter = factored_model(adapters, name, scan_layers)
     ids = token_ids()
     before = jax_logits(model, ids)
     sgd_step(model, ids)
@@ -187,7 +187,7 @@ def test_export_adapter_loads_in_peft(adapters, tmp_path, name, scan_layers):
 
 def test_export_refuses_factors_past_a_slice_rank(adapters, tmp_path):
     """llama_patterns gives layer 1's v_proj rank 2 in a rank-4 stack: its padding must stay zero."""
-    model, _, _, _ = kept_model(adapters, "llama_patterns")
+    model, _, _, _ = factored_model(adapters, "llama_patterns")
     weight = model.layers.attn.v.kernel.get_value()
     assert weight.rank == 4 and not np.asarray(weight.a)[1, 2:].any()
     model.layers.attn.v.kernel.set_value(LoraWeight(weight.base, weight.a + 0.01, weight.b, weight.scale,
@@ -198,7 +198,7 @@ def test_export_refuses_factors_past_a_slice_rank(adapters, tmp_path):
 
 def test_moe_per_expert_export_round_trip(adapters, tmp_path):
     """Per-expert factors (stacked over layers and experts) come back bit-exact."""
-    model, _, _, adapter = kept_model(adapters, "qwen3_moe_per_expert")
+    model, _, _, adapter = factored_model(adapters, "qwen3_moe_per_expert")
     out = otfload.export_adapter(model, tmp_path / "exported")
     written, original = hf_tensors(out), hf_tensors(adapter)
     assert written.keys() == original.keys()
@@ -229,14 +229,14 @@ def test_swap_onto_a_base_loaded_without_adapter(adapters):
 
 
 @pytest.mark.parametrize("name", ["llama_tied_embed", "qwen3_tied_head", "mixtral_fused", "llama_two"])
-def test_what_cannot_be_kept_is_a_typed_error(adapters, name):
+def test_what_cannot_be_factored_is_a_typed_error(adapters, name):
     path, _, dirs = adapters(name)
     with pytest.raises(AdapterError, match="merge"):
         otfload.from_pretrained(path, adapter=dirs if len(dirs) > 1 else dirs[0], merge_adapter=False,
                                 mesh=mesh_for(name))
 
 
-def test_kept_needs_a_kept_model_and_the_bundled_models(adapters, tmp_path):
+def test_factored_needs_a_factored_model_and_the_bundled_models(adapters, tmp_path):
     path, _, (adapter,) = adapters("qwen3_all")
     merged = otfload.from_pretrained(path, adapter=adapter, mesh=make_mesh({"fsdp": 8}))
     with pytest.raises(AdapterError, match="merge_adapter=False"):
@@ -262,13 +262,13 @@ def test_cli_load_with_adapter_verifies_against_peft(adapters, capsys, merge):
     assert ("adapter kept: LoRA factors on 7 leaves" in out) != merge
 
 
-def test_generate_with_kept_factors_equals_merged(adapters):
+def test_generate_with_separate_factors_equals_merged(adapters):
     """Decoding with a KV cache runs the layers through the same materialize: same tokens as merged."""
     path, _, (adapter,) = adapters("qwen3_all")
     mesh = make_mesh({"fsdp": 2, "tp": 4})
     ids = token_ids(seq=6)
-    kept = otfload.from_pretrained(path, adapter=adapter, merge_adapter=False, mesh=mesh)
+    factored = otfload.from_pretrained(path, adapter=adapter, merge_adapter=False, mesh=mesh)
     merged = otfload.from_pretrained(path, adapter=adapter, mesh=mesh)
-    out = np.asarray(otfload.generate(kept, ids, 6))
+    out = np.asarray(otfload.generate(factored, ids, 6))
     np.testing.assert_array_equal(out, np.asarray(otfload.generate(merged, ids, 6)))
     assert out.shape == (2, 12)
