@@ -1,13 +1,13 @@
-"""Kept LoRA factors (``merge_adapter=False``) vs the adapter merged on load: load time, bytes, and
+"""Separate LoRA factors (``merge_adapter=False``) vs the adapter merged on load: load time, bytes, and
 the cost of the forward pass that merges one layer at a time.
 
-    python -m benchmarks.bench_adapter_kept --size-gib 0.25 [--rank 16] [--tokens 128] [--repeat 5]
+    python -m benchmarks.bench_adapter_factored --size-gib 0.25 [--rank 16] [--tokens 128] [--repeat 5]
 
 The bf16 Llama-shaped checkpoint and rank-``--rank`` all-projection adapter of
 ``benchmarks.bench_adapter`` (written first if missing). In one process on ``--devices`` simulated
-CPU devices (the 2×4 mesh of bench_load), for each of ``merged`` and ``kept``: one load
+CPU devices (the 2×4 mesh of bench_load), for each of ``merged`` and ``factored``: one load
 (``from_pretrained``; wall seconds, ``LoadReport.bytes_read``), then a jitted forward on
-``[1, --tokens]`` token ids (compiled once, median of ``--repeat`` runs). For ``kept`` also one
+``[1, --tokens]`` token ids (compiled once, median of ``--repeat`` runs). For ``factored`` also one
 jitted training step that differentiates the factors only (``lora_factors`` /
 ``with_lora_factors``) and the max relative difference of its logits from the merged model's.
 """
@@ -33,7 +33,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def train_step_seconds(model, ids, repeat: int) -> tuple[int, float]:
-    """``(factor elements, median seconds)`` of a jitted SGD step on the kept factors only."""
+    """``(factor elements, median seconds)`` of a jitted SGD step on the factors only."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (1, args.tokens)))
     forward = nnx.jit(lambda m, x: m(x))
     logits = {}
-    for method in ("merged", "kept"):
+    for method in ("merged", "factored"):
         start = time.perf_counter()
         model, report = otfload.from_pretrained(base, adapter=adapter, merge_adapter=method == "merged", mesh=mesh,
                                                 progress=False, return_report=True)
@@ -93,15 +93,15 @@ def main(argv: list[str] | None = None) -> None:
         load = time.perf_counter() - start
         step = timed(lambda model=model: forward(model, ids), args.repeat)
         logits[method] = np.asarray(forward(model, ids), np.float32)
-        print(f"{method:6s} load {load:6.2f} s  read {report.bytes_read / GIB:.3f} GiB  "
+        print(f"{method:8s} load {load:6.2f} s  read {report.bytes_read / GIB:.3f} GiB  "
               f"forward [1, {args.tokens}] {step * 1e3:8.1f} ms")
-        if method == "kept":
+        if method == "factored":
             count, seconds = train_step_seconds(model, ids, args.repeat)
-            print(f"kept   train step (factor gradients only, {count / 1e6:.1f} M factor elements) "
+            print(f"factored train step (factor gradients only, {count / 1e6:.1f} M factor elements) "
                   f"{seconds * 1e3:8.1f} ms")
         del model
-    diff = np.abs(logits["kept"] - logits["merged"]).max() / np.abs(logits["merged"]).max()
-    print(f"kept vs merged logits (bf16 model): max relative difference {diff:.2e}")
+    diff = np.abs(logits["factored"] - logits["merged"]).max() / np.abs(logits["merged"]).max()
+    print(f"factored vs merged logits (bf16 model): max relative difference {diff:.2e}")
 
 
 if __name__ == "__main__":
