@@ -24,8 +24,9 @@ compilation, never a wrong program. The module compiled to be kept has a name of
 function's and a random token), so XLA's persistent cache, which that compilation writes to as
 usual (an entry no later job reads), never hands it back: an executable loaded from XLA's cache
 does not serialize whole (XLA:CPU's re-serialization drops its functions; the program fails when
-run). Programs over devices of other processes, and programs that cannot be serialized (constants
-passed as arguments), are compiled as usual and not kept. As with XLA's cache, the directory is
+run). Programs over devices of other processes, programs whose description names an object by its
+address (a new key every process), and programs that cannot be serialized (constants passed as
+arguments) are compiled as usual and not kept. As with XLA's cache, the directory is
 trusted: loading an entry runs its code.
 """
 
@@ -38,6 +39,7 @@ import logging
 import os
 import pickle
 import platform
+import re
 import sys
 import time
 import uuid
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 DIR_NAME = "otfload-programs"  # inside XLA's cache directory (JAX's own entries are files named *-cache)
 FORMAT = 1  # of an entry; part of the key, so a new layout never reads an old one
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # how a default repr names an object: differs every process
 DIGEST_BYTES = 32  # the SHA-256 of the payload that starts each entry
 TOKEN_CHARS = 16  # of the random suffixes of temporary files and compiled modules' names (apart whoever writes)
 
@@ -85,12 +88,11 @@ class CachedJit:
         """The program for ``args``: from the cache when an entry is there, else traced, lowered
         and compiled (and kept when a cache directory is set)."""
         directory = programs_dir()
-        leaves, tree = jax.tree.flatten((args, {}))
-        if directory is None or not all(_keepable(leaf) for leaf in leaves):
+        key = None if directory is None else self.key(*args)
+        if directory is None or key is None:
             return self._compile(self.fn, args, None)
-        key = self._key(leaves, tree)
         path = directory / f"{self.fn.__name__}-{key}"
-        compiled = _load(path, leaves, tree)
+        compiled = _load(path, *jax.tree.flatten((args, {})))
         if compiled is not None:
             return Program(compiled, 0.0, True)
         # A name of its own: XLA's cache, which this compilation writes to as well, never returns it.
@@ -107,11 +109,17 @@ class CachedJit:
             _save(path, compiled)
         return Program(compiled, lower_seconds, False)
 
-    def _key(self, leaves: list[Any], tree: Any) -> str:
+    def key(self, *args: Any) -> str | None:
+        """The key of the program for ``args`` (hex SHA-256); None when it is not kept: a leaf is
+        not an array on this process's devices, or the description names an object by its address
+        (a new key in every process)."""
+        leaves, tree = jax.tree.flatten((args, {}))
+        if not all(_keepable(leaf) for leaf in leaves):
+            return None
         out_shardings = [_sharding_key(s) for s in jax.tree.leaves(self.out_shardings)]
-        parts = [FORMAT, self.fn.__module__, self.fn.__qualname__, sources_digest(), environment_key(),
-                 repr(tree), [_leaf_key(leaf) for leaf in leaves], out_shardings]
-        return hashlib.sha256(repr(parts).encode()).hexdigest()
+        description = repr([FORMAT, self.fn.__module__, self.fn.__qualname__, sources_digest(), environment_key(),
+                            repr(tree), [_leaf_key(leaf) for leaf in leaves], out_shardings])
+        return None if ADDRESS.search(description) else hashlib.sha256(description.encode()).hexdigest()
 
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
