@@ -26,8 +26,9 @@ usual (an entry no later job reads), never hands it back: an executable loaded f
 does not serialize whole (XLA:CPU's re-serialization drops its functions; the program fails when
 run). Programs over devices of other processes, programs whose description names an object by its
 address (a new key every process), and programs that cannot be serialized (constants passed as
-arguments) are compiled as usual and not kept. As with XLA's cache, the directory is
-trusted: loading an entry runs its code.
+arguments) are compiled as usual and not kept. Nothing is evicted: a changed source or setting
+makes new entries beside the old ones. As with XLA's cache, the directory is trusted: loading an
+entry runs its code.
 """
 
 from __future__ import annotations
