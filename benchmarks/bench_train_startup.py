@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +80,8 @@ def child(mode: str, checkpoint: str) -> dict[str, float]:
     if mode == "overlapped":
         startup = load_while_compiling(checkpoint, compile_step, mesh=mesh, dtype=jnp.float32)
         model, (step, opt_shape) = startup.model, startup.compiled
-        times = {"load": startup.times.loaded, "compile": startup.times.compiled - startup.times.planned}
+        times = {"planned": startup.times.planned, "load": startup.times.loaded,
+                 "compile": startup.times.compiled - startup.times.planned}
     else:
         model = otfload.from_pretrained(checkpoint, mesh=mesh, dtype=jnp.float32)
         loaded = time.perf_counter() - start
@@ -94,10 +97,19 @@ def child(mode: str, checkpoint: str) -> dict[str, float]:
 
 
 def run_child(mode: str, checkpoint: Path, cold: bool = False) -> dict[str, float]:
+    """One fresh process's times, with the machine's 1-minute load average before it started."""
     if cold:
         harness.drop_caches(checkpoint, files_only=True)
-    return harness.run_child("benchmarks.bench_train_startup", ["--child", mode, str(checkpoint)],
-                             devices=DEVICES, env={"TQDM_DISABLE": "1"}, what=mode)  # fmt: skip
+    before = os.getloadavg()[0]
+    result = harness.run_child("benchmarks.bench_train_startup", ["--child", mode, str(checkpoint)],
+                               devices=DEVICES, env={"TQDM_DISABLE": "1"}, what=mode)  # fmt: skip
+    return {**result, "load_average": before}
+
+
+def progress(r: Mapping[str, Any]) -> str:
+    """A run's line on stderr: its phases, CPU seconds and the load average it started under."""
+    return (f"load {r['load']:5.2f} s  compile {r['compile']:5.2f} s  ready {r['ready']:5.2f} s  first step"
+            f" {r['first_step']:6.2f} s  CPU {r['cpu']:5.1f} s  load average {r['load_average']:.1f}")
 
 
 def measure(preset: str, rounds: int, cold: bool = False) -> dict[str, Any]:
@@ -105,7 +117,7 @@ def measure(preset: str, rounds: int, cold: bool = False) -> dict[str, Any]:
     checkpoint = ensure_written(ROOT / preset, dims)
     run_child("sequential", checkpoint)  # warm the page cache and the imports
     runs = harness.rounds(["sequential", "overlapped"], rounds, lambda mode: run_child(mode, checkpoint, cold),
-                          line=lambda r: f"ready {r['ready']:6.2f} s  first step {r['first_step']:6.2f} s")
+                          line=progress)
 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from otfload.api import plan_load, plan_model
+from otfload.opening import default_workers
 from otfload.options import LoadKeywords, LoadOptions, resolve_options
 from otfload.plan.abstract import dotted
 from otfload.plan.planner import LoadPlan
@@ -49,6 +51,42 @@ from otfload.sources import Source
 from otfload.sources.owned import owned
 
 T = TypeVar("T")
+
+# Python's thread switch interval while the load runs beside the compile callback. Tracing and
+# lowering the step is Python and holds the GIL throughout; a builder thread back from a read or a
+# copy (both release the GIL) waits for it, at Python's default interval up to 5 ms each time
+# (measured: a thread asking for the GIL while the small preset's step lowered waited 5.16 ms at the
+# median, 0.06 ms while XLA compiled it). The load then idles on the core the lowering leaves free
+# and runs later, beside XLA's compiler threads, which keep every core busy. At 0.2 ms a builder
+# waits at most that long; the lowering gives up the GIL for the builders' short Python turns.
+LOAD_SWITCH_INTERVAL = 2e-4
+
+
+class _SwitchInterval:
+    """``sys.setswitchinterval(seconds)`` while any thread is inside; the interval from before the
+    first entry comes back after the last exit (overlapping calls restore it once)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.before = sys.getswitchinterval()
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.inside == 0:
+                self.before = sys.getswitchinterval()
+                sys.setswitchinterval(self.seconds)
+            self.inside += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.inside -= 1
+            if self.inside == 0:
+                sys.setswitchinterval(self.before)
+
+
+_LOAD_SWITCHING = _SwitchInterval(LOAD_SWITCH_INTERVAL)
 
 
 @dataclass(frozen=True)
@@ -153,6 +191,9 @@ def load_while_compiling(
     mesh = make_mesh() if load_options.mesh is None else load_options.mesh
     load_options = dataclasses.replace(load_options, mesh=mesh)  # one mesh for the compile and the load
     planned = plan_load(source, load_options)  # planned once: the compile's shapes, then the load's reads
+    if load_options.workers is None:  # the lowering takes a core: one builder fewer than the load alone
+        builders = max(1, default_workers(planned.opened.base) - 1)
+        planned = dataclasses.replace(planned, options=dataclasses.replace(load_options, workers=builders))
     with ExitStack() as on_error:
         on_error.enter_context(owned(planned.opened.source, source))
         abstract = _placed(nnx.clone(planned.model), planned.plan)  # its own variables: the load fills the model's
@@ -171,7 +212,8 @@ def load_while_compiling(
     thread = threading.Thread(target=run, name="otfload-compile", daemon=True)
     thread.start()
     try:
-        model, _ = planned.load()
+        with _LOAD_SWITCHING:
+            model, _ = planned.load()
         loaded = time.perf_counter() - start
     finally:
         thread.join()

@@ -1,6 +1,8 @@
 """otfload.training's pieces: the abstract model and optimizer carry the shardings the load and
 optax give (so a step compiled for them takes the real ones), and ``load_while_compiling`` runs
-the compile callback beside the load, under the mesh, and raises what it raised."""
+the compile callback beside the load, under the mesh, from one plan, and raises what it raised."""
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ import pytest
 from flax import nnx
 
 import otfload
+import otfload.api
 from otfload.training import abstract_model, abstract_optimizer, load_while_compiling, place_like
 
 TX = optax.adamw(1e-3)
@@ -69,3 +72,21 @@ def test_load_while_compiling_raises_the_compile_error(tiny_checkpoints, mesh_2x
 
     with pytest.raises(ValueError, match="no such step"):
         load_while_compiling(path, broken, mesh=mesh_2x4)
+
+
+def test_load_while_compiling_plans_once_and_compiles_against_its_own_copy(tiny_checkpoints, mesh_2x4, monkeypatch):
+    path, _ = tiny_checkpoints("llama")
+    plans, seen = [], {}
+    real_plan = otfload.api._plan_model
+
+    def counted(*args, **kwargs):
+        plans.append(args[0])
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(otfload.api, "_plan_model", counted)
+    interval = sys.getswitchinterval()
+    startup = load_while_compiling(path, lambda abstract: seen.setdefault("abstract", abstract), mesh=mesh_2x4)
+    assert plans == [path]  # the compile's shapes and the load's reads come from one plan
+    assert isinstance(seen["abstract"].embed.embedding.get_value(), jax.ShapeDtypeStruct)  # not filled by the load
+    assert isinstance(startup.model.embed.embedding.get_value(), jax.Array)
+    assert sys.getswitchinterval() == interval  # the load's shorter switch interval is put back
