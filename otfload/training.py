@@ -17,11 +17,19 @@ both:
 * :func:`shardings_of`: an abstract module's shardings as ``nnx.jit(..., in_shardings=...)`` takes
   them, which pins the step's outputs to its inputs' shardings (every step runs one program).
 * :func:`load_while_compiling`: ``compile(abstract model)`` on a thread while ``from_pretrained``
-  loads on the caller's; the model, what ``compile`` returned and the :class:`StartupTimes`.
+  loads on the caller's, both from one plan (:func:`otfload.api.plan_load`); the model, what
+  ``compile`` returned and the :class:`StartupTimes`.
 
-XLA compiles with the GIL released, and the load's reads and copies release it too; the trace and
-lowering (Python) take turns with the load's Python. ``benchmarks/bench_train_startup.py``
-measures the time to the first step against loading, then compiling.
+Where the time goes (the 160 M-parameter preset of ``benchmarks/bench_train_startup.py`` on 2 CPU
+cores): the trace and lowering are Python on one core, holding the GIL throughout; XLA's compile
+releases the GIL and keeps both cores busy for ~90 % of its time (one thread at its start and end);
+the load is ~0.6 CPU-seconds, nearly all of it in calls that release the GIL (page population, reads,
+copies), and its transfers are not slowed by a compile running beside them. So the load fits beside
+the compile only in the core the lowering leaves idle and in XLA's one-thread stretches, and only if
+its threads get the GIL back promptly between those calls: the load runs with Python's switch
+interval at :data:`LOAD_SWITCH_INTERVAL` and, unless ``workers`` is given, one builder thread
+fewer than a load alone (the lowering keeps its core). docs/benchmarks.md ("Training start-up")
+has the measurements.
 """
 
 from __future__ import annotations
