@@ -193,17 +193,19 @@ def load_while_compiling(
     ``compile(abstract model)`` (see :func:`abstract_model`) runs on a thread under
     ``jax.set_mesh(mesh)`` (the options' mesh; default: every device on ``fsdp``); ``compile``
     typically returns ``nnx.jit(step).lower(abstract, abstract_optimizer(...), batch).compile()``. An
-    error of either is raised here (the load's first) once both are done."""
+    error of either is raised here (the load's first) once both are done. Both come from one plan;
+    unless ``workers`` is given the load takes one builder thread fewer than alone, and Python's
+    switch interval is :data:`LOAD_SWITCH_INTERVAL` while it runs (see the module docstring)."""
     start = time.perf_counter()
     load_options = resolve_options(options, keywords)
     mesh = make_mesh() if load_options.mesh is None else load_options.mesh
     load_options = dataclasses.replace(load_options, mesh=mesh)  # one mesh for the compile and the load
     planned = plan_load(source, load_options)  # planned once: the compile's shapes, then the load's reads
-    if load_options.workers is None:  # the lowering takes a core: one builder fewer than the load alone
-        builders = max(1, default_workers(planned.opened.base) - 1)
-        planned = dataclasses.replace(planned, options=dataclasses.replace(load_options, workers=builders))
     with ExitStack() as on_error:
         on_error.enter_context(owned(planned.opened.source, source))
+        if load_options.workers is None:  # the lowering takes a core: one builder fewer than the load alone
+            builders = max(1, default_workers(planned.opened.base) - 1)
+            planned = dataclasses.replace(planned, options=dataclasses.replace(load_options, workers=builders))
         abstract = _placed(nnx.clone(planned.model), planned.plan)  # its own variables: the load fills the model's
         on_error.pop_all()  # the load closes the checkpoint
     planned_seconds = time.perf_counter() - start
