@@ -64,12 +64,11 @@ TOKEN_CHARS = 16  # of the random suffixes of temporary files and compiled modul
 
 
 class Program(NamedTuple):
-    """A compiled program, the seconds spent tracing and lowering it (0 when it came from the
-    cache), and whether it came from the cache."""
+    """A compiled program and the seconds spent tracing and lowering it (0 when it came from the
+    cache)."""
 
     compiled: jax.stages.Compiled
     lower_seconds: float
-    cached: bool
 
 
 class CachedJit:
@@ -95,7 +94,7 @@ class CachedJit:
         path = directory / f"{self.fn.__name__}-{key}"
         compiled = _load(path, *jax.tree.flatten((args, {})))
         if compiled is not None:
-            return Program(compiled, 0.0, True)
+            return Program(compiled, 0.0)
         # A name of its own: XLA's cache, which this compilation writes to as well, never returns it.
         return self._compile(_named(self.fn, f"{self.fn.__name__}_{uuid.uuid4().hex[:TOKEN_CHARS]}"), args, path)
 
@@ -108,7 +107,7 @@ class CachedJit:
         compiled = lowered.compile()
         if path is not None:
             _save(path, compiled)
-        return Program(compiled, lower_seconds, False)
+        return Program(compiled, lower_seconds)
 
     def key(self, *args: Any) -> str | None:
         """The key of the program for ``args`` (hex SHA-256); None when it is not kept: a leaf is
