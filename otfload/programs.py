@@ -157,10 +157,14 @@ def environment_key() -> str:
     devices = [(d.id, d.device_kind, d.process_index) for d in jax.devices()]
     backend = jax.devices()[0].client
     config = sorted((k, repr(v)) for k, v in jax.config.values.items())
-    versions = [sys.version, jax.__version__, importlib.metadata.version("jaxlib"), flax.__version__, np.__version__]
-    return repr([versions, config, os.environ.get("XLA_FLAGS", ""), jax.process_index(), jax.process_count(),
+    return repr([_versions(), config, os.environ.get("XLA_FLAGS", ""), jax.process_index(), jax.process_count(),
                  backend.platform, backend.platform_version, devices,
                  _cpu_flags() if backend.platform == "cpu" else ""])
+
+
+@functools.cache
+def _versions() -> tuple[str, ...]:
+    return sys.version, jax.__version__, importlib.metadata.version("jaxlib"), flax.__version__, np.__version__
 
 
 @functools.cache
