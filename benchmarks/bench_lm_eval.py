@@ -21,7 +21,10 @@ Parts:
   there; lm_eval's indexes its ~14k built-in task files too (it has no flag to skip them).
 * ``backends``: the backends alone, on equal terms: each in a fresh process through
   ``lm_eval.simple_evaluate`` with the same task index (the include path only, lm_eval's
-  ``TaskManager(include_defaults=False)``), ``--rounds`` rounds alternating, medians.
+  ``TaskManager(include_defaults=False)``), ``--rounds`` rounds alternating, medians of each
+  process's wall and CPU seconds (user + system, every thread). otfload's ``batch_size`` counts
+  rows, and a row holds a whole question (its choices packed after it); ``--hf-batch`` gives the
+  hf backend another batch size (requests) to compare at its own best.
 * ``cache``: the same ``otfload lm-eval`` job twice with a fresh ``--compile-cache`` directory:
   the ``compile_seconds`` of each (tracing + lowering + XLA compilation, or loading the programs
   the first job kept: ``otfload.programs``), its tracing + lowering part, the CPU seconds of each
@@ -69,7 +72,7 @@ print(json.dumps({"ready": ready, **lm.timings.to_dict()}))
 
 
 BACKEND_CHILD = """
-import json, sys, time
+import json, resource, sys, time
 start = time.perf_counter()
 import lm_eval
 from lm_eval.tasks import TaskManager
@@ -83,8 +86,9 @@ else:
     model = OtfloadLM(ckpt, dtype="float32", batch_size=batch)
 out = lm_eval.simple_evaluate(model=model, tasks=["bench_mc"], task_manager=manager)
 metrics = out["results"]["bench_mc"]
-print(json.dumps({"wall": time.perf_counter() - start, "acc": metrics["acc,none"],
-                  "acc_norm": metrics["acc_norm,none"]}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"wall": time.perf_counter() - start, "cpu": usage.ru_utime + usage.ru_stime,
+                  "acc": metrics["acc,none"], "acc_norm": metrics["acc_norm,none"]}))
 """
 
 
@@ -176,18 +180,23 @@ def part_cache(ckpt: Path, tasks: Path, env: dict[str, str]) -> None:
     print(f"second / first compile: {second / first:.1%}; results equal: {same}")
 
 
-def part_backends(ckpt: Path, tasks: Path, env: dict[str, str], rounds: int) -> None:
+def part_backends(ckpt: Path, tasks: Path, env: dict[str, str], rounds: int, hf_batch: int) -> None:
     runs: dict[str, list[dict]] = {"otfload": [], "hf": []}
+    batches = {"otfload": BATCH, "hf": hf_batch}
     for _ in range(rounds):
         for backend in runs:
-            _, stdout = child([sys.executable, "-c", BACKEND_CHILD, backend, str(ckpt), str(tasks), str(BATCH)], env)
+            _, stdout = child([sys.executable, "-c", BACKEND_CHILD, backend, str(ckpt), str(tasks),
+                               str(batches[backend])], env)
             runs[backend].append(json.loads(stdout.strip().splitlines()[-1]))
     walls = {b: sorted(r["wall"] for r in rs) for b, rs in runs.items()}
     median = {b: w[len(w) // 2] for b, w in walls.items()}
-    rows = [[b, f"{median[b]:.1f}", ", ".join(f"{w:.1f}" for w in walls[b]), f"{rs[0]['acc']:.4f}",
-             f"{rs[0]['acc_norm']:.4f}"] for b, rs in runs.items()]  # fmt: skip
-    print(f"\nthe backends alone (simple_evaluate, task index of the include path only), {rounds} rounds")
-    print(harness.table(["backend", "process wall s (median)", "runs s", "acc", "acc_norm"], rows))
+    cpus = {b: sorted(r["cpu"] for r in rs)[len(rs) // 2] for b, rs in runs.items()}
+    rows = [[b, batches[b], f"{median[b]:.1f}", ", ".join(f"{w:.1f}" for w in walls[b]), f"{cpus[b]:.1f}",
+             f"{rs[0]['acc']:.4f}", f"{rs[0]['acc_norm']:.4f}"] for b, rs in runs.items()]  # fmt: skip
+    print(f"\nthe backends alone (simple_evaluate, task index of the include path only), {rounds} rounds, "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(harness.table(["backend", "batch", "process wall s (median)", "runs s", "process CPU s (median)", "acc",
+                         "acc_norm"], rows))
     same = all((r["acc"], r["acc_norm"]) == (runs["hf"][0]["acc"], runs["hf"][0]["acc_norm"]) for rs in runs.values()
                for r in rs)
     print(f"hf / otfload: {median['hf'] / median['otfload']:.2f}x; metrics equal: {same}")
@@ -213,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", default="hf,backends,cache,overlap",
                         help="comma-separated: hf, backends, cache, overlap")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the backends part (default: 3)")
+    parser.add_argument("--hf-batch", type=int, default=BATCH,
+                        help=f"the hf backend's batch size in the backends part (default: {BATCH}, otfload's)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="the checkpoint (bench_eval's)")
     args = parser.parse_args(argv)
     ckpt = checkpoint(args.preset).resolve()
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     if "hf" in parts:
         part_hf(ckpt, tasks, env, args.questions)
     if "backends" in parts:
-        part_backends(ckpt, tasks, env, args.rounds)
+        part_backends(ckpt, tasks, env, args.rounds, args.hf_batch)
     if "cache" in parts:
         part_cache(ckpt, tasks, env)
     if "overlap" in parts:

@@ -13,7 +13,8 @@ as lm_eval's ``hf`` backend answers them, so the numbers compare:
   starts with the BOS token; an empty context is the prefix token (BOS, else EOS);
 * ``loglikelihood`` (lm_eval's ``TemplateLM`` splits context and continuation, trailing spaces
   moving to the continuation) and ``loglikelihood_rolling`` (lm_eval's disjoint rolling windows of
-  ``max_length``, summed) are scored by :mod:`otfload.lm_eval.scoring`;
+  ``max_length``, summed) are scored by :mod:`otfload.lm_eval.scoring`, the continuations of one
+  context (a multiple-choice question's choices) scored in one pass over it;
 * ``generate_until`` by :mod:`otfload.lm_eval.generation`: greedy, stop strings, ``max_gen_toks``;
 * ``apply_chat_template`` (lm_eval's ``--apply_chat_template``) renders the checkpoint's chat
   template as transformers does (:mod:`otfload.lm_eval.chat`).
@@ -52,7 +53,7 @@ from otfload.lm_eval.chat import render_chat, select_template
 from otfload.lm_eval.generation import Generator, generation_options, options_key
 from otfload.lm_eval.loading import BackgroundLoad
 from otfload.lm_eval.ranks import Ranks
-from otfload.lm_eval.scoring import Scorer, Timings, TokenRequest, make_row, spans_processes
+from otfload.lm_eval.scoring import Scorer, Timings, TokenRequest, make_groups, spans_processes
 from otfload.models.base import CausalLM
 from otfload.plan.sharding import make_mesh, parse_mesh_spec
 from otfload.sources.base import Source
@@ -182,9 +183,10 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
 
     def _loglikelihood_tokens(self, requests: list[TokenRequest], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
-        rows = [make_row(context, continuation, self.max_length) for _, context, continuation in requests]
-        with self._bar(len(rows), "loglikelihood", disable_tqdm) as bar:
-            answers = self.scorer.score(rows, lambda: self.model, bar.update)
+        groups = make_groups([(context, continuation) for _, context, continuation in requests], self.max_length,
+                             self._load.sliding_window)
+        with self._bar(len(requests), "loglikelihood", disable_tqdm) as bar:
+            answers = self.scorer.score(groups, lambda: self.model, bar.update)
         for (strings, _, _), answer in zip(requests, answers, strict=True):
             if strings is not None:  # rolling windows carry no strings: cached per text below
                 self.cache_hook.add_partial("loglikelihood", strings, answer)

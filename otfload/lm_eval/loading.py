@@ -54,6 +54,7 @@ class BackgroundLoad:
             with owned(planned, self.source):  # a source the plan wrapped around ours (adapters, shard cache)
                 self.config: dict[str, Any] = plan.config
                 self.tokenizer: CheckpointTokenizer = checkpoint_tokenizer(self.source, plan.config)
+            self.sliding_window = _sliding_window(abstract)
             same_leaves = load_options.quantized != "keep" and load_options.merge_adapter
             self.abstract: CausalLM | None = _with_shardings(abstract, plan) if same_leaves else None
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="otfload-load")
@@ -77,6 +78,12 @@ class BackgroundLoad:
             self._stack.close()  # idempotent: an ExitStack closes its contexts once
         assert isinstance(model, CausalLM)  # from_pretrained builds a bundled family model
         return model
+
+
+def _sliding_window(model: nnx.Module) -> int | None:
+    """The model's sliding window (None: full attention), which bounds a packed scoring group."""
+    window = getattr(getattr(model, "cfg", None), "sliding_window", None)
+    return int(window) if window else None
 
 
 def _with_shardings(model: nnx.Module, plan: LoadPlan) -> CausalLM:

@@ -5,6 +5,14 @@ Masks follow transformers: a query at key slot ``i`` sees slot ``j`` when ``j <=
 slot index), ``i - j < window`` (sliding layers) and slot ``j`` holds a real token (the padding
 mask). Positions only feed RoPE. Slots are the sequence indices, or the cache slots when decoding.
 
+Packed rows (several sequences in one row, without a cache) add ``segments`` and ``prefixes``: a
+query of segment ``t`` whose prefix is segment ``p`` sees keys of segments ``t`` and ``p`` only.
+A sequence alone is a segment that is its own prefix; sequences that share a prefix (branches)
+are each a segment whose prefix is the shared one's, so each attends to the prefix and to its own
+earlier tokens, as if it were alone after the prefix (its positions given to continue from the
+prefix's end). The window stays a distance in slots: a caller packing rows keeps each prefix and
+its branches within a sliding layer's window, where no visible key is outside it either way.
+
 Implementations (``impl``):
 
 * ``"chunked"``: queries in chunks of :data:`Q_CHUNK`; each chunk's float32 logits against all keys
@@ -52,7 +60,8 @@ class Context:
     ``positions [b, s]`` feed RoPE; ``q_index [s]`` is each query's key slot; ``kv_mask [b, slots]``
     marks slots holding real tokens (None: all do); ``cache_index`` is the first cache slot this call
     writes (None without a cache); ``attention_impl``/``moe_impl`` pick implementations (None: the
-    backend's default).
+    backend's default); ``segments [b, s]`` and ``prefixes [b, s]`` each slot's segment and its
+    segment's prefix in a packed row (None: one sequence per row; see the module docstring).
     """
 
     positions: jax.Array
@@ -61,6 +70,8 @@ class Context:
     cache_index: jax.Array | None = None
     attention_impl: str | None = None
     moe_impl: str | None = None
+    segments: jax.Array | None = None
+    prefixes: jax.Array | None = None
 
 
 def make_context(
@@ -70,12 +81,17 @@ def make_context(
     cache: Mapping[str, Any] | None,
     attention_impl: str | None = None,
     moe_impl: str | None = None,
+    segments: tuple[jax.Array | np.ndarray, jax.Array | np.ndarray] | None = None,
 ) -> Context:
     """The :class:`Context` of ``model(input_ids, attention_mask, positions, cache)``.
 
     ``positions=None`` gives each real token its index among the real tokens of its row (after the
-    ones in ``cache``), as transformers' ``generate`` does; padding slots get 0."""
+    ones in ``cache``), as transformers' ``generate`` does; padding slots get 0. ``segments``
+    (packed rows, no cache): ``(segment, prefix)`` of each slot, ``[b, s]`` each."""
     b, s = input_ids.shape
+    if segments is not None and (cache is not None or any(np.shape(a) != (b, s) for a in segments)):
+        raise ValueError(f"segments of shapes {[np.shape(a) for a in segments]} with"
+                         f"{'' if cache is None else ' a'} cache; expected {(b, s)} like input_ids and no cache")
     mask = None if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
     if mask is not None and mask.shape != (b, s):
         raise ValueError(f"attention_mask has shape {mask.shape}; expected {(b, s)} like input_ids")
@@ -85,7 +101,8 @@ def make_context(
         positions = jnp.where(ones, before + jnp.cumsum(ones, axis=-1) - 1, 0)
     positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, s))
     if cache is None:
-        return Context(positions, jnp.arange(s), mask, None, attention_impl, moe_impl)
+        seg, pre = (None, None) if segments is None else (jnp.asarray(a, jnp.int32) for a in segments)
+        return Context(positions, jnp.arange(s), mask, None, attention_impl, moe_impl, seg, pre)
     index = jnp.asarray(cache["index"], jnp.int32)
     new = jnp.ones((b, s), bool) if mask is None else mask
     kv_mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
@@ -143,7 +160,7 @@ def attention(
     static_window = window if isinstance(window, int) else None
 
     def attend(qc: jax.Array, qi: jax.Array) -> jax.Array:
-        return _attend(qc, qi, k, v, ctx.kv_mask, scale, window, static_window, softcap, sinks)
+        return _attend(qc, qi, k, v, ctx.kv_mask, _segments(ctx), scale, window, static_window, softcap, sinks)
 
     if s <= q_chunk:
         out = attend(qg, ctx.q_index)
@@ -164,6 +181,7 @@ def _attend(
     k: jax.Array,
     v: jax.Array,
     mask: jax.Array | None,
+    segments: tuple[jax.Array, jax.Array] | None,
     scale: float,
     window: int | jax.Array | None,
     static_window: int | None,
@@ -171,15 +189,18 @@ def _attend(
     sinks: jax.Array | None,
 ) -> jax.Array:
     """One query chunk ``qg [b, kv, g, c, dk]`` (slots ``q_index [c]``) against the keys
-    ``[b, slots, kv, d]`` → ``[b, kv, g, c, dv]``."""
+    ``[b, slots, kv, d]`` → ``[b, kv, g, c, dv]``; ``segments``: ``(segment, prefix)`` of each slot of a
+    packed row, ``[b, slots]`` each."""
     b, kv_heads, groups, c, dk = qg.shape
     k_index = jnp.arange(k.shape[1])
+    k_segments = None if segments is None else segments[0]
     if static_window is not None and static_window + c - 1 < k.shape[1]:
         # Only slots [first query - window + 1, last query] are visible: slice them (start clamped).
         span = static_window + c - 1
         start = jnp.clip(q_index[0] - static_window + 1, 0, k.shape[1] - span)
         k, v = (jax.lax.dynamic_slice_in_dim(t, start, span, axis=1) for t in (k, v))
         mask = None if mask is None else jax.lax.dynamic_slice_in_dim(mask, start, span, axis=1)
+        k_segments = None if k_segments is None else jax.lax.dynamic_slice_in_dim(k_segments, start, span, axis=1)
         k_index = start + jnp.arange(span)
     rows = qg.reshape(b, kv_heads, groups * c, dk)
     logits = jnp.einsum("bkmd,bskd->bkms", rows, k, preferred_element_type=jnp.float32)
@@ -189,8 +210,10 @@ def _attend(
     visible = k_index[None, :] <= q_index[:, None]
     if window is not None:
         visible &= (q_index[:, None] - k_index[None, :] < window) | (jnp.asarray(window) <= 0)
-    visible = visible[None, None, None] if mask is None else visible[None, None, None] & mask[:, None, None, None, :]
-    logits = jnp.where(visible, logits, MASKED)
+    visible = visible[None] if mask is None else visible[None] & mask[:, None, :]
+    if segments is not None and k_segments is not None:
+        visible &= _same_sequence(segments, q_index, k_segments)
+    logits = jnp.where(visible[:, None, None], logits, MASKED)
     if sinks is None:
         probs = jax.nn.softmax(logits, axis=-1)
     else:  # a softmax over the slots plus one virtual slot per head whose logit is the sink
@@ -212,4 +235,19 @@ def _dpa(
     if window is not None:
         visible &= (ctx.q_index[:, None] - k_index[None, :] < window) | (jnp.asarray(window) <= 0)
     visible = visible[None] if ctx.kv_mask is None else visible[None] & ctx.kv_mask[:, None, :]
+    segments = _segments(ctx)
+    if segments is not None:
+        visible &= _same_sequence(segments, ctx.q_index, segments[0])
     return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], scale=scale)
+
+
+def _segments(ctx: Context) -> tuple[jax.Array, jax.Array] | None:
+    return None if ctx.segments is None or ctx.prefixes is None else (ctx.segments, ctx.prefixes)
+
+
+def _same_sequence(segments: tuple[jax.Array, jax.Array], q_index: jax.Array, k_segments: jax.Array) -> jax.Array:
+    """``[b, queries, keys]``: whether each key's segment is the query's own or its prefix
+    (``segments`` of every slot, the queries at slots ``q_index``, ``k_segments`` the keys')."""
+    q_own, q_prefix = (jnp.take(a, q_index, axis=1)[:, :, None] for a in segments)
+    keys = k_segments[:, None, :]
+    return (keys == q_own) | (keys == q_prefix)

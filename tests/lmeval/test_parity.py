@@ -4,7 +4,9 @@ Tiny random checkpoints (dense, MoE, tied embeddings) with a real tokenizer, lm_
 files over local data (tests/lmeval/tasks.py), run through ``lm_eval.simple_evaluate`` once with
 :class:`otfload.lm_eval.OtfloadLM` and once with lm_eval's ``HFLM`` (transformers on the CPU, float32):
 every multiple-choice loglikelihood and rolling loglikelihood within 1e-4 relative, ``is_greedy``
-and every greedy generation identical, and the reported metrics equal.
+and every greedy generation identical, and the reported metrics equal. The choices of a question
+share its context, which otfload scores once (packed rows): a short ``max_length`` checks the
+packs next to requests cut to it, on a dense, an MoE and a sliding-window model.
 """
 
 from __future__ import annotations
@@ -17,9 +19,15 @@ pytest.importorskip("lm_eval")
 
 import tests.families.test_mixtral  # noqa: E402,F401  (registers the tiny Mixtral)
 from tests.eval_support import with_tokenizer  # noqa: E402
+from tests.families.test_gemma import _gemma3  # noqa: E402
+from tests.helpers import register_hf_model  # noqa: E402
 from tests.lmeval.tasks import TASKS, tokenizer_config, write_tasks  # noqa: E402
 
 REL = 1e-4
+# Gemma 3 (sliding and full layers) with a window shorter than the grouped test's max_length, so
+# that some packs are bounded by the window and some requests longer than it are scored alone.
+register_hf_model("gemma3_window8", _gemma3, {"sliding_window": 8})
+GROUPED_MAX_LENGTH = 16
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +117,33 @@ def test_by_name_with_model_args_and_no_abstract_model(checkpoint, task_dir):
     direct = OtfloadLM(str(path), mesh="fsdp:8", batch_size=8)
     assert direct.scorer.abstract is not None
     assert_same(by_name, evaluate(direct, task_dir, tasks), tasks)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "gemma3_window8"])
+def test_shared_contexts_packed_next_to_cut_requests(checkpoint, task_dir, kind):
+    """With ``max_length`` 16, questions whose context and choice fit are packed (all choices of a
+    question after its context, within the model's sliding window), longer ones are cut to 16 ids
+    and scored alone, as lm_eval's rule cuts them: the same numbers as the hf backend."""
+    from lm_eval.models.huggingface import HFLM
+
+    from otfload.lm_eval import OtfloadLM
+    from otfload.lm_eval.scoring import make_groups
+
+    class Recording(OtfloadLM):
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+            self.requests = [(context, continuation) for _, context, continuation in requests]
+            return super()._loglikelihood_tokens(requests, disable_tqdm, **kwargs)
+
+    path = checkpoint(kind)
+    ours_model = Recording(str(path), mesh="fsdp:8", batch_size=4, max_length=GROUPED_MAX_LENGTH)
+    ours = evaluate(ours_model, task_dir, ("otf_mc",))
+    ref = evaluate(HFLM(pretrained=str(path), batch_size=4, device="cpu", dtype="float32",
+                        max_length=GROUPED_MAX_LENGTH), task_dir, ("otf_mc",))
+    assert_same(ours, ref, ("otf_mc",))
+    groups = make_groups(ours_model.requests, GROUPED_MAX_LENGTH, ours_model._load.sliding_window)
+    cut = [g for g in groups if len(g.requests) == 1 and
+           sum(map(len, ours_model.requests[g.requests[0]])) > GROUPED_MAX_LENGTH + 1]
+    assert max(len(g.requests) for g in groups) == (3 if kind == "gemma3_window8" else 4) and cut  # packs, cut requests
+    if kind == "gemma3_window8":
+        assert ours_model._load.sliding_window == 8 and max(len(g.ids) for g in groups if len(g.requests) > 1) <= 8
+        assert any(len(g.ids) > 8 for g in groups)  # requests longer than the window, scored alone

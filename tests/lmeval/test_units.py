@@ -110,18 +110,61 @@ def test_a_special_token_outside_the_vocabulary_is_a_typed_error(tokenizer_dir):
 
 def test_requests_the_backend_cannot_honour():
     from otfload.lm_eval.generation import generation_options
-    from otfload.lm_eval.scoring import make_row
+    from otfload.lm_eval.scoring import make_groups
 
     with pytest.raises(EvalRequestError, match="sampling"):
         generation_options({"do_sample": True, "temperature": 0.7}, 32, "</s>")
     with pytest.raises(EvalRequestError, match="sampling"):
         generation_options({"temperature": 0.5}, 32, "</s>")
     with pytest.raises(EvalRequestError, match="does not fit the context window"):
-        make_row([1, 2], list(range(9)), max_length=8)
+        make_groups([([1, 2], list(range(9)))], max_length=8)
     with pytest.raises(EvalRequestError, match="empty continuation"):
-        make_row([1, 2], [], max_length=8)
+        make_groups([([1, 2], [])], max_length=8)
     options = generation_options({"until": "\n\n", "max_new_tokens": 7, "do_sample": False}, 32, "</s>")
     assert (options.until, options.max_gen_toks) == (("\n\n", "</s>"), 7)
-    row = make_row(list(range(10, 20)), [20, 21], max_length=8)  # cut on the left to 8 inputs, as lm_eval does
-    assert row.ids.tolist() == list(range(13, 21)) and row.targets.tolist() == list(range(14, 22))
-    assert row.scored == 2
+    (row,) = make_groups([(list(range(10, 20)), [20, 21])], max_length=8)  # cut on the left to 8 ids, as lm_eval does
+    assert row.ids.tolist() == list(range(13, 21)) and row.positions.tolist() == list(range(8))
+    assert row.at.tolist() == [6, 7] and row.targets.tolist() == [20, 21] and row.counts == (2,)
+
+
+def test_continuations_of_one_context_are_packed_after_it():
+    """Each continuation of a shared context is a branch after it: its positions continue from the
+    context's end, its first id is predicted by the context's last slot; a pack wider than
+    ``pack_width`` starts a new group, and a request cut to ``max_length`` is alone in its group."""
+    from otfload.lm_eval.scoring import make_groups
+
+    context = [1, 2, 3]
+    requests = [(context, [4, 5]), (context, [6]), ([9], [7, 8]), (context, [5, 5, 5]), ([8] * 6, [4, 4, 4])]
+    groups = {g.requests: g for g in make_groups(requests, max_length=6, pack_width=5)}
+    assert set(groups) == {(0, 1), (2,), (3,), (4,)}
+    packed = groups[(0, 1)]
+    assert packed.ids.tolist() == [1, 2, 3, 4] and packed.positions.tolist() == [0, 1, 2, 3]
+    assert packed.branches.tolist() == [0, 0, 0, 1] and packed.counts == (2, 1)
+    assert packed.at.tolist() == [2, 3, 2] and packed.targets.tolist() == [4, 5, 6]
+    alone = groups[(3,)]
+    assert alone.ids.tolist() == [1, 2, 3, 5, 5] and alone.positions.tolist() == [0, 1, 2, 3, 4]
+    assert alone.at.tolist() == [2, 3, 4] and alone.targets.tolist() == [5, 5, 5]
+    cut = groups[(4,)]  # 6 + 3 ids > max_length + 1: (context + continuation)[-7:][:-1]
+    assert cut.ids.tolist() == [8, 8, 8, 8, 4, 4] and cut.at.tolist() == [3, 4, 5] and cut.targets.tolist() == [4] * 3
+    wide = {r.requests: r for r in make_groups(requests, max_length=6)}  # pack_width: max_length
+    three = wide[(0, 1, 3)]
+    assert three.ids.tolist() == [1, 2, 3, 4, 5, 5] and three.positions.tolist() == [0, 1, 2, 3, 3, 4]
+    assert three.branches.tolist() == [0, 0, 0, 1, 3, 3] and three.at.tolist() == [2, 3, 2, 2, 4, 5]
+
+
+def test_groups_are_packed_into_rows_of_one_width():
+    """Groups go longest first into the row with the most room (one width: the longest group's,
+    rounded up to 16), so a job has one shape; the scored count is the most any batch scores."""
+    from otfload.lm_eval.scoring import Scorer, Timings, make_groups
+
+    lengths = [20, 3, 9, 12, 5, 7, 16, 2, 4, 11]
+    requests = [([1] * (n - 1), [2, 3]) for n in lengths]  # distinct contexts: one group each, n slots
+    groups = make_groups(requests, max_length=64)
+    assert sorted(len(g.ids) for g in groups) == sorted(lengths)
+    batches = Scorer(2, 64, None, None, Timings()).plan(groups)
+    assert {shape for _, shape in batches} == {batches[0][1]} and batches[0][1].width == 32
+    rows = [row for batch, _ in batches for row in batch]
+    assert sorted(i for row in rows for i in row) == list(range(len(groups)))
+    assert all(sum(len(groups[i].ids) for i in row) <= 32 for row in rows) and len(rows) == 3  # 89 slots
+    most = max(sum(len(groups[i].at) for row in batch for i in row) for batch, _ in batches)
+    assert batches[0][1].scored == -(-most // 16) * 16

@@ -11,7 +11,8 @@ from otfload.models.attention import CHUNKED, DPA, Context, attention
 B, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
 
 
-def _reference(q, k, v, q_index, kv_mask, scale, window=None, softcap=None, sinks=None) -> np.ndarray:
+def _reference(q, k, v, q_index, kv_mask, scale, window=None, softcap=None, sinks=None, more=None) -> np.ndarray:
+    """``more [b, q, k]``: a further mask (packed rows' branches)."""
     q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
     groups = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
@@ -21,7 +22,7 @@ def _reference(q, k, v, q_index, kv_mask, scale, window=None, softcap=None, sink
     j = np.arange(k.shape[1])[None, :]
     i = np.asarray(q_index)[:, None]
     visible = (j <= i) & ((i - j < window) if window else True)
-    visible = visible[None, None] & np.asarray(kv_mask)[:, None, None, :]
+    visible = visible[None, None] & np.asarray(kv_mask)[:, None, None, :] & (True if more is None else more[:, None])
     logits = np.where(visible, logits, -1e30)
     if sinks is not None:
         logits = np.concatenate([logits, np.broadcast_to(np.asarray(sinks)[None, :, None, None],
@@ -79,6 +80,39 @@ def test_dot_product_attention_path_matches(window):
     real = np.ones(ref.shape[:2], bool)
     real[1, :3] = False
     np.testing.assert_allclose(got[real], ref[real], atol=2e-6)
+
+
+# A packed row: a 5-slot prefix (segment 1), its branches 2 (4 slots) and 3 (3 slots), a sequence
+# alone (segment 4, 3 slots), 3 padding slots.
+SEGMENTS = np.array([1] * 5 + [2] * 4 + [3] * 3 + [4] * 3 + [0] * 3)
+PREFIXES = np.array([1] * 5 + [1] * 4 + [1] * 3 + [4] * 3 + [0] * 3)
+REAL = 15
+
+
+@pytest.mark.parametrize("impl", [CHUNKED, DPA])
+@pytest.mark.parametrize("window", [None, 3, 20], ids=["full", "window-slices-keys", "window-wider-than-row"])
+def test_packed_sequences_see_their_prefix_and_their_own_earlier_tokens(impl, window):
+    """``segments``/``prefixes``: a query sees keys of its own segment and of its prefix only, on
+    top of the causal, window and padding masks; where no key is outside the window, each branch
+    computes what the prefix followed by that branch alone does, and the sequence alone what it
+    does in a row of its own."""
+    slots = len(SEGMENTS)
+    q, k, v, kv_mask = _inputs(queries=slots, slots=slots)
+    kv_mask[:] = np.arange(slots) < REAL  # both rows: right padding
+    segments = tuple(jnp.asarray(np.broadcast_to(a, (B, slots))) for a in (SEGMENTS, PREFIXES))
+    ctx = Context(positions=None, q_index=jnp.arange(slots), kv_mask=jnp.asarray(kv_mask), attention_impl=impl,
+                  segments=segments[0], prefixes=segments[1])
+    got = np.asarray(attention(q, k, v, ctx, scale=0.3, window=window, q_chunk=4))
+    same = (SEGMENTS[None, :] == SEGMENTS[:, None]) | (SEGMENTS[None, :] == PREFIXES[:, None])
+    more = np.broadcast_to(same, (B, slots, slots))
+    ref = _reference(q, k, v, np.arange(slots), kv_mask, 0.3, window=window, more=more)
+    np.testing.assert_allclose(got[:, :REAL], ref[:, :REAL], atol=2e-6)
+    if window != 3:
+        for own in ((1, 2), (1, 3), (4,)):
+            keep = np.flatnonzero(np.isin(SEGMENTS, own))
+            alone = _reference(q[:, keep], k[:, keep], v[:, keep], np.arange(len(keep)), np.ones((B, len(keep)), bool),
+                               0.3)
+            np.testing.assert_allclose(got[:, keep], alone, atol=2e-6)
 
 
 def _temp_bytes(seq: int, window: int | None = None) -> int:
