@@ -6,7 +6,7 @@ default implementations (MoE: the ``"blocks"`` route), one ``nnx.jit`` AdamW ste
 next-token cross-entropy and its gradient, and the gradient, exported to HF tensor names by the
 family's mapping table run backwards (:func:`otfload.export_hf`), is compared per tensor with
 ``param.grad`` of the transformers model (``padding_idx=pad_token_id``, as transformers builds it).
-A second step shows the first one lowered the loss.
+The loss after the step (one forward pass) shows the step lowered it.
 """
 
 import copy
