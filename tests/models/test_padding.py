@@ -31,9 +31,7 @@ def test_padding_changes_no_real_token_and_matches_transformers(tiny_checkpoints
     with jax.set_mesh(mesh_2x4):
         for side in ("left", "right"):
             ids, mask, base = padded_batch(side)
-            # numpy ids with an int mask on one side, jax ids with a bool mask on the other
-            ours = _masked_logits(model, ids, mask) if side == "left" else _masked_logits(
-                model, jnp.asarray(ids), jnp.asarray(mask, bool))
+            ours = _masked_logits(model, ids, mask)  # both sides: one program
             real = mask.astype(bool)
             ref = torch_masked_logits(torch_model, ids, mask)
             diff = max_rel_diff(ours[real], ref[real])
@@ -42,6 +40,17 @@ def test_padding_changes_no_real_token_and_matches_transformers(tiny_checkpoints
             for row, n in enumerate(REAL):
                 diff = max_rel_diff(ours[row][real[row]], alone[:n])
                 assert diff <= 1e-4, (side, row, diff)
+
+
+def test_jax_ids_with_a_bool_mask_equal_transformers(tiny_checkpoints, mesh_2x4):
+    """Every family reads the mask through one ``make_context``: a bool mask on jax ids (the other
+    tests send numpy ids with an int mask) gives transformers' logits, checked here once."""
+    path, torch_model = tiny_checkpoints("llama")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    ids, mask, _ = padded_batch("right")
+    ours = _masked_logits(model, jnp.asarray(ids), jnp.asarray(mask, bool))
+    real = mask.astype(bool)
+    assert max_rel_diff(ours[real], torch_masked_logits(torch_model, ids, mask)[real]) <= 1e-4
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text", "deepseek_v3", "gpt_oss"])
