@@ -3,8 +3,9 @@
 Every case must end in a typed ``CorruptFileError`` naming the file, or in a parse the ``safetensors`` package
 agrees with byte for byte; any other exception fails, so does a slow case (the deadline guards against
 hangs), and every range read is checked to lie inside the file. The profile is derandomized, so CI runs
-the same cases every time: 10,200 cases in about 50 s of CPU. ``OTFLOAD_FUZZ_SCALE`` multiplies the number
-of cases (see ``scripts/fuzz_report.py``, which runs these tests and prints the outcome counts).
+the same cases every time: 2,550 cases in about 7 s of CPU, each outcome class reached. ``OTFLOAD_FUZZ_SCALE``
+multiplies the number of cases (``4``: the 10,200 of docs/reliability.md; see ``scripts/fuzz_report.py``, which
+runs these tests and prints the outcome counts).
 """
 
 from __future__ import annotations
@@ -67,19 +68,19 @@ def check_case(blob: bytes) -> str:
     return outcome
 
 
-@settings(FUZZ, max_examples=int(4000 * SCALE))
+@settings(FUZZ, max_examples=int(1000 * SCALE))
 @given(random_files)
 def test_random_bytes(blob: bytes):
     check_case(blob)
 
 
-@settings(FUZZ, max_examples=int(3000 * SCALE))
+@settings(FUZZ, max_examples=int(750 * SCALE))
 @given(mutated_files())
 def test_mutated_valid_files(blob: bytes):
     check_case(blob)
 
 
-@settings(FUZZ, max_examples=int(3200 * SCALE))
+@settings(FUZZ, max_examples=int(800 * SCALE))
 @given(hostile_headers())
 def test_hostile_headers(blob: bytes):
     check_case(blob)
