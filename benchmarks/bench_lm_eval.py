@@ -87,8 +87,9 @@ else:
 out = lm_eval.simple_evaluate(model=model, tasks=["bench_mc"], task_manager=manager)
 metrics = out["results"]["bench_mc"]
 usage = resource.getrusage(resource.RUSAGE_SELF)
+timings = model.timings.to_dict() if backend == "otfload" else {}
 print(json.dumps({"wall": time.perf_counter() - start, "cpu": usage.ru_utime + usage.ru_stime,
-                  "acc": metrics["acc,none"], "acc_norm": metrics["acc_norm,none"]}))
+                  "acc": metrics["acc,none"], "acc_norm": metrics["acc_norm,none"], **timings}))
 """
 
 
@@ -191,12 +192,14 @@ def part_backends(ckpt: Path, tasks: Path, env: dict[str, str], rounds: int, hf_
     walls = {b: sorted(r["wall"] for r in rs) for b, rs in runs.items()}
     median = {b: w[len(w) // 2] for b, w in walls.items()}
     cpus = {b: sorted(r["cpu"] for r in rs)[len(rs) // 2] for b, rs in runs.items()}
+    compile_s = {b: ", ".join(f"{r['compile_seconds']:.1f}" for r in rs if "compile_seconds" in r)
+                 for b, rs in runs.items()}
     rows = [[b, batches[b], f"{median[b]:.1f}", ", ".join(f"{w:.1f}" for w in walls[b]), f"{cpus[b]:.1f}",
-             f"{rs[0]['acc']:.4f}", f"{rs[0]['acc_norm']:.4f}"] for b, rs in runs.items()]  # fmt: skip
+             compile_s[b], f"{rs[0]['acc']:.4f}", f"{rs[0]['acc_norm']:.4f}"] for b, rs in runs.items()]  # fmt: skip
     print(f"\nthe backends alone (simple_evaluate, task index of the include path only), {rounds} rounds, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
-    print(harness.table(["backend", "batch", "process wall s (median)", "runs s", "process CPU s (median)", "acc",
-                         "acc_norm"], rows))
+    print(harness.table(["backend", "batch", "process wall s (median)", "runs s", "process CPU s (median)",
+                         "compile s (runs)", "acc", "acc_norm"], rows))
     same = all((r["acc"], r["acc_norm"]) == (runs["hf"][0]["acc"], runs["hf"][0]["acc_norm"]) for rs in runs.values()
                for r in rs)
     print(f"hf / otfload: {median['hf'] / median['otfload']:.2f}x; metrics equal: {same}")
