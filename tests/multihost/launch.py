@@ -8,14 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.harness import DEVICE_COUNT_FLAG
 from tests.servers.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker_env() -> dict[str, str]:
-    """The test process's environment without its 8-device XLA flag (workers set their own count)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """The test process's environment without its 8-device XLA flag (workers set their own count); its
+    other XLA flags (the tests' cheaper CPU codegen) stay."""
+    env = dict(os.environ)
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     return env
 
