@@ -222,7 +222,9 @@ class Scorer:
         """``[(rows, shape)]``: the batches, each ``batch_size`` rows of group indices, and the one
         shape of the job (the longest group rounded up to ``ALIGN``; the most any batch scores,
         rounded up to ``ALIGN``). Groups are placed longest first, each in the row with the most
-        room left that holds it, else a new row (worst-fit decreasing: rows fill evenly)."""
+        room left that holds it, else a new row (worst-fit decreasing: rows fill evenly); rows are
+        dealt to the batches most-scored first, back and forth, so that every batch scores about
+        as many tokens (the scored count is padded to the most)."""
         width = _round_up(max((len(g.ids) for g in groups), default=1))
         rows: list[list[int]] = []
         room: list[tuple[int, int]] = []  # heap of (-free slots, row)
@@ -235,7 +237,11 @@ class Scorer:
             else:
                 rows.append([i])
                 heapq.heappush(room, (n - width, len(rows) - 1))
-        batches = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+        count = -(-len(rows) // self.batch_size)
+        batches: list[list[list[int]]] = [[] for _ in range(count)]
+        for k, row in enumerate(sorted(rows, key=lambda row: -sum(len(groups[i].at) for i in row))):
+            turn, place = divmod(k, count)
+            batches[place if turn % 2 == 0 else count - 1 - place].append(row)
         scored = max((sum(len(groups[i].at) for row in batch for i in row) for batch in batches), default=1)
         return [(batch, Shape(width, _round_up(scored))) for batch in batches]
 
