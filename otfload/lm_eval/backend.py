@@ -52,7 +52,7 @@ from otfload.errors import InvalidOptionError
 from otfload.lm_eval.chat import render_chat, select_template
 from otfload.lm_eval.generation import Generator, generation_options, options_key
 from otfload.lm_eval.loading import BackgroundLoad
-from otfload.lm_eval.ranks import Ranks
+from otfload.lm_eval.ranks import Ranks, join_job
 from otfload.lm_eval.scoring import Scorer, Timings, TokenRequest, make_groups, spans_processes
 from otfload.models.base import CausalLM
 from otfload.plan.sharding import make_mesh, parse_mesh_spec
@@ -73,8 +73,10 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
     (``dtype``, ``adapter``, ``quantized``, ``revision``, ...) go to ``from_pretrained``.
     ``batch_size`` rows per forward pass (``"auto"``: the default);
     ``device`` and ``max_batch_size`` (lm_eval's CLI passes them) are not used: the mesh says
-    where the model runs. ``progress``: None shows lm_eval's bars as it asks (the load's not),
-    True shows the load's bar too, False none."""
+    where the model runs. ``coordinator`` (``host:port``), ``num_processes`` and ``process_id``
+    make this process one of a ``jax.distributed`` job first (``jax.distributed.initialize``): how
+    lm_eval's own command line runs one process of a multi-process job. ``progress``: None shows
+    lm_eval's bars as it asks (the load's not), True shows the load's bar too, False none."""
 
     def __init__(
         self,
@@ -89,10 +91,14 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         progress: bool | None = None,
         device: str | None = None,
         max_batch_size: int | None = None,
+        coordinator: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
         **load_options: Any,
     ) -> None:
         super().__init__()
         del device, max_batch_size  # accepted for lm_eval's CLI; the mesh places the model
+        join_job(coordinator, num_processes, process_id)  # before anything starts JAX's backend
         self.timings = Timings()
         self._batch_size = _batch_size(batch_size)
         self.mesh = _mesh(mesh)

@@ -131,6 +131,28 @@ def test_cli_job_over_two_processes_prints_from_process_0_only(setup, one_proces
 
 
 
+
+def test_lm_eval_command_line_joins_the_job_by_model_args(setup, one_process, tmp_path):
+    """lm_eval's own command line (``python -m otfload.lm_eval run``) as two processes: the job is
+    joined by ``model_args`` (coordinator, num_processes, process_id); process 0 writes the results,
+    equal to a one-process job's."""
+    checkpoint, tasks = setup
+    port, task = free_port(), TASKS[0]
+    env = {**worker_env(), "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"}
+    commands = [[sys.executable, "-m", "otfload.lm_eval", "run", "--model", "otfload", "--model_args",
+                 f"pretrained={checkpoint},mesh=fsdp:{LOCAL_DEVICES},coordinator=127.0.0.1:{port},"
+                 f"num_processes={PROCESSES},process_id={i}", "--batch_size", str(BATCH), "--tasks", task,
+                 "--include_path", str(tasks),
+                 "--output_path", str(tmp_path / f"out{i}")] for i in range(PROCESSES)]
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    outputs = wait_workers(procs, timeout_s=600)
+    written = [sorted((tmp_path / f"out{i}").rglob("results_*.json")) for i in range(PROCESSES)]
+    assert len(written[0]) == 1 and not written[1], outputs  # process 0 alone writes the results
+    results = json.loads(written[0][0].read_text())["results"]
+    assert_same_results({task: results[task]}, {task: one_process["results"][task]})
+
+
 def test_a_process_that_fails_ends_the_job_on_every_process(setup):
     """``--limit 1`` over two processes: lm_eval gives process 1 no document and raises there before
     its first exchange; process 0, waiting for it, ends within seconds with an error naming process
