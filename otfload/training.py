@@ -23,20 +23,18 @@ both:
 Where the time goes (the 160 M-parameter preset of ``benchmarks/bench_train_startup.py`` on 2 CPU
 cores): the trace and lowering are Python on one core, holding the GIL throughout; XLA's compile
 releases the GIL and keeps both cores busy for ~90 % of its time (one thread at its start and end);
-the load is ~0.6 CPU-seconds, nearly all of it in calls that release the GIL (page population, reads,
-copies), and its transfers are not slowed by a compile running beside them. So the load fits beside
-the compile only in the core the lowering leaves idle and in XLA's one-thread stretches, and only if
-its threads get the GIL back promptly between those calls: the load runs with Python's switch
-interval at :data:`LOAD_SWITCH_INTERVAL` and, unless ``workers`` is given, one builder thread
-fewer than a load alone (the lowering keeps its core). docs/benchmarks.md ("Training start-up")
-has the measurements.
+the load is ~0.6 CPU-seconds and its transfers are not slowed by a compile running beside them. The
+load cannot use the core the lowering leaves idle: at Python's 5 ms switch interval its threads get
+almost no GIL turns while the step lowers, and a shorter interval lets them in only by slowing the
+lowering about as much as it saves later. So the load runs mostly beside XLA's compiler threads,
+and takes :data:`BUILDERS_LEFT_TO_THE_COMPILE` builder thread fewer than alone (unless ``workers``
+is given). docs/benchmarks.md ("Training start-up") has the measurements.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,41 +58,10 @@ from otfload.sources.owned import owned
 
 T = TypeVar("T")
 
-# Python's thread switch interval while the load runs beside the compile callback. Tracing and
-# lowering the step is Python and holds the GIL throughout; a builder thread back from a read or a
-# copy (both release the GIL) waits for it, at Python's default interval up to 5 ms each time
-# (measured: a thread asking for the GIL while the small preset's step lowered waited 5.16 ms at the
-# median, 0.06 ms while XLA compiled it). The load then idles on the core the lowering leaves free
-# and runs later, beside XLA's compiler threads, which keep every core busy. At 0.2 ms a builder
-# waits at most that long; the lowering gives up the GIL for the builders' short Python turns.
-LOAD_SWITCH_INTERVAL = 2e-4
-
-
-class _SwitchInterval:
-    """``sys.setswitchinterval(seconds)`` while any thread is inside; the interval from before the
-    first entry comes back after the last exit (overlapping calls restore it once)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.lock = threading.Lock()
-        self.inside = 0
-        self.before = sys.getswitchinterval()
-
-    def __enter__(self) -> None:
-        with self.lock:
-            if self.inside == 0:
-                self.before = sys.getswitchinterval()
-                sys.setswitchinterval(self.seconds)
-            self.inside += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self.lock:
-            self.inside -= 1
-            if self.inside == 0:
-                sys.setswitchinterval(self.before)
-
-
-_LOAD_SWITCHING = _SwitchInterval(LOAD_SWITCH_INTERVAL)
+# Builder threads the load gives up beside the compile (unless ``workers`` is given): the trace and
+# lowering run on one core. Measured on 2 cores (small preset, quiet, docs/benchmarks.md): ready in
+# 3.01-3.05 s with one builder against 3.07-3.27 s with the load's default two.
+BUILDERS_LEFT_TO_THE_COMPILE = 1
 
 
 @dataclass(frozen=True)
@@ -194,8 +161,8 @@ def load_while_compiling(
     ``jax.set_mesh(mesh)`` (the options' mesh; default: every device on ``fsdp``); ``compile``
     typically returns ``nnx.jit(step).lower(abstract, abstract_optimizer(...), batch).compile()``. An
     error of either is raised here (the load's first) once both are done. Both come from one plan;
-    unless ``workers`` is given the load takes one builder thread fewer than alone, and Python's
-    switch interval is :data:`LOAD_SWITCH_INTERVAL` while it runs (see the module docstring)."""
+    unless ``workers`` is given the load takes one builder thread fewer than alone (see the module
+    docstring)."""
     start = time.perf_counter()
     load_options = resolve_options(options, keywords)
     mesh = make_mesh() if load_options.mesh is None else load_options.mesh
@@ -204,7 +171,7 @@ def load_while_compiling(
     with ExitStack() as on_error:
         on_error.enter_context(owned(planned.opened.source, source))
         if load_options.workers is None:  # the lowering takes a core: one builder fewer than the load alone
-            builders = max(1, default_workers(planned.opened.base) - 1)
+            builders = max(1, default_workers(planned.opened.base) - BUILDERS_LEFT_TO_THE_COMPILE)
             planned = dataclasses.replace(planned, options=dataclasses.replace(load_options, workers=builders))
         abstract = _placed(nnx.clone(planned.model), planned.plan)  # its own variables: the load fills the model's
         on_error.pop_all()  # the load closes the checkpoint
@@ -222,8 +189,7 @@ def load_while_compiling(
     thread = threading.Thread(target=run, name="otfload-compile", daemon=True)
     thread.start()
     try:
-        with _LOAD_SWITCHING:
-            model, _ = planned.load()
+        model, _ = planned.load()
         loaded = time.perf_counter() - start
     finally:
         thread.join()

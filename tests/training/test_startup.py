@@ -2,8 +2,6 @@
 optax give (so a step compiled for them takes the real ones), and ``load_while_compiling`` runs
 the compile callback beside the load, under the mesh, from one plan, and raises what it raised."""
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -84,9 +82,7 @@ def test_load_while_compiling_plans_once_and_compiles_against_its_own_copy(tiny_
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(otfload.api, "_plan_model", counted)
-    interval = sys.getswitchinterval()
     startup = load_while_compiling(path, lambda abstract: seen.setdefault("abstract", abstract), mesh=mesh_2x4)
     assert plans == [path]  # the compile's shapes and the load's reads come from one plan
     assert isinstance(seen["abstract"].embed.embedding.get_value(), jax.ShapeDtypeStruct)  # not filled by the load
     assert isinstance(startup.model.embed.embedding.get_value(), jax.Array)
-    assert sys.getswitchinterval() == interval  # the load's shorter switch interval is put back
