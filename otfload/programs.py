@@ -64,10 +64,12 @@ TOKEN_CHARS = 16  # of the random suffixes of temporary files and compiled modul
 
 
 class Program(NamedTuple):
-    """A compiled program and the seconds spent tracing and lowering it (0 when it came from the
+    """A compiled program, the seconds :meth:`CachedJit.compile` took to get it (key, cache read,
+    or tracing, lowering and XLA) and, of those, tracing and lowering (0 when it came from the
     cache)."""
 
     compiled: jax.stages.Compiled
+    seconds: float
     lower_seconds: float
 
 
@@ -87,27 +89,30 @@ class CachedJit:
     def compile(self, *args: Any) -> Program:
         """The program for ``args``: from the cache when an entry is there, else traced, lowered
         and compiled (and kept when a cache directory is set)."""
+        start = time.perf_counter()
         directory = programs_dir()
         key = None if directory is None else self.key(*args)
         if directory is None or key is None:
-            return self._compile(self.fn, args, None)
+            return self._compile(self.fn, args, None, start)
         path = directory / f"{self.fn.__name__}-{key}"
         compiled = _load(path, *jax.tree.flatten((args, {})))
         if compiled is not None:
-            return Program(compiled, 0.0)
+            return Program(compiled, time.perf_counter() - start, 0.0)
         # A name of its own: XLA's cache, which this compilation writes to as well, never returns it.
-        return self._compile(_named(self.fn, f"{self.fn.__name__}_{uuid.uuid4().hex[:TOKEN_CHARS]}"), args, path)
+        named = _named(self.fn, f"{self.fn.__name__}_{uuid.uuid4().hex[:TOKEN_CHARS]}")
+        return self._compile(named, args, path, start)
 
-    def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...], path: Path | None) -> Program:
-        """Trace, lower and compile ``fn`` for ``args``; keep the program at ``path`` when given."""
+    def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...], path: Path | None, start: float) -> Program:
+        """Trace, lower and compile ``fn`` for ``args``; keep the program at ``path`` when given.
+        ``start``: when :meth:`compile` was called."""
         jitted = jax.jit(fn) if self.out_shardings is None else jax.jit(fn, out_shardings=self.out_shardings)
-        start = time.perf_counter()
+        lower_start = time.perf_counter()
         lowered = jitted.lower(*args)
-        lower_seconds = time.perf_counter() - start
+        lower_seconds = time.perf_counter() - lower_start
         compiled = lowered.compile()
         if path is not None:
             _save(path, compiled)
-        return Program(compiled, lower_seconds)
+        return Program(compiled, time.perf_counter() - start, lower_seconds)
 
     def key(self, *args: Any) -> str | None:
         """The key of the program for ``args`` (hex SHA-256); None when it is not kept: a leaf is
