@@ -61,9 +61,10 @@ OVERLAP_CHILD = """
 import json, sys, time
 from otfload.lm_eval import OtfloadLM
 from otfload.lm_eval.scoring import Shape
-overlapped, widths = sys.argv[1] == "overlapped", [Shape(int(w), 16) for w in sys.argv[2].split(",")]
+overlapped, batch = sys.argv[1] == "overlapped", int(sys.argv[4])
+widths = [Shape(batch, int(w), 16) for w in sys.argv[2].split(",")]
 start = time.perf_counter()
-lm = OtfloadLM(sys.argv[3], dtype="float32", batch_size=int(sys.argv[4]))
+lm = OtfloadLM(sys.argv[3], dtype="float32", batch_size=batch)
 if overlapped:
     lm.scorer.compile(widths)  # against the abstract model, while the weights load
     lm.model

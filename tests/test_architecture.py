@@ -30,8 +30,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("adapters",),  # LoRA adapters merged into the index and the reads
     ("options", "opening"),  # LoadOptions; the front door: source, shard cache, index, adapters layered on
     ("api",),  # from_pretrained, load_params, plan_model
-    ("checkpoint", "generate", "tokenizer", "training", "programs"),  # native checkpoints, decoding, training
-    # start-up, compiled programs kept across jobs
+    # native checkpoints, decoding, training start-up, compiled programs kept across jobs and where
+    ("checkpoint", "generate", "tokenizer", "training", "programs", "compile_cache"),
     ("export", "evaluate", "lm_eval"),  # back to HF safetensors; eval jobs; the lm-evaluation-harness backend
     ("cli",),  # the command line
     ("__init__",),  # the package's public names

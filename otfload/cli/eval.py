@@ -14,7 +14,8 @@ import argparse
 import json
 
 from otfload.cli import options
-from otfload.cli.compile_cache import add_compile_cache_arg, enable_compile_cache
+from otfload.cli.compile_cache import add_compile_cache_arg
+from otfload.compile_cache import enable_compile_cache
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -27,7 +27,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from otfload.cli import options
-from otfload.cli.compile_cache import add_compile_cache_arg, enable_compile_cache
+from otfload.cli.compile_cache import add_compile_cache_arg
+from otfload.compile_cache import enable_compile_cache
 from otfload.errors import InvalidOptionError
 
 

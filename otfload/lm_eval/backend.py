@@ -27,6 +27,12 @@ through the job's key-value store (:mod:`otfload.lm_eval.ranks`). On a mesh span
 (a model too large for one host) the processes drive one replica together: each runs every request,
 each batch sharded over the mesh's batch axes, and each gets the results (process 0 writes them).
 
+Compiled programs are kept across jobs (:mod:`otfload.compile_cache`): when lm_eval builds the
+backend from ``model_args`` (``lm_eval run --model otfload``, ``simple_evaluate(model="otfload")``)
+in ``$OTFLOAD_COMPILE_CACHE``, else ``~/.cache/otfload/xla``, unless ``compile_cache=off``; an
+``OtfloadLM`` built in Python keeps them where ``compile_cache=DIR`` says, else where JAX's own
+``jax_compilation_cache_dir`` is set, if it is.
+
 ``max_length`` defaults to the config's ``n_positions``/``max_position_embeddings``/``n_ctx`` (its
 ``text_config`` first), else 2048, as lm_eval resolves it. ``timings`` holds the seconds spent
 loading, compiling, scoring and generating.
@@ -44,10 +50,11 @@ from jax.sharding import Mesh
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
 from otfload.cache.coordination import LocalCoordinator
+from otfload.compile_cache import default_dir, enable_compile_cache
 from otfload.errors import InvalidOptionError
 from otfload.lm_eval.chat import render_chat, select_template
 from otfload.lm_eval.generation import Generator, generation_options, options_key
@@ -75,7 +82,10 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
     ``device`` and ``max_batch_size`` (lm_eval's CLI passes them) are not used: the mesh says
     where the model runs. ``coordinator`` (``host:port``), ``num_processes`` and ``process_id``
     make this process one of a ``jax.distributed`` job first (``jax.distributed.initialize``): how
-    lm_eval's own command line runs one process of a multi-process job. ``progress``: None shows
+    lm_eval's own command line runs one process of a multi-process job. ``compile_cache``: a
+    directory to keep compiled programs in for later jobs (JAX's persistent cache, turned on for
+    the process), ``"off"`` or None to leave JAX's setting as it is; lm_eval's ``model_args`` have
+    it on by default (see the module docstring). ``progress``: None shows
     lm_eval's bars as it asks (the load's not), True shows the load's bar too, False none."""
 
     def __init__(
@@ -94,11 +104,14 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         coordinator: str | None = None,
         num_processes: int | None = None,
         process_id: int | None = None,
+        compile_cache: str | os.PathLike[str] | None = None,
         **load_options: Any,
     ) -> None:
         super().__init__()
         del device, max_batch_size  # accepted for lm_eval's CLI; the mesh places the model
         join_job(coordinator, num_processes, process_id)  # before anything starts JAX's backend
+        if compile_cache is not None:
+            enable_compile_cache(compile_cache)
         self.timings = Timings()
         self._batch_size = _batch_size(batch_size)
         self.mesh = _mesh(mesh)
@@ -116,6 +129,22 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         self._loaded: CausalLM | None = None
         self.scorer = Scorer(self._batch_size, self._max_length, self.mesh, self._load.abstract, self.timings)
         self.generator = Generator(self.tokenizer, self._batch_size, self.timings)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+                            ) -> OtfloadLM:
+        """How lm_eval builds the backend from ``model_args`` (a job): compiled programs kept in
+        the default directory unless ``compile_cache`` says otherwise."""
+        args = {"compile_cache": str(default_dir()), **arg_dict}
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**args, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None
+                               ) -> OtfloadLM:
+        """``model_args`` as lm_eval's command line gives them (``key=value,...``); see
+        :meth:`create_from_arg_obj`."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # --- what lm_eval asks of a model ---------------------------------------------------------
 

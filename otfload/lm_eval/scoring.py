@@ -19,8 +19,10 @@ choices of ~6 tokens after a ~8-token question this reads about half the tokens.
 
 Groups are packed into rows of one width (the longest group's, rounded up to ``ALIGN``), longest
 first, each into the row with the most room left (worst-fit decreasing), each group a sequence of
-its own there (its segments and prefix apart from the other groups'). Rows are cut into batches of
-``batch_size`` (missing rows filled with one masked-in token). So a job has one shape and little
+its own there (its segments and prefix apart from the other groups'). Rows are dealt evenly to the
+fewest batches of at most ``batch_size`` rows, the job's batch as many rows as the fullest holds
+(20 rows at 16 are two batches of 10, not 16 and 4 padded to 16: a filler row costs a full row's
+work), a batch's missing rows filled with one masked-in token. So a job has one shape and little
 padding, where rows of one request each padded to a few bucket widths had four shapes (a
 compilation each) and about a third of padding on that task.
 
@@ -85,9 +87,10 @@ class Timings:
 
 
 class Shape(NamedTuple):
-    """A batch's padded width and its scored count (positions of the whole batch that go through
-    the output projection)."""
+    """A batch's rows, its padded width and its scored count (positions of the whole batch that go
+    through the output projection)."""
 
+    rows: int
     width: int
     scored: int
 
@@ -217,11 +220,15 @@ class Scorer:
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
         self._replicated = replicated
         self._step = CachedJit(_loglik_of_batch, out_shardings=replicated)
+        # How many ways a batch's rows are split over the mesh's batch axes: a batch holds a multiple.
+        sharding = self._sharding((batch_size, 1))
+        self._ways = 1 if sharding is None else batch_size // sharding.shard_shape((batch_size, 1))[0]
 
     def plan(self, groups: Sequence[Group]) -> list[tuple[list[list[int]], Shape]]:
-        """``[(rows, shape)]``: the batches, each ``batch_size`` rows of group indices, and the one
-        shape of the job (the longest group rounded up to ``ALIGN``; the most any batch scores,
-        rounded up to ``ALIGN``). Groups are placed longest first, each in the row with the most
+        """``[(rows, shape)]``: the batches, each at most ``batch_size`` rows of group indices, and
+        the one shape of the job (the rows of the fullest batch, a multiple of the mesh's batch
+        ways; the longest group rounded up to ``ALIGN``; the most any batch scores, rounded up to
+        ``ALIGN``). Groups are placed longest first, each in the row with the most
         room left that holds it, else a new row (worst-fit decreasing: rows fill evenly); rows are
         dealt to the batches most-scored first, back and forth, so that every batch scores about
         as many tokens (the scored count is padded to the most)."""
@@ -243,7 +250,9 @@ class Scorer:
             turn, place = divmod(k, count)
             batches[place if turn % 2 == 0 else count - 1 - place].append(row)
         scored = max((sum(len(groups[i].at) for row in batch for i in row) for batch in batches), default=1)
-        return [(batch, Shape(width, _round_up(scored))) for batch in batches]
+        fullest = -(-max((len(b) for b in batches), default=1) // self._ways) * self._ways
+        shape = Shape(min(fullest, self.batch_size), width, _round_up(scored))
+        return [(batch, shape) for batch in batches]
 
     def compile(self, shapes: Sequence[Shape], model: CausalLM | None = None) -> None:
         """Compile the scoring step for each shape not compiled yet (against the abstract model,
@@ -262,7 +271,7 @@ class Scorer:
     def _arguments(self, shape: Shape) -> list[jax.ShapeDtypeStruct]:
         """The step's arguments after the model, abstract: ids, mask, positions, segments, prefixes
         ``[batch, width]`` (rows on the batch axes), scored slots and targets ``[scored]`` (replicated)."""
-        rows, flat = (self.batch_size, shape.width), (shape.scored,)
+        rows, flat = (shape.rows, shape.width), (shape.scored,)
         return [jax.ShapeDtypeStruct(dims, dtype, sharding=self._sharding(dims))  # type: ignore[no-untyped-call]
                 for dims, dtype in ((rows, jnp.int32), (rows, jnp.bool_), (rows, jnp.int32), (rows, jnp.int32),
                                     (rows, jnp.int32), (flat, jnp.int32), (flat, jnp.int32))]
@@ -299,7 +308,7 @@ class Scorer:
         return out
 
     def _run(self, model: CausalLM, rows: list[list[Group]], shape: Shape) -> tuple[jax.Array, jax.Array]:
-        ids = np.zeros((self.batch_size, shape.width), np.int32)
+        ids = np.zeros((shape.rows, shape.width), np.int32)
         mask = np.zeros(ids.shape, bool)
         positions, segments, prefixes = np.zeros_like(ids), np.zeros_like(ids), np.zeros_like(ids)
         at = np.zeros(shape.scored, np.int32)

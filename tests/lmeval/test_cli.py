@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -73,16 +74,29 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
                 assert first["results"][task][key] == value, (task, key)
 
 
-def test_lm_eval_own_command_line_runs_the_otfload_model(setup):
-    checkpoint, tasks = setup
+def lm_eval_cli_job(checkpoint, tasks, model_args: str, cache_env) -> str:
+    """``python -m otfload.lm_eval run --model otfload`` (lm_eval's own command line); its stdout."""
     out = subprocess.run(
         [sys.executable, "-m", "otfload.lm_eval", "run", "--model", "otfload",
-         "--model_args", f"pretrained={checkpoint},mesh=fsdp:4/tp:2", "--batch_size", "8", "--tasks", "otf_mc",
-         "--include_path", str(tasks), "--limit", str(LIMIT)],
-        capture_output=True, text=True, timeout=600)
+         "--model_args", f"pretrained={checkpoint},mesh=fsdp:4/tp:2{model_args}", "--batch_size", "8",
+         "--tasks", "otf_mc", "--include_path", str(tasks), "--limit", str(LIMIT)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OTFLOAD_COMPILE_CACHE": str(cache_env)})
     assert out.returncode == 0, out.stderr
-    row = next(line for line in out.stdout.splitlines() if "otf_mc" in line)  # lm_eval's results table
+    return out.stdout
+
+
+def test_lm_eval_own_command_line_runs_the_otfload_model_and_keeps_its_programs(setup, tmp_path):
+    """lm_eval's command line builds the backend from ``model_args``: compiled programs are kept in
+    ``$OTFLOAD_COMPILE_CACHE`` by default (as ``otfload lm-eval`` keeps them), not with
+    ``compile_cache=off``."""
+    checkpoint, tasks = setup
+    default, off = tmp_path / "default", tmp_path / "unused"
+    stdout = lm_eval_cli_job(checkpoint, tasks, "", default)
+    row = next(line for line in stdout.splitlines() if "otf_mc" in line)  # lm_eval's results table
     assert "acc" in row
+    assert [p.name.split("-")[0] for p in (default / DIR_NAME).iterdir()] == ["_loglik_of_batch"]
+    lm_eval_cli_job(checkpoint, tasks, ",compile_cache=off", off)
+    assert not off.exists()
 
 
 def test_unknown_task_fails_before_the_load(setup):

@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 
+import jax
 import pytest
 
 from otfload.errors import EvalRequestError, TokenizerError
@@ -168,3 +169,23 @@ def test_groups_are_packed_into_rows_of_one_width():
     assert all(sum(len(groups[i].ids) for i in row) <= 32 for row in rows) and len(rows) == 3  # 89 slots
     most = max(sum(len(groups[i].at) for row in batch for i in row) for batch, _ in batches)
     assert batches[0][1].scored == -(-most // 16) * 16
+    assert batches[0][1].rows == 2
+
+
+def test_rows_are_dealt_evenly_to_the_fewest_batches():
+    """Five rows at ``batch_size`` 4 are two batches of at most 3 rows (not 4 and 1 padded to 4: a
+    filler row costs a full row's work); on a mesh whose batch axes split rows two ways, a batch
+    holds a multiple of 2 (here 4), so rows stay sharded."""
+    import otfload
+    from otfload.lm_eval.scoring import Scorer, Timings, make_groups
+
+    requests = [([k + 1] * 19, [2, 3]) for k in range(5)]  # distinct contexts, 20 slots each: a row each
+    groups = make_groups(requests, max_length=64)
+    batches = Scorer(4, 64, None, None, Timings()).plan(groups)
+    assert [len(batch) for batch, _ in batches] == [3, 2] and batches[0][1].rows == 3
+    mesh = otfload.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+    on_mesh = Scorer(4, 64, mesh, None, Timings())
+    shape = on_mesh.plan(groups)[0][1]
+    assert shape.rows == 4
+    ids = on_mesh._arguments(shape)[0]
+    assert ids.shape == (4, 32) and ids.sharding.shard_shape(ids.shape) == (2, 32)
