@@ -12,10 +12,9 @@ experts run expert-parallel on an ``ep`` axis.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from otfload.models.attention import CACHE_AXES
 from otfload.models.base import CausalLM
 from otfload.models.origin import origin_of
 from otfload.plan.sharding import logical_to_sharding
+from otfload.programs import CachedJit
 
 # A model's KV cache (``CausalLM.init_cache``): ``{"index", "mask", "layers": {group: {"k", "v"}}}``.
 KVCache = dict[str, Any]
@@ -34,6 +34,16 @@ KVCache = dict[str, Any]
 
 class ContextLengthWarning(UserWarning):
     """A generation runs past the positions the model was trained for (``max_position_embeddings``)."""
+
+
+class Generated(NamedTuple):
+    """:func:`generate`'s ids and the seconds spent getting its step programs (key, read of a kept
+    program, or tracing, lowering and XLA: :class:`otfload.programs.Program`) and, of those,
+    tracing and lowering."""
+
+    ids: jax.Array
+    compile_seconds: float
+    lower_seconds: float
 
 
 def generate(
@@ -61,6 +71,23 @@ def generate(
     longest prompt (its real tokens) and ``max_new_tokens`` take more positions than the config's
     ``max_position_embeddings``, a ``ContextLengthWarning`` says so, and decoding goes on.
     """
+    return _generate(model, input_ids, max_new_tokens, attention_mask, eos_token_id, pad_token_id, stop).ids
+
+
+def timed_generate(model: CausalLM, input_ids: jax.Array | np.ndarray, max_new_tokens: int,
+                   attention_mask: jax.Array | np.ndarray | None = None, *,
+                   eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                   stop: Callable[[np.ndarray], bool] | None = None) -> Generated:
+    """:func:`generate`, and the seconds spent getting its programs (a caller that splits its time
+    into compiling and generating, as lm_eval's ``generate_until`` does)."""
+    return _generate(model, input_ids, max_new_tokens, attention_mask, eos_token_id, pad_token_id, stop)
+
+
+def _generate(model: CausalLM, input_ids: jax.Array | np.ndarray, max_new_tokens: int,
+              attention_mask: jax.Array | np.ndarray | None, eos_token_id: int | Sequence[int] | None,
+              pad_token_id: int | None, stop: Callable[[np.ndarray], bool] | None) -> Generated:
+    """What :func:`generate` and :func:`timed_generate` do (called by them directly: a
+    ``ContextLengthWarning`` names their caller's line)."""
     ids = np.asarray(input_ids)
     if ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, seq]; got shape {ids.shape}")
@@ -72,11 +99,21 @@ def generate(
         raise ValueError(f"attention_mask has shape {mask.shape}; expected {ids.shape} like input_ids")
     eos, pad = special_tokens(model, eos_token_id, pad_token_id)
     if max_new_tokens == 0:
-        return jnp.asarray(ids)
+        return Generated(jnp.asarray(ids), 0.0, 0.0)
     warn_past_context(model, int(mask.sum(axis=-1).max()), max_new_tokens)
     positions = np.where(mask, np.cumsum(mask, axis=-1) - 1, 0).astype(np.int32)
     mesh = model_mesh(model)
-    run = functools.partial(_step, eos=eos, pad=pad, mesh=mesh)
+    serial = one_step_at_a_time(mesh)
+    compile_seconds = lower_seconds = 0.0
+
+    def run(*args: Any) -> tuple[jax.Array, KVCache, jax.Array]:
+        nonlocal compile_seconds, lower_seconds
+        program = _step.compile(*args, eos=eos, pad=pad, mesh=mesh)  # this process's after the first call
+        compile_seconds += program.seconds
+        lower_seconds += program.lower_seconds
+        out: tuple[jax.Array, KVCache, jax.Array] = program.compiled(*args)
+        return out
+
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         cache = model.init_cache(batch, seq + max_new_tokens)
         if mesh is not None:
@@ -87,18 +124,18 @@ def generate(
         for t in range(1, max_new_tokens):
             if eos and not bool(unfinished.any()):
                 break
-            if stop is not None and stop(np.stack([np.asarray(x) for x in new], axis=1)):
+            if stop is not None and stop(np.concatenate([np.asarray(x) for x in new], axis=1)):
                 break
-            token, cache, unfinished = run(model, token[:, None], np.ones((batch, 1), bool), last + t, cache,
-                                           unfinished)
+            if serial:
+                token.block_until_ready()
+            token, cache, unfinished = run(model, token, np.ones((batch, 1), bool), last + t, cache, unfinished)
             new.append(token)
     out = np.full((batch, max_new_tokens), 0 if pad is None else pad, np.int32)
-    out[:, : len(new)] = np.stack([np.asarray(t) for t in new], axis=1)
-    return jnp.asarray(np.concatenate([ids.astype(np.int32), out], axis=1))
+    out[:, : len(new)] = np.concatenate([np.asarray(t) for t in new], axis=1)
+    return Generated(jnp.asarray(np.concatenate([ids.astype(np.int32), out], axis=1)), compile_seconds, lower_seconds)
 
 
-@functools.partial(jax.jit, static_argnames=("eos", "pad", "mesh"), donate_argnames=("cache",))
-def _step(
+def _decoding_step(
     model: CausalLM,
     tokens: jax.Array | np.ndarray,
     step_mask: np.ndarray,
@@ -110,8 +147,8 @@ def _step(
     pad: int | None,
     mesh: Mesh | None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
-    """One decoding step (prefill or decode: two shapes, two compilations): the next token of every
-    row and the updated cache. Compiled once per model structure, special tokens and mesh."""
+    """One decoding step (prefill or decode: two shapes, two programs): the next token of every
+    row (``[b, 1]``: the next step's input as it is) and the updated cache."""
     logits, updated = model.run(tokens, step_mask, step_positions, cache, last_only=True)
     assert updated is not None  # run returns the cache it was given, updated
     cache = updated
@@ -123,6 +160,7 @@ def _step(
         assert pad is not None  # special_tokens falls back to the first EOS id
         nxt = jnp.where(unfinished, nxt, pad)
         unfinished = unfinished & ~jnp.isin(nxt, jnp.asarray(eos, jnp.int32))
+    nxt = nxt[:, None]
     if mesh is not None:
         # The new tokens go back to the host every step: replicated, every process of a mesh
         # spanning several holds them all (a row-sharded array could not be read there).
@@ -130,6 +168,19 @@ def _step(
         nxt, unfinished = (jax.lax.with_sharding_constraint(x, replicated)  # type: ignore[no-untyped-call]
                            for x in (nxt, unfinished))
     return nxt, cache, unfinished
+
+
+# Compiled once per model structure, shape, special tokens and mesh, and kept across jobs
+# (otfload.programs); the cache (argument 4) is updated in place.
+_step = CachedJit(_decoding_step, static_argnames=("eos", "pad", "mesh"), donate_argnums=(4,))
+
+
+def one_step_at_a_time(mesh: Mesh | None) -> bool:
+    """Whether each decoding step waits for the last one's token before it is dispatched: on XLA:CPU
+    a program over several devices deadlocks in its collectives when many of its runs are queued
+    (seen with 8 host devices and 130 steps queued: "only 7 of 8 arrived" at an all-reduce, then
+    an abort). Elsewhere the steps queue up and the host's dispatch overlaps the devices' work."""
+    return mesh is not None and mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
 
 
 def config_with(model: CausalLM, key: str) -> dict[str, Any]:
@@ -168,7 +219,7 @@ def warn_past_context(model: CausalLM, prompt_tokens: int, max_new_tokens: int) 
         warnings.warn(f"a prompt of {prompt_tokens} tokens and {max_new_tokens} new tokens take {total} positions, "
                       f"more than the model's max_position_embeddings of {limit} (config.json): the tokens past "
                       f"position {limit} are generated beyond what the model was trained for",
-                      ContextLengthWarning, stacklevel=3)
+                      ContextLengthWarning, stacklevel=4)  # the caller of generate/timed_generate
 
 
 def model_mesh(model: nnx.Module) -> Mesh | None:

@@ -11,13 +11,21 @@ under a key of everything that shapes the program before it is lowered:
 * the function (module and qualified name) and a digest of otfload's sources (every ``.py`` file of
   the package: a change to any code the function can reach gives a new key);
 * the arguments' tree (an NNX module's structure and static fields: its config) and each leaf's
-  shape, dtype, weak type and sharding (mesh, spec and device ids), and the jit's output shardings;
+  shape, dtype, weak type and sharding (mesh, spec and device ids), the static arguments' values
+  (keywords the function is specialised on: a mesh by its axes and device ids, anything else by
+  its ``repr``), the donated arguments, the jit's output shardings and the mesh the call runs
+  under (``jax.set_mesh``);
 * the Python, JAX, jaxlib, Flax and NumPy versions, every ``jax.config`` value, ``XLA_FLAGS``, the
   process index and count, the backend (platform, version, every device's id and kind) and, on CPU,
   the host's instruction-set flags (an executable compiled for one CPU must not run on another).
 
 A second job computes the key, reads the entry and loads the executable: no tracing, lowering or
-XLA compilation. An entry is written whole or not at all (a temporary file renamed into place) and
+XLA compilation. Within a process each program is also remembered by the arguments' tree, each
+leaf's shape, dtype, weak type and sharding, the static values and JAX's tracing context (what
+``jax.jit``'s own cache looks at), so a program called once per step, like a decoding step, is
+keyed and read once, and each later :meth:`CachedJit.compile` costs a dictionary look-up.
+
+An entry is written whole or not at all (a temporary file renamed into place) and
 holds a SHA-256 of its payload; one that fails its checksum, does not load, or records argument
 shapes other than the call's is compiled afresh and rewritten, with a warning: a bad entry costs a
 compilation, never a wrong program. The module compiled to be kept has a name of its own (the
@@ -44,15 +52,16 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import flax
 import jax
 import numpy as np
+from jax._src import config as jax_config  # trace_context: what jax.jit's own cache keys by
 from jax.experimental import serialize_executable
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 log = logging.getLogger(__name__)
 
@@ -74,64 +83,101 @@ class Program(NamedTuple):
 
 
 class CachedJit:
-    """``jax.jit(fn, out_shardings=...)`` whose compiled programs are kept across processes.
+    """``jax.jit(fn, static_argnames=..., donate_argnums=..., out_shardings=...)`` whose compiled
+    programs are kept across processes.
 
     ``fn`` must be a function without a closure (the key names it, it does not read captured
-    values); :meth:`compile` takes arguments as ``jax.jit(fn).lower`` does (arrays or
-    ``jax.ShapeDtypeStruct`` leaves, shardings included)."""
+    values). :meth:`compile` takes the positional arguments as ``jax.jit(fn).lower`` does (arrays
+    or ``jax.ShapeDtypeStruct`` leaves, shardings included) and the static ones, ``static_argnames``,
+    as keywords (hashable values the program is specialised on); the compiled program takes the
+    positional ones alone. ``donate_argnums``: the positional arguments whose buffers the program
+    may reuse for its outputs (a call deletes the caller's arrays there)."""
 
-    def __init__(self, fn: Callable[..., Any], *, out_shardings: Any = None) -> None:
+    def __init__(self, fn: Callable[..., Any], *, static_argnames: Sequence[str] = (),
+                 donate_argnums: Sequence[int] = (), out_shardings: Any = None) -> None:
         if getattr(fn, "__closure__", None) or not hasattr(fn, "__qualname__"):
             raise ValueError(f"{fn!r}: a program kept across jobs is a plain function (a closure's values "
                              "would not be in its key)")
         self.fn, self.out_shardings = fn, out_shardings
+        self.static_argnames, self.donate_argnums = frozenset(static_argnames), tuple(donate_argnums)
+        self._programs: dict[Hashable, jax.stages.Compiled] = {}  # this process's, by _signature
 
-    def compile(self, *args: Any) -> Program:
-        """The program for ``args``: from the cache when an entry is there, else traced, lowered
-        and compiled (and kept when a cache directory is set)."""
+    def compile(self, *args: Any, **static: Any) -> Program:
+        """The program for ``args`` and the static values: this process's when it has it (0
+        seconds), else from the cache when an entry is there, else traced, lowered and compiled
+        (and kept when a cache directory is set)."""
+        signature = _signature(args, static)
+        compiled = self._programs.get(signature)
+        if compiled is not None:
+            return Program(compiled, 0.0, 0.0)
+        program = self._get(args, static)
+        self._programs[signature] = program.compiled
+        return program
+
+    def _get(self, args: tuple[Any, ...], static: dict[str, Any]) -> Program:
+        """The program from the cache, else compiled (and kept when a cache directory is set)."""
         start = time.perf_counter()
+        if static.keys() != self.static_argnames:
+            raise TypeError(f"{self.fn.__qualname__}: static arguments {sorted(static)} given; "
+                            f"expected {sorted(self.static_argnames)}")
         directory = programs_dir()
-        key = None if directory is None else self.key(*args)
+        key = None if directory is None else self.key(*args, **static)
         if directory is None or key is None:
-            return self._compile(self.fn, args, None, start)
+            return self._compile(_named(self.fn, self.fn.__name__, static), args, None, start)
         path = directory / f"{self.fn.__name__}-{key}"
         compiled = _load(path, *jax.tree.flatten((args, {})))
         if compiled is not None:
             return Program(compiled, time.perf_counter() - start, 0.0)
         # A name of its own: XLA's cache, which this compilation writes to as well, never returns it.
-        named = _named(self.fn, f"{self.fn.__name__}_{uuid.uuid4().hex[:TOKEN_CHARS]}")
+        named = _named(self.fn, f"{self.fn.__name__}_{uuid.uuid4().hex[:TOKEN_CHARS]}", static)
         return self._compile(named, args, path, start)
 
     def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...], path: Path | None, start: float) -> Program:
         """Trace, lower and compile ``fn`` for ``args``; keep the program at ``path`` when given.
         ``start``: when :meth:`compile` was called."""
-        jitted = jax.jit(fn) if self.out_shardings is None else jax.jit(fn, out_shardings=self.out_shardings)
+        options: dict[str, Any] = {"donate_argnums": self.donate_argnums}
+        if self.out_shardings is not None:
+            options["out_shardings"] = self.out_shardings
         lower_start = time.perf_counter()
-        lowered = jitted.lower(*args)
+        lowered = jax.jit(fn, **options).lower(*args)
         lower_seconds = time.perf_counter() - lower_start
         compiled = lowered.compile()
         if path is not None:
             _save(path, compiled)
         return Program(compiled, time.perf_counter() - start, lower_seconds)
 
-    def key(self, *args: Any) -> str | None:
-        """The key of the program for ``args`` (hex SHA-256); None when it is not kept: a leaf is
-        not an array on this process's devices, or the description names an object by its address
-        (a new key in every process)."""
+    def key(self, *args: Any, **static: Any) -> str | None:
+        """The key of the program for ``args`` and the static values (hex SHA-256); None when it
+        is not kept: a leaf is not an array on this process's devices, or the description names an
+        object by its address (a new key in every process)."""
         leaves, tree = jax.tree.flatten((args, {}))
         if not all(_keepable(leaf) for leaf in leaves):
             return None
         out_shardings = [_sharding_key(s) for s in jax.tree.leaves(self.out_shardings)]
+        statics = [(name, _static_key(static[name])) for name in sorted(static)]
+        ambient = (repr(jax.sharding.get_abstract_mesh()), _mesh_key(jax.sharding.get_mesh()))
         description = repr([FORMAT, self.fn.__module__, self.fn.__qualname__, sources_digest(), environment_key(),
-                            repr(tree), [_leaf_key(leaf) for leaf in leaves], out_shardings])
+                            repr(tree), [_leaf_key(leaf) for leaf in leaves], statics, self.donate_argnums,
+                            out_shardings, ambient])
         return None if ADDRESS.search(description) else hashlib.sha256(description.encode()).hexdigest()
 
 
-def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` under ``name``: the name of the module XLA compiles, which XLA's cache key hashes."""
+def _signature(args: tuple[Any, ...], static: dict[str, Any]) -> Hashable:
+    """What tells this process's programs apart (as ``jax.jit``'s cache does): the arguments' tree,
+    each leaf's shape, dtype, weak type and sharding, the static values, JAX's tracing context
+    (its configuration and abstract mesh) and the mesh the call runs under."""
+    leaves, tree = jax.tree.flatten(args)
+    avals = tuple((getattr(leaf, "shape", None), getattr(leaf, "dtype", type(leaf)),
+                   getattr(leaf, "weak_type", False), getattr(leaf, "sharding", None)) for leaf in leaves)
+    return tree, avals, frozenset(static.items()), jax_config.trace_context(), jax.sharding.get_mesh()
+
+
+def _named(fn: Callable[..., Any], name: str, static: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` with the static values bound, under ``name``: the name of the module XLA compiles,
+    which XLA's cache key hashes."""
 
     def program(*args: Any) -> Any:
-        return fn(*args)
+        return fn(*args, **static)
 
     program.__name__ = program.__qualname__ = name
     return program
@@ -193,8 +239,20 @@ def _sharding_key(sharding: Any) -> tuple[str, tuple[int, ...]]:
     """A sharding's description with its devices in order (a ``NamedSharding``'s repr names its
     mesh's axes, not which devices they hold)."""
     if isinstance(sharding, NamedSharding):
-        return repr(sharding), tuple(int(i) for i in np.asarray(sharding.mesh.device_ids).flat)
+        return repr(sharding), _mesh_key(sharding.mesh)[1]
     return repr(sharding), tuple(sorted(d.id for d in sharding.device_set))
+
+
+def _mesh_key(mesh: Mesh | AbstractMesh) -> tuple[str, tuple[int, ...]]:
+    """A mesh's description (axes, sizes, types) and its devices in order (none for an abstract or
+    empty mesh: no ``jax.set_mesh``)."""
+    ids = np.asarray(mesh.device_ids).flat if isinstance(mesh, Mesh) and not mesh.empty else ()
+    return repr(mesh), tuple(int(i) for i in ids)
+
+
+def _static_key(value: Any) -> Any:
+    """A static argument's value in a key: a mesh by its axes and devices, anything else by its ``repr``."""
+    return _mesh_key(value) if isinstance(value, Mesh | AbstractMesh) else repr(value)
 
 
 def _keepable(leaf: Any) -> bool:

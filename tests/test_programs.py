@@ -1,10 +1,15 @@
 """The key of a kept program (``otfload.programs``): the same in every process for the same program
-(the second job in a fresh process is ``tests/cli/test_eval_programs.py`` and
-``tests/lmeval/test_cli.py``), and another key whenever something that shapes the program differs:
-the model's config, an argument's shape or dtype, the shardings and which devices they name, the
-output shardings, XLA's flags. What cannot be keyed is not kept (key None)."""
+(the second job in a fresh process is ``tests/cli/test_eval_programs.py``, ``tests/lmeval/test_cli.py``
+and, for the decoding steps, the last test here), and another key whenever something that shapes
+the program differs: the model's config, an argument's shape or dtype, the shardings and which
+devices they name, the output shardings, XLA's flags, a static value (EOS ids, pad id, mesh), the
+donated arguments, the mesh the call runs under. What cannot be keyed is not kept (key None)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import otfload
 from otfload.evaluate import _nll_of_batch
+from otfload.generate import _decoding_step, _step, cache_shardings
 from otfload.plan.sharding import make_mesh
-from otfload.programs import CachedJit
+from otfload.programs import DIR_NAME, CachedJit
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +71,88 @@ def test_what_cannot_be_keyed_is_not_kept(models):
     factor = jnp.float32(2)
     with pytest.raises(ValueError, match="plain function"):
         CachedJit(lambda x: x * factor)  # a closure's values would not be in the key
+
+
+def step_arguments(model, mesh, width: int = 8, new_tokens: int = 6) -> tuple:
+    """The prefill step's arguments as ``otfload.generate`` passes them: prompt ``[4, width]``, the
+    cache of ``width + new_tokens`` slots on the mesh."""
+    ids, mask = batch(width)
+    cache = model.init_cache(4, width + new_tokens)
+    cache = jax.device_put(cache, cache_shardings(cache, mesh))
+    return model, ids, mask, np.zeros((4, width), np.int32), cache, jnp.ones((4,), bool)
+
+
+def test_static_values_donation_and_the_ambient_mesh_are_in_the_key(models, mesh_2x4):
+    llama, llama_again, _, llama_4x2 = models
+    statics = {"eos": (2,), "pad": 0, "mesh": mesh_2x4}
+    with jax.set_mesh(mesh_2x4):
+        key = _step.key(*step_arguments(llama, mesh_2x4), **statics)
+        assert key is not None
+        assert _step.key(*step_arguments(llama_again, mesh_2x4), **statics) == key
+        others = [
+            _step.key(*step_arguments(llama, mesh_2x4), **{**statics, "eos": (3,)}),  # another EOS id
+            _step.key(*step_arguments(llama, mesh_2x4), **{**statics, "eos": (2, 3)}),
+            _step.key(*step_arguments(llama, mesh_2x4), **{**statics, "pad": 1}),  # another pad id
+            _step.key(*step_arguments(llama, mesh_2x4, width=16), **statics),  # another prompt width
+            _step.key(*step_arguments(llama, mesh_2x4, new_tokens=10), **statics),  # another max_gen_toks
+            CachedJit(_decoding_step, static_argnames=("eos", "pad", "mesh")).key(  # nothing donated
+                *step_arguments(llama, mesh_2x4), **statics),
+        ]
+    others.append(_step.key(*step_arguments(llama, mesh_2x4), **statics))  # not under the mesh
+    mesh_4x2 = make_mesh({"fsdp": 4, "tp": 2})
+    with jax.set_mesh(mesh_4x2):
+        others.append(_step.key(*step_arguments(llama_4x2, mesh_4x2), **{**statics, "mesh": mesh_4x2}))
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_static_arguments_are_checked(models, mesh_2x4):
+    llama = models[0]
+    with pytest.raises(TypeError, match=r"static arguments \['eos'\] given; expected \['eos', 'mesh', 'pad'\]"):
+        _step.compile(*step_arguments(llama, mesh_2x4), eos=(2,))
+
+
+# A decoding job in a fresh process with a compilation cache: the ids of a left-padded batch, the
+# seconds spent getting the programs (twice: the second call's come from this process's), and
+# whether the cache passed to the (loaded or compiled) step program was donated.
+GENERATE_JOB = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from otfload.compile_cache import enable_compile_cache
+enable_compile_cache(sys.argv[2])
+import otfload
+from otfload.generate import _step, cache_shardings, timed_generate
+from otfload.plan.sharding import make_mesh
+mesh = make_mesh({"fsdp": 2, "tp": 4})
+model = otfload.from_pretrained(sys.argv[1], mesh=mesh)
+ids = np.array([[0, 0, 5, 9, 7, 3], [4, 8, 2, 6, 1, 5]], np.int32)
+first, again = (timed_generate(model, ids, 5, ids > 0, eos_token_id=[], pad_token_id=0) for _ in range(2))
+with jax.set_mesh(mesh):
+    cache = model.init_cache(2, 11)
+    cache = jax.device_put(cache, cache_shardings(cache, mesh))
+    args = (model, ids, ids > 0, np.zeros_like(ids), cache, jnp.ones((2,), bool))
+    _step.compile(*args, eos=(), pad=0, mesh=mesh).compiled(*args)
+print(json.dumps({"ids": np.asarray(first.ids).tolist(), "compile": first.compile_seconds,
+                  "lower": first.lower_seconds, "again": again.compile_seconds,
+                  "donated": all(x.is_deleted() for x in jax.tree.leaves(cache))}))
+"""
+
+
+def test_a_second_process_decodes_with_the_kept_step_programs(tiny_checkpoints, tmp_path):
+    path, _ = tiny_checkpoints("llama")
+    cache = tmp_path / "xla"
+
+    def job() -> dict:
+        out = subprocess.run([sys.executable, "-c", GENERATE_JOB, str(path), str(cache)], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first = job()
+    kept = {p.name: p.read_bytes() for p in (cache / DIR_NAME).iterdir()}
+    assert len(kept) == 2 and all(name.startswith("_decoding_step-") for name in kept)  # prefill, decode
+    assert first["lower"] > 0 and first["again"] == 0.0  # the second call: this process's programs
+    second = job()
+    assert second["ids"] == first["ids"]
+    assert second["lower"] == 0.0 and second["compile"] < first["compile"] / 4  # read, not traced or compiled
+    assert {p.name: p.read_bytes() for p in (cache / DIR_NAME).iterdir()} == kept  # none written again
+    assert first["donated"] and second["donated"]  # a loaded program reuses the cache's buffers too

@@ -35,7 +35,7 @@ in ``$OTFLOAD_COMPILE_CACHE``, else ``~/.cache/otfload/xla``, unless ``compile_c
 
 ``max_length`` defaults to the config's ``n_positions``/``max_position_embeddings``/``n_ctx`` (its
 ``text_config`` first), else 2048, as lm_eval resolves it. ``timings`` holds the seconds spent
-loading, compiling, scoring and generating.
+loading, compiling (the scoring and the decoding steps' programs), scoring and generating.
 """
 
 from __future__ import annotations

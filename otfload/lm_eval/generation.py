@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from otfload.errors import EvalRequestError
-from otfload.generate import generate, special_tokens
+from otfload.generate import special_tokens, timed_generate
 from otfload.lm_eval.buckets import choose_widths, width_for
 from otfload.lm_eval.scoring import Timings
 from otfload.lm_eval.tokens import CheckpointTokenizer
@@ -84,7 +84,10 @@ def cut_at_stops(text: str, until: Sequence[str]) -> str:
 
 
 class Generator:
-    """Greedy ``generate_until`` for prompts already encoded, ``batch_size`` rows at a time."""
+    """Greedy ``generate_until`` for prompts already encoded, ``batch_size`` rows at a time. Its
+    seconds go to ``timings``: getting the step programs (one per prompt width and phase, kept
+    across jobs by :mod:`otfload.programs`) to ``compile_seconds`` and ``lower_seconds``, the
+    rest of decoding to ``generate_seconds``."""
 
     def __init__(self, tokenizer: CheckpointTokenizer, batch_size: int, timings: Timings) -> None:
         self.tokenizer, self.batch_size, self.timings = tokenizer, batch_size, timings
@@ -98,7 +101,6 @@ class Generator:
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         widths = choose_widths([len(prompts[b[0]]) for b in batches], max(len(p) for p in prompts))
         out = [""] * len(prompts)
-        start = time.perf_counter()
         for batch in batches:
             rows = [prompts[i] for i in batch]
             texts = self._batch(model, rows, width_for(len(rows[0]), widths), options)
@@ -106,7 +108,6 @@ class Generator:
                 out[i] = text
             if progress is not None:
                 progress(len(batch))
-        self.timings.generate_seconds += time.perf_counter() - start
         return out
 
     def _batch(self, model: CausalLM, rows: list[Sequence[int]], width: int, options: GenerationOptions) -> list[str]:
@@ -120,8 +121,14 @@ class Generator:
         def stopped(new: np.ndarray) -> bool:
             return all(eos & set(new[r].tolist()) or self._has_stop(new[r], options.until) for r in range(len(rows)))
 
-        out = np.asarray(generate(model, ids, options.max_gen_toks, mask, pad_token_id=self.tokenizer.pad_id,
-                                  stop=stopped))
+        start = time.perf_counter()
+        generated = timed_generate(model, ids, options.max_gen_toks, mask, pad_token_id=self.tokenizer.pad_id,
+                                   stop=stopped)
+        out = np.asarray(generated.ids)
+        # The step programs' seconds (key and kept program read, or tracing, lowering and XLA) are compiling.
+        self.timings.compile_seconds += generated.compile_seconds
+        self.timings.lower_seconds += generated.lower_seconds
+        self.timings.generate_seconds += time.perf_counter() - start - generated.compile_seconds
         # After EOS a row holds the padding id; decoding skips both (special tokens), as lm_eval's does.
         return [cut_at_stops(self.tokenizer.decode(out[r, width:].tolist()), options.until) for r in range(len(rows))]
 

@@ -1,7 +1,7 @@
 """``otfload lm-eval`` and ``python -m otfload.lm_eval run --model otfload``: the installed commands
 in subprocesses, as a user runs them. The JSON holds lm_eval's ``results`` equal to its ``hf``
-backend's; a second job loads its scoring programs from the persistent cache (no tracing or
-lowering, no new entry) and gives the same results."""
+backend's; a second job loads its scoring and decoding programs from the persistent cache (no
+tracing or lowering, no new entry) and gives the same results."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def setup(tiny_checkpoints, tmp_path_factory):
 
 def lm_eval_job(checkpoint, tasks, cache) -> dict:
     out = subprocess.run(
-        [str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "otf_mc,otf_ppl", "--include-path", str(tasks),
+        [str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "otf_mc,otf_ppl,otf_gen", "--include-path", str(tasks),
          "--limit", str(LIMIT), "--devices", "8", "--mesh", "fsdp=2,tp=4", "--batch-size", "8",
          "--compile-cache", str(cache), "--json"],
         capture_output=True, text=True, timeout=600)
@@ -52,12 +52,13 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
     entries = sorted(p.name for p in cache.iterdir())
     assert any("loglik_of_batch" in name for name in entries)  # the scoring step was cached
     programs = {p.name: p.stat().st_mtime_ns for p in (cache / DIR_NAME).iterdir()}
-    assert programs and all(name.startswith("_loglik_of_batch-") for name in programs)
+    assert {name.split("-")[0] for name in programs} == {"_loglik_of_batch", "_decoding_step"}
     second = lm_eval_job(checkpoint, tasks, cache)
     assert sorted(p.name for p in cache.iterdir()) == entries  # nothing compiled: no new XLA entry
     assert {p.name: p.stat().st_mtime_ns for p in (cache / DIR_NAME).iterdir()} == programs  # none rewritten
-    assert second["timings"]["lower_seconds"] == 0.0  # every scoring program loaded: nothing traced or lowered
-    assert second["results"] == first["results"]
+    assert second["timings"]["lower_seconds"] == 0.0  # every program loaded: nothing traced or lowered
+    assert second["timings"]["compile_seconds"] < first["timings"]["compile_seconds"] / 4
+    assert second["results"] == first["results"]  # otf_gen's exact match: of the same generations
     timings = first["timings"]
     assert set(timings) == {"load_seconds", "compile_seconds", "lower_seconds", "score_seconds", "generate_seconds"}
     assert 0 < timings["lower_seconds"] < timings["compile_seconds"]

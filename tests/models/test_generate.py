@@ -86,8 +86,8 @@ def test_cache_is_sharded_on_the_model_mesh(tiny_checkpoints):
     with jax.set_mesh(mesh):
         cache = model.init_cache(2, 6)
         cache = jax.device_put(cache, cache_shardings(cache, mesh))
-        _, cache, _ = _step(model, ids, np.ones_like(ids, bool), np.arange(4)[None].repeat(2, 0), cache,
-                            jnp.ones((2,), bool), eos=(), pad=None, mesh=mesh)
+        args = (model, ids, np.ones_like(ids, bool), np.arange(4)[None].repeat(2, 0), cache, jnp.ones((2,), bool))
+        _, cache, _ = _step.compile(*args, eos=(), pad=None, mesh=mesh).compiled(*args)
     k = cache["layers"]["layers"]["k"]  # [layers, batch, slots, kv heads, head dim]
     assert k.sharding.spec == P(None, "fsdp", None, "tp")
     assert cache["mask"].sharding.spec == P("fsdp")
