@@ -33,7 +33,9 @@ Parts:
 * ``cache``: the same ``otfload lm-eval`` job twice with a fresh ``--compile-cache`` directory:
   the ``compile_seconds`` of each (tracing + lowering + XLA compilation, or loading the programs
   the first job kept: ``otfload.programs``), its tracing + lowering part, the CPU seconds of each
-  job, and whether the two jobs' results are equal.
+  job, and whether the two jobs' results are equal; for the multiple-choice task, then for a
+  ``generate_until`` task (``bench_gen``: ``GEN_PROMPTS`` source-line prompts, greedy, ``GEN_TOKENS``
+  new tokens, stop at a newline or a period), whose compile time is its prefill and decoding steps'.
 * ``overlap``: in a child process, the backend is built (weights loading on their thread) and the
   scoring step compiled for ``--widths`` either after the load ends (sequential) or while it runs
   (overlapped): the wall time from construction to "weights in and shapes compiled", against the
@@ -58,6 +60,7 @@ from benchmarks.bench_eval import PRESETS, build, corpus_lines
 
 ROOT = Path("bench_data") / "lm_eval"
 BATCH = 16
+GEN_PROMPTS, GEN_TOKENS = 64, 32  # the cache part's generate_until job: 4 batches, a few prompt widths
 WIDTHS = (64, 128, 192, 256)  # the overlap part's widths (16 scored positions): what a multiple-choice job compiles
 OVERLAP_CHILD = """
 import json, sys, time
@@ -124,6 +127,20 @@ def make_task(root: Path, questions: int, seed: int = 0) -> Path:
     return root
 
 
+def make_gen_task(root: Path, prompts: int = GEN_PROMPTS, seed: int = 0) -> str:
+    """A ``bench_gen`` task (``generate_until``) of ``prompts`` source lines under ``root``; returns its name."""
+    rng = random.Random(seed)
+    lines = rng.sample([line for line in corpus_lines() if 8 <= len(line) <= 120], prompts)
+    (root / "gen.jsonl").write_text("".join(json.dumps({"prompt": line, "answer": ""}) + "\n" for line in lines))
+    (root / "bench_gen.yaml").write_text(
+        "task: bench_gen\ndataset_path: json\ntest_split: test\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {(root / 'gen.jsonl').resolve()}\n"
+        "output_type: generate_until\ndoc_to_text: \"{{prompt}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        f"generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: {GEN_TOKENS}\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    return "bench_gen"
+
+
 def checkpoint(preset: str) -> Path:
     """A ``benchmarks.bench_eval`` preset with a ``tokenizer_config.json`` naming its special tokens."""
     path, _ = build(preset, texts=1, length=16)
@@ -143,8 +160,9 @@ def child(command: list[str], env: dict[str, str] | None = None) -> tuple[float,
     return wall, out.stdout
 
 
-def otfload_job(ckpt: Path, tasks: Path, cache: str, env: dict[str, str]) -> tuple[float, dict]:
-    wall, stdout = child([sys.executable, "-m", "otfload.cli", "lm-eval", str(ckpt), "--tasks", "bench_mc",
+def otfload_job(ckpt: Path, tasks: Path, cache: str, env: dict[str, str], task: str = "bench_mc"
+                ) -> tuple[float, dict]:
+    wall, stdout = child([sys.executable, "-m", "otfload.cli", "lm-eval", str(ckpt), "--tasks", task,
                           "--include-path", str(tasks), "--dtype", "float32", "--batch-size", str(BATCH),
                           "--compile-cache", cache, "--no-progress", "--json"], env)
     return wall, json.loads(stdout)
@@ -187,24 +205,33 @@ def part_hf(ckpt: Path, tasks: Path, env: dict[str, str], questions: int) -> Non
 
 
 def part_cache(ckpt: Path, tasks: Path, env: dict[str, str]) -> None:
+    for task in ("bench_mc", make_gen_task(tasks)):
+        cache_twice(ckpt, tasks, env, task)
+
+
+def cache_twice(ckpt: Path, tasks: Path, env: dict[str, str], task: str) -> None:
+    """The ``cache`` part for one task: two jobs sharing a fresh ``--compile-cache``."""
     cache = Path(tempfile.mkdtemp(prefix="otfload-xla-"))
     load_before, runs = os.getloadavg()[0], []
     try:
         for _ in range(2):
             before = os.times()
-            wall, result = otfload_job(ckpt, tasks, str(cache), env)
+            wall, result = otfload_job(ckpt, tasks, str(cache), env, task)
             after = os.times()
             cpu = after.children_user + after.children_system - before.children_user - before.children_system
             runs.append((wall, cpu, result))
     finally:
         shutil.rmtree(cache)
-    print(f"\nload average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
-    rows = [[i, f"{wall:.1f}", f"{cpu:.1f}", f"{r['timings']['compile_seconds']:.2f}",
-             f"{r['timings']['lower_seconds']:.2f}"] for i, (wall, cpu, r) in enumerate(runs, 1)]  # fmt: skip
-    print(harness.table(["run", "job wall s", "job CPU s", "compile s", "of which tracing + lowering s"], rows))
-    first, second = (r[2]["timings"]["compile_seconds"] for r in runs)
+    print(f"\n{task}: load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
+    timings = [r["timings"] for _, _, r in runs]
+    rows = [[i, f"{wall:.1f}", f"{cpu:.1f}", f"{t['compile_seconds']:.2f}", f"{t['lower_seconds']:.2f}",
+             f"{t['score_seconds'] + t['generate_seconds']:.2f}"]
+            for i, ((wall, cpu, _), t) in enumerate(zip(runs, timings, strict=True), 1)]  # fmt: skip
+    print(harness.table(["run", "job wall s", "job CPU s", "compile s", "of which tracing + lowering s",
+                         "score + generate s"], rows))
     same = runs[0][2]["results"] == runs[1][2]["results"]
-    print(f"second / first compile: {second / first:.1%}; results equal: {same}")
+    print(f"second / first compile: {timings[1]['compile_seconds'] / timings[0]['compile_seconds']:.1%}; "
+          f"results equal: {same}")
 
 
 def part_backends(ckpt: Path, tasks: Path, env: dict[str, str], rounds: int, hf_batch: int) -> None:
