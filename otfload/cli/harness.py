@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"source": args.source, "tasks": tasks, "results": results, "timings": timings}))
     else:
         print(make_table(out))
-        print("load {load_seconds:.2f} s (compiling {compile_seconds:.2f} s alongside); scoring {score_seconds:.2f} s; "
-              "generating {generate_seconds:.2f} s".format(**timings))
+        print("load {load_seconds:.2f} s; compiling {compile_seconds:.2f} s (scoring shapes while the weights load); "
+              "scoring {score_seconds:.2f} s; generating {generate_seconds:.2f} s".format(**timings))
     return 0
 
 
