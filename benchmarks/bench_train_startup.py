@@ -2,9 +2,11 @@
 
     python -m benchmarks.bench_train_startup                     # presets tiny and small, 3 rounds
     python -m benchmarks.bench_train_startup --preset small --rounds 5 --cold   # reads from disk
+    python -m benchmarks.bench_train_startup --platform gpu --preset 1b --rounds 1   # on an accelerator
 
 A synthetic Llama-shaped bf16 checkpoint (``benchmarks.make_checkpoint``) is loaded in float32 on
-8 simulated CPU devices (``fsdp=2 x tp=4``) and ``examples/train.py``'s AdamW step runs once on a
+8 simulated CPU devices (``fsdp=2 x tp=4``; with ``--platform gpu``, the machine's accelerators, all
+on ``fsdp``) and ``examples/train.py``'s AdamW step runs once on a
 ``[2, 128]`` batch. Each measurement is a fresh child process (no compilation cache survives
 between them; the checkpoint's pages stay cached after the first round, unless ``--cold`` drops
 them before each run), the two ways alternating:
@@ -43,13 +45,14 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 PRESETS = {
     "tiny": Dims(hidden=512, intermediate=1024, layers=2, vocab=8000),  # 13 M parameters: compiling dominates
     "small": Dims(hidden=1024, intermediate=2816, layers=8, vocab=32000),  # 160 M parameters
+    "1b": Dims(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4, head_dim=64),  # 1.1 B
 }
 BATCH = (2, 128)
 MESH = "fsdp=2,tp=4"
-DEVICES = 8
+DEVICES = 8  # simulated CPU devices; an accelerator machine's own devices all go on fsdp
 
 
-def child(mode: str, checkpoint: str) -> dict[str, float]:
+def child(mode: str, checkpoint: str, mesh_spec: str) -> dict[str, float]:
     """One measurement in this (fresh) process: seconds from the start to each milestone."""
     import jax
     import jax.numpy as jnp
@@ -64,7 +67,7 @@ def child(mode: str, checkpoint: str) -> dict[str, float]:
 
     example = runpy.run_path(str(EXAMPLE), run_name="bench")
     tx = optax.adamw(example["LEARNING_RATE"])
-    mesh = otfload.make_mesh(MESH)
+    mesh = otfload.make_mesh(mesh_spec or None)
     vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
     ids = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(0, vocab, BATCH), jnp.int32),
                          NamedSharding(mesh, P()))  # type: ignore[no-untyped-call]
@@ -96,13 +99,15 @@ def child(mode: str, checkpoint: str) -> dict[str, float]:
     return {**times, "ready": ready, "cpu": cpu, "first_step": time.perf_counter() - start}
 
 
-def run_child(mode: str, checkpoint: Path, cold: bool = False) -> dict[str, float]:
+def run_child(mode: str, checkpoint: Path, cold: bool = False, platform: str = "cpu") -> dict[str, float]:
     """One fresh process's times, with the machine's 1-minute load average before it started."""
     if cold:
         harness.drop_caches(checkpoint, files_only=True)
     before = os.getloadavg()[0]
-    result = harness.run_child("benchmarks.bench_train_startup", ["--child", mode, str(checkpoint)],
-                               devices=DEVICES, env={"TQDM_DISABLE": "1"}, what=mode)  # fmt: skip
+    mesh = MESH if platform == "cpu" else ""  # "": every device on fsdp
+    result = harness.run_child("benchmarks.bench_train_startup", ["--child", mode, str(checkpoint), mesh],
+                               devices=DEVICES if platform == "cpu" else 1, platform=platform,
+                               env={"TQDM_DISABLE": "1"}, what=mode)  # fmt: skip
     return {**result, "load_average": before}
 
 
@@ -112,11 +117,12 @@ def progress(r: Mapping[str, Any]) -> str:
             f" {r['first_step']:6.2f} s  CPU {r['cpu']:5.1f} s  load average {r['load_average']:.1f}")
 
 
-def measure(preset: str, rounds: int, cold: bool = False) -> dict[str, Any]:
+def measure(preset: str, rounds: int, cold: bool = False, platform: str = "cpu") -> dict[str, Any]:
     dims = PRESETS[preset]
     checkpoint = ensure_written(ROOT / preset, dims)
-    run_child("sequential", checkpoint)  # warm the page cache and the imports
-    runs = harness.rounds(["sequential", "overlapped"], rounds, lambda mode: run_child(mode, checkpoint, cold),
+    run_child("sequential", checkpoint, platform=platform)  # warm the page cache and the imports
+    runs = harness.rounds(["sequential", "overlapped"], rounds,
+                          lambda mode: run_child(mode, checkpoint, cold, platform),
                           line=progress)
 
     def median(mode: str, key: str) -> float:
@@ -137,7 +143,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), action="append")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child", nargs=2, metavar=("MODE", "CHECKPOINT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "CHECKPOINT", "MESH"), help=argparse.SUPPRESS)
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu: 8 simulated CPU devices; gpu: the machine's accelerators")
     parser.add_argument("--json", action="store_true", help="print the raw runs as JSON too")
     parser.add_argument("--cold", action="store_true",
                         help="drop the checkpoint files' pages before every run (posix_fadvise DONTNEED)")
@@ -150,7 +158,7 @@ def main() -> None:
                          "first step vs sequential", "CPU s to ready: sequential / overlapped"], []))  # fmt: skip
     print(f"before: {harness.machine_line()}", file=sys.stderr)
     for preset in args.preset or ["tiny", "small"]:
-        r = measure(preset, args.rounds, args.cold)
+        r = measure(preset, args.rounds, args.cold, args.platform)
         print(harness.row([preset, f"{r['params_m']:.0f} M", f"{r['load']:.2f}", f"{r['compile']:.2f}",
                            f"{r['sequential_first']:.2f}", f"{r['overlapped_ready']:.2f}",
                            f"{r['overlapped_first']:.2f}", f"{r['vs_max']:.2f}x", f"{r['vs_sequential']:.2f}x",

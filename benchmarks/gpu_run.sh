@@ -10,7 +10,7 @@
 #   PLATFORM=cpu DEVICES=8 SIZE_GIB=0.25 BIG_GIB=0 bash benchmarks/gpu_run.sh   # the dry run, anywhere
 #
 # Wheels the image lacks (fastsafetensors; huggingface_hub 2 and httpx2, which otfload imports) travel
-# in .whl/ (see docs/benchmarks.md, "Into GPU memory") and are installed into /tmp/site.
+# in .whl/ (bash benchmarks/gpu_wheels.sh fetches them first) and are installed into /tmp/site.
 set -uo pipefail
 OUT=${OUT:-/tmp/otfload-gpu}
 SIZE_GIB=${SIZE_GIB:-4} BIG_GIB=${BIG_GIB:-16} REPEAT=${REPEAT:-2} COLD_REPEAT=${COLD_REPEAT:-2}
@@ -21,25 +21,9 @@ COLD_METHODS=${COLD_METHODS-direct,fastsafetensors,otfload}
 VERIFY_METHODS=${VERIFY_METHODS:-otfload}  # hooks on the device (the host route was verified on a GPU before)
 FIRST_VARIANTS=${FIRST_VARIANTS-default,eager-modules,no-prealloc,compute-first}
 PLATFORM=${PLATFORM:-gpu} DEVICES=${DEVICES:-1}  # PLATFORM=cpu DEVICES=8: a dry run of this script anywhere
-PYTHON=${PYTHON:-python3} WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
-lscpu | grep -E "^Model name|^CPU\(s\)"; free -g | head -2; df -h /tmp | tail -1; ulimit -l
-"$PYTHON" - <<'EOF'
-import importlib
-for name in ("jax", "jaxlib", "flax", "numpy", "safetensors", "huggingface_hub", "torch", "fastsafetensors"):
-    try:
-        print(name, getattr(importlib.import_module(name), "__version__", "?"))
-    except Exception as e:  # noqa: BLE001 (report and go on)
-        print(name, "MISSING", type(e).__name__, e)
-import jax
-print(jax.devices())
-EOF
+MODULES="jax jaxlib flax numpy safetensors huggingface_hub torch fastsafetensors"
+source "$(dirname "$0")/gpu_env.sh"  # the carried wheels installed; the machine and its versions printed
 bench() {  # bench SECONDS NAME ARGS...: one bench_load run, its output kept under $OUT
   local limit=$1 name=$2; shift 2
   timeout "$limit" "$PYTHON" -m benchmarks.bench_load --platform "$PLATFORM" --devices "$DEVICES" --lenient "$@" 2>&1 \

@@ -14,11 +14,12 @@ from benchmarks.harness import result_of
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
-def test_child_runs_to_the_first_step(tiny_checkpoints, mode):
+@pytest.mark.parametrize(("mode", "mesh"), [("sequential", "fsdp=2,tp=4"), ("overlapped", "fsdp=2,tp=4"),
+                                            ("overlapped", "")])  # "": every device on fsdp (an accelerator host)
+def test_child_runs_to_the_first_step(tiny_checkpoints, mode, mesh):
     path, _ = tiny_checkpoints("llama")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_train_startup", "--child", mode, str(path)],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_train_startup", "--child", mode, str(path), mesh],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     times = result_of(out.stdout)
