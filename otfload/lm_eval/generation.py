@@ -4,7 +4,7 @@ What lm_eval's HF backend does, step for step: the generation options of a reque
 (``until`` a list of stop strings, to which the EOS token's text is added; ``max_gen_toks`` or an
 alias of it; greedy only), each context is encoded and cut on the left to ``max_length -
 max_gen_toks`` ids, contexts are sorted longest first and batched, and each batch is decoded
-greedily through the model's KV cache (:func:`otfload.generate.generate`), a row ending at the
+greedily through the model's KV cache (:func:`otfload.generate.timed_generate`), a row ending at the
 first of ``config.json``'s EOS ids as transformers' does. A row's new tokens are decoded (special
 tokens skipped) and cut before the first occurrence of each stop string in turn.
 
