@@ -6,7 +6,10 @@ The prompt is run once (prefill) into a cache of ``s + max_new_tokens`` slots pe
 jit-compiled step per new token reads the cache and appends its keys and values, so a step's cost
 does not grow with recomputing the context. The cache is sharded on the model's mesh (batch on the
 batch axes, kv heads on ``tp``) and the steps run under that mesh (``jax.set_mesh``), so MoE
-experts run expert-parallel on an ``ep`` axis.
+experts run expert-parallel on an ``ep`` axis. The step's two programs (prefill and decode) are
+:class:`otfload.programs.CachedJit` programs: looked up in this process by the arguments' shapes
+after the first call, and kept on disk for the next process where JAX's compilation cache is on
+(:func:`timed_generate` says how long getting them took).
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ TOKEN_CHARS = 16  # of the random suffixes of temporary files and compiled modul
 
 class Program(NamedTuple):
     """A compiled program, the seconds :meth:`CachedJit.compile` took to get it (key, cache read,
-    or tracing, lowering and XLA) and, of those, tracing and lowering (0 when it came from the
-    cache)."""
+    or tracing, lowering and XLA; 0 when this process had it already) and, of those, tracing and
+    lowering (0 when it came from the cache)."""
 
     compiled: jax.stages.Compiled
     seconds: float
