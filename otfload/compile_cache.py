@@ -8,7 +8,9 @@ whole beside them, in ``DIR/otfload-programs`` (:mod:`otfload.programs`), so suc
 even trace and lower them. Jobs turn it on by default — the command line (``--compile-cache
 DIR|off``) and lm_eval's construction of the ``otfload`` backend (``--model_args
 compile_cache=DIR|off``) — in ``$OTFLOAD_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/otfload/xla``
-(``~/.cache/otfload/xla``); ``off`` leaves JAX's own setting alone. Every executable is kept,
+(``~/.cache/otfload/xla``); ``off`` leaves JAX's own setting alone. A default directory that cannot
+be made (a read-only home) warns and the job compiles as usual; a directory asked for by name that
+cannot be made is an error. Every executable is kept,
 however fast it compiled (JAX's default keeps only those over a second, which would leave out the
 small shapes of a small model).
 """
@@ -16,7 +18,10 @@ small shapes of a small model).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
+
+from otfload.errors import InvalidOptionError
 
 ENV_VAR = "OTFLOAD_COMPILE_CACHE"
 OFF = "off"
@@ -30,13 +35,29 @@ def default_dir() -> Path:
     return Path(base) / "otfload" / "xla"
 
 
+class CompileCacheWarning(UserWarning):
+    """The default compilation-cache directory could not be made: the job compiles without it."""
+
+
 def enable_compile_cache(setting: str | os.PathLike[str] | None) -> Path | None:
     """Turn the persistent cache on in ``setting`` (a directory; None: :func:`default_dir`);
-    ``"off"`` does nothing. Returns the directory used. Call before the first compilation."""
+    ``"off"`` does nothing. Returns the directory used (None when off, or when the default one
+    cannot be made: a :class:`CompileCacheWarning`). Call before the first compilation.
+
+    Raises ``InvalidOptionError`` when a directory given by name cannot be made."""
     if setting == OFF:
         return None
     path = default_dir() if setting is None else Path(setting).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if setting is not None:
+            raise InvalidOptionError(f"compile cache {str(path)!r}: cannot make the directory "
+                                     f"({e.strerror or e})") from e
+        warnings.warn(f"compiled programs are not kept: the compile cache {str(path)!r} cannot be made "
+                      f"({e.strerror or e}); set ${ENV_VAR} to a writable directory", CompileCacheWarning,
+                      stacklevel=2)
+        return None
     import jax
 
     # jax's Config.update is unannotated

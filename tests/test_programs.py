@@ -156,3 +156,23 @@ def test_a_second_process_decodes_with_the_kept_step_programs(tiny_checkpoints, 
     assert second["lower"] == 0.0 and second["compile"] < first["compile"] / 4  # read, not traced or compiled
     assert {p.name: p.read_bytes() for p in (cache / DIR_NAME).iterdir()} == kept  # none written again
     assert first["donated"] and second["donated"]  # a loaded program reuses the cache's buffers too
+
+
+def test_compile_cache_default_that_cannot_be_made_warns_and_a_named_one_fails(tmp_path, monkeypatch):
+    """A job's default compile-cache directory that cannot be made (a read-only home) leaves JAX's
+    setting alone with a warning; a directory the user names that cannot be made is an error."""
+    import jax
+
+    from otfload.compile_cache import ENV_VAR, CompileCacheWarning, enable_compile_cache
+    from otfload.errors import InvalidOptionError
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a directory cannot be made under a file, whoever runs the test
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv(ENV_VAR, str(blocked / "xla"))
+    with pytest.warns(CompileCacheWarning, match="a-file"):
+        assert enable_compile_cache(None) is None
+    with pytest.raises(InvalidOptionError, match="a-file"):
+        enable_compile_cache(str(blocked / "named"))
+    assert enable_compile_cache("off") is None
+    assert jax.config.jax_compilation_cache_dir == before

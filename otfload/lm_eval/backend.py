@@ -54,7 +54,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm.auto import tqdm
 
 from otfload.cache.coordination import LocalCoordinator
-from otfload.compile_cache import default_dir, enable_compile_cache
+from otfload.compile_cache import enable_compile_cache
 from otfload.errors import InvalidOptionError
 from otfload.lm_eval.chat import render_chat, select_template
 from otfload.lm_eval.generation import Generator, generation_options, options_key
@@ -135,9 +135,10 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
                             ) -> OtfloadLM:
         """How lm_eval builds the backend from ``model_args`` (a job): compiled programs kept in
         the default directory unless ``compile_cache`` says otherwise."""
-        args = {"compile_cache": str(default_dir()), **arg_dict}
+        if "compile_cache" not in arg_dict:
+            enable_compile_cache(None)  # the command line's default (a warning where it cannot be made)
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls(**args, **extra)
+        return cls(**arg_dict, **extra)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None
