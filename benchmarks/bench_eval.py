@@ -39,6 +39,8 @@ PRESETS = {
     "tiny": Dims(hidden=512, intermediate=1024, layers=2, vocab=8000),  # 13 M parameters
     "small": Dims(hidden=1024, intermediate=2816, layers=8, vocab=32000),  # 160 M parameters
     "medium": Dims(hidden=2048, intermediate=5632, layers=16, vocab=32000),  # 853 M parameters
+    "1b": Dims(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4,
+               head_dim=64),  # TinyLlama-1.1B's shape: issue 31's GPU job
 }
 TOKENIZER_VOCAB = 8000  # trained BPE size (capped by the model's vocabulary)
 CORPUS_PACKAGES = ("json", "argparse", "email", "asyncio", "logging", "unittest")
@@ -52,6 +54,14 @@ def corpus_lines() -> list[str]:
         for path in sorted((stdlib / package).rglob("*.py")):
             lines += [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
     return [line for line in lines if line]
+
+
+def write_tokenizer_config(directory: Path) -> None:
+    """A ``tokenizer_config.json`` naming the BPE tokenizer's special tokens, which transformers'
+    ``AutoTokenizer`` (and lm_eval's backends) read beside ``tokenizer.json``."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "clean_up_tokenization_spaces": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def build_tokenizer(path: Path, vocab: int, lines: list[str]) -> None:

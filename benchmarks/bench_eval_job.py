@@ -28,20 +28,16 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.bench_eval import PRESETS as EVAL_PRESETS
-from benchmarks.bench_eval import build_tokenizer, corpus_lines
-from benchmarks.make_checkpoint import Dims, ensure_written
+from benchmarks.bench_eval import PRESETS, build_tokenizer, corpus_lines, write_tokenizer_config
+from benchmarks.bench_lm_eval import child
+from benchmarks.make_checkpoint import ensure_written
 
 ROOT = Path("bench_data") / "eval_job"
-PRESETS = {**EVAL_PRESETS, "1b": Dims(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4,
-                                       head_dim=64)}  # TinyLlama-1.1B's shape
 WORDS = (64, 1000)  # each text's length in words, drawn uniformly (issue 31's job)
 
 TRANSFORMERS_CHILD = """
@@ -97,20 +93,14 @@ def checkpoint(root: Path, preset: str) -> Path:
     out = ensure_written(root / preset, dims)
     if not (out / "tokenizer.json").exists():
         build_tokenizer(out / "tokenizer.json", dims.vocab, corpus_lines())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "pad_token": "</s>", "clean_up_tokenization_spaces": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    write_tokenizer_config(out)
     return out
 
 
 def run(command: list[str], env: dict[str, str]) -> tuple[float, dict]:
     """``(wall seconds from start to exit, the JSON object its stdout ends with)``."""
-    start = time.perf_counter()
-    out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    wall = time.perf_counter() - start
-    if out.returncode:
-        sys.exit(f"{command[:4]} failed:\n{out.stderr[-4000:]}")
-    return wall, json.loads(out.stdout.strip().splitlines()[-1])
+    wall, stdout = child(command, env)
+    return wall, json.loads(stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.bench_eval import PRESETS, build, corpus_lines
+from benchmarks.bench_eval import PRESETS, build, corpus_lines, write_tokenizer_config
 
 ROOT = Path("bench_data") / "lm_eval"
 BATCH = 16
@@ -144,9 +144,7 @@ def make_gen_task(root: Path, prompts: int = GEN_PROMPTS, seed: int = 0) -> str:
 def checkpoint(preset: str) -> Path:
     """A ``benchmarks.bench_eval`` preset with a ``tokenizer_config.json`` naming its special tokens."""
     path, _ = build(preset, texts=1, length=16)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "clean_up_tokenization_spaces": False}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    write_tokenizer_config(path)
     return path
 
 

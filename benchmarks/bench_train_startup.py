@@ -38,15 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.make_checkpoint import Dims, ensure_written
+from benchmarks.bench_eval import PRESETS as EVAL_PRESETS
+from benchmarks.make_checkpoint import ensure_written
 
 ROOT = Path("bench_data") / "train_startup"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
-PRESETS = {
-    "tiny": Dims(hidden=512, intermediate=1024, layers=2, vocab=8000),  # 13 M parameters: compiling dominates
-    "small": Dims(hidden=1024, intermediate=2816, layers=8, vocab=32000),  # 160 M parameters
-    "1b": Dims(hidden=2048, intermediate=5632, layers=22, vocab=32000, heads=32, kv_heads=4, head_dim=64),  # 1.1 B
-}
+PRESETS = {name: EVAL_PRESETS[name] for name in ("tiny", "small", "1b")}  # 13 M, 160 M, 1.1 B parameters
 BATCH = (2, 128)
 MESH = "fsdp=2,tp=4"
 DEVICES = 8  # simulated CPU devices; an accelerator machine's own devices all go on fsdp

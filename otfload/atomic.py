@@ -32,8 +32,9 @@ def output_dir(target: str | os.PathLike[str], overwrite: bool = False) -> Path:
     return target
 
 
-def temp_dir(target: Path, token: str | None = None) -> Path:
-    """The temporary directory beside ``target`` an output is written into (``token``: its suffix)."""
+def temp_path(target: Path, token: str | None = None) -> Path:
+    """The temporary path beside ``target`` an output (a directory or a file) is written into
+    before it is renamed into place (``token``: its suffix)."""
     return target.parent / f".{target.name}.tmp-{token or uuid.uuid4().hex[:TOKEN_CHARS]}"
 
 
@@ -57,7 +58,7 @@ def atomic_dir(target: str | os.PathLike[str], overwrite: bool = False) -> Itera
     failure it is removed (``target`` is never left half-written)."""
     path = output_dir(target, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(path)
+    tmp = temp_path(path)
     tmp.mkdir()
     try:
         yield tmp
@@ -67,4 +68,4 @@ def atomic_dir(target: str | os.PathLike[str], overwrite: bool = False) -> Itera
     commit(tmp, path)
 
 
-__all__ = ["atomic_dir", "commit", "output_dir", "temp_dir"]
+__all__ = ["atomic_dir", "commit", "output_dir", "temp_path"]

@@ -10,9 +10,8 @@ DIR|off``) and lm_eval's construction of the ``otfload`` backend (``--model_args
 compile_cache=DIR|off``) — in ``$OTFLOAD_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/otfload/xla``
 (``~/.cache/otfload/xla``); ``off`` leaves JAX's own setting alone. A default directory that cannot
 be made (a read-only home) warns and the job compiles as usual; a directory asked for by name that
-cannot be made is an error. Every executable is kept,
-however fast it compiled (JAX's default keeps only those over a second, which would leave out the
-small shapes of a small model).
+cannot be made is an error. Every executable is kept, however fast it compiled (JAX's default keeps
+only those over a second, which would leave out the small shapes of a small model).
 """
 
 from __future__ import annotations

@@ -63,13 +63,15 @@ from jax._src import config as jax_config  # trace_context: what jax.jit's own c
 from jax.experimental import serialize_executable
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from otfload.atomic import temp_path
+
 log = logging.getLogger(__name__)
 
 DIR_NAME = "otfload-programs"  # inside XLA's cache directory (JAX's own entries are files named *-cache)
 FORMAT = 1  # of an entry; part of the key, so a new layout never reads an old one
 ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # how a default repr names an object: differs every process
 DIGEST_BYTES = 32  # the SHA-256 of the payload that starts each entry
-TOKEN_CHARS = 16  # of the random suffixes of temporary files and compiled modules' names (apart whoever writes)
+TOKEN_CHARS = 16  # of the random suffix of compiled modules' names (apart whoever compiles)
 
 
 class Program(NamedTuple):
@@ -297,7 +299,7 @@ def _save(path: Path, compiled: jax.stages.Compiled) -> None:
         log.debug("compiled program %s not kept: %s: %s", path.name, type(e).__name__, e)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:TOKEN_CHARS]}")
+    tmp = temp_path(path)
     try:
         tmp.write_bytes(hashlib.sha256(payload).digest() + payload)
         os.replace(tmp, path)

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from otfload.atomic import commit, output_dir, temp_dir
+from otfload.atomic import commit, output_dir, temp_path
 from otfload.cache import assign_files
 from otfload.export import writer
 from otfload.export.companions import write_companions
@@ -113,7 +113,7 @@ def write_export(
     files = writer.plan_shards(job.specs, max_shard_size)
     owners = assign_files({name: sum(s.nbytes for s in shard) for name, shard in files.items()}, jax.process_count())
     token = _shared_token()
-    tmp = temp_dir(target, token)
+    tmp = temp_path(target, token)
     if me == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
