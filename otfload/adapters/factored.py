@@ -164,6 +164,9 @@ def factored_leaf(plan: LeafPlan) -> tuple[LeafPlan, FactoredLeaf | None]:
         name = next(s.name for s in plan.sources if isinstance(s, AdaptedTensor))
         raise AdapterError(f"leaf {plan.path!r}: the adapter has a LoRA on {name!r}, a weight used outside the "
                            "layer loop (embedding, lm_head); it cannot be kept separate (merge the adapter)")
+    if plan.layout is not None:
+        raise AdapterError(f"leaf {plan.path!r}: its stack axes lie inside the leaf (stack_at {plan.stack_dims}); "
+                           "kept LoRA factors stack leading (merge the adapter instead)")
     terms = tuple(_slice_term(s, plan.path) if isinstance(s, AdaptedTensor) else None for s in plan.sources)
     layout, b_index, a_index, hook_scale = trace_layout(plan.hooks, plan.shapes, f"leaf {plan.path!r}")
     sharding = plan.leaf.sharding

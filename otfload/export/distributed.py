@@ -33,7 +33,7 @@ from otfload.atomic import commit, output_dir, temp_path
 from otfload.cache import assign_files
 from otfload.export import writer
 from otfload.export.companions import write_companions
-from otfload.export.gather import device_slice, gather_slice
+from otfload.export.gather import Position, contains, device_slice, gather_slice
 from otfload.export.inverse import Fetch
 from otfload.export.job import ExportJob
 
@@ -49,11 +49,11 @@ def process_boxes(array: jax.Array) -> dict[int, set[Box]]:
     return boxes
 
 
-def holds(boxes: set[Box], shape: tuple[int, ...], index: tuple[int, ...]) -> bool:
+def holds(boxes: set[Box], shape: tuple[int, ...], index: Position) -> bool:
     """Whether ``boxes`` (one process's, of an array of ``shape``) cover all of ``array[index]``."""
-    lead = len(index)
-    inside = {box[lead:] for box in boxes if all(a <= i < b for i, (a, b) in zip(index, box, strict=False))}
-    return sum(math.prod(b - a for a, b in box) for box in inside) == math.prod(shape[lead:])
+    kept = [d for d in range(len(shape)) if d >= len(index) or index[d] is None]
+    inside = {tuple(box[d] for d in kept) for box in boxes if contains(box, index)}
+    return sum(math.prod(b - a for a, b in box) for box in inside) == math.prod(shape[d] for d in kept)
 
 
 class _Fetcher:
@@ -64,7 +64,7 @@ class _Fetcher:
         self.arrays, self.me = arrays, me
         self._boxes: dict[str, dict[int, set[Box]] | None] = {}
 
-    def _local_to(self, leaf: str, owner: int, index: tuple[int, ...]) -> bool:
+    def _local_to(self, leaf: str, owner: int, index: Position) -> bool:
         array = self.arrays[leaf]
         if leaf not in self._boxes:
             fully = not isinstance(array, jax.Array) or array.is_fully_addressable
@@ -72,8 +72,8 @@ class _Fetcher:
         boxes = self._boxes[leaf]
         return boxes is None or holds(boxes.get(owner, set()), array.shape, index)
 
-    def for_owner(self, owner: int) -> Callable[[str, tuple[int, ...]], np.ndarray | None]:
-        def fetch(leaf: str, index: tuple[int, ...]) -> np.ndarray | None:
+    def for_owner(self, owner: int) -> Callable[[str, Position], np.ndarray | None]:
+        def fetch(leaf: str, index: Position) -> np.ndarray | None:
             array = self.arrays[leaf]
             if self._local_to(leaf, owner, index):
                 return gather_slice(array, index) if owner == self.me else None

@@ -1,7 +1,9 @@
 """Leaf arrays of a model or pytree, and host copies of one slice of a sharded leaf.
 
-:func:`gather_slice` copies one position of a leaf's leading (stack) dims — one layer of a scanned
-weight, or the whole leaf — from the device shards that hold it, one shard at a time, so host
+:func:`gather_slice` copies one position of a leaf's stack dims — one layer of a scanned weight, or
+the whole leaf — from the device shards that hold it (a :data:`Position` names an index for each
+dim taken and ``None`` for each dim kept: ``(3,)`` is ``x[3]``, ``(None, 3)`` is ``x[:, 3]``, the
+layer axis of a MaxText leaf scanned on its second dim), one shard at a time, so host
 memory holds only that slice. Each distinct shard is read once, from whichever replica this
 process holds. On CPU a shard is viewed in place (no copy); on accelerators the slice is cut on
 the device (one compiled indexing function per shard shape, the position is traced) and only it
@@ -10,6 +12,8 @@ is transferred.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -29,47 +33,75 @@ def leaf_arrays(model_or_params: Any) -> dict[str, Any]:
     return {dotted(path): getattr(leaf, "value", leaf) for path, leaf in flat}
 
 
+Position = tuple[int | None, ...]
+
+
+def taken_dims(index: Position) -> tuple[int, ...]:
+    """The dims ``index`` takes one position of (the others are kept whole)."""
+    return tuple(d for d, i in enumerate(index) if i is not None)
+
+
+def kept_shape(shape: tuple[int, ...], index: Position) -> tuple[int, ...]:
+    """The shape of ``array[index]`` for an array of ``shape``."""
+    return tuple(n for d, n in enumerate(shape) if d >= len(index) or index[d] is None)
+
+
+def contains(spans: Sequence[tuple[int, int]], index: Position) -> bool:
+    """Whether the box ``spans`` holds the positions ``index`` takes."""
+    return all(i is None or a <= i < b for i, (a, b) in zip(index, spans, strict=False))
+
+
 def _local_range(index: slice, n: int) -> tuple[int, int]:
     start, stop, _ = index.indices(n)
     return start, stop
 
 
-@jax.jit
-def _index(data: jax.Array, position: jax.Array) -> jax.Array:
-    return data[tuple(position)]
+@functools.partial(jax.jit, static_argnums=2)
+def _index(data: jax.Array, position: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+    for k in reversed(range(len(dims))):  # the last dim first: the earlier dims keep their numbers
+        data = jax.lax.dynamic_index_in_dim(data, position[k], axis=dims[k], keepdims=False)
+    return data
 
 
-def device_slice(array: jax.Array, index: tuple[int, ...]) -> jax.Array:
+def device_slice(array: jax.Array, index: Position) -> jax.Array:
     """``array[index]`` computed where ``array`` lives (every process of a multi-process array must
-    call it); one compiled function per leaf shape, the position is traced."""
-    return _index(array, np.asarray(index, np.int32)) if index else array
+    call it); one compiled function per leaf shape and taken dims, the position is traced."""
+    dims = taken_dims(index)
+    if not dims:
+        return array
+    sliced: jax.Array = _index(array, np.asarray([index[d] for d in dims], np.int32), dims)
+    return sliced
 
 
-def _take(data: jax.Array, position: tuple[int, ...]) -> np.ndarray:
+def _numpy_index(index: Position) -> tuple[int | slice, ...]:
+    return tuple(slice(None) if i is None else i for i in index)
+
+
+def _take(data: jax.Array, position: Position) -> np.ndarray:
     """``data[position]`` of a single-device array, as a host array."""
-    if not position:
+    if not taken_dims(position):
         return np.asarray(data)
     if data.devices().pop().platform == "cpu":
-        host: np.ndarray = np.asarray(data)[position]
+        host: np.ndarray = np.asarray(data)[_numpy_index(position)]
         return host
     return np.asarray(device_slice(data, position))
 
 
-def gather_slice(array: Any, index: tuple[int, ...]) -> np.ndarray:
-    """A host copy of ``array[index]`` (``index`` addresses leading dims), read shard by shard."""
+def gather_slice(array: Any, index: Position) -> np.ndarray:
+    """A host copy of ``array[index]`` (a :data:`Position`), read shard by shard."""
     if not isinstance(array, jax.Array):
-        return np.asarray(array[index])
-    lead = len(index)
-    out = np.empty(array.shape[lead:], array.dtype)
+        return np.asarray(array[_numpy_index(index)])
+    out = np.empty(kept_shape(array.shape, index), array.dtype)
     filled, seen = 0, set()
     for shard in array.addressable_shards:
         spans = tuple(_local_range(s, n) for s, n in zip(shard.index, array.shape, strict=True))
-        if spans in seen or not all(a <= i < b for i, (a, b) in zip(index, spans, strict=False)):
+        if spans in seen or not contains(spans, index):
             continue
         seen.add(spans)
-        local = tuple(i - a for i, (a, _) in zip(index, spans, strict=False))
+        local = tuple(None if i is None else i - a for i, (a, _) in zip(index, spans, strict=False))
         piece = _take(shard.data, local)
-        out[tuple(slice(a, b) for a, b in spans[lead:])] = piece
+        kept = [span for d, span in enumerate(spans) if d >= len(index) or index[d] is None]
+        out[tuple(slice(a, b) for a, b in kept)] = piece
         filled += piece.size
     if filled != out.size:
         raise OtfloadError(

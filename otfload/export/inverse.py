@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 
 from otfload.errors import MappingError
+from otfload.export.gather import Position
 from otfload.export.shapes import infer_in_shape, slice_positions
 from otfload.plan.hooks import Hook, Shape, Slice, chain_shapes, run_forward
-from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values
+from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values, stack_dims
 
-Fetch = Callable[[str, tuple[int, ...]], np.ndarray]
+Fetch = Callable[[str, Position], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Part:
     (its share of) an HF tensor; ``slice`` places it when several leaves share that tensor."""
 
     leaf: str
-    index: tuple[int, ...]
+    index: Position
     undo: tuple[Hook, ...]
     slice: Slice | None = None
 
@@ -49,7 +50,7 @@ class HFTensor:
     undo: tuple[Hook, ...] = ()
 
     @property
-    def sources(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    def sources(self) -> tuple[tuple[str, Position], ...]:
         """The ``(leaf, index)`` slices :meth:`materialize` fetches, in the order it fetches them."""
         return tuple((p.leaf, p.index) for p in self.parts)
 
@@ -84,7 +85,7 @@ class _Entry:
 
     key: str
     leaf: str
-    index: tuple[int, ...]
+    index: Position
     values: dict[str, int | str]  # placeholder values on the HF side
     rule: Rule
     hooks: tuple[Hook, ...]  # resolved against the config
@@ -118,13 +119,27 @@ def _entries(leaves: Mapping[str, Shape], table: MappingTable, config: Mapping[s
         cuts = [i for i, h in enumerate(hooks) if isinstance(h, Slice)]
         if len(cuts) > 1:
             raise MappingError(f"rule {rule.target!r} slices more than once; it cannot be inverted")
-        stack_shape, out_shape = tuple(shape[: len(stack_axes)]), tuple(shape[len(stack_axes) :])
+        dims = stack_dims(rule, stack_axes, len(shape), config)
+        stack_shape = tuple(shape[d] for d in dims)
+        out_shape = tuple(n for d, n in enumerate(shape) if d not in dims)
         for combo, values in slice_values(rule, fixed, stack_axes, stack_shape, config):
             key = format_key(rule.source, values)
-            entries.append(_Entry(key, path, combo, values, rule, hooks, cuts[0] if cuts else None, out_shape))
+            entries.append(_Entry(key, path, _position(combo, dims), values, rule, hooks, cuts[0] if cuts else None,
+                                  out_shape))
     if unmapped:
         raise MappingError(f"no mapping rule for leaves {unmapped}; they cannot be exported")
     return entries
+
+
+def _position(combo: tuple[int, ...], dims: tuple[int, ...]) -> Position:
+    """The leaf position of stack slice ``combo`` whose axes lie on ``dims``: ``(i, j)`` when they
+    lead, ``(None, i)`` for one axis on the second dim."""
+    if dims == tuple(range(len(dims))):
+        return combo
+    index: list[int | None] = [None] * (max(dims) + 1)
+    for d, i in zip(dims, combo, strict=True):
+        index[d] = i
+    return tuple(index)
 
 
 def _drop_tied(entries: list[_Entry], tied: bool) -> list[_Entry]:

@@ -194,11 +194,19 @@ def _result(plan: LeafPlan, box: Box, results: dict[Box, np.ndarray], staging: A
     has none yet."""
     if box not in results:
         shape, dtype = box_shape(box), plan.leaf.dtype
+        if plan.layout is not None:  # the buffer in the tree's layout, seen with the stack dims leading
+            shape = tuple(shape[d] for d in plan.layout)
         if staging is None:
-            results[box] = aligned_empty(shape, dtype)
+            buffer = aligned_empty(shape, dtype)
         else:
-            results[box] = staging.take(box_nbytes(box, dtype.itemsize)).view(dtype).reshape(shape)
+            buffer = staging.take(box_nbytes(box, dtype.itemsize)).view(dtype).reshape(shape)
+        results[box] = buffer if plan.layout is None else buffer.transpose(stacked_first_order(plan.layout))
     return results[box]
+
+
+def stacked_first_order(layout: tuple[int, ...]) -> tuple[int, ...]:
+    """The inverse of ``layout``: dim ``j`` of the stacked-first view is dim ``order[j]`` of the tree's."""
+    return tuple(layout.index(j) for j in range(len(layout)))
 
 
 def _stack_into(
@@ -229,7 +237,13 @@ def _stack_into(
         else:
             copy_into(_result(plan, box, results, staging), piece)
         return
-    flat = _result(plan, box, results, staging).reshape((-1, *box_shape(inner)))
+    result = _result(plan, box, results, staging)
+    if not result.flags.c_contiguous:  # stack dims inside the tree's layout: each slice into its place
+        lead = box_shape(box[: len(plan.stack_axes)])
+        for row, piece in zip(rows, pieces, strict=True):
+            copy_into(result[np.unravel_index(row, lead)], piece)
+        return
+    flat = result.reshape((-1, *box_shape(inner)))
     if transposed_axis(pieces[0]) is not None:  # a transposing hook: tile by tile, not one strided copy
         for row, piece in zip(rows, pieces, strict=True):
             copy_into(flat[row], piece)
@@ -245,19 +259,22 @@ def build_leaf(
 
     ``staging``: the thread's reusable host buffer for devices that copy what they are given
     (:func:`host_staged`); it is free again when this returns."""
-    leaf = plan.leaf
-    box_of = dict(addressable_boxes(leaf.shape, leaf.sharding))  # in the sharding's order (place_shards wants it)
+    leaf = plan.placed
+    target_boxes = dict(addressable_boxes(leaf.shape, leaf.sharding))  # in the sharding's order (place_shards wants it)
+    # the boxes the plan builds: the same elements, the stack dims leading
+    box_of = target_boxes if plan.layout is None else dict(addressable_boxes(plan.leaf.shape, plan.leaf.sharding))
     staging = staging if host_staged(leaf.sharding) else None
 
     def place(built: dict[Box, np.ndarray]) -> jax.Array:
         arrays, placed = [], set()
-        for box in box_of.values():  # a box's first device adopts its buffer, the others get copies
-            data = built[box]
+        for device in target_boxes:  # a box's first device adopts its buffer, the others get copies
+            box = box_of[device]
+            data = built[box] if plan.layout is None else built[box].transpose(plan.layout)
             # A view is copied by XLA for each device, and so is everything an accelerator is given.
             own = box in placed and data.flags.c_contiguous and staging is None
             arrays.append(_aligned_copy(data) if own else data)
             placed.add(box)
-        array = place_shards(leaf.shape, leaf.dtype, leaf.sharding, arrays, list(box_of))
+        array = place_shards(leaf.shape, leaf.dtype, leaf.sharding, arrays, list(target_boxes))
         return array.block_until_ready()  # the device has copied views and staging before they are reused
 
     boxes = list(dict.fromkeys(box_of.values()))

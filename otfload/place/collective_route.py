@@ -236,8 +236,8 @@ def choose_leaf(
     direct = _fetch(plan, None, groups, reader, sample)
     t_direct = model.fetch_seconds(*direct)
     best = Choice(None, direct[0], direct[0], t_direct, t_direct)
-    if len(groups) < 2 or policy == "never" or not plan.sources:
-        return best
+    if len(groups) < 2 or policy == "never" or not plan.sources or plan.layout is not None:
+        return best  # a leaf whose stack dims do not lead is read box by box, into the tree's layout
     moved = max(leaf_moved_bytes(plan, groups[p]) for p in sample)
     over = byte_target is not None and _over_target(plan, groups, reader, sample, byte_target)
     by_bytes = policy == "always" or over

@@ -67,6 +67,8 @@ def hooks_on_device(plan: LeafPlan, policy: str | None = None) -> bool:
     policy = policy or device_hooks_policy()
     if policy == "never" or not plan.sources or any(is_derived(info) for info in plan.sources):
         return False
+    if plan.layout is not None:  # stack dims placed inside the leaf: the host writes the tree's layout
+        return False
     if not plan.hooks and all(info.dtype == plan.leaf.dtype for info in plan.sources):
         return False  # nothing to do: the bytes as stored are the leaf's
     devices: set[jax.Device] = plan.leaf.sharding.device_set

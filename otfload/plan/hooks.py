@@ -12,11 +12,13 @@ shard needs:
   inside the box :meth:`Hook.needed` gives: a head-interleaved reshape (DeepSeek ``kv_b_proj``) or
   a strided slice (GPT-OSS ``gate_up_proj``) needs a box with holes, which the reader skips.
 
-Hooks may name config fields instead of numbers (``Reshape(("num_attention_heads", -1))``);
-:meth:`Hook.resolve` substitutes them once per load. :meth:`Hook.inverse` gives the hook that
-undoes this one, so export runs the same mapping table backwards, and :meth:`Hook.in_shape` answers
-which input shape gives an output shape (:meth:`Hook.out_shape` backwards), so an export without a
-reference checkpoint knows the HF tensor shapes.
+Hooks may name config fields or expressions over them instead of numbers
+(``Reshape(("num_attention_heads", -1))``, ``Scale("1 / sqrt(head_dim)")``, see
+:mod:`otfload.plan.expressions`); :meth:`Hook.resolve` substitutes them once per load.
+:meth:`Hook.inverse` gives the hook that undoes this one, so export runs the same mapping table
+backwards, and :meth:`Hook.in_shape` answers which input shape gives an output shape
+(:meth:`Hook.out_shape` backwards), so an export without a reference checkpoint knows the HF tensor
+shapes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from otfload.plan.boxes import (
     merge_intervals,
     selection_bounds,
 )
+from otfload.plan.expressions import evaluate, integer
 
 Shape = tuple[int, ...]
 # A reshape carries at most this many flat intervals exactly; beyond, it selects its whole box
@@ -48,12 +51,9 @@ Shape = tuple[int, ...]
 MAX_RESHAPE_INTERVALS = 1 << 16
 
 
-def _config_value(config: Mapping[str, Any], name: str) -> Any:
-    if name not in config:
-        raise MappingError(f"hook refers to config field {name!r}, which the config its mapping table is resolved "
-                           "against (a family's parsed config, or load_params' config=) does not have: the table "
-                           "names a field that config lacks")
-    return config[name]
+def _config_int(config: Mapping[str, Any], value: int | str) -> int:
+    """A hook argument written as a config field or expression (:mod:`otfload.plan.expressions`)."""
+    return integer(value, config, "hook argument")
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ class Reshape(Hook):
     written: tuple[int | str, ...] | None = field(default=None, compare=False, repr=False)
 
     def resolve(self, config: Mapping[str, Any]) -> Hook:
-        dims = tuple(int(_config_value(config, d)) if isinstance(d, str) else int(d) for d in self.shape)
+        dims = tuple(_config_int(config, d) if isinstance(d, str) else int(d) for d in self.shape)
         return Reshape(dims, written=self.written or self.shape)
 
     def in_shape(self, out_shape: Shape) -> Shape:
@@ -286,12 +286,19 @@ class Reshape(Hook):
 
 @dataclass(frozen=True)
 class Scale(Hook):
-    """Multiply by a constant (or a config field); the inverse divides."""
+    """Multiply by a constant, a config field or a config expression (``Scale("1 / sqrt(head_dim)")``);
+    ``divide=True`` divides by it instead. The factor is cast to the tensor's dtype and the product
+    rounded there (a float32 tensor times ``float32(factor)``, as a converter working in float32
+    writes it). The inverse divides (multiplies), so ``x * f / f`` round-trips where ``f`` is a power
+    of two and to the last bit of rounding otherwise."""
 
     factor: float | str
+    divide: bool = False
 
     def resolve(self, config: Mapping[str, Any]) -> Hook:
-        return Scale(float(_config_value(config, self.factor))) if isinstance(self.factor, str) else self
+        if not isinstance(self.factor, str):
+            return self
+        return Scale(float(evaluate(self.factor, config)), self.divide)
 
     def out_shape(self, in_shape: Shape) -> Shape:
         return tuple(in_shape)
@@ -300,7 +307,10 @@ class Scale(Hook):
         return tuple(out_shape)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        scaled: np.ndarray = (x * np.asarray(self.factor, dtype=x.dtype)).astype(x.dtype)
+        if isinstance(self.factor, str):
+            raise MappingError(f"{self} was not resolved against a config")
+        factor = np.asarray(self.factor, dtype=x.dtype)
+        scaled: np.ndarray = (x / factor if self.divide else x * factor).astype(x.dtype)
         return scaled
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
@@ -313,7 +323,79 @@ class Scale(Hook):
         return self.forward(x), in_box
 
     def inverse(self, in_shape: Shape) -> Hook:
-        return Scale(1.0 / float(self.factor))
+        return Scale(self.factor, not self.divide)
+
+
+@dataclass(frozen=True)
+class Pad(Hook):
+    """Grow one axis to ``size`` (an int, config field or expression), the new rows ``value``: a
+    vocabulary padded past the checkpoint's (``Pad(0, "padded_vocab_size")``). The inverse slices the
+    padding off again. ``original`` (optional, same kinds) is the stored length, so that an export
+    without a reference checkpoint knows it (:meth:`in_shape`); a stored axis longer than ``size``
+    is a :class:`MappingError`, never a silent cut."""
+
+    axis: int
+    size: int | str
+    value: float = 0.0
+    original: int | str | None = None
+
+    def resolve(self, config: Mapping[str, Any]) -> Hook:
+        size = _config_int(config, self.size) if isinstance(self.size, str) else self.size
+        original = _config_int(config, self.original) if isinstance(self.original, str) else self.original
+        return dataclasses.replace(self, size=size, original=original)
+
+    def _size(self) -> int:
+        if isinstance(self.size, str) or isinstance(self.original, str):
+            raise MappingError(f"{self} was not resolved against a config")
+        return self.size
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        axis, size = self.axis % len(in_shape), self._size()
+        if in_shape[axis] > size:
+            raise MappingError(f"{self}: the stored axis {axis} has {in_shape[axis]} entries, more than the {size} "
+                               "it pads to")
+        if self.original is not None and in_shape[axis] != self.original:
+            raise MappingError(f"{self}: the stored axis {axis} has {in_shape[axis]} entries, not {self.original}")
+        shape = list(in_shape)
+        shape[axis] = size
+        return tuple(shape)
+
+    def in_shape(self, out_shape: Shape) -> Shape:
+        if self.original is None:
+            raise MappingError(f"{self}: the padded shape {tuple(out_shape)} does not determine the stored length "
+                               "(give original=)")
+        shape = list(out_shape)
+        shape[self.axis % len(shape)] = int(self.original)
+        return tuple(shape)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        axis = self.axis % x.ndim
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, self._size() - x.shape[axis])
+        return np.pad(x, widths, constant_values=np.asarray(self.value, dtype=x.dtype))
+
+    def needed(self, out_box: Box, in_shape: Shape) -> Box:
+        """The stored rows of ``out_box``; a box wholly in the padding still reads the last stored row
+        (a box is never empty)."""
+        axis = self.axis % len(in_shape)
+        n, (lo, hi) = in_shape[axis], out_box[axis]
+        box = list(out_box)
+        box[axis] = (min(lo, n - 1), max(min(hi, n), min(lo, n - 1) + 1))
+        return tuple(box)
+
+    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
+        axis = self.axis % len(in_shape)
+        lo, hi = in_box[axis]
+        box = list(in_box)
+        if hi == in_shape[axis]:  # the box reaches the stored end: the padding follows it
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, self._size() - hi)
+            x = np.pad(x, widths, constant_values=np.asarray(self.value, dtype=x.dtype))
+            box[axis] = (lo, self._size())
+        return x, tuple(box)
+
+    def inverse(self, in_shape: Shape) -> Hook:
+        return Slice(self.axis % len(in_shape), 0, in_shape[self.axis % len(in_shape)])
 
 
 @dataclass(frozen=True)
@@ -330,8 +412,8 @@ class Slice(Hook):
     step: int = 1
 
     def resolve(self, config: Mapping[str, Any]) -> Hook:
-        start = int(_config_value(config, self.start)) if isinstance(self.start, str) else self.start
-        stop = int(_config_value(config, self.stop)) if isinstance(self.stop, str) else self.stop
+        start = _config_int(config, self.start) if isinstance(self.start, str) else self.start
+        stop = _config_int(config, self.stop) if isinstance(self.stop, str) else self.stop
         return dataclasses.replace(self, start=start, stop=stop)
 
     def positions(self, n: int) -> range:

@@ -249,6 +249,8 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
         if {r: _layout(p) for r, p in parts.items()} != layout_of or \
                 any(parts[r].info.shape != first[r].info.shape for r in parts):
             raise NotKeepable("its slices (layers / experts) are stored in different layouts")
+    if plan.layout is not None:
+        raise NotKeepable("its stack axes lie inside the leaf (stack_at): packed parts are stacked leading")
     n_stack = len(plan.stack_axes)
     hooks, states = {}, {}
     for role, part in first.items():

@@ -10,7 +10,10 @@ path segment of the *actual* leaf (``layers.3.attn.q.kernel``) selects one HF te
 absent from the leaf path (a scanned ``layers.attn.q.kernel``, or ``{expert}`` when the target
 never names experts) becomes a *stack axis*: the leaf gains a leading dimension over it and is
 built from many HF tensors with one ``np.stack``. ``stack_order`` fixes the order of those axes
-when the default (target-template order, then HF-template order) is not what the model wants.
+when the default (target-template order, then HF-template order) is not what the model wants, and
+``stack_at`` where they land: by default they lead the leaf; ``stack_at={"layer": "param_scan_axis"}``
+puts the layer axis at that dimension (MaxText's scanned ``[embed, layers, heads, head_dim]``), the
+other stack axes taking the lowest dimensions left, in stack order (:func:`stack_dims`).
 
 Rules are plain data: the same table drives loading, ``otfload inspect`` and export (which runs the
 hooks' inverses). One HF key may feed several leaves (tied embeddings); nothing is consumed.
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otfload.errors import MappingError
+from otfload.plan.expressions import integer
 from otfload.plan.hooks import Hook
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
@@ -75,7 +79,10 @@ class Rule:
     the values may be names: ``{"part": ("k", "v")}`` with source ``…self_attn.{part}_proj.weight``
     stacks the k and v projections on the leaf's leading axis (a fused ``[2, heads, …]`` weight).
     ``cast=True`` says an integer, boolean or unscaled FP8 tensor is meant to become a float leaf;
-    without it such a cast is an :class:`~otfload.errors.UnfaithfulCastError`.
+    without it such a cast is an :class:`~otfload.errors.UnfaithfulCastError`. ``stack_at`` gives
+    the leaf dimension a stack axis lands at (an int, config field or expression); an axis it does
+    not name is placed by :func:`stack_dims`, and a name that is no stack axis of a leaf (a scanned
+    rule's ``layer`` on an unscanned tree) is ignored there.
     """
 
     target: str
@@ -86,6 +93,7 @@ class Rule:
     offsets: MappingABC[str, int | str] = field(default_factory=dict)
     indices: MappingABC[str, Sequence[int | str] | str] = field(default_factory=dict)
     cast: bool = False
+    stack_at: MappingABC[str, int | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = set(placeholders(self.target)) - set(placeholders(self.source))
@@ -200,11 +208,46 @@ def slice_values(
             f"rule {rule.target!r}: the leaf stacks {count} tensors (shape {tuple(stack_shape)}), more than the "
             f"{MAX_STACK_SLICES} any checkpoint holds"
         )
-    offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
-    indices = {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
+    offsets, indices = _resolved(rule, config)
     for combo in itertools.product(*(range(n) for n in stack_shape)):
         values = {**fixed, **dict(zip(stack_axes, combo, strict=True))}
         yield combo, {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
+
+
+def _resolved(
+    rule: Rule, config: MappingABC[str, Any]
+) -> tuple[dict[str, int], dict[str, tuple[int | str, ...]]]:
+    offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
+    return offsets, {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
+
+
+def hf_values(
+    rule: Rule, fixed: MappingABC[str, int], stack_axes: Sequence[str], position: Sequence[int],
+    config: MappingABC[str, Any],
+) -> dict[str, int | str]:
+    """The HF placeholder values of the stack slice at ``position`` (one of :func:`slice_values`)."""
+    offsets, indices = _resolved(rule, config)
+    values = {**fixed, **dict(zip(stack_axes, position, strict=True))}
+    return {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
+
+
+def stack_dims(rule: Rule, stack_axes: Sequence[str], ndim: int, config: MappingABC[str, Any]) -> tuple[int, ...]:
+    """The leaf dimension of each of ``stack_axes`` (in their order): those ``rule.stack_at`` names
+    where it says, the others on the lowest dimensions left, in order. A position outside the leaf's
+    ``ndim`` dimensions, or two axes on one dimension, is a :class:`MappingError` naming them."""
+    placed: dict[str, int] = {}
+    for name in stack_axes:
+        if name in rule.stack_at:
+            dim = integer(rule.stack_at[name], config, f"rule {rule.target!r}: stack_at[{name!r}]")
+            if not 0 <= dim < ndim:
+                raise MappingError(f"rule {rule.target!r}: stack axis {name!r} at dimension {dim} "
+                                   f"({rule.stack_at[name]!r}) of a {ndim}-dimensional leaf")
+            placed[name] = dim
+    taken = sorted(placed.values())
+    if len(set(taken)) != len(taken):
+        raise MappingError(f"rule {rule.target!r}: stack axes {placed} share a dimension")
+    free = iter(d for d in range(ndim) if d not in placed.values())
+    return tuple(placed[name] if name in placed else next(free) for name in stack_axes)
 
 
 def format_key(template: str, values: MappingABC[str, int | str]) -> str:

@@ -32,12 +32,18 @@ from otfload.plan import leaf_bytes
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.boxes import Box
 from otfload.plan.hooks import Hook, Shape, chain_shapes
-from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values
+from otfload.plan.mapping import MappingTable, Rule, format_key, hf_values, slice_values, stack_dims
+from otfload.plan.sharding import transposed_sharding
 
 
 @dataclass(frozen=True)
 class LeafPlan:
-    """How one target leaf is built: ``sources`` (row-major over the stack dims) through ``hooks``."""
+    """How one target leaf is built: ``sources`` (row-major over the stack dims) through ``hooks``.
+
+    ``leaf`` has its stack dims leading, as every box of the plan does. When the tree wants them
+    elsewhere (a rule's ``stack_at``), ``target`` is the leaf as the tree has it and ``layout`` the
+    order of ``leaf``'s dims that gives it (target dim ``i`` is ``leaf`` dim ``layout[i]``): the
+    builder writes each device's buffer in the target's layout, through a view in ``leaf``'s."""
 
     leaf: AbstractLeaf
     rule: Rule
@@ -45,6 +51,13 @@ class LeafPlan:
     sources: tuple[TensorInfo | DerivedTensor, ...]
     hooks: tuple[Hook, ...]
     shapes: tuple[Shape, ...]  # the source shape, then the output shape of each hook
+    layout: tuple[int, ...] | None = None
+    target: AbstractLeaf | None = None
+
+    @property
+    def placed(self) -> AbstractLeaf:
+        """The leaf as the target tree has it (its shape, sharding and dims' order)."""
+        return self.leaf if self.target is None else self.target
 
     @property
     def path(self) -> str:
@@ -88,15 +101,24 @@ class LeafPlan:
         """Bytes of the leaf's largest device shard in its target dtype (what one device holds)."""
         return leaf_bytes.shard_bytes(self.leaf)
 
+    @property
+    def stack_dims(self) -> tuple[int, ...]:
+        """The target leaf's dimension of each stack axis."""
+        if self.layout is None:
+            return tuple(range(len(self.stack_axes)))
+        return tuple(self.layout.index(k) for k in range(len(self.stack_axes)))
+
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary (what ``otfload inspect`` prints)."""
         keys = [s.name for s in self.sources]
+        placed = self.placed
         return {
             "leaf": self.path,
-            "shape": list(self.leaf.shape),
-            "dtype": str(self.leaf.dtype),
-            "sharding": str(getattr(self.leaf.sharding, "spec", self.leaf.sharding)),
+            "shape": list(placed.shape),
+            "dtype": str(placed.dtype),
+            "sharding": str(getattr(placed.sharding, "spec", placed.sharding)),
             "stack_axes": list(self.stack_axes),
+            "stack_dims": list(self.stack_dims),
             "hf_keys": keys if len(keys) <= 2 else [keys[0], f"... {len(keys) - 2} more ...", keys[-1]],
             "num_hf_keys": len(keys),
             "hf_dtype": str(self.sources[0].dtype) if self.sources else None,
@@ -153,6 +175,49 @@ def _lookup(
     return key, None
 
 
+def _stacked_first(
+    leaf: AbstractLeaf, dims: tuple[int, ...]
+) -> tuple[AbstractLeaf, tuple[int, ...] | None]:
+    """``leaf`` with the stack dims ``dims`` moved to the front, and the order that restores it
+    (None when they already lead)."""
+    if dims == tuple(range(len(dims))):
+        return leaf, None
+    order = (*dims, *(d for d in range(len(leaf.shape)) if d not in dims))
+    axes = None if leaf.logical_axes is None else tuple(leaf.logical_axes[d] for d in order)
+    first = AbstractLeaf(leaf.path, tuple(leaf.shape[d] for d in order), leaf.dtype,
+                         transposed_sharding(leaf.sharding, order), axes)
+    return first, tuple(order.index(d) for d in range(len(order)))
+
+
+def _unfit_stack_axis(
+    leaf: AbstractLeaf, rule: Rule, fixed: dict[str, int], stack_axes: tuple[str, ...], dims: tuple[int, ...],
+    stack_shape: tuple[int, ...], index: CheckpointIndex, config: Mapping[str, Any],
+) -> TensorProblem | None:
+    """A problem naming the first stack axis placed by ``stack_at`` whose last entry has no HF tensor
+    while its first has (the dimension the table puts it at is another one in this tree, or the
+    checkpoint has fewer), with the count the checkpoint has; None when every such axis fits."""
+    for k, (name, size) in enumerate(zip(stack_axes, stack_shape, strict=True)):
+        def present(i: int, k: int = k) -> bool:
+            position = [0] * len(stack_axes)
+            position[k] = i
+            try:
+                values = hf_values(rule, fixed, stack_axes, position, config)
+            except MappingError:  # past the end of the rule's indices
+                return False
+            return _lookup(index, rule, values)[1] is not None
+
+        if name not in rule.stack_at or size == 0 or not present(0) or present(size - 1):
+            continue
+        have = 1
+        while have < size and present(have):
+            have += 1
+        where = f"dimension {dims[k]}" + (f" ({rule.stack_at[name]!r})" if name in rule.stack_at else "")
+        return TensorProblem("shape", rule.source, leaf.path,
+                             f"stack axis {name!r} at {where} with {size} entries (leaf shape {leaf.shape})",
+                             f"{have} {name} tensors in the checkpoint")
+    return None
+
+
 def plan_leaf(
     leaf: AbstractLeaf,
     table: MappingTable,
@@ -169,8 +234,14 @@ def plan_leaf(
     if len(leaf.shape) < len(stack_axes):
         problems.append(TensorProblem("shape", rule.source, leaf.path, f"{len(stack_axes)} stack dims", leaf.shape))
         return None
+    dims = stack_dims(rule, stack_axes, len(leaf.shape), config)
+    target, (leaf, layout) = leaf, _stacked_first(leaf, dims)
     hooks = tuple(h.resolve(config) for h in rule.hooks)
     stack_shape, slice_shape = leaf.shape[: len(stack_axes)], leaf.shape[len(stack_axes) :]
+    unfit = _unfit_stack_axis(target, rule, fixed, stack_axes, dims, stack_shape, index, config)
+    if unfit is not None:
+        problems.append(unfit)
+        return None
     sources, shapes, ok = [], None, True
     for _, values in slice_values(rule, fixed, stack_axes, stack_shape, config):
         key, info = _lookup(index, rule, values)
@@ -191,7 +262,8 @@ def plan_leaf(
         sources.append(info)
     if not ok or math.prod(stack_shape) != len(sources):
         return None
-    return LeafPlan(leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,))
+    return LeafPlan(leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,), layout,
+                    None if layout is None else target)
 
 
 def unfaithful_cast(plan: LeafPlan) -> str | None:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from otfload.errors import DeviceCountError, OtfloadError
+from otfload.errors import DeviceCountError, MappingError, OtfloadError
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -109,3 +109,16 @@ def logical_to_sharding(
 ) -> NamedSharding:
     """The ``NamedSharding`` for a leaf; see :func:`logical_to_spec`."""
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
+
+
+def transposed_sharding(sharding: jax.sharding.Sharding, order: Sequence[int]) -> jax.sharding.Sharding:
+    """``sharding`` of a leaf seen with its dimensions reordered (dimension ``j`` of the result is
+    dimension ``order[j]`` of the leaf): every device keeps the same elements. A named sharding's
+    spec is permuted; a fully replicated one is its own; any other cannot be reordered here."""
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(order) - len(sharding.spec))
+        permuted = PartitionSpec(*(spec[d] for d in order))  # type: ignore[no-untyped-call]  # as above
+        return NamedSharding(sharding.mesh, permuted, memory_kind=sharding.memory_kind)
+    if sharding.is_fully_replicated:
+        return sharding
+    raise MappingError(f"a leaf whose stack axes do not lead needs a NamedSharding or a replicated one, not {sharding}")
