@@ -270,7 +270,8 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
             raise NotKeepable(f"{role} part shape {shapes[-1]} is not {state.part_shape}")
         leaf = AbstractLeaf(path, (*plan.stack_shape, *state.part_shape), part.info.dtype,
                             NamedSharding(sharding.mesh, part_specs[role]))
-        leaves[path] = LeafPlan(leaf, plan.rule, plan.stack_axes, infos, hooks[role], shapes)
+        leaves[path] = LeafPlan(leaf, plan.rule, plan.stack_axes, infos, hooks[role], shapes,
+                                stack_values=plan.stack_values)
         paths[role] = path
         layouts.append((role, PartLayout.of_part(part, state.block, state.pack_axis)))
     kept = KeptLeaf(plan.path, paths, tuple(layouts), plan.slice_shape, str(plan.leaf.dtype.name),

@@ -77,7 +77,8 @@ class Rule:
     layers are not contiguous its HF values explicitly: ``{"layer": "moe_layers"}`` makes position
     ``i`` of ``{layer}`` (in the leaf path or on a stack axis) read HF layer ``config["moe_layers"][i]``;
     the values may be names: ``{"part": ("k", "v")}`` with source ``…self_attn.{part}_proj.weight``
-    stacks the k and v projections on the leaf's leading axis (a fused ``[2, heads, …]`` weight).
+    stacks the k and v projections on the leaf's leading axis (a fused ``[2, heads, …]`` weight);
+    ``{"layer": Stride(6, 5)}`` reads HF layers 5, 11, 17, … (one kind of layer in a repeating block).
     ``cast=True`` says an integer, boolean or unscaled FP8 tensor is meant to become a float leaf;
     without it such a cast is an :class:`~otfload.errors.UnfaithfulCastError`. ``stack_at`` gives
     the leaf dimension a stack axis lands at (an int, config field or expression); an axis it does
@@ -91,7 +92,7 @@ class Rule:
     fallbacks: tuple[str, ...] = ()
     stack_order: tuple[str, ...] | None = None
     offsets: MappingABC[str, int | str] = field(default_factory=dict)
-    indices: MappingABC[str, Sequence[int | str] | str] = field(default_factory=dict)
+    indices: MappingABC[str, Sequence[int | str] | str | Stride] = field(default_factory=dict)
     cast: bool = False
     stack_at: MappingABC[str, int | str] = field(default_factory=dict)
 
@@ -174,16 +175,39 @@ def _resolve_offset(value: int | str, config: MappingABC[str, Any]) -> int:
     return int(value)
 
 
-def _resolve_indices(value: Sequence[int | str] | str, config: MappingABC[str, Any]) -> tuple[int | str, ...]:
+@dataclass(frozen=True)
+class Stride:
+    """HF values ``start + period * i`` for position ``i`` of a placeholder (``Rule.indices``): the
+    ``j``-th layer of every block of ``period`` (Gemma's global layer every 6th, Llama 4's MoE layer
+    every other). ``period`` and ``start`` may be config fields or expressions."""
+
+    period: int | str
+    start: int | str = 0
+
+    def values(self, config: MappingABC[str, Any]) -> range:
+        period = integer(self.period, config, f"{self}: period")
+        start = integer(self.start, config, f"{self}: start")
+        if period < 1 or start < 0:
+            raise MappingError(f"{self}: period {period} and start {start} name no layers")
+        return range(start, start + period * MAX_STACK_SLICES, period)
+
+
+def _resolve_indices(
+    value: Sequence[int | str] | str | Stride, config: MappingABC[str, Any]
+) -> Sequence[int | str]:
+    if isinstance(value, Stride):
+        return value.values(config)
     if isinstance(value, str):
         if value not in config:
             raise MappingError(f"rule indices refer to config field {value!r}, which the config does not have")
-        value = config[value]
-    return tuple(v if isinstance(v, str) else int(v) for v in value)
+        listed: Sequence[int | str] = config[value]
+    else:
+        listed = value
+    return tuple(v if isinstance(v, str) else int(v) for v in listed)
 
 
 def _hf_value(
-    name: str, position: int, offsets: MappingABC[str, int], indices: MappingABC[str, tuple[int | str, ...]]
+    name: str, position: int, offsets: MappingABC[str, int], indices: MappingABC[str, Sequence[int | str]]
 ) -> int | str:
     """The HF value of placeholder ``name`` at ``position`` of the leaf (path index or stack index)."""
     if name not in indices:
@@ -216,7 +240,7 @@ def slice_values(
 
 def _resolved(
     rule: Rule, config: MappingABC[str, Any]
-) -> tuple[dict[str, int], dict[str, tuple[int | str, ...]]]:
+) -> tuple[dict[str, int], dict[str, Sequence[int | str]]]:
     offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
     return offsets, {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
 

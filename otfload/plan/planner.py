@@ -53,6 +53,8 @@ class LeafPlan:
     shapes: tuple[Shape, ...]  # the source shape, then the output shape of each hook
     layout: tuple[int, ...] | None = None
     target: AbstractLeaf | None = None
+    # per stack axis, the HF value of each of its positions (the layers a group holds)
+    stack_values: tuple[tuple[int | str, ...], ...] = ()
 
     @property
     def placed(self) -> AbstractLeaf:
@@ -119,6 +121,7 @@ class LeafPlan:
             "sharding": str(getattr(placed.sharding, "spec", placed.sharding)),
             "stack_axes": list(self.stack_axes),
             "stack_dims": list(self.stack_dims),
+            "stack_values": {a: list(v) for a, v in zip(self.stack_axes, self.stack_values, strict=False)},
             "hf_keys": keys if len(keys) <= 2 else [keys[0], f"... {len(keys) - 2} more ...", keys[-1]],
             "num_hf_keys": len(keys),
             "hf_dtype": str(self.sources[0].dtype) if self.sources else None,
@@ -243,7 +246,10 @@ def plan_leaf(
         problems.append(unfit)
         return None
     sources, shapes, ok = [], None, True
-    for _, values in slice_values(rule, fixed, stack_axes, stack_shape, config):
+    along: list[dict[int, int | str]] = [{} for _ in stack_axes]
+    for combo, values in slice_values(rule, fixed, stack_axes, stack_shape, config):
+        for k, name in enumerate(stack_axes):
+            along[k].setdefault(combo[k], values[name])
         key, info = _lookup(index, rule, values)
         if info is None:
             problems.append(TensorProblem("missing", key, leaf.path, expected=slice_shape))
@@ -263,7 +269,7 @@ def plan_leaf(
     if not ok or math.prod(stack_shape) != len(sources):
         return None
     return LeafPlan(leaf, rule, stack_axes, tuple(sources), hooks, shapes or (slice_shape,), layout,
-                    None if layout is None else target)
+                    None if layout is None else target, tuple(tuple(a.values()) for a in along))
 
 
 def unfaithful_cast(plan: LeafPlan) -> str | None:

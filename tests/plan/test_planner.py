@@ -10,7 +10,7 @@ from otfload.errors import CheckpointMismatchError, MissingTensorError, ShapeMis
 from otfload.index.checkpoint import open_index
 from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.hooks import Reshape, Transpose
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import MappingTable, Rule, Stride
 from otfload.plan.planner import build_plan
 from otfload.sources import LocalSource
 from tests.synthetic import write_checkpoint
@@ -96,3 +96,25 @@ def test_shape_mismatch_through_hooks(checkpoint, mesh_2x4):
 def test_strict_reports_unused(checkpoint, mesh_2x4):
     with pytest.raises(UnexpectedTensorError, match="embed.weight"):
         plan(checkpoint, {"layers": {"w": (3, 4, 2, 3), "experts": (3, 2, 5)}}, mesh_2x4, strict=True)
+
+
+def test_strided_groups_read_every_period_th_layer_and_say_which(tmp_path, mesh_2x4):
+    """Seven layers in blocks of three (two local, one global) plus a remainder: each group's stack
+    index maps to HF layers by Stride, the remainder too, and describe() names the layers held."""
+    rng = np.random.default_rng(0)
+    tensors = {f"model.layers.{i}.norm.weight": rng.standard_normal(4).astype(np.float32) for i in range(7)}
+    path = write_checkpoint(tmp_path / "ckpt", tensors, config={"model_type": "synthetic", "period": 3})
+    table = MappingTable((
+        Rule("global.norm", "model.layers.{layer}.norm.weight", indices={"layer": Stride("period", "period - 1")}),
+        Rule("local0.norm", "model.layers.{layer}.norm.weight", indices={"layer": Stride("period")}),
+        Rule("local1.norm", "model.layers.{layer}.norm.weight", indices={"layer": Stride("period", 1)}),
+    ))
+    tree = {name: jax.ShapeDtypeStruct((n, 4), np.float32) for name, n in (("global", 2), ("local0", 3), ("local1", 2))}
+    leaves, _ = abstract_from_pytree({k: {"norm": v} for k, v in tree.items()}, mesh_2x4)
+    with contextlib.closing(LocalSource(path)) as source:
+        plan = build_plan(open_index(source), leaves, table, {"period": 3})
+    held = {p: plan.leaves[p].describe()["stack_values"]["layer"] for p in plan.leaves}
+    assert held == {"global.norm": [2, 5], "local0.norm": [0, 3, 6], "local1.norm": [1, 4]}
+    assert [s.name for s in plan.leaves["global.norm"].sources] == ["model.layers.2.norm.weight",
+                                                                    "model.layers.5.norm.weight"]
+    assert plan.unused == []
