@@ -40,9 +40,10 @@ from benchmarks import harness
 from otfload.families.llama.config import LlamaConfig
 from otfload.families.llama.model import LlamaForCausalLM
 from otfload.families.mixtral.config import mixtral_config
-from otfload.families.mixtral.model import MoeForCausalLM, route
+from otfload.families.mixtral.model import MoeForCausalLM
 from otfload.models.attention import CHUNKED, DPA, Context, attention
 from otfload.models.experts import BLOCKS, DENSE, RAGGED, block_size, expert_ffn
+from otfload.models.moe import route
 
 MIB = 2**20
 GIB = 2**30

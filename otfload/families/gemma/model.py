@@ -19,9 +19,9 @@ from jax.typing import DTypeLike
 
 from otfload.config.layer_types import SLIDING
 from otfload.families.gemma.config import GemmaConfig
-from otfload.families.llama.model import Attention, Mlp
 from otfload.models.attention import Context, Window, self_attention
 from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
+from otfload.models.gqa import Attention
 from otfload.models.layers import (
     Dense,
     Embed,
@@ -36,6 +36,7 @@ from otfload.models.layers import (
     rope_tables,
     run_layers,
 )
+from otfload.models.mlp import Mlp
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -10,7 +10,8 @@ from typing import Any
 from otfload.config import EXPERTS, POSITIVE, WINDOW, Fields
 from otfload.config.layer_types import FULL, SLIDING, layer_types
 from otfload.families.llama.config import LlamaConfig
-from otfload.families.mixtral.config import CLAMPED_SWIGLU, TOPK_SOFTMAX, MoeConfig, top_k
+from otfload.families.mixtral.config import MoeConfig, top_k
+from otfload.models.moe import CLAMPED_SWIGLU, TOPK_SOFTMAX
 
 
 def gpt_oss_config(hf: dict[str, Any]) -> MoeConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from otfload.config import (
     BOOL,
@@ -43,19 +43,6 @@ def attention_shape(f: Fields) -> tuple[int, int, int, int]:
         head_dim = hidden // heads
     require(head_dim % 2 == 0, f.name("head_dim"), head_dim, "must be even: RoPE rotates pairs of dimensions")
     return hidden, heads, kv_heads, head_dim
-
-
-class HeadShape(Protocol):
-    """The attention shape of a Llama-style config (Gemma's has the same names)."""
-
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def num_attention_heads(self) -> int: ...
-    @property
-    def num_key_value_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from otfload.config import Count, Dim
-from otfload.families.llama.config import HeadShape, LlamaConfig
+from otfload.families.llama.config import LlamaConfig
+from otfload.models.gqa import HeadShape
 from otfload.plan.hooks import Reshape
 from otfload.plan.mapping import MappingTable, Rule
 

@@ -10,9 +10,7 @@ from typing import Any
 
 from otfload.config import EXPERTS, WINDOW, Fields, require
 from otfload.families.llama.config import LlamaConfig
-
-SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
-SWIGLU, CLAMPED_SWIGLU = "swiglu", "clamped_swiglu"
+from otfload.models.moe import SOFTMAX_TOPK, SWIGLU
 
 
 @dataclass(frozen=True)

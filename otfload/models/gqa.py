@@ -1,0 +1,78 @@
+"""Grouped-query attention: the parameters (q/k/v/o kernels in HF's ``[out, in]`` orientation,
+optional biases and per-head q/k RMSNorms) and the block that runs them on a normed input with
+RoPE (Llama 3, Mistral, Qwen2/3, Gemma's parameters, the MoE decoders)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+from flax import nnx
+from jax.typing import DTypeLike
+
+from otfload.models.attention import Context, Window, self_attention
+from otfload.models.base import GroupCache
+from otfload.models.layers import Dense, Norm, ParamOptions, Params, apply_rope, dense, rms_norm
+
+Rope = tuple[jax.Array, jax.Array]
+
+
+class HeadShape(Protocol):
+    """The attention shape of a Llama-style config (Gemma's has the same names)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+class GqaShape(HeadShape, Protocol):
+    """The config fields :class:`Attention` and :func:`attention_block` read."""
+
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def o_bias(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+
+class Attention(nnx.Module):
+    """q/k/v kernels ``(heads, head_dim, hidden)``, o ``(hidden, heads, head_dim)`` (HF's ``[out, in]``)."""
+
+    sinks: nnx.Param[jax.Array]  # GPT-OSS's per-head attention sinks (set by its MoE decoder layer)
+
+    def __init__(self, cfg: GqaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
+        h, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
+        qkv_bias = (0, 1) if cfg.qkv_bias else ()
+        self.q = Dense((n, d, h), ("heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
+        self.k = Dense((kv, d, h), ("kv_heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
+        self.v = Dense((kv, d, h), ("kv_heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
+        self.o = Dense((h, n, d), ("embed", "heads", "head_dim"), bias_dims=(0,) if cfg.o_bias else (), **kw)
+        if cfg.qk_norm:
+            self.q_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
+            self.k_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
+
+
+def attention_block(
+    a: Params, h: jax.Array, cfg: GqaShape, rope: Rope, ctx: Context, cache: GroupCache | None,
+    window: Window | None = None,
+) -> tuple[jax.Array, GroupCache | None]:
+    """Self-attention of the normed input ``h``: GQA, optional q/k norm, RoPE, optional ``sinks``;
+    returns the output and the layer's updated cache."""
+    q = dense(a["q"], h, "bsh,ndh->bsnd")
+    k = dense(a["k"], h, "bsh,ndh->bsnd")
+    v = dense(a["v"], h, "bsh,ndh->bsnd")
+    if cfg.qk_norm:
+        q = rms_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
+        k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    out, cache = self_attention(q, k, v, ctx, cache, scale=cfg.head_dim**-0.5, window=window, sinks=a.get("sinks"))
+    return dense(a["o"], out, "bsnd,hnd->bsh"), cache
