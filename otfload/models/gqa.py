@@ -1,6 +1,12 @@
 """Grouped-query attention: the parameters (q/k/v/o kernels in HF's ``[out, in]`` orientation,
-optional biases and per-head q/k RMSNorms) and the block that runs them on a normed input with
-RoPE (Llama 3, Mistral, Qwen2/3, Gemma's parameters, the MoE decoders)."""
+optional biases and q/k RMSNorms) and the block that runs them on a normed input with RoPE (Llama 3,
+Mistral, Qwen2/3, Gemma's parameters, the MoE decoders, OLMo 3, GLM-4.5, MiniMax-M2).
+
+The q/k norms are of one of two kinds (``qk_norm_over``): :data:`PER_HEAD` normalises each head's
+``head_dim`` values (Qwen3, Gemma 3; scale ``(head_dim,)``), :data:`WHOLE` the whole projection,
+every head at once (OLMo 3, MiniMax-M2; HF's scale ``(heads * head_dim,)`` kept as ``(heads,
+head_dim)`` so it shards with the heads). Partial rotary comes from RoPE tables narrower than
+``head_dim`` (:func:`~otfload.models.layers.apply_rope`)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from otfload.models.base import GroupCache
 from otfload.models.layers import Dense, Norm, ParamOptions, Params, apply_rope, dense, rms_norm
 
 Rope = tuple[jax.Array, jax.Array]
+# What a q/k norm normalises over: each head, or the whole projection (all heads together).
+PER_HEAD, WHOLE = "head", "whole"
 
 
 class HeadShape(Protocol):
@@ -48,7 +56,10 @@ class Attention(nnx.Module):
 
     sinks: nnx.Param[jax.Array]  # GPT-OSS's per-head attention sinks (set by its MoE decoder layer)
 
-    def __init__(self, cfg: GqaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
+    def __init__(
+        self, cfg: GqaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None,
+        qk_norm_over: str = PER_HEAD,
+    ) -> None:
         h, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         qkv_bias = (0, 1) if cfg.qkv_bias else ()
@@ -56,23 +67,36 @@ class Attention(nnx.Module):
         self.k = Dense((kv, d, h), ("kv_heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
         self.v = Dense((kv, d, h), ("kv_heads", "head_dim", "embed"), bias_dims=qkv_bias, **kw)
         self.o = Dense((h, n, d), ("embed", "heads", "head_dim"), bias_dims=(0,) if cfg.o_bias else (), **kw)
-        if cfg.qk_norm:
+        if cfg.qk_norm and qk_norm_over == WHOLE:
+            self.q_norm = Norm((n, d), ("heads", "head_dim"), **kw)
+            self.k_norm = Norm((kv, d), ("kv_heads", "head_dim"), **kw)
+        elif cfg.qk_norm:
             self.q_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
             self.k_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
+
+
+def qk_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of ``x [b, s, heads, head_dim]`` per head (``scale (head_dim,)``) or over the whole
+    projection (``scale (heads, head_dim)``, :data:`WHOLE`)."""
+    if scale.ndim == 1:
+        return rms_norm(x, scale, eps)
+    b, s, n, d = x.shape
+    return rms_norm(x.reshape(b, s, n * d), scale.reshape(n * d), eps).reshape(b, s, n, d)
 
 
 def attention_block(
     a: Params, h: jax.Array, cfg: GqaShape, rope: Rope, ctx: Context, cache: GroupCache | None,
     window: Window | None = None,
 ) -> tuple[jax.Array, GroupCache | None]:
-    """Self-attention of the normed input ``h``: GQA, optional q/k norm, RoPE, optional ``sinks``;
+    """Self-attention of the normed input ``h``: GQA, optional q/k norm (either kind), RoPE (full or
+    partial), optional ``sinks``;
     returns the output and the layer's updated cache."""
     q = dense(a["q"], h, "bsh,ndh->bsnd")
     k = dense(a["k"], h, "bsh,ndh->bsnd")
     v = dense(a["v"], h, "bsh,ndh->bsnd")
     if cfg.qk_norm:
-        q = rms_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
-        k = rms_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
+        q = qk_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
+        k = qk_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out, cache = self_attention(q, k, v, ctx, cache, scale=cfg.head_dim**-0.5, window=window, sinks=a.get("sinks"))
     return dense(a["o"], out, "bsnd,hnd->bsh"), cache

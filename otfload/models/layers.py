@@ -85,10 +85,14 @@ class ExpertDense(Dense):
 
 
 class Norm(nnx.Module):
-    """An RMSNorm ``scale``."""
+    """An RMSNorm ``scale`` of ``dim`` values, or of the ``shape`` with ``axes`` a norm over several
+    dims keeps (a q norm over every head: ``(heads, head_dim)``)."""
 
-    def __init__(self, dim: int, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
-        self.scale = make_param(rngs, (dim,), ("norm",), dtype, stack)
+    def __init__(
+        self, dim: int | tuple[int, ...], axes: tuple[str, ...] = ("norm",), *, dtype: DTypeLike,
+        rngs: nnx.Rngs | None, stack: int | None = None,
+    ) -> None:
+        self.scale = make_param(rngs, (dim,) if isinstance(dim, int) else dim, axes, dtype, stack)
 
 
 class Embed(nnx.Module):
@@ -200,7 +204,13 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x [batch, seq, heads, head_dim]`` (the rotate-half convention of HF checkpoints)."""
+    """Rotate ``x [batch, seq, heads, head_dim]`` (the rotate-half convention of HF checkpoints).
+
+    Partial rotary (tables narrower than ``head_dim``: ``partial_rotary_factor``) rotates the first
+    ``cos.shape[-1]`` dims of each head and passes the rest through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)

@@ -1,0 +1,121 @@
+"""OLMo 3's config (``olmo3``): ``config.json`` parsed and checked into an :class:`Olmo3Config`
+(GQA with q/k norms over the whole projections, norms after attention and MLP, sliding and full
+layers by ``layer_types`` with a RoPE per layer type)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from otfload.config import (
+    BOOL,
+    EPS,
+    INTERMEDIATE,
+    LAYERS,
+    NAME,
+    VOCAB,
+    WINDOW,
+    Choice,
+    Fields,
+    padding_idx,
+    rope_kind,
+    rope_params,
+)
+from otfload.config.layer_types import FULL, SLIDING, layer_types
+from otfload.config.rope import THETA
+from otfload.families.llama.config import attention_shape
+
+ACTIVATIONS = Choice("silu", "swish")
+# transformers' Olmo3Config defaults.
+DEFAULT_THETA = 500000.0
+OLMO3_PAD_ID = 1
+# Without ``layer_types`` every 4th layer is full attention, the others sliding (transformers' rule).
+FULL_EVERY = 4
+
+RopeSpec = tuple[float, dict[str, Any] | None]  # (theta, scaling)
+
+
+def _rope_of(params: Fields | None, default: RopeSpec) -> RopeSpec:
+    if params is None:
+        return default
+    kind = rope_kind(params)
+    theta = params.get("rope_theta", THETA, default[0])
+    return theta, (dict(params.data) if kind != "default" else None)
+
+
+def layer_ropes(f: Fields) -> tuple[RopeSpec, RopeSpec]:
+    """``(full, sliding)`` RoPE: per layer type in ``rope_parameters`` (transformers 5), else the flat
+    ``rope_theta``/``rope_scaling`` or ``rope_parameters`` for full layers (transformers applies a
+    ``rope_scaling`` there only) and plain RoPE of the same base on sliding layers."""
+    params = f.object("rope_parameters")
+    if params is not None and (FULL in params.data or SLIDING in params.data):
+        plain = (f.get("rope_theta", THETA, DEFAULT_THETA), None)
+        return _rope_of(params.object(FULL), plain), _rope_of(params.object(SLIDING), plain)
+    theta, scaling = rope_params(Fields({"rope_theta": DEFAULT_THETA, **f.data}, f.path))
+    return (theta, scaling), (theta, None)
+
+
+@dataclass(frozen=True)
+class Olmo3Config:
+    """An OLMo 3 ``config.json`` as the model uses it, under the config's names (``to_dict()`` feeds
+    the mapping's hooks). ``attention_bias`` gives q/k/v and o biases."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    layer_types: tuple[str, ...]
+    rope_full: RopeSpec
+    rope_sliding: RopeSpec
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> Olmo3Config:
+        """Parse and check ``config.json`` (absent fields take transformers' OLMo 3 defaults)."""
+        f = Fields(hf)
+        hidden, heads, kv_heads, head_dim = attention_shape(f)
+        f.get("hidden_act", ACTIVATIONS, "silu")
+        layers = f.get("num_hidden_layers", LAYERS)
+        bias = f.get("attention_bias", BOOL, False)
+        full, sliding = layer_ropes(f)
+
+        def pattern() -> list[str]:
+            return [SLIDING if (i + 1) % FULL_EVERY else FULL for i in range(layers)]
+
+        vocab = f.get("vocab_size", VOCAB)
+        return cls(
+            model_type=f.get("model_type", NAME),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=f.get("intermediate_size", INTERMEDIATE),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-5),
+            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
+            sliding_window=f.nullable("sliding_window", WINDOW, 4096),
+            layer_types=layer_types(f, layers, pattern),
+            rope_full=full,
+            rope_sliding=sliding,
+            qkv_bias=bias,
+            o_bias=bias,
+            pad_token_id=padding_idx(f, vocab, OLMO3_PAD_ID),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name → value, for the mapping table's hooks."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,112 @@
+"""Flax NNX decoder for OLMo 3: GQA attention whose q/k norms span the whole projections
+(:data:`~otfload.models.gqa.WHOLE`), norms *after* attention and after the SwiGLU MLP (each output
+normed before its residual add, no input norm), and sliding or full attention per layer
+(``layer_types``), each type with its own RoPE.
+
+With ``scan_layers`` every layer sits in one stack (the two types share their shapes); each layer's
+type is scanned over as data beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import DTypeLike
+
+from otfload.config.layer_types import SLIDING
+from otfload.families.olmo3.config import Olmo3Config, RopeSpec
+from otfload.models.attention import Context, Window
+from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
+from otfload.models.gqa import WHOLE, Attention, Rope, attention_block
+from otfload.models.layers import (
+    Dense,
+    Embed,
+    Norm,
+    ParamOptions,
+    Params,
+    pure,
+    rms_norm,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_tables,
+    run_layers,
+)
+from otfload.models.mlp import Mlp, swiglu
+
+
+class Olmo3DecoderLayer(nnx.Module):
+    """One layer's parameters (``stack=L`` gives all L layers stacked on a leading axis)."""
+
+    def __init__(self, cfg: Olmo3Config, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
+        self.attn = Attention(cfg, qk_norm_over=WHOLE, **kw)
+        self.post_attn_norm = Norm(cfg.hidden_size, **kw)
+        self.mlp = Mlp(cfg, **kw)
+        self.post_ffw_norm = Norm(cfg.hidden_size, **kw)
+
+
+def layer_forward(
+    p: Params, x: jax.Array, cfg: Olmo3Config, rope: Rope, ctx: Context, cache: GroupCache | None, window: Window
+) -> tuple[jax.Array, GroupCache | None]:
+    """One post-norm decoder layer as a pure function of its parameters ``p``: ``(x, updated cache)``."""
+    out, cache = attention_block(p["attn"], x, cfg, rope, ctx, cache, window)
+    x = x + rms_norm(out, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
+    return x + rms_norm(swiglu(p["mlp"], x), p["post_ffw_norm"]["scale"], cfg.rms_norm_eps), cache
+
+
+def _rope(positions: jax.Array, head_dim: int, rope: RopeSpec) -> Rope:
+    theta, scaling = rope
+    return rope_tables(positions, rope_inv_freq(head_dim, theta, scaling), rope_attention_factor(scaling))
+
+
+class Olmo3ForCausalLM(CausalLM):
+    """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for OLMo 3."""
+
+    cfg: Olmo3Config
+    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
+
+    def __init__(
+        self, cfg: Olmo3Config, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
+    ) -> None:
+        self.cfg = cfg
+        self.scan_layers = scan_layers
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        n = cfg.num_hidden_layers
+        if scan_layers:
+            self.layers = Olmo3DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=n)
+        else:
+            self.layers = nnx.List([Olmo3DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(n)])
+        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+
+    def cache_layout(self) -> dict[str, CacheLayout]:
+        cfg = self.cfg
+        return {"layers": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)}
+
+    def forward(
+        self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
+    ) -> tuple[jax.Array, GroupCaches | None]:
+        cfg = self.cfg
+        sliding = _rope(ctx.positions, cfg.head_dim, cfg.rope_sliding)
+        full = _rope(ctx.positions, cfg.head_dim, cfg.rope_full)
+        flags = np.array([t == SLIDING for t in cfg.layer_types])
+        windows = np.where(flags, cfg.sliding_window or 0, 0).astype(np.int32)
+
+        def run_layer(
+            p: Params, h: jax.Array, xs: tuple[jax.Array | np.bool_, Window, GroupCache | None]
+        ) -> tuple[jax.Array, GroupCache | None]:
+            is_sliding, window, cache = xs
+            rope = jax.tree.map(lambda s, f: jnp.where(is_sliding, s, f), sliding, full)
+            return layer_forward(p, h, cfg, rope, ctx, cache, window)
+
+        layers = self.layers
+        params = [pure(layer) for layer in layers] if isinstance(layers, nnx.List) else pure(layers)
+        x, cache = run_layers(params, self.embed_tokens(input_ids), run_layer,
+                              (flags, windows, group_cache(caches, "layers")))
+        x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
+        return x, None if caches is None else {"layers": cache}
