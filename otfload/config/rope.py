@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from otfload.config.fields import BOOL, MAX_ROPE_THETA, POSITIVE, WINDOW, Choice, Fields, Float, Spec, require
+from otfload.config.fields import BOOL, MAX_ROPE_THETA, POSITIVE, WINDOW, Choice, Fields, Float, Int, Spec, require
 
 DEFAULT = "default"
 # A RoPE base must exceed 1: YaRN divides by log(theta), and theta <= 1 gives no rotation frequencies.
@@ -68,3 +68,22 @@ def rope_params(f: Fields) -> tuple[float, dict[str, Any] | None]:
         rope_kind(scaling)
         return theta, dict(scaling.data)
     return theta, (dict(params.data) if params is not None and kind != DEFAULT else None)
+
+
+# partial_rotary_factor: the fraction of each head's dims RoPE rotates.
+FRACTION = Float(0.0, 1.0, exclusive_min=True)
+
+
+def rotary_dim(f: Fields, head_dim: int, default_factor: float = 1.0) -> int:
+    """How many of each head's ``head_dim`` dims RoPE rotates (the first ones; the rest pass through):
+    ``rotary_dim`` (MiniMax-M2's field), else ``head_dim × partial_rotary_factor`` (top level or in
+    ``rope_parameters``, as transformers reads it), checked to be even and at most ``head_dim``."""
+    params = f.object("rope_parameters")
+    factor = f.get("partial_rotary_factor", FRACTION, default_factor)
+    if params is not None:
+        factor = params.get("partial_rotary_factor", FRACTION, factor)
+    dim: int = f.get("rotary_dim", Int(2, head_dim), None) or int(head_dim * factor)
+    field = "rotary_dim" if "rotary_dim" in f.data else "partial_rotary_factor"
+    require(dim % 2 == 0 and dim >= 2, f.name(field), f.data.get("rotary_dim", factor),
+            f"must give an even number of rotated dims (head_dim {head_dim} -> {dim})")
+    return dim
