@@ -213,7 +213,7 @@ def test_published_rope_configs_match_transformers(published):
     import importlib
 
     from otfload.families.deepseek.config import DeepseekConfig
-    from otfload.families.deepseek.model import softmax_scale
+    from otfload.models.mla import softmax_scale
     from otfload.models.layers import rope_attention_factor, rope_inv_freq
 
     hf = {**DEEPSEEK_BASE, "max_position_embeddings": 163840, "rope_theta": 10000, "qk_nope_head_dim": 128,
