@@ -1,0 +1,29 @@
+"""The Gemma 4 family: the text model (``gemma4_text``) and the text model of the multimodal
+``gemma4`` checkpoints (``Gemma4ForConditionalGeneration``; :mod:`otfload.families.multimodal`).
+
+``config`` parses ``config.json``, ``model`` is the NNX decoder, ``mapping`` the table and checks;
+importing the package registers both families.
+"""
+
+from otfload.families.gemma4.config import Gemma4Config
+from otfload.families.gemma4.mapping import GEMMA4_TABLE, gemma4_checks
+from otfload.families.gemma4.model import Gemma4ForCausalLM
+from otfload.families.multimodal import text_model_family
+from otfload.families.registry import Family, register
+
+GEMMA4 = register(
+    Family(
+        name="gemma4",
+        model_types=("gemma4_text",),
+        parse_config=Gemma4Config.from_hf,
+        build=Gemma4ForCausalLM,
+        mapping=lambda cfg: GEMMA4_TABLE,
+        checks=gemma4_checks,
+    )
+)
+
+GEMMA4_MULTIMODAL = register(
+    text_model_family("gemma4 (text model of a multimodal checkpoint)", ("gemma4",), GEMMA4, "gemma4_text")
+)
+
+__all__ = ["GEMMA4", "GEMMA4_MULTIMODAL", "GEMMA4_TABLE", "Gemma4Config", "Gemma4ForCausalLM"]
