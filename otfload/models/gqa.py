@@ -10,7 +10,8 @@ head_dim)`` so it shards with the heads). Partial rotary comes from RoPE tables 
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 from flax import nnx
@@ -18,7 +19,18 @@ from jax.typing import DTypeLike
 
 from otfload.models.attention import Context, Window, self_attention
 from otfload.models.base import GroupCache
-from otfload.models.layers import Dense, Norm, ParamOptions, Params, apply_rope, dense, rms_norm
+from otfload.models.layers import (
+    Dense,
+    Norm,
+    ParamOptions,
+    Params,
+    apply_rope,
+    dense,
+    rms_norm,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_tables,
+)
 
 Rope = tuple[jax.Array, jax.Array]
 # What a q/k norm normalises over: each head, or the whole projection (all heads together).
@@ -100,3 +112,9 @@ def attention_block(
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out, cache = self_attention(q, k, v, ctx, cache, scale=cfg.head_dim**-0.5, window=window, sinks=a.get("sinks"))
     return dense(a["o"], out, "bsnd,hnd->bsh"), cache
+
+
+def gqa_rope(positions: jax.Array, rotary_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> Rope:
+    """RoPE ``(cos, sin)`` of ``rotary_dim`` dims for ``positions`` (partial rotary when narrower than
+    the heads; YaRN's attention factor folded in)."""
+    return rope_tables(positions, rope_inv_freq(rotary_dim, theta, scaling), rope_attention_factor(scaling))

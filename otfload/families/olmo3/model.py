@@ -18,10 +18,10 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from otfload.config.layer_types import SLIDING
-from otfload.families.olmo3.config import Olmo3Config, RopeSpec
+from otfload.families.olmo3.config import Olmo3Config
 from otfload.models.attention import Context, Window
 from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
-from otfload.models.gqa import WHOLE, Attention, Rope, attention_block
+from otfload.models.gqa import WHOLE, Attention, Rope, attention_block, gqa_rope
 from otfload.models.layers import (
     Dense,
     Embed,
@@ -30,9 +30,6 @@ from otfload.models.layers import (
     Params,
     pure,
     rms_norm,
-    rope_attention_factor,
-    rope_inv_freq,
-    rope_tables,
     run_layers,
 )
 from otfload.models.mlp import Mlp, swiglu
@@ -56,11 +53,6 @@ def layer_forward(
     out, cache = attention_block(p["attn"], x, cfg, rope, ctx, cache, window)
     x = x + rms_norm(out, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
     return x + rms_norm(swiglu(p["mlp"], x), p["post_ffw_norm"]["scale"], cfg.rms_norm_eps), cache
-
-
-def _rope(positions: jax.Array, head_dim: int, rope: RopeSpec) -> Rope:
-    theta, scaling = rope
-    return rope_tables(positions, rope_inv_freq(head_dim, theta, scaling), rope_attention_factor(scaling))
 
 
 class Olmo3ForCausalLM(CausalLM):
@@ -92,8 +84,8 @@ class Olmo3ForCausalLM(CausalLM):
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
     ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
-        sliding = _rope(ctx.positions, cfg.head_dim, cfg.rope_sliding)
-        full = _rope(ctx.positions, cfg.head_dim, cfg.rope_full)
+        sliding = gqa_rope(ctx.positions, cfg.head_dim, *cfg.rope_sliding)
+        full = gqa_rope(ctx.positions, cfg.head_dim, *cfg.rope_full)
         flags = np.array([t == SLIDING for t in cfg.layer_types])
         windows = np.where(flags, cfg.sliding_window or 0, 0).astype(np.int32)
 

@@ -1,0 +1,139 @@
+"""MiniMax-M2 (``minimax_m2``): tiny transformers checkpoints → otfload → logits and greedy ids equal
+transformers', the export round trip bit-exact, and the published MiniMax-M2.5 ``config.json``
+(read from ``../shared/realconfigs``, never copied) on a tiny FP8 block-scaled checkpoint.
+
+The tiny models keep every feature live: 8 routed experts, top 2 by sigmoid score plus a random
+correction bias, q/k norms over the whole projections, half of each head rotated; the variant has
+tied embeddings, as many kv heads as heads and a quarter of each head rotated."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import otfload
+from otfload.errors import ConfigError
+from otfload.export import export_hf
+from otfload.families.minimax_m2.config import MiniMaxM2Config
+from otfload.plan.sharding import make_mesh
+from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.test_deepseek import MESHES, _randomize_router_bias
+from tests.helpers import BASE, max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.helpers import jax_logits as logits
+from tests.index.quant import layouts
+from tests.models.kinds import padded_batch, torch_greedy
+
+REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
+MINIMAX_M25 = REALCONFIGS / "MiniMaxAI__MiniMax-M2.5.json"
+MINIMAX_BASE = {**BASE, "head_dim": 32, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "rotary_dim": 16}
+NEW = 6
+
+
+def _minimax_m2(**kw):
+    from transformers import MiniMaxM2Config as HfMiniMaxM2Config
+    from transformers import MiniMaxM2ForCausalLM
+
+    model = MiniMaxM2ForCausalLM(HfMiniMaxM2Config(**{**MINIMAX_BASE, **kw}))
+    _randomize_router_bias(model)
+    return model
+
+
+register_hf_model("minimax_m2", _minimax_m2)
+register_hf_model("minimax_m2_tied", _minimax_m2, {"tie_word_embeddings": True, "num_key_value_heads": 4,
+                                                   "rotary_dim": 8})
+
+
+@pytest.mark.parametrize(("kind", "scan_layers", "mesh_name"), [
+    ("minimax_m2", False, "fsdp2_ep4"), ("minimax_m2", True, "fsdp2_tp4"), ("minimax_m2_tied", True, "fsdp2_ep4"),
+])  # fmt: skip
+def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
+    path, torch_model = tiny_checkpoints(kind)
+    assert len(list(path.glob("*.safetensors"))) > 1
+    mesh = make_mesh(MESHES[mesh_name])
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
+    layer = model.layers if scan_layers else model.layers[0]
+    assert layer.attn.q_norm.scale[...].shape == ((3,) if scan_layers else ()) + (4, 32)  # over every head
+    experts = layer.moe.experts.gate.kernel[...]
+    assert experts.sharding.spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
+    ids = token_ids(seq=12)
+    with jax.set_mesh(mesh):  # experts run expert-parallel (shard_map over "ep") on the ep mesh
+        assert ("shard_map" in str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))) == ("ep" in MESHES[mesh_name])
+        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    assert diff <= 1e-4, diff
+
+
+def test_partial_rotary_and_correction_bias_matter(tiny_checkpoints, mesh_2x4):
+    """The parity above is not vacuous: full rotary, or routing without the correction bias, moves
+    the logits past several times the parity bound."""
+    import dataclasses
+
+    path, torch_model = tiny_checkpoints("minimax_m2")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    ids = token_ids(seq=12)
+    ref = torch_logits(torch_model, ids)
+    cfg = model.cfg
+    model.cfg = dataclasses.replace(cfg, rotary_dim=cfg.head_dim)
+    assert max_rel_diff(logits(model, ids), ref) > 5e-4
+    model.cfg = cfg
+    bias = model.layers.moe.router.bias
+    kept = bias[...]
+    bias[...] = jax.numpy.zeros_like(kept)
+    assert max_rel_diff(logits(model, ids), ref) > 5e-4
+    bias[...] = kept
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
+    path, torch_model = tiny_checkpoints("minimax_m2")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
+    ids, mask, _ = padded_batch("left")
+    ids, mask = ids[:, 4:], mask[:, 4:]
+    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[]))
+    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW, eos_token_id=None))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("kind", ["minimax_m2", "minimax_m2_tied"])
+def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
+    src, _ = tiny_checkpoints(kind)
+    model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
+    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
+    assert_bit_exact(read_tensors(out), read_tensors(src))
+    assert weight_map_keys(out) == weight_map_keys(src)
+
+
+@pytest.mark.parametrize(("field", "value"), [("use_qk_norm", False), ("qk_norm_type", "per_head"),
+                                              ("scoring_func", "softmax"), ("use_routing_bias", False),
+                                              ("shared_intermediate_size", 512), ("rotary_dim", 7),
+                                              ("hidden_act", "gelu")])
+def test_unsupported_fields_are_refused_by_name(field, value):
+    config = {**MINIMAX_BASE, "model_type": "minimax_m2", field: value}
+    with pytest.raises(ConfigError) as err:
+        MiniMaxM2Config.from_hf(config)
+    assert field in err.value.field
+
+
+@pytest.mark.skipif(not MINIMAX_M25.is_file(), reason="../shared/realconfigs is not checked out")
+def test_published_config_with_fp8_blocks_matches_transformers(tiny_checkpoints, mesh_2x4, tmp_path):
+    """MiniMax-M2.5's own config.json (its MTP, routing and qk-norm fields and its FP8
+    ``quantization_config`` verbatim; sizes from the tiny model): the attention and expert weights
+    FP8 with a float32 scale per 128 x 128 block, the router and lm_head kept (``modules_to_not_convert``);
+    logits equal transformers' on the dequantised weights."""
+    real = json.loads(MINIMAX_M25.read_text())
+    src, torch_model = tiny_checkpoints("minimax_m2")
+    qc = real["quantization_config"]
+    assert (qc["quant_method"], qc["weight_block_size"]) == ("fp8", [128, 128])
+    dst = tmp_path / "ckpt"
+    reference = layouts.quantize_checkpoint(src, dst, layouts.is_linear, layouts.fp8_blocks((128, 128)), qc)
+    assert len(reference) == 3 * (4 + 8 * 3)  # 3 layers x (q, k, v, o + 8 experts x w1, w2, w3)
+    tiny = json.loads((dst / "config.json").read_text())
+    sizes = {k: v for k, v in tiny.items() if k not in ("rope_parameters", "architectures", "transformers_version")}
+    config = {**real, **sizes, "rotary_dim": 16, "quantization_config": qc}
+    (dst / "config.json").write_text(json.dumps(config))
+    reference_model = layouts.load_reference(torch_model, reference, src, tmp_path / "reference")
+    model = otfload.from_pretrained(dst, mesh=mesh_2x4, dtype="float32")
+    ids = token_ids(seq=12)
+    assert max_rel_diff(logits(model, ids), torch_logits(reference_model, ids)) <= 1e-4
