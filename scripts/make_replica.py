@@ -16,6 +16,9 @@ Models (from their published ``config.json`` and tensor layout):
 * ``llama-3.1-405b``: Llama-3.1-405B, bf16, 126 layers, 191 shards;
 * ``qwen3-235b-a22b``: Qwen3-235B-A22B, bf16, 94 layers × 128 experts, 118 shards;
 * ``gpt-oss-120b``: GPT-OSS-120B, MXFP4 experts (``_blocks``/``_scales``), bf16 elsewhere, 15 shards;
+* ``deepseek-v3.2``, ``glm-5``: from their published ``config.json`` (``--config``): DeepSeek-V3.2
+  as DeepSeek-V3 (FP8) plus each layer's DSA indexer (``self_attn.indexer.*``: ``wq_b``/``wk`` FP8,
+  ``k_norm`` and ``weights_proj`` BF16); GLM-5 the same layout in BF16;
 * ``kimi-k2.5``: Kimi-K2.5 from its published ``config.json`` (``--config``, e.g.
   ``../shared/realconfigs/moonshotai__Kimi-K2.5.json``): the DeepSeek-V3 text model under
   ``language_model.``, int4 ``pack-quantized`` routed experts, bf16 elsewhere, a stand-in vision
@@ -98,6 +101,13 @@ def deepseek_v3_tensors(c: dict, linear: Linear = _fp8, expert: Linear = _fp8, p
         yield f"{a}.kv_a_layernorm.weight", "BF16", (c["kv_lora_rank"],)
         yield from linear(f"{a}.kv_b_proj", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]))
         yield from linear(f"{a}.o_proj", (h, heads * c["v_head_dim"]))
+        if "index_topk" in c:  # DeepSeek-V3.2 / GLM-5: the DSA indexer (its norm and head weights unquantized)
+            i, d = f"{a}.indexer", c["index_head_dim"]
+            yield from linear(f"{i}.wq_b", (c["index_n_heads"] * d, c["q_lora_rank"]))
+            yield from linear(f"{i}.wk", (d, h))
+            yield f"{i}.k_norm.weight", "BF16", (d,)
+            yield f"{i}.k_norm.bias", "BF16", (d,)
+            yield f"{i}.weights_proj.weight", "BF16", (c["index_n_heads"], h)
         if n < c["first_k_dense_replace"]:
             i = c["intermediate_size"]
             yield from linear(f"{p}.mlp.gate_proj", (i, h))
@@ -274,8 +284,17 @@ def kimi_k25_values(c: dict) -> Values:
             for name in ("gate_proj", "up_proj", "down_proj")}
 
 
+def glm5_tensors(c: dict) -> Iterator[Tensor]:
+    """GLM-5 (``glm_moe_dsa``, bf16 as its config says): DeepSeek-V3.2's layout in BF16."""
+    yield from deepseek_v3_tensors(c, _bf16, _bf16)
+
+
 REPLICAS = {
     "deepseek-v3": Replica(DEEPSEEK_V3, deepseek_v3_tensors, 163),
+    # From their published config.json (--config): DeepSeek-V3.2 FP8 as DeepSeek-V3 plus the indexer;
+    # GLM-5 in BF16 (its shard count is not recorded here: ~5 GB shards).
+    "deepseek-v3.2": Replica({}, deepseek_v3_tensors, 163),
+    "glm-5": Replica({}, glm5_tensors, 282),
     "kimi-k2.5": Replica({}, kimi_k25_tensors, 64, kimi_k25_values),
     "llama-3.1-405b": Replica(LLAMA_405B, llama_tensors, 191),
     "qwen3-235b-a22b": Replica(QWEN3_235B, qwen3_moe_tensors, 118),

@@ -70,7 +70,7 @@ def dsa_config(hf: Mapping[str, Any]) -> MlaConfig:
     field, indexers = _indexer_types(f, layers)
     require(len(indexers) == layers, field, indexers, f"must give {layers} layers")
     if SHARED in indexers:
-        raise ConfigError(field, f.get(field, Str(), None) if field != "indexer_types" else list(indexers),
+        raise ConfigError(field, f.data.get(field),
                           f"gives 'shared' indexer layers (layer {indexers.index(SHARED)}), which reuse another "
                           "layer's selection: not supported, every layer must run its own indexer ('full')")
     head_dim = f.get("index_head_dim", HEAD_DIM, INDEX_HEAD_DIM)

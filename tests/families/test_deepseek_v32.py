@@ -1,0 +1,231 @@
+"""DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``): tiny transformers checkpoints →
+otfload → logits and greedy ids equal transformers', on both sides of the indexer's top-k rule.
+
+The tiny models are DeepSeek-V3's (tests/families/test_deepseek.py: one dense and two MoE layers,
+grouped routing with a correction bias, YaRN) plus the DSA indexer on every layer with
+``index_topk = 4``: a 3-token sequence lets each query see every key, a 12-token one leaves the later
+queries a choice of 4 among up to 12 (both sides of the rule in one call), 80 tokens run the query
+chunks of :mod:`otfload.models.sparse_indexer`. 16 indexer heads make an exact tie of two keys'
+scores (every head's ReLU zero for both) too rare to meet, so the selection is the same as torch's.
+The published configs (``../shared/realconfigs``, read from there) plan at 256 devices from sparse
+replicas (scripts/make_replica.py), DeepSeek-V3.2 in its FP8 block-scaled layout.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import otfload
+from otfload.errors import ConfigError
+from otfload.export import export_hf
+from otfload.families.deepseek_v32.config import dsa_config
+from otfload.plan.sharding import make_mesh
+from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.test_deepseek import DEEPSEEK_BASE, MESHES, YARN, _randomize_router_bias
+from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.helpers import jax_logits as logits
+from tests.models.kinds import padded_batch, torch_greedy
+
+TOPK = 4
+DSA_BASE = {**DEEPSEEK_BASE, "q_lora_rank": 24, "rope_parameters": YARN, "routed_scaling_factor": 2.5,
+            "index_topk": TOPK, "index_n_heads": 16, "index_head_dim": 16}
+KINDS = ("deepseek_v32", "glm_moe_dsa")
+ROOT = Path(__file__).resolve().parents[2]
+REALCONFIGS = ROOT.parent / "shared" / "realconfigs"
+REAL = {"deepseek_v32": REALCONFIGS / "deepseek-ai__DeepSeek-V3.2.json",
+        "glm_moe_dsa": REALCONFIGS / "zai-org__GLM-5.json"}
+NEEDS_REAL = pytest.mark.skipif(not all(p.is_file() for p in REAL.values()),
+                                reason="../shared/realconfigs is not checked out")
+
+
+def _dsa(kind: str, **kw):
+    import transformers
+
+    names = {"deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}[kind]
+    config = getattr(transformers, f"{names}Config")(**{**DSA_BASE, **kw})
+    model = getattr(transformers, f"{names}ForCausalLM")(config)
+    _randomize_router_bias(model)
+    return model
+
+
+for _kind in KINDS:
+    register_hf_model(_kind, lambda _k=_kind, **kw: _dsa(_k, **kw))
+
+
+@pytest.mark.parametrize(("kind", "scan_layers", "mesh_name"), [
+    ("deepseek_v32", True, "fsdp2_ep4"), ("deepseek_v32", False, "fsdp2_tp4"),
+    ("glm_moe_dsa", True, "fsdp2_tp4"), ("glm_moe_dsa", False, "fsdp2_ep4"),
+])  # fmt: skip
+def test_f32_logits_match_transformers_below_and_above_index_topk(tiny_checkpoints, kind, scan_layers, mesh_name):
+    path, torch_model = tiny_checkpoints(kind)
+    assert len(list(path.glob("*.safetensors"))) > 1
+    mesh = make_mesh(MESHES[mesh_name])
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
+    moe = model.moe_layers if scan_layers else model.moe_layers[1]
+    assert moe.attn.indexer.q.kernel[...].shape == ((2,) if scan_layers else ()) + (16, 16, 24)
+    spec = moe.moe.experts.gate.kernel[...].sharding.spec
+    assert spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
+    with jax.set_mesh(mesh):
+        for seq in (3, 12):  # every key visible to every query; then top 4 of up to 12
+            ids = token_ids(seq=seq)
+            diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+            assert diff <= 1e-4, (seq, diff)
+
+
+def test_long_sequences_run_in_query_chunks_and_match(tiny_checkpoints, mesh_2x4):
+    from otfload.models.sparse_indexer import Q_CHUNK
+
+    path, torch_model = tiny_checkpoints("deepseek_v32")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    ids = token_ids(seq=80)
+    assert ids.shape[1] > Q_CHUNK
+    assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_top_k_rule_and_the_indexer_rope_are_live(tiny_checkpoints, mesh_2x4, kind):
+    """Attending to every key instead of the top 4 changes the 12-token logits well past the bound
+    and leaves the 3-token ones (no more keys than index_topk) unchanged; so does the indexer's RoPE
+    layout (interleaved pairs on GLM-5, rotate-half on DeepSeek-V3.2) at 12 tokens."""
+    path, torch_model = tiny_checkpoints(kind)
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    base = model.cfg
+    short, long = token_ids(seq=3), token_ids(seq=12)
+    ref_short, ref_long = torch_logits(torch_model, short), torch_logits(torch_model, long)
+    model.cfg = dataclasses.replace(base, index_topk=64)  # more than any sequence here: every key
+    assert max_rel_diff(logits(model, long), ref_long) > 1e-3
+    assert max_rel_diff(logits(model, short), ref_short) <= 1e-4
+    model.cfg = dataclasses.replace(base, indexer_rope_interleave=not base.indexer_rope_interleave)
+    assert max_rel_diff(logits(model, long), ref_long) > 1e-3
+
+
+def test_indexer_leaves_hold_their_tensors(tiny_checkpoints, mesh_2x4):
+    path, _ = tiny_checkpoints("glm_moe_dsa")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=True)
+    hf = hf_tensors(path)
+    indexer = model.moe_layers.attn.indexer
+    prefix = "model.layers.2.self_attn.indexer"
+    np.testing.assert_array_equal(np.asarray(indexer.q.kernel[...])[1], hf[f"{prefix}.wq_b.weight"].reshape(16, 16, 24))
+    np.testing.assert_array_equal(np.asarray(indexer.k.kernel[...])[1], hf[f"{prefix}.wk.weight"])
+    np.testing.assert_array_equal(np.asarray(indexer.k_norm.bias[...])[1], hf[f"{prefix}.k_norm.bias"])
+    np.testing.assert_array_equal(np.asarray(indexer.head_weights.kernel[...])[1], hf[f"{prefix}.weights_proj.weight"])
+
+
+@pytest.mark.parametrize(("kind", "scan_layers"), [("deepseek_v32", True), ("glm_moe_dsa", False)])
+def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, kind, scan_layers):
+    """Left-padded prompts of up to 8 tokens and 6 new ones: the indexer's keys come from the cache,
+    and the later steps choose 4 of more keys."""
+    path, torch_model = tiny_checkpoints(kind)
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
+    ids, mask, _ = padded_batch("left")
+    ids, mask = ids[:, 4:], mask[:, 4:]
+    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=6, attention_mask=mask))
+    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, 6))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, scan_layers):
+    src, _ = tiny_checkpoints("deepseek_v32")
+    model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
+    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
+    assert_bit_exact(read_tensors(out), read_tensors(src))
+    assert weight_map_keys(out) == weight_map_keys(src)
+
+
+# --- configs ------------------------------------------------------------------------------------
+
+TINY = {**{k: v for k, v in DSA_BASE.items() if k != "rope_parameters"}, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"indexer_types": ["full", "sliding", "full"]}, "indexer_types[1]"),  # an unknown indexer type
+    ({"indexer_types": ["full", "shared", "full"]}, "indexer_types"),  # reuses another layer's top-k
+    ({"index_topk_pattern": "FSF"}, "index_topk_pattern"),
+    ({"index_topk_pattern": "FXF"}, "index_topk_pattern[1]"),
+    ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, "index_topk_freq"),
+    ({"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]}, "layer_types[1]"),
+    ({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "mlp_layer_types"),
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"indexer_rope_interleave": False}, "indexer_rope_interleave"),
+    ({"q_lora_rank": None}, "q_lora_rank"),
+    ({"index_head_dim": 4}, "index_head_dim"),
+])  # fmt: skip
+def test_unsupported_indexer_configs_are_typed_errors_naming_the_field(change, field):
+    hf = {**TINY, "model_type": "glm_moe_dsa"}
+    dsa_config(hf)  # the unchanged config parses
+    with pytest.raises(ConfigError) as err:
+        dsa_config({**hf, **change})
+    assert err.value.field == field and field in str(err.value)
+
+
+@NEEDS_REAL
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_published_configs_parse_as_transformers_reads_them(kind):
+    from transformers import AutoConfig
+
+    real = json.loads(REAL[kind].read_text())
+    cfg = dsa_config(real)
+    ref = AutoConfig.for_model(**real)
+    assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (ref.index_topk, ref.index_n_heads,
+                                                                       ref.index_head_dim)
+    assert cfg.indexer_rope_interleave == (kind == "glm_moe_dsa")
+    assert cfg.first_k_dense_replace == ref.mlp_layer_types.count("dense") == 3
+    assert (cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.mtp_layers) == (256, ref.n_group, ref.topk_group, 1)
+
+
+PLAN_CHILD = """
+import json, sys, time
+import jax
+jax.devices()
+import otfload
+from otfload.plan.sharding import make_mesh
+mesh = make_mesh({"fsdp": 32, "ep": 8})
+start, cpu = time.perf_counter(), time.process_time()
+_, plan, src = otfload.plan_model(sys.argv[1], mesh=mesh, scan_layers=sys.argv[2] == "1")
+wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+src.close()
+storage = {k: v.storage for k, v in plan.leaves.items() if k.startswith("moe_layers")}
+print(json.dumps({"wall": wall, "cpu": cpu, "unused": plan.unused, "bytes": plan.source_bytes, "storage": storage}))
+"""
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    from tests.place.test_plan_scale import replica_module
+
+    made = {}
+    for kind, name in (("deepseek_v32", "deepseek-v3.2"), ("glm_moe_dsa", "glm-5")):
+        made[kind] = tmp_path_factory.mktemp("replica") / name
+        replica_module().make_replica(name, made[kind], json.loads(REAL[kind].read_text()))
+    return made
+
+
+@NEEDS_REAL
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_published_configs_plan_at_256_devices(replicas, kind, scan_layers):
+    """Planned from headers in a process with 256 simulated devices (fsdp=32, ep=8) in at most 10 s
+    of the planning process's CPU (its wall time on a shared machine varies with the other jobs):
+    DeepSeek-V3.2's FP8 weights with 128x128 scales, GLM-5 in BF16, each MTP layer unused."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=256", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", PLAN_CHILD, str(replicas[kind]), "1" if scan_layers else "0"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{kind} scan_layers={scan_layers}: plan {r['wall']:.2f} s wall, {r['cpu']:.2f} s CPU")
+    assert r["cpu"] <= 10, r["cpu"]
+    layers = 61 if kind == "deepseek_v32" else 78
+    assert r["unused"] and all(k.startswith(f"model.layers.{layers}.") for k in r["unused"])  # the MTP layer
+    fp8 = "fp8 float8_e4m3fn, float32 scale per 128x128 block"
+    key = "moe_layers.attn.indexer.q.kernel" if scan_layers else "moe_layers.0.attn.indexer.q.kernel"
+    experts = key.replace("attn.indexer.q", "moe.experts.up")
+    expected = fp8 if kind == "deepseek_v32" else "bfloat16"
+    assert r["storage"][key] == r["storage"][experts] == expected
+    assert r["storage"][key.replace(".q.", ".head_weights.")] == "bfloat16"
+    assert (660e9 if kind == "deepseek_v32" else 1400e9) < r["bytes"] < (700e9 if kind == "deepseek_v32" else 1600e9)
