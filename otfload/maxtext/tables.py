@@ -1,0 +1,170 @@
+"""The building blocks of the MaxText tables: one :class:`Leaf` per kind of MaxText parameter, and
+:class:`ModelTable`, a model's leaves turned into an otfload mapping table for one layout.
+
+MaxText's NNX parameter trees (``nnx.state(model, nnx.Param)``) have no ``params.`` prefix::
+
+    token_embedder.embedding                       [vocab, embed]
+    decoder.decoder_norm.scale                     [embed]
+    decoder.logits_dense.kernel                    [embed, vocab]   (absent with logits_via_embedding)
+    decoder.layers.<block leaf>                    scan_layers: one leaf for all layers
+    decoder.layers_<i>.<block leaf>                unscanned: one subtree per layer
+
+A scanned leaf has the layer axis at dimension ``param_scan_axis`` (MaxText's default 1: a norm
+scale is ``[embed, layers]``, a query kernel ``[embed, layers, heads, head_dim]``); a stack of
+experts leads (``[experts, layers, embed, mlp]`` at ``param_scan_axis`` 1, ``[layers, experts, ...]``
+at 0): every block rule says ``stack_at={"layer": "param_scan_axis"}`` and the expert axis takes
+the lowest dimension left (:func:`otfload.plan.mapping.stack_dims`).
+
+Hooks and shapes name MaxText's config fields with an ``mt_`` prefix (``mt_head_dim``,
+``mt_vocab_size``; :func:`otfload.maxtext.selection.hook_config` fills them), so that they never
+collide with the HF ``config.json`` fields an export writes beside them. Kernels are ``[in, out]``,
+the transpose of HF's ``[out, in]``, with the heads split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from otfload.plan.hooks import Hook, Pad, Reshape, Scale, Transpose
+from otfload.plan.mapping import MappingTable, Rule
+
+SCANNED = "decoder.layers"
+UNSCANNED = "decoder.layers_{layer}"
+HF_LAYER = "model.layers.{layer}"
+# Stack axes of a block leaf besides the layer, with the MaxText field giving their size.
+STACK_SIZES = {"layer": "mt_num_decoder_layers", "expert": "mt_num_experts"}
+T = Transpose()
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One kind of MaxText leaf: its path (under the layer prefix for a block leaf), the HF key
+    template, the hooks, and one slice's shape (MaxText fields) and mesh axes (MaxText's default
+    logical rules: ``fsdp`` on the embedding dimension, ``tensor`` on heads, MLP and vocabulary)."""
+
+    path: str
+    source: str
+    hooks: tuple[Hook, ...]
+    shape: tuple[str, ...]
+    axes: tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class ModelTable:
+    """A MaxText model's table: the leaves outside the layers, one layer's leaves, and the HF
+    ``model_type`` s whose checkpoints it reads."""
+
+    name: str
+    model_types: frozenset[str]
+    top: tuple[Leaf, ...]
+    block: tuple[Leaf, ...]
+
+    def mapping(self, scan_layers: bool) -> MappingTable:
+        """The otfload mapping table for the scanned or the unscanned tree."""
+        prefix = SCANNED if scan_layers else UNSCANNED
+        rules = [Rule(leaf.path, leaf.source, leaf.hooks) for leaf in self.top]
+        rules += [Rule(f"{prefix}.{leaf.path}", leaf.source, leaf.hooks, stack_at={"layer": "param_scan_axis"})
+                  for leaf in self.block]
+        return MappingTable(tuple(rules), ignore=(r".*rotary_emb\.inv_freq",))
+
+
+def kernel(name: str, source: str, shape: tuple[str, ...], axes: tuple[str | None, ...],
+           extra: tuple[Hook, ...] = ()) -> Leaf:
+    """An HF ``[out, in]`` projection as MaxText's ``[in, out]`` kernel with ``shape`` (heads split)."""
+    split = (Reshape(shape),) if len(shape) > 2 else ()
+    return Leaf(name, source, (T, *split, *extra), shape, axes)
+
+
+def norm(name: str, source: str, size: str = "mt_emb_dim") -> Leaf:
+    """An RMSNorm scale as it is stored."""
+    return Leaf(name, source, (), (size,), ("tensor",))
+
+
+def top_leaves(logits: bool = True) -> tuple[Leaf, ...]:
+    """The embedding (padded to MaxText's ``vocab_size`` with zeros, as MaxText's converter pads it),
+    the final norm and, unless the logits use the embedding, the output kernel padded alike."""
+    pad_rows = Pad(0, "mt_vocab_size", original="hf_vocab_size")
+    leaves = [
+        Leaf("token_embedder.embedding", "model.embed_tokens.weight", (pad_rows,), ("mt_vocab_size", "mt_emb_dim"),
+             ("tensor", "fsdp")),
+        norm("decoder.decoder_norm.scale", "model.norm.weight"),
+    ]
+    if logits:
+        leaves.append(Leaf("decoder.logits_dense.kernel", "lm_head.weight",
+                           (T, Pad(1, "mt_vocab_size", original="hf_vocab_size")), ("mt_emb_dim", "mt_vocab_size"),
+                           ("fsdp", "tensor")))
+    return tuple(leaves)
+
+
+def interleave_rope(heads: str) -> tuple[Hook, ...]:
+    """HF's rotate-half order within each head (``[x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}]``) to MaxText's
+    interleaved pairs (``[x_0, y_0, x_1, y_1, ...]``) of its Llama 3.1 RoPE, on ``[embed, heads * head_dim]``."""
+    return (Reshape(("mt_emb_dim", heads, 2, "mt_head_dim // 2")), Transpose((0, 1, 3, 2)),
+            Reshape(("mt_emb_dim", heads, "mt_head_dim")))
+
+
+QUERY_SCALE = Scale("1 / sqrt(mt_head_dim)")  # MaxText's converter: float32(1 / np.sqrt(head_dim))
+Q_SHAPE = ("mt_emb_dim", "mt_num_query_heads", "mt_head_dim")
+KV_SHAPE = ("mt_emb_dim", "mt_num_kv_heads", "mt_head_dim")
+O_SHAPE = ("mt_num_query_heads", "mt_head_dim", "mt_emb_dim")
+QKV_AXES = ("fsdp", "tensor", None)
+O_AXES = ("tensor", None, "fsdp")
+ATTN = f"{HF_LAYER}.self_attn"
+
+
+def attention(rope_interleaved: bool, query_scaled: bool) -> tuple[Leaf, ...]:
+    """The GQA attention projections, q/k with MaxText's RoPE order and the query pre-scaled by
+    ``1/sqrt(head_dim)`` where the model's converter does either."""
+    scale = (QUERY_SCALE,) if query_scaled else ()
+    if rope_interleaved:
+        q = Leaf("self_attention.query.kernel", f"{ATTN}.q_proj.weight",
+                 (T, *interleave_rope("mt_num_query_heads"), *scale), Q_SHAPE, QKV_AXES)
+        k = Leaf("self_attention.key.kernel", f"{ATTN}.k_proj.weight", (T, *interleave_rope("mt_num_kv_heads")),
+                 KV_SHAPE, QKV_AXES)
+    else:
+        q = kernel("self_attention.query.kernel", f"{ATTN}.q_proj.weight", Q_SHAPE, QKV_AXES, scale)
+        k = kernel("self_attention.key.kernel", f"{ATTN}.k_proj.weight", KV_SHAPE, QKV_AXES)
+    return (
+        q, k,
+        kernel("self_attention.value.kernel", f"{ATTN}.v_proj.weight", KV_SHAPE, QKV_AXES),
+        kernel("self_attention.out.kernel", f"{ATTN}.o_proj.weight", O_SHAPE, O_AXES),
+    )
+
+
+def layer_norms() -> tuple[Leaf, ...]:
+    """The two pre-norms of a layer."""
+    return (norm("pre_self_attention_layer_norm.scale", f"{HF_LAYER}.input_layernorm.weight"),
+            norm("post_self_attention_layer_norm.scale", f"{HF_LAYER}.post_attention_layernorm.weight"))
+
+
+def qk_norms() -> tuple[Leaf, ...]:
+    """Qwen3's per-head q and k RMSNorm scales."""
+    return (norm("self_attention.query_norm.scale", f"{ATTN}.q_norm.weight", "mt_head_dim"),
+            norm("self_attention.key_norm.scale", f"{ATTN}.k_norm.weight", "mt_head_dim"))
+
+
+def dense_mlp() -> tuple[Leaf, ...]:
+    """A gated MLP: ``wi_0`` the gate, ``wi_1`` the up projection, ``wo`` the down projection."""
+    mlp = f"{HF_LAYER}.mlp"
+    return (kernel("mlp.wi_0.kernel", f"{mlp}.gate_proj.weight", ("mt_emb_dim", "mt_mlp_dim"), ("fsdp", "tensor")),
+            kernel("mlp.wi_1.kernel", f"{mlp}.up_proj.weight", ("mt_emb_dim", "mt_mlp_dim"), ("fsdp", "tensor")),
+            kernel("mlp.wo.kernel", f"{mlp}.down_proj.weight", ("mt_mlp_dim", "mt_emb_dim"), ("tensor", "fsdp")))
+
+
+def routed_experts(block: str, router: str, experts: str, names: tuple[str, str, str]) -> tuple[Leaf, ...]:
+    """A MoE block ``block`` (MaxText's module name): the router kernel ``[embed, experts]`` and the
+    expert kernels stacked over ``{expert}`` (``[experts, embed, mlp]`` per layer); ``names`` are
+    the HF gate, up and down projections under ``experts``."""
+    gate, up, down = (f"{experts}.{{expert}}.{n}.weight" for n in names)
+    inner, outer = ("mt_emb_dim", "mt_moe_mlp_dim"), ("mt_moe_mlp_dim", "mt_emb_dim")
+    return (kernel(f"{block}.gate.kernel", router, ("mt_emb_dim", "mt_num_experts"), ("fsdp", None)),
+            kernel(f"{block}.wi_0", gate, inner, ("fsdp", "tensor")),
+            kernel(f"{block}.wi_1", up, inner, ("fsdp", "tensor")),
+            kernel(f"{block}.wo", down, outer, ("tensor", "fsdp")))
+
+
+def slice_shape(leaf: Leaf, config: Mapping[str, Any]) -> tuple[int, ...]:
+    """One slice of ``leaf`` (no stack axes) for the MaxText fields in ``config``."""
+    return tuple(int(config[name]) for name in leaf.shape)
