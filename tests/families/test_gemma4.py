@@ -10,6 +10,7 @@ with a tail of layers sharing keys and values (and twice as wide MLPs); the mult
 model (its vision tower never read)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,8 @@ from otfload.export import export_hf
 from otfload.families.gemma4.config import Gemma4Config
 from otfload.plan.sharding import make_mesh
 from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
-from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
+from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.models.kinds import padded_batch, torch_greedy
 
 S, F = "sliding_attention", "full_attention"
@@ -108,7 +109,7 @@ def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers):
 
 def test_window_rope_and_layer_scalar_matter(tiny_checkpoints, mesh_2x4):
     """The parity above is not vacuous: a wider window, plain RoPE on full layers, or all layer
-    scalars 1 change the logits."""
+    scalars 1 change the logits by more than twice its tolerance."""
     import dataclasses
 
     path, torch_model = tiny_checkpoints("gemma4")
@@ -118,10 +119,10 @@ def test_window_rope_and_layer_scalar_matter(tiny_checkpoints, mesh_2x4):
     cfg = model.cfg
     for changed in (dataclasses.replace(cfg, sliding_window=64), dataclasses.replace(cfg, rope_full=(1e6, 1.0, 1.0))):
         model.cfg = changed
-        assert max_rel_diff(logits(model, ids), ref) > 1e-3
+        assert max_rel_diff(logits(model, ids), ref) > 2e-4
     model.cfg = cfg
     model.full_layers.layer_scalar[...] = np.ones((2, 1), np.float32)
-    assert max_rel_diff(logits(model, ids), ref) > 1e-3
+    assert max_rel_diff(logits(model, ids), ref) > 2e-4
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -148,7 +149,7 @@ def test_export_round_trip_is_bit_exact(tiny_checkpoints, tmp_path, kind, scan_l
     out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
     text = {k: v for k, v in read_tensors(src).items() if "vision" not in k}
     assert_bit_exact(read_tensors(out), text)
-    assert weight_map_keys(out) == {k for k in weight_map_keys(src) if "vision" not in k}
+    assert weight_map_keys(out) == [k for k in weight_map_keys(src) if "vision" not in k]
 
 
 def test_per_layer_config_of_resaved_configs_is_read(tiny_checkpoints):
@@ -197,11 +198,32 @@ def _replica_tensors(text: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(name, "BF16", shape) for name, shape in out]
 
 
+# Run in a process of 256 simulated devices: the plan timed alone (and the process's peak memory),
+# then ``otfload inspect`` as process 0 of 32 (8 devices each) in the same process.
+PLAN_256 = """
+import json, resource, sys, time
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 256)
+import otfload
+from otfload.cli import main
+from otfload.plan.sharding import make_mesh
+start = time.perf_counter()
+_, plan, src = otfload.plan_model(sys.argv[1], mesh=make_mesh({"fsdp": 32, "ep": 8}), scan_layers=True)
+seconds = time.perf_counter() - start
+src.close()
+print(json.dumps({"seconds": seconds, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+sys.exit(main(["inspect", sys.argv[1], "--mesh", "fsdp=32,ep=8", "--process-count", "32", "--process-index", "0",
+               "--json"]))
+"""
+
+
 @pytest.mark.skipif(not GEMMA4_26B.is_file(), reason="../shared/realconfigs is not checked out")
 def test_the_published_26b_a4b_config_plans_at_256_devices(tmp_path):
     """A sparse replica of gemma-4-26B-A4B from its published config (real names, dtypes and shapes,
-    holes for the data) plans on 256 devices (``otfload inspect --devices 256``, experts on ``ep``)
-    from headers alone in under 10 s; each process would read its devices' share."""
+    holes for the data; scripts/make_replica.py's shard writer) plans on 256 devices (experts on
+    ``ep``) from headers alone in under 10 s and 1 GiB, and process 0 of 32 reads no more than its
+    devices' share of the bytes."""
     from tests.place.test_plan_scale import replica_module
 
     real = _real_config()
@@ -215,19 +237,22 @@ def test_the_published_26b_a4b_config_plans_at_256_devices(tmp_path):
         weight_map.update(dict.fromkeys((t[0] for t in part), file))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (tmp_path / "config.json").write_text(json.dumps(real))
-    otfload_bin = Path(sys.executable).parent / "otfload"
-    out = subprocess.run([str(otfload_bin), "inspect", str(tmp_path), "--devices", "256", "--mesh",
-                          "fsdp=32,ep=8", "--json"], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", PLAN_256, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, env={**env, "TQDM_DISABLE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    info = json.loads(out.stdout)
-    assert info["model_type"] == "gemma4" and info["unused"] == [tensors[-1][0]]
+    first, rest = out.stdout.split("\n", 1)
+    timing, info = json.loads(first), json.loads(rest)
+    assert timing["seconds"] <= 10 and timing["peak"] <= 1 << 30, timing
+    assert info["model_type"] == "gemma4" and info["unused"] == [tensors[-1][0]]  # the vision tower
     leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
     assert leaves["full_layers.moe.gate.kernel"]["shape"] == [5, 128, 704, 2816]
     assert leaves["sliding_layers.attn.q.kernel"]["shape"] == [25, 16, 256, 2816]
     assert leaves["full_layers.attn.k.kernel"]["shape"] == [5, 2, 512, 2816]
-    assert "full_layers.attn.v.kernel" not in leaves
-    assert 48e9 < info["totals"]["source_bytes"] < 54e9
-    assert info["seconds"] <= 10 if "seconds" in info else True
+    assert "full_layers.attn.v.kernel" not in leaves  # keys are the values
+    totals = info["totals"]
+    assert 48e9 < totals["source_bytes"] < 54e9
+    assert totals["process_bytes"] <= 1.1 * totals["ideal_bytes"], totals
 
 
 def test_the_published_config_parses():
