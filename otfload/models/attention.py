@@ -50,7 +50,9 @@ MASKED = float(np.finfo(np.float32).min)
 Window = int | np.integer[Any] | jax.Array
 CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
               "v": ("layers", "batch", None, "kv_heads", "head_dim"),
-              "mask": ("batch", None), "index": ()}
+              "mask": ("batch", None), "index": (),
+              # recurrent layers (otfload.models.gated_delta): the conv's last inputs and the state
+              "conv": ("layers", "batch", "mlp", None), "state": ("layers", "batch", "heads", None, None)}
 
 
 @dataclass(frozen=True)

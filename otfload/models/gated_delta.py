@@ -1,0 +1,213 @@
+"""The Gated DeltaNet mixer (Qwen3.5, Qwen3-Next): linear attention by a gated delta-rule recurrence
+after a causal depthwise convolution, linear in the sequence.
+
+A layer projects the normed input to the fused ``qkv`` channels (query and key heads of ``dk``, value
+heads of ``dv``), the output gate ``z`` and the per-value-head ``a`` (decay) and ``b`` (write
+strength); ``qkv`` runs through a causal depthwise conv1d of ``K`` taps and SiLU, then the recurrence
+per value head (each key head serves ``hv / hk`` consecutive value heads)::
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,     o_t = S_t^T q_t
+
+with ``S`` a ``[dk, dv]`` state, q and k L2-normed (q also by ``dk**-0.5``), ``g = -exp(A_log)
+softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the output is RMSNorm(o) * SiLU(z), projected back.
+
+:func:`gated_delta_rule` computes the recurrence in chunks of ``chunk`` tokens: within a chunk
+densely (the delta rule's updates folded into one unit lower-triangular solve, the WY form), across
+chunks by carrying ``S`` in a ``lax.scan``. A chunk as long as the sequence is the quadratic form;
+:func:`recurrent_gated_delta_rule` is the same recurrence token by token. All of it runs in float32
+whatever the weights' dtype. Padding (``mask`` 0) never enters a convolution window or the state:
+a pad token's input is zeroed, its decay is 1 and its write strength 0.
+
+The cache of a layer (decoding): ``conv [b, conv_dim, K]``, the last ``K`` conv inputs (in the
+activation dtype, as transformers keeps them), and ``state [b, hv, dk, dv]`` in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from otfload.models.base import GroupCache
+from otfload.models.layers import Dense, Norm, ParamOptions, Params, dense, make_param
+
+# Tokens per chunk of the chunked recurrence (transformers' and flash-linear-attention's default).
+CHUNK = 64
+# transformers' l2norm epsilon (inside the square root).
+L2_EPS = 1e-6
+
+
+class GatedDeltaShape(Protocol):
+    """The config fields a Gated DeltaNet layer reads."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def linear_num_key_heads(self) -> int: ...
+    @property
+    def linear_num_value_heads(self) -> int: ...
+    @property
+    def linear_key_head_dim(self) -> int: ...
+    @property
+    def linear_value_head_dim(self) -> int: ...
+    @property
+    def linear_conv_kernel_dim(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+
+def conv_dim(cfg: GatedDeltaShape) -> int:
+    """Channels of the fused ``qkv`` projection and of the convolution: query, key, value."""
+    keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return 2 * keys + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+
+
+class GatedDeltaNet(nnx.Module):
+    """``qkv (conv_dim, hidden)``, ``conv (conv_dim, 1, K)`` (as HF's depthwise ``conv1d`` stores it),
+    ``z (hv, dv, hidden)``, ``a``/``b (hv, hidden)``, ``dt_bias``/``A_log (hv,)``, the gated ``norm
+    (dv,)`` and ``out (hidden, hv, dv)``."""
+
+    def __init__(
+        self, cfg: GatedDeltaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+    ) -> None:
+        h, hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
+        c = conv_dim(cfg)
+        self.qkv = Dense((c, h), ("mlp", "embed"), **kw)
+        self.conv = make_param(rngs, (c, 1, cfg.linear_conv_kernel_dim), ("mlp", None, None), dtype, stack)
+        self.z = Dense((hv, dv, h), ("heads", "head_dim", "embed"), **kw)
+        self.a = Dense((hv, h), ("heads", "embed"), **kw)
+        self.b = Dense((hv, h), ("heads", "embed"), **kw)
+        self.dt_bias = make_param(rngs, (hv,), ("heads",), dtype, stack)
+        self.A_log = make_param(rngs, (hv,), ("heads",), dtype, stack)
+        self.norm = Norm(dv, **kw)
+        self.out = Dense((h, hv, dv), ("embed", "heads", "head_dim"), **kw)
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise convolution of ``x [b, s, c]`` with ``weight [c, K]`` after the previous inputs
+    ``state [b, c, K]`` (zeros when None), then SiLU: ``(y [b, s, c], the last K inputs [b, c, K])``.
+    ``y[t] = sum_j weight[:, j] * input[t - K + 1 + j]``, accumulated in float32."""
+    b, s, c = x.shape
+    taps = weight.shape[-1]
+    past = jnp.zeros((b, c, taps), x.dtype) if state is None else state.astype(x.dtype)
+    inputs = jnp.concatenate([jnp.swapaxes(past, 1, 2), x], axis=1)  # [b, K + s, c]
+    w = weight.astype(jnp.float32)
+    y = sum(inputs[:, 1 + j: 1 + j + s].astype(jnp.float32) * w[:, j] for j in range(taps))
+    return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(inputs[:, -taps:], 1, 2)
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """``x / sqrt(sum(x**2) + eps)`` over the last axis, as transformers' ``l2norm``."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def gated_delta_rule(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array | None,
+    chunk: int = CHUNK,
+) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over ``q, k [b, s, h, dk]``, ``v [b, s, h, dv]``, log decays ``g`` and
+    write strengths ``beta [b, s, h]`` (q/k normed and scaled by the caller), from ``state [b, h, dk,
+    dv]`` (zeros when None), in chunks of ``chunk`` tokens: ``(o [b, s, h, dv], final state)``, float32.
+
+    Within a chunk, with ``G_i`` the decay summed from the chunk's start to token ``i`` and ``S_0`` the
+    state before it, the writes ``u_i = beta_i (v_i - exp(G_i) S_0^T k_i - sum_{j<i} exp(G_i - G_j)
+    (k_i . k_j) u_j)`` solve one unit lower-triangular system; then ``o_i = exp(G_i) S_0^T q_i +
+    sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j`` and the state after the chunk is ``exp(G_C) S_0 +
+    sum_j exp(G_C - G_j) k_j u_j^T``."""
+    b, s, h, dk = k.shape
+    dv = v.shape[-1]
+    c = max(1, min(chunk, s))
+    n = -(-s // c)
+    pad = n * c - s
+
+    def chunks(x: jax.Array) -> jax.Array:  # [b, s, h, ...] -> [n, b, h, c, ...], zero-padded
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, c, h, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+    cum = jnp.cumsum(g, axis=-1)  # [n, b, h, c]
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    # exp(G_i - G_j) where j <= i, else 0 (masked before exp: no overflow above the diagonal).
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    strict = decay * (1 - jnp.eye(c, dtype=jnp.float32))
+    system = jnp.eye(c, dtype=jnp.float32) + beta[..., :, None] * jnp.einsum("...id,...jd->...ij", k, k) * strict
+    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * jnp.exp(cum)[..., None] * k], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    writes, state_weights = solved[..., :dv], solved[..., dv:]  # u = writes - state_weights @ S_0
+    scores = jnp.einsum("...id,...jd->...ij", q, k) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    end_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+    def step(s0: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        w, sw, sc, qd, kd, ed = xs
+        u = w - sw @ s0
+        out = qd @ s0 + sc @ u
+        return s0 * ed + jnp.swapaxes(kd, -1, -2) @ u, out
+
+    s0 = jnp.zeros((b, h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    final, out = jax.lax.scan(step, s0, (writes, state_weights, scores, q_decayed, k_to_end, end_decay))
+    out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(b, n * c, h, dv)[:, :s]
+    return out, final
+
+
+def recurrent_gated_delta_rule(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`gated_delta_rule` one token at a time (same arguments and results): the recurrence as
+    written, for a reference and the benchmark's baseline."""
+    b, s, h, dk = k.shape
+    s0 = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
+
+    def step(st: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        qt, kt, vt, gt, bt = xs
+        st = st * jnp.exp(gt)[..., None, None]
+        delta = (vt - jnp.einsum("bhkv,bhk->bhv", st, kt)) * bt[..., None]
+        st = st + kt[..., :, None] * delta[..., None, :]
+        return st, jnp.einsum("bhkv,bhk->bhv", st, qt)
+
+    xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta))
+    final, out = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(out, 0, 1), final
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float, dtype: DTypeLike) -> jax.Array:
+    """RMSNorm of ``x`` (float32, the scale applied in ``dtype``) times SiLU of ``gate``, in ``dtype``."""
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(dtype)
+    return (scale.astype(dtype) * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+
+
+def gated_delta_forward(
+    p: Params, h: jax.Array, cfg: GatedDeltaShape, mask: jax.Array | None, cache: GroupCache | None,
+    chunk: int = CHUNK,
+) -> tuple[jax.Array, GroupCache | None]:
+    """The mixer on the normed input ``h [b, s, hidden]`` (``mask [b, s]``: 1 = token, None: all are)
+    from a layer's ``cache`` (``{"conv", "state"}``, None: no cache): ``(output, updated cache)``."""
+    b, s, _ = h.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if mask is not None:
+        h = h * mask[..., None].astype(h.dtype)
+    mixed, conv_state = causal_conv1d(dense(p["qkv"], h, "bsh,ch->bsc"), p["conv"][:, 0],
+                                      None if cache is None else cache["conv"])
+    q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+    q, k = (l2_normalize(x.reshape(b, s, hk, dk).astype(jnp.float32)) for x in (q, k))
+    q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q * dk**-0.5, k))
+    a = dense(p["a"], h, "bsh,nh->bsn").astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    beta = jax.nn.sigmoid(dense(p["b"], h, "bsh,nh->bsn").astype(jnp.float32))
+    if mask is not None:
+        keep = mask[..., None].astype(bool)
+        g, beta = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
+    out, state = gated_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta,
+                                  None if cache is None else cache["state"], chunk)
+    z = dense(p["z"], h, "bsh,ndh->bsnd")
+    out = gated_rms_norm(out, z, p["norm"]["scale"], cfg.rms_norm_eps, h.dtype)
+    new = None if cache is None else {"conv": conv_state.astype(cache["conv"].dtype), "state": state}
+    return dense(p["out"], out, "bsnd,hnd->bsh"), new
