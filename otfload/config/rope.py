@@ -51,7 +51,8 @@ def rope_kind(f: Fields) -> str:
         f.get("rope_theta", THETA, None)
     if kind == "llama3":
         low, high = f.data["low_freq_factor"], f.data["high_freq_factor"]
-        require(high > low, f.name("high_freq_factor"), high, f"must exceed low_freq_factor ({low})")
+        # Equal factors (Llama 4 Scout) leave no band to smooth between the two wavelengths.
+        require(high >= low, f.name("high_freq_factor"), high, f"must be at least low_freq_factor ({low})")
     return kind
 
 

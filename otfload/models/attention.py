@@ -2,8 +2,9 @@
 masks, positions and a KV cache; memory linear in the sequence length.
 
 Masks follow transformers: a query at key slot ``i`` sees slot ``j`` when ``j <= i`` (causal, by
-slot index), ``i - j < window`` (sliding layers) and slot ``j`` holds a real token (the padding
-mask). Positions only feed RoPE. Slots are the sequence indices, or the cache slots when decoding.
+slot index), ``i - j < window`` (sliding layers), ``i`` and ``j`` fall in the same ``chunk`` of slots counted
+from the row's first real token (chunked layers: Llama 4) and slot ``j`` holds a real token (the
+padding mask). Positions only feed RoPE. Slots are the sequence indices, or the cache slots when decoding.
 
 Packed rows (several sequences in one row, without a cache) add ``segments`` and ``prefixes``: a
 query of segment ``t`` whose prefix is segment ``p`` sees keys of segments ``t`` and ``p`` only.
@@ -28,7 +29,7 @@ Implementations (``impl``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,18 +140,20 @@ def attention(
     window: Window | None = None,
     softcap: float | None = None,
     sinks: jax.Array | None = None,
+    chunk: Window | None = None,
     q_chunk: int = Q_CHUNK,
 ) -> jax.Array:
     """Grouped-query attention ``q [b, s, heads, dk]`` over ``k [b, slots, kv_heads, dk]`` and
     ``v [b, slots, kv_heads, dv]`` → ``[b, s, heads, dv]``, masked as the module docstring says.
     ``window`` may be a traced scalar (a scanned per-layer value; 0 or less: no window); ``q_chunk``
-    is the number of queries attended at once (``"chunked"``)."""
+    is the number of queries attended at once (``"chunked"``); ``chunk`` (static or traced, 0 or less:
+    none) the attention chunk of chunked layers."""
     impl = ctx.attention_impl or CHUNKED
     if impl not in IMPLS:
         raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLS}")
     if isinstance(window, (int, np.integer)):  # a static window; 0 or less: none
         window = int(window) if window > 0 else None
-    fits_dpa = softcap is None and sinks is None and k.shape[-1] == v.shape[-1]
+    fits_dpa = softcap is None and sinks is None and chunk is None and k.shape[-1] == v.shape[-1]
     if impl == DPA and fits_dpa:
         return _dpa(q, k, v, ctx, scale, window)
     b, s, heads, dk = q.shape
@@ -161,8 +164,11 @@ def attention(
     sinks = None if sinks is None else sinks.reshape(kv_heads, groups)
     static_window = window if isinstance(window, int) else None
 
+    chunks_of = None if chunk is None else _chunk_ids(ctx.kv_mask, b, chunk)
+
     def attend(qc: jax.Array, qi: jax.Array) -> jax.Array:
-        return _attend(qc, qi, k, v, ctx.kv_mask, _segments(ctx), scale, window, static_window, softcap, sinks)
+        return _attend(qc, qi, k, v, ctx.kv_mask, _segments(ctx), scale, window, static_window, softcap, sinks,
+                       chunks_of)
 
     if s <= q_chunk:
         out = attend(qg, ctx.q_index)
@@ -189,6 +195,7 @@ def _attend(
     static_window: int | None,
     softcap: float | None,
     sinks: jax.Array | None,
+    chunks_of: ChunkIds | None = None,
 ) -> jax.Array:
     """One query chunk ``qg [b, kv, g, c, dk]`` (slots ``q_index [c]``) against the keys
     ``[b, slots, kv, d]`` → ``[b, kv, g, c, dv]``; ``segments``: ``(segment, prefix)`` of each slot of a
@@ -215,6 +222,8 @@ def _attend(
     visible = visible[None] if mask is None else visible[None] & mask[:, None, :]
     if segments is not None and k_segments is not None:
         visible &= _same_sequence(segments, q_index, k_segments)
+    if chunks_of is not None:
+        visible &= chunks_of(q_index)[:, :, None] == chunks_of(k_index)[:, None, :]
     logits = jnp.where(visible[:, None, None], logits, MASKED)
     if sinks is None:
         probs = jax.nn.softmax(logits, axis=-1)
@@ -241,6 +250,21 @@ def _dpa(
     if segments is not None:
         visible &= _same_sequence(segments, ctx.q_index, segments[0])
     return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], scale=scale)
+
+
+ChunkIds = Callable[[jax.Array], jax.Array]
+
+
+def _chunk_ids(mask: jax.Array | None, batch: int, chunk: Window) -> ChunkIds:
+    """``ids(slots [n]) -> [b, n]``: each slot's attention chunk, counted from its row's first real
+    token (transformers' chunked mask); every slot is in chunk 0 when ``chunk`` is 0 or less."""
+    first = jnp.zeros((batch, 1), jnp.int32) if mask is None else jnp.argmax(mask, axis=-1)[:, None]
+    size = jnp.asarray(chunk, jnp.int32)
+
+    def ids(slots: jax.Array) -> jax.Array:
+        return jnp.where(size > 0, (slots[None, :] - first) // jnp.maximum(size, 1), 0)
+
+    return ids
 
 
 def _segments(ctx: Context) -> tuple[jax.Array, jax.Array] | None:

@@ -150,7 +150,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
         old_ctx = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
+        smooth = (old_ctx / wavelen - low) / (high - low) if high > low else np.zeros_like(wavelen)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         inv = np.where(medium, smoothed, scaled)

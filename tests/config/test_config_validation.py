@@ -52,7 +52,7 @@ HOSTILE: dict[str, tuple[str, dict, str]] = {
     "rope-scaling-not-object": ("llama", {"rope_scaling": "yarn"}, "rope_scaling"),
     "rope-parameters-deep-list": ("llama", {"rope_parameters": DEEP}, "rope_parameters"),
     "rope-llama3-missing-factor": ("llama", {"rope_parameters.factor": DELETE}, "rope_parameters.factor"),
-    "rope-llama3-high-not-above-low": ("llama", {"rope_parameters.high_freq_factor": 1.0},
+    "rope-llama3-high-not-above-low": ("llama", {"rope_parameters.high_freq_factor": 0.5},
                                        "rope_parameters.high_freq_factor"),
     "rope-theta-nan": ("llama", {"rope_parameters.rope_theta": float("nan")}, "rope_parameters.rope_theta"),
     "rope-theta-infinity": ("mistral", {"rope_parameters.rope_theta": float("inf")}, "rope_parameters.rope_theta"),

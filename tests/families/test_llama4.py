@@ -1,0 +1,209 @@
+"""Llama 4: tiny transformers checkpoints → otfload → logits and greedy ids equal transformers', the
+export round trip bit-exact, the published Scout config planned at 256 devices, and the config
+fields otfload does not implement refused by name.
+
+The tiny model keeps every feature live: 4 layers, MoE on every other one (dense MLPs of another
+width between), 8 fused experts with top-2 sigmoid routing scaling their input, a shared expert;
+RoPE on layers 0-1 (interleaved pairs, weightless q/k norm, chunks of 4 slots on 12-token inputs)
+and NoPE on layers 2-3 with attention-temperature tuning (``floor_scale`` 4, so it bites). The
+variant has every layer MoE, top-1, no q/k norm, no temperature, no chunking and tied embeddings;
+the multimodal wrapper's text model is loaded with its vision tower never read."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import otfload
+from otfload.errors import ConfigError
+from otfload.export import export_hf
+from otfload.families.llama4.config import Llama4Config
+from otfload.plan.sharding import make_mesh
+from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.helpers import jax_logits as logits
+from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.models.kinds import padded_batch, torch_greedy
+
+REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
+SCOUT = REALCONFIGS / "meta-llama__Llama-4-Scout-17B-16E-Instruct.json"
+TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+            interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 0], attention_chunk_size=4, floor_scale=4,
+            max_position_embeddings=128)
+PLAIN = {"interleave_moe_layer_step": 1, "num_experts_per_tok": 1, "use_qk_norm": False,
+         "attn_temperature_tuning": False, "attention_chunk_size": None, "tie_word_embeddings": True,
+         "no_rope_layers": [1, 0, 1, 0]}
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
+MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
+NEW = 6
+
+
+def _llama4(**kw):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    return Llama4ForCausalLM(Llama4TextConfig(**{**TEXT, **kw}))
+
+
+def _llama4_multimodal(**kw):
+    from transformers import Llama4Config as HfLlama4Config
+    from transformers import Llama4ForConditionalGeneration
+
+    return Llama4ForConditionalGeneration(HfLlama4Config(text_config={**TEXT, **kw}, vision_config=VISION))
+
+
+register_hf_model("llama4", _llama4)
+register_hf_model("llama4_plain", _llama4, PLAIN)
+register_hf_model("llama4_multimodal", _llama4_multimodal)
+
+
+@pytest.mark.parametrize(("kind", "scan_layers", "mesh_name"), [
+    ("llama4", False, "fsdp2_ep4"), ("llama4", True, "fsdp2_tp4"), ("llama4", True, "fsdp2_ep4"),
+    ("llama4_plain", True, "fsdp2_ep4"), ("llama4_plain", False, "fsdp2_tp4"),
+    ("llama4_multimodal", True, "fsdp2_ep4"), ("llama4_multimodal", False, "fsdp2_tp4"),
+])  # fmt: skip
+def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
+    path, torch_model = tiny_checkpoints(kind)
+    assert len(list(path.glob("*.safetensors"))) > 1
+    mesh = make_mesh(MESHES[mesh_name])
+    model, report = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, return_report=True)
+    if kind == "llama4_multimodal":  # the vision tower and projector: listed, never read
+        assert report.unused_tensors and all(k.startswith(("vision_model.", "multi_modal_projector."))
+                                             for k in report.unused_tensors)
+    else:
+        assert report.unused_tensors == []
+    moe = model.moe_layers if scan_layers else model.moe_layers[0]
+    spec = moe.moe.gate.kernel[...].sharding.spec
+    assert spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
+    if scan_layers and kind != "llama4_plain":  # dense and MoE layers: two stacks
+        assert model.dense_layers.mlp.gate.kernel[...].shape == (2, 128, 64)
+        assert model.moe_layers.moe.gate.kernel[...].shape == (2, 8, 64, 32)
+    if kind == "llama4_multimodal":  # transformers 5.24's wrapper forward fails on text alone: its text model
+        torch_model = torch_model.language_model
+    ids = token_ids(seq=12)
+    with jax.set_mesh(mesh):
+        assert ("shard_map" in str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))) == ("ep" in MESHES[mesh_name])
+        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    assert diff <= 1e-4, diff
+
+
+def test_chunks_temperature_and_qk_norm_matter(tiny_checkpoints, mesh_2x4):
+    """The parity above is not vacuous: no chunking, no temperature tuning or no q/k norm move the
+    logits past several times its tolerance."""
+    import dataclasses
+
+    path, torch_model = tiny_checkpoints("llama4")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    ids = token_ids(seq=12)
+    ref = torch_logits(torch_model, ids)
+    cfg = model.cfg
+    for changed in (dataclasses.replace(cfg, attention_chunk_size=None),
+                    dataclasses.replace(cfg, attn_temperature_tuning=False),
+                    dataclasses.replace(cfg, use_qk_norm=False)):
+        model.cfg = changed
+        assert max_rel_diff(logits(model, ids), ref) > 5e-4
+    model.cfg = cfg
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
+    """Left-padded prompts decoded past chunk boundaries (chunks of 4 slots)."""
+    path, torch_model = tiny_checkpoints("llama4")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
+    ids, mask, _ = padded_batch("left")
+    ids, mask = ids[:, 4:], mask[:, 4:]
+    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
+    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("kind", ["llama4", "llama4_plain"])
+def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
+    src, _ = tiny_checkpoints(kind)
+    model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
+    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
+    assert_bit_exact(read_tensors(out), read_tensors(src))
+    assert weight_map_keys(out) == weight_map_keys(src)
+
+
+def _real_config() -> dict:
+    return json.loads(SCOUT.read_text())
+
+
+def _replica_tensors(text: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The names, dtypes and shapes of Scout's text model (as Llama4ForConditionalGeneration stores
+    it) plus one vision tensor."""
+    h, v, e, m = text["hidden_size"], text["vocab_size"], text["num_local_experts"], text["intermediate_size"]
+    n, kv, d = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    out = [("language_model.model.embed_tokens.weight", (v, h)), ("language_model.model.norm.weight", (h,)),
+           ("language_model.lm_head.weight", (v, h))]
+    for i in range(text["num_hidden_layers"]):
+        layer = f"language_model.model.layers.{i}"
+        ff = f"{layer}.feed_forward"
+        out += [(f"{layer}.input_layernorm.weight", (h,)), (f"{layer}.post_attention_layernorm.weight", (h,)),
+                (f"{layer}.self_attn.q_proj.weight", (n * d, h)), (f"{layer}.self_attn.k_proj.weight", (kv * d, h)),
+                (f"{layer}.self_attn.v_proj.weight", (kv * d, h)), (f"{layer}.self_attn.o_proj.weight", (h, n * d)),
+                (f"{ff}.router.weight", (e, h)), (f"{ff}.experts.gate_up_proj", (e, h, 2 * m)),
+                (f"{ff}.experts.down_proj", (e, m, h)),
+                *((f"{ff}.shared_expert.{p}_proj.weight", (m, h)) for p in ("gate", "up")),
+                (f"{ff}.shared_expert.down_proj.weight", (h, m))]
+    out.append(("vision_model.patch_embedding.linear.weight", (1408, 588)))
+    return [(name, "BF16", shape) for name, shape in out]
+
+
+@pytest.mark.skipif(not SCOUT.is_file(), reason="../shared/realconfigs is not checked out")
+def test_the_published_scout_config_plans_at_256_devices(tmp_path):
+    """A sparse replica of Llama-4-Scout-17B-16E from its published config (real names, dtypes and
+    shapes, holes for the data) plans on 256 devices (``otfload inspect --devices 256``, experts on
+    ``ep``) from headers alone in under 10 s."""
+    from tests.place.test_plan_scale import replica_module
+
+    real = _real_config()
+    tensors = _replica_tensors(real["text_config"])
+    make = replica_module()
+    half = len(tensors) // 2
+    weight_map = {}
+    for k, part in enumerate((tensors[:half], tensors[half:])):
+        file = f"model-{k + 1:05d}-of-00002.safetensors"
+        make.write_shard(tmp_path / file, part)
+        weight_map.update(dict.fromkeys((t[0] for t in part), file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(real))
+    otfload_bin = Path(sys.executable).parent / "otfload"
+    out = subprocess.run([str(otfload_bin), "inspect", str(tmp_path), "--devices", "256", "--mesh",
+                          "fsdp=16,ep=16", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout)
+    assert info["model_type"] == "llama4" and info["unused"] == [tensors[-1][0]]
+    leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
+    assert leaves["moe_layers.moe.gate.kernel"]["shape"] == [48, 16, 5120, 8192]
+    assert leaves["moe_layers.attn.q.kernel"]["shape"] == [48, 40, 128, 5120]
+    assert not any(leaf.startswith("dense_layers.") for leaf in leaves)
+    assert 200e9 < info["totals"]["source_bytes"] < 230e9
+    assert info["seconds"] <= 10 if "seconds" in info else True
+
+
+def test_the_published_config_parses():
+    cfg = Llama4Config.from_hf(_real_config()["text_config"])
+    assert cfg.moe_layers == tuple(range(48)) and cfg.dense_layers == ()
+    assert cfg.use_rope[:4] == (True, True, True, False) and cfg.chunked == cfg.use_rope
+    assert (cfg.attention_chunk_size, cfg.rope_theta, cfg.rope_scaling["rope_type"]) == (8192, 5e5, "llama3")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("hidden_act", "gelu"),
+    ("layer_types", ["sliding_attention"] * 4),
+    ("no_rope_layers", [1, 0]),
+    ("moe_layers", [1, 7]),
+    ("num_experts_per_tok", 9),
+    ("rope_parameters", {"rope_type": "longrope"}),
+])
+def test_unsupported_fields_are_refused_by_name(field, value):
+    config = {**TEXT, "model_type": "llama4_text", field: value}
+    with pytest.raises(ConfigError) as err:
+        Llama4Config.from_hf(json.loads(json.dumps(config)))
+    assert field in err.value.field
