@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from otfload.maxtext.selection import Selection, select
-from otfload.maxtext.tables import SCANNED, STACK_SIZES, Leaf, slice_shape
+from otfload.maxtext.tables import LOGITS, SCANNED, STACK_SIZES, Leaf, slice_shape
 from otfload.plan.mapping import stack_dims
 
 
@@ -39,7 +39,7 @@ def leaf_layouts(selection: Selection) -> dict[str, tuple[tuple[int, ...], tuple
     config = selection.hook_config(selection.fields["vocab_size"])
     out: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {}
     for leaf in selection.table.top:
-        if leaf.path == "decoder.logits_dense.kernel" and selection.logits_via_embedding:
+        if leaf.path == LOGITS and selection.logits_via_embedding:
             continue
         out[leaf.path] = (slice_shape(leaf, config), leaf.axes)
     table = selection.mapping
@@ -71,7 +71,7 @@ def abstract_params(maxtext_config: Any, mesh: Mesh | None = None, dtype: Any = 
     def leaf(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> jax.ShapeDtypeStruct:
         sharding = None
         if mesh is not None:
-            spec = PartitionSpec(*(a if a in mesh.axis_names else None for a in axes))
+            spec = PartitionSpec(*(a if a in mesh.axis_names else None for a in axes))  # type: ignore[no-untyped-call]
             sharding = NamedSharding(mesh, spec)
         # the ignore: jax's ShapeDtypeStruct.__init__ is unannotated
         return jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)  # type: ignore[no-untyped-call]

@@ -19,7 +19,7 @@ from otfload.errors import ConfigError
 from otfload.maxtext.llama import LLAMA31
 from otfload.maxtext.mixtral import MIXTRAL
 from otfload.maxtext.qwen3 import QWEN3, QWEN3_MOE
-from otfload.maxtext.tables import SCANNED, STACK_SIZES, ModelTable
+from otfload.maxtext.tables import LOGITS, SCANNED, STACK_SIZES, ModelTable
 from otfload.plan.mapping import MappingTable, stack_dims
 
 SOURCE = "MaxText config"
@@ -135,6 +135,8 @@ def check_tree(selection: Selection, leaves: Mapping[str, tuple[int, ...]], hook
         raise ConfigError("model_name", selection.model_name,
                           f"the abstract tree is not this model's: leaves {where} does not map {unmapped[:5]}, "
                           f"leaves it needs and the tree lacks {missing[:5]}", SOURCE)
+    if selection.logits_via_embedding and LOGITS in leaves:
+        raise ConfigError("logits_via_embedding", True, f"the abstract tree has {LOGITS!r}; {where}", SOURCE)
     embedding = leaves["token_embedder.embedding"]
     if embedding[0] != selection.fields["vocab_size"]:
         raise ConfigError("vocab_size", selection.fields["vocab_size"],
@@ -148,7 +150,7 @@ def _expected(selection: Selection) -> set[str]:
     prefix = SCANNED if selection.scan_layers else "decoder.layers_0"
     top = {leaf.path for leaf in selection.table.top}
     if selection.logits_via_embedding:
-        top.discard("decoder.logits_dense.kernel")
+        top.discard(LOGITS)
     return top | {f"{prefix}.{leaf.path}" for leaf in selection.table.block}
 
 

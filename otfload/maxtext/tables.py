@@ -33,6 +33,7 @@ from otfload.plan.mapping import MappingTable, Rule
 SCANNED = "decoder.layers"
 UNSCANNED = "decoder.layers_{layer}"
 HF_LAYER = "model.layers.{layer}"
+LOGITS = "decoder.logits_dense.kernel"
 # Stack axes of a block leaf besides the layer, with the MaxText field giving their size.
 STACK_SIZES = {"layer": "mt_num_decoder_layers", "expert": "mt_num_experts"}
 T = Transpose()
@@ -82,20 +83,19 @@ def norm(name: str, source: str, size: str = "mt_emb_dim") -> Leaf:
     return Leaf(name, source, (), (size,), ("tensor",))
 
 
-def top_leaves(logits: bool = True) -> tuple[Leaf, ...]:
+def top_leaves() -> tuple[Leaf, ...]:
     """The embedding (padded to MaxText's ``vocab_size`` with zeros, as MaxText's converter pads it),
-    the final norm and, unless the logits use the embedding, the output kernel padded alike."""
-    pad_rows = Pad(0, "mt_vocab_size", original="hf_vocab_size")
-    leaves = [
-        Leaf("token_embedder.embedding", "model.embed_tokens.weight", (pad_rows,), ("mt_vocab_size", "mt_emb_dim"),
+    the final norm and the output kernel padded alike (a tree with ``logits_via_embedding`` has none)."""
+    def pad(axis: int) -> Pad:
+        return Pad(axis, "mt_vocab_size", original="hf_vocab_size")
+
+    return (
+        Leaf("token_embedder.embedding", "model.embed_tokens.weight", (pad(0),), ("mt_vocab_size", "mt_emb_dim"),
              ("tensor", "fsdp")),
         norm("decoder.decoder_norm.scale", "model.norm.weight"),
-    ]
-    if logits:
-        leaves.append(Leaf("decoder.logits_dense.kernel", "lm_head.weight",
-                           (T, Pad(1, "mt_vocab_size", original="hf_vocab_size")), ("mt_emb_dim", "mt_vocab_size"),
-                           ("fsdp", "tensor")))
-    return tuple(leaves)
+        Leaf(LOGITS, "lm_head.weight", (T, pad(1)),
+             ("mt_emb_dim", "mt_vocab_size"), ("fsdp", "tensor")),
+    )
 
 
 def interleave_rope(heads: str) -> tuple[Hook, ...]:

@@ -1,0 +1,80 @@
+"""Each MaxText table against numpy: every leaf of MaxText's tree, for every layout (scanned at
+``param_scan_axis`` 1 and 0, unscanned), bitwise the layout MaxText's converter gives, with the
+tree's dtype and sharding; the vocabulary padded with zeros; a bfloat16 checkpoint into float32."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import otfload.maxtext as mx
+from otfload.plan.sharding import make_mesh
+from tests.helpers import hf_tensors
+from tests.maxtext_tables.support import LAYOUTS, MODELS, expected, maxtext_config
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh({"fsdp": 2, "tensor": 4})
+
+
+def flat(tree) -> dict:
+    return {".".join(str(k.key) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check(loaded: dict, want: dict, abstract: dict) -> None:
+    got, spec = flat(loaded), flat(abstract)
+    assert sorted(got) == sorted(want)
+    for path, value in want.items():
+        array = got[path]
+        assert array.shape == spec[path].shape and array.dtype == spec[path].dtype, path
+        assert array.sharding == spec[path].sharding, path
+        np.testing.assert_array_equal(np.asarray(array), value.astype(spec[path].dtype), err_msg=path)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize(("scan", "axis"), LAYOUTS)
+def test_every_leaf_is_maxtexts_layout(tiny_checkpoints, mesh, kind, scan, axis):
+    path, _ = tiny_checkpoints(kind)
+    cfg = maxtext_config(kind, scan, axis)
+    abstract = mx.abstract_params(cfg, mesh)
+    none, restored = mx.load_state(str(path), abstract, cfg)
+    assert none is None and set(restored) == {"params"}
+    check(restored["params"], expected(kind, hf_tensors(path), cfg), abstract)
+
+
+def test_vocabulary_padded_with_zeros(tiny_checkpoints, mesh):
+    path, _ = tiny_checkpoints("mt_llama")
+    cfg = maxtext_config("mt_llama", True, 1, vocab_size=320)
+    abstract = mx.abstract_params(cfg, mesh)
+    params = mx.load_state(str(path), abstract, cfg)[1]["params"]
+    want = expected("mt_llama", hf_tensors(path), cfg)
+    check(params, want, abstract)
+    assert not np.asarray(params["token_embedder"]["embedding"])[256:].any()
+
+
+@pytest.mark.xfail(strict=True, reason="MaxText scales a bfloat16 query in float32 and rounds once to bfloat16; "
+                   "otfload's Scale multiplies by bfloat16(factor) in bfloat16 (needs Scale computing in float32)")
+def test_bf16_checkpoint_into_float32_tree(tiny_checkpoints, mesh):
+    path, _ = tiny_checkpoints("mt_llama_bf16")
+    cfg = maxtext_config("mt_llama_bf16", True, 1, head_dim=32)
+    abstract = mx.abstract_params(cfg, mesh)
+    params = mx.load_state(str(path), abstract, cfg)[1]["params"]
+    check(params, expected("mt_llama", hf_tensors(path), cfg), abstract)
+
+
+def test_nnx_state_and_linen_params_are_taken_as_maxtext_takes_them(tiny_checkpoints, mesh):
+    from flax import nnx
+
+    path, _ = tiny_checkpoints("mt_qwen3")
+    cfg = maxtext_config("mt_qwen3", False, 1)
+    abstract = mx.abstract_params(cfg, mesh)
+    want = expected("mt_qwen3", hf_tensors(path), cfg)
+    check(mx.load_state(str(path), nnx.State(abstract), cfg)[1]["params"], want, abstract)
+    check(mx.load_state(str(path), {"params": abstract}, cfg)[1]["params"], want, abstract)
+
+
+def test_instruct_suffix_reads_the_base_table():
+    cfg = maxtext_config("mt_llama", True, 1, model_name="llama3.1-8b-Instruct")
+    assert mx.select(cfg).table.name == "llama3.1"
