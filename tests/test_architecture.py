@@ -32,7 +32,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("api",),  # from_pretrained, load_params, plan_model
     # native checkpoints, decoding, training start-up, compiled programs kept across jobs and where
     ("checkpoint", "generate", "tokenizer", "training", "programs", "compile_cache"),
-    ("export", "evaluate", "lm_eval"),  # back to HF safetensors; eval jobs; the lm-evaluation-harness backend
+    # back to HF safetensors; eval jobs; the lm-evaluation-harness backend; MaxText's trees (load_params, export)
+    ("export", "evaluate", "lm_eval", "maxtext"),
     ("cli",),  # the command line
     ("__init__",),  # the package's public names
 )
@@ -127,3 +128,44 @@ def test_the_map_names_every_room_at_its_stage():
     on_disk = {p.stem for p in ROOT.glob("*.py")} | {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert set(rooms) == on_disk, f"missing from the map: {on_disk - set(rooms)}, gone: {set(rooms) - on_disk}"
     assert rooms == {name: STAGE[name] for name in rooms}  # each at its stage of STAGES
+
+
+# Modules below the front door that read the environment, each with the reason it cannot take the
+# value as an argument. Everything else gets its settings from the load's options
+# (otfload.options.environment reads the OTFLOAD_* variables once, when a load resolves its options).
+ENVIRONMENT_READERS: dict[str, str] = {
+    "otfload/sources/hub.py": "HF_ENDPOINT: huggingface_hub's own variable, read as huggingface_hub reads it when "
+                              "a Hub source is opened without endpoint=",
+    "otfload/sources/http_body.py": "SSL_CERT_FILE / SSL_CERT_DIR: the system's TLS trust store, as every HTTP "
+                                    "client reads it",
+}
+
+
+def environment_reads(path: Path) -> list[int]:
+    """The lines of ``path`` that touch ``os.environ`` or call ``os.getenv`` (however imported)."""
+    tree = ast.parse(path.read_text(), str(path))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            lines += [node.lineno for a in node.names if a.name in ("environ", "getenv", "environb")]
+    return sorted(lines)
+
+
+def test_nothing_below_the_front_door_reads_the_environment():
+    front = STAGE["options"]
+    readers = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        stage = STAGE.get(stage_of(module_name(path)))
+        if stage is not None and stage < front and (lines := environment_reads(path)):
+            readers[str(path.relative_to(ROOT.parent))] = lines
+    unexplained = {p: lines for p, lines in readers.items() if p not in ENVIRONMENT_READERS}
+    assert not unexplained, f"below the front door, reading the environment (take an argument): {unexplained}"
+    assert set(ENVIRONMENT_READERS) <= set(readers), f"no longer read (remove): {set(ENVIRONMENT_READERS) - set(readers)}"
+
+
+def test_the_environment_checker_sees_every_spelling(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("import os\nfrom os import environ\nos.environ.get('A')\nos.getenv('B')\n")
+    assert environment_reads(src) == [2, 3, 4]
