@@ -152,7 +152,8 @@ def process_counts(plan: LoadPlan, devices: Iterable[jax.Device] | None = None) 
 
 
 def leaf_planned(
-    plan: LeafPlan, boxes: list[Box], reader: TensorReader, seen: dict[Hashable, FetchCount] | None = None
+    plan: LeafPlan, boxes: list[Box], reader: TensorReader,
+    seen: dict[Hashable, dict[Hashable, FetchCount]] | None = None,
 ) -> FetchCount:
     """What ``reader`` asks its source for to build ``boxes`` of ``plan``'s leaf.
     ``seen`` (shared by the leaves of one plan) keeps the cost of each kind of read: the same leaf of
@@ -163,17 +164,20 @@ def leaf_planned(
     seen = {} if seen is None else seen
     paged = reader.maps or reader.pages
     shared = leaf_sibling_selection(plan, boxes)  # siblings' pages are theirs; remotely, spans read them
-    counts = []
+    # Reads of one kind, shape, page offset (local files fetch whole pages) and region cost the
+    # same: a leaf's stacked tensors, and the same leaf in every layer of an unscanned tree. The
+    # region is hashed once per call, not once per stacked tensor (thousands of experts).
+    same_region = seen.setdefault((union, selection, shared), {})
+    needed = 0, 0
     for i in indices:
         info = plan.sources[i]
-        # Reads of one kind, shape, page offset (local files fetch whole pages) and region cost the
-        # same: a leaf's stacked tensors, and the same leaf in every layer of an unscanned tree.
         page_offset = info.offset % PAGE_BYTES if paged and hasattr(info, "offset") else 0
-        key = (type(info), info.dtype, info.shape, page_offset, union, selection, shared)
-        if key not in seen:
-            seen[key] = FetchCount(*reader.planned(info, union, selection, shared=shared))
-        counts.append(seen[key])
-    return fetch_totals(counts)
+        kind = (type(info), info.dtype, info.shape, page_offset)
+        count = same_region.get(kind)
+        if count is None:
+            count = same_region[kind] = FetchCount(*reader.planned(info, union, selection, shared=shared))
+        needed = needed[0] + count[0], needed[1] + count[1]
+    return FetchCount(*needed)
 
 
 def planned_fetches(
@@ -184,7 +188,7 @@ def planned_fetches(
     process's), each leaf read under ``shardings[path]`` (default: its own sharding)."""
     shardings = shardings or {}
     devices = None if devices is None else list(devices)
-    seen: dict[Hashable, FetchCount] = {}
+    seen: dict[Hashable, dict[Hashable, FetchCount]] = {}
     return {path: leaf_planned(p, p.device_boxes(devices, shardings.get(path)), reader, seen)
             for path, p in plan.leaves.items()}
 

@@ -137,3 +137,62 @@ def test_published_config_with_fp8_blocks_matches_transformers(tiny_checkpoints,
     model = otfload.from_pretrained(dst, mesh=mesh_2x4, dtype="float32")
     ids = token_ids(seq=12)
     assert max_rel_diff(logits(model, ids), torch_logits(reference_model, ids)) <= 1e-4
+
+
+def minimax_m25_headers(path: Path) -> Path:
+    """MiniMax-M2.5 at full size, headers only: its published config and every tensor its FP8 release
+    stores (attention and experts FP8 with 128 x 128 block scales; norms, router, embeddings bf16; the
+    correction bias float32), one file per layer."""
+    from tests.realsize import fp8_linear, write_header_checkpoint
+
+    cfg = json.loads(MINIMAX_M25.read_text())
+    h, n, kv, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    m, e, layers = cfg["intermediate_size"], cfg["num_local_experts"], cfg["num_hidden_layers"]
+    shards = {}
+    for i in range(layers):
+        p, moe = f"model.layers.{i}", f"model.layers.{i}.block_sparse_moe"
+        t = {f"{p}.input_layernorm.weight": ("BF16", (h,)), f"{p}.post_attention_layernorm.weight": ("BF16", (h,)),
+             f"{p}.self_attn.q_norm.weight": ("BF16", (n * d,)), f"{p}.self_attn.k_norm.weight": ("BF16", (kv * d,)),
+             f"{moe}.gate.weight": ("BF16", (e, h)), f"{moe}.e_score_correction_bias": ("F32", (e,))}
+        for name, out, inp in (("q", n * d, h), ("k", kv * d, h), ("v", kv * d, h), ("o", h, n * d)):
+            t |= fp8_linear(f"{p}.self_attn.{name}_proj.weight", out, inp)
+        for x in range(e):
+            for name, out, inp in (("w1", m, h), ("w3", m, h), ("w2", h, m)):
+                t |= fp8_linear(f"{moe}.experts.{x}.{name}.weight", out, inp)
+        shards[f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"] = t
+    shards[f"model-{layers + 1:05d}-of-{layers + 1:05d}.safetensors"] = {
+        "model.embed_tokens.weight": ("BF16", (cfg["vocab_size"], h)), "model.norm.weight": ("BF16", (h,)),
+        "lm_head.weight": ("BF16", (cfg["vocab_size"], h))}
+    return write_header_checkpoint(path, shards, cfg)
+
+
+@pytest.mark.skipif(not MINIMAX_M25.is_file(), reason="../shared/realconfigs is not checked out")
+def test_published_minimax_m25_plans_at_256_devices(tmp_path):
+    """``otfload inspect --devices 256`` of the full-size MiniMax-M2.5 (62 layers x 256 experts, FP8
+    blocks as published; 95k stored tensors, 48k of them weights): every leaf planned, experts on ``ep``, within 10 s of
+    CPU (the process's own time: wall time on a shared test machine measures the neighbours) and
+    1 GiB, and one process's bytes within 1.1 x its devices' share of the checkpoint."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    path = minimax_m25_headers(tmp_path / "minimax_m25")
+    cli = Path(sys.executable).with_name("otfload")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = subprocess.run([str(cli), "inspect", str(path), "--devices", "256", "--mesh", "fsdp=16,ep=16",
+                          "--process-index", "0", "--process-count", "32", "--json"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TQDM_DISABLE": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    peak = after.ru_maxrss * 1024
+    assert cpu <= 10 and peak <= 2**30, (cpu, peak)
+    info = json.loads(run.stdout)
+    leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
+    experts = leaves["layers.moe.experts.gate.kernel"]
+    assert experts["shape"] == [62, 256, 1536, 3072] and "'ep'" in experts["sharding"], experts
+    assert experts["storage"].startswith("fp8"), experts["storage"]
+    totals = info["totals"]
+    share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
+    assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)

@@ -12,6 +12,7 @@ array of the box's shape (:meth:`QuantizedTensor.decode`): codes are widened
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ class QuantizedTensor:
 
     dtype = FLOAT32
 
-    @property
+    @functools.cached_property
     def parts(self) -> tuple[TensorInfo, ...]:
         box = tuple((0, d) for d in self.shape)
         return tuple(info for info, _ in self.part_boxes(box).values())
@@ -54,7 +55,7 @@ class QuantizedTensor:
     def file(self) -> str:
         return self.parts[0].file
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
