@@ -1,0 +1,71 @@
+"""The tiny models of the MaxText tests, described once for both sides: the transformers config the
+main venv saves a checkpoint from (``make_refs.py``) and the MaxText ``pyconfig`` overrides that build
+the same model in the MaxText venv. Plain data: importable by either venv.
+
+MaxText takes its per-model settings (RoPE kind and base, norm epsilon, activations, tied embeddings)
+from ``configs/models/<model_name>.yml``; the transformers side is given the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS = 128, 64, 8, 4, 16, 128, 3
+EXPERTS, TOP_K, MOE_MLP = 4, 2, 32
+SEQ = 12
+
+# llama3.1-8b.yml: rope_max_timescale 500_000 with MaxText's fixed Llama-3.1 scaling (factor 8, low 1,
+# high 4, original context 8192: embeddings.LLaMARotaryEmbedding).
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500_000.0}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tiny model: its MaxText ``model_name`` and the transformers classes and config beside it."""
+
+    name: str
+    model_name: str
+    hf_config: str
+    hf_model: str
+    hf_extra: dict[str, Any] = field(default_factory=dict)
+    maxtext_extra: dict[str, Any] = field(default_factory=dict)
+    vocab: int = VOCAB
+    tied: bool = False
+    moe: bool = False
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """The transformers config of the checkpoint."""
+        base = dict(vocab_size=self.vocab, hidden_size=EMBED, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                    max_position_embeddings=128, tie_word_embeddings=self.tied)
+        return {**base, **self.hf_extra}
+
+    def maxtext_kwargs(self, scan_layers: bool, param_scan_axis: int) -> dict[str, Any]:
+        """The ``pyconfig.initialize`` overrides that make MaxText build the same model."""
+        moe = dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, base_moe_mlp_dim=MOE_MLP) if self.moe else {}
+        return dict(model_name=self.model_name, override_model_config=True, base_emb_dim=EMBED,
+                    base_num_query_heads=HEADS, base_num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                    base_mlp_dim=MOE_MLP if self.moe else MLP, base_num_decoder_layers=LAYERS,
+                    vocab_size=self.vocab, scan_layers=scan_layers, param_scan_axis=param_scan_axis,
+                    **moe, **self.maxtext_extra)
+
+
+_MOE_HF = dict(moe_intermediate_size=MOE_MLP, num_experts=EXPERTS, num_experts_per_tok=TOP_K)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("llama", "llama3.1-8b", "LlamaConfig", "LlamaForCausalLM",
+           hf_extra=dict(rope_parameters=LLAMA31_ROPE, rms_norm_eps=1e-5, max_position_embeddings=131072)),
+    Family("qwen3", "qwen3-0.6b", "Qwen3Config", "Qwen3ForCausalLM", tied=True,
+           hf_extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6)),
+    Family("qwen3_moe", "qwen3-30b-a3b", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", moe=True,
+           hf_extra=dict(_MOE_HF, norm_topk_prob=True, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0})),
+    Family("mixtral", "mixtral-8x7b", "MixtralConfig", "MixtralForCausalLM", moe=True,
+           hf_extra=dict(intermediate_size=MOE_MLP, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+]}
+
+# (scan_layers, param_scan_axis): every layout MaxText has.
+LAYOUTS = [(True, 1), (True, 0), (False, 1)]
