@@ -277,3 +277,49 @@ def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(ConfigError) as err:
         Gemma4Config.from_hf(json.loads(json.dumps(config)))
     assert field in err.value.field
+
+
+@pytest.mark.parametrize(("kind", "scan_layers"), [("gemma4", True), ("gemma4", False), ("gemma4_moe", True),
+                                                   ("gemma4_ple", True), ("gemma4_ple", False)])
+def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_layers):
+    """tests/training/test_gradients.py's check on Gemma 4: one AdamW step's gradients equal PyTorch
+    autograd's per tensor (the pad id's rows of both embeddings frozen); ``layer_scalar``, a buffer
+    in transformers, gets none on either side."""
+    import copy
+
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from tests.training.test_gradients import (
+        GRAD_TOL,
+        LEARNING_RATE,
+        PAD,
+        batch,
+        exported_grads,
+        torch_loss_and_grads,
+        train_step,
+        with_pad_id,
+    )
+
+    src, torch_model = tiny_checkpoints(kind)
+    path = with_pad_id(src, tmp_path / "ckpt")
+    mesh = _mesh(kind)
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, dtype=jnp.float32)
+    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
+    ids = batch()
+    with jax.set_mesh(mesh):
+        loss, grads = train_step(model, optimizer, jnp.asarray(ids))
+    torch_model = copy.deepcopy(torch_model)
+    if kind == "gemma4_ple":
+        torch_model.model.embed_tokens_per_layer.padding_idx = PAD
+    ref_loss, ref = torch_loss_and_grads(torch_model, ids, PAD, tmp_path / "torch_grads")
+    assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
+    ours = exported_grads(grads, path, tmp_path / "grads")
+    assert set(ours) == set(ref), set(ours) ^ set(ref)
+    for key, grad in ours.items():
+        if key.endswith("layer_scalar"):
+            assert not np.any(grad) and not np.any(ref[key]), key
+            continue
+        assert np.abs(ref[key]).max() > 0, key
+        assert max_rel_diff(grad, ref[key]) <= GRAD_TOL, (key, max_rel_diff(grad, ref[key]))

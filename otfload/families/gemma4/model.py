@@ -1,14 +1,16 @@
 """Flax NNX decoder for Gemma 4's text model, mirroring transformers 5.24's ``Gemma4TextModel``.
 
-Each layer: RMSNorm (scaled by ``w``, not Gemma 2/3's ``1 + w``) before and after attention and
-the feed-forward, the output times the stored ``layer_scalar``. Attention: q/k RMSNorms per head, an
-unscaled RMSNorm on the values, logits not divided by √head_dim, RoPE per layer type; full
-layers have their own head size and kv heads, and with ``attention_k_eq_v`` no value projection
-(values are the unnormed keys). The feed-forward is a GeGLU MLP, plus, with the MoE block, routed
-experts on the attention output beside it (its own router norm, scales and three extra norms).
-Per-layer embeddings add a gated residual from a per-layer slice of a second embedding and of a
-projection of the first. The last ``num_kv_shared_layers`` layers compute no keys or values: they
-attend with the last earlier layer of their type's, cached ones included. Logits are soft-capped.
+Each layer: RMSNorm (scaled by ``w``, not Gemma 2/3's ``1 + w``) before and after attention and the
+feed-forward, the output times the stored ``layer_scalar`` (a buffer in transformers: no gradient
+reaches it). Attention: q/k RMSNorms per head, an unscaled RMSNorm on the values, logits not divided
+by √head_dim, RoPE per layer type; full layers have their own head size and kv heads, and with
+``attention_k_eq_v`` no value projection (values are the unnormed keys). The feed-forward is a GeGLU
+MLP, plus, with the MoE block, routed experts on the attention output beside it (its own router
+norm, scales and three extra norms). Per-layer embeddings add a gated residual from a per-layer
+slice of a second embedding and of a projection of the first (the second's ``pad_token_id`` row
+frozen like the first's, :attr:`freeze_pad_row`). The last ``num_kv_shared_layers`` layers compute
+no keys or values: they attend with the last earlier layer of their type's, cached ones included.
+Logits are soft-capped.
 
 Layers of one shape form a group (:data:`~otfload.families.gemma4.config.GROUPS`); with
 ``scan_layers`` each group is one stack, run in HF layer order one run of consecutive layers at a
@@ -227,7 +229,8 @@ def layer_forward(
     if ple is not None:
         gated = gelu(dense(p["ple_gate"], x, "bsh,ph->bsp"), cfg) * ple
         x = x + norm(dense(p["ple_proj"], gated, "bsp,hp->bsh"), p["ple_norm"]["scale"], eps)
-    return x * p["layer_scalar"], cache, kv
+    # transformers keeps layer_scalar as a buffer: applied, never trained.
+    return x * jax.lax.stop_gradient(p["layer_scalar"]), cache, kv
 
 
 def layer_runs(cfg: Gemma4Config) -> list[tuple[str, int, int, int]]:
@@ -305,7 +308,10 @@ class Gemma4ForCausalLM(CausalLM):
         cfg = self.cfg
         b, s = input_ids.shape
         ple, dtype = cfg.hidden_size_per_layer_input, x.dtype
-        tokens = self.embed_per_layer.embedding[...][input_ids] * jnp.asarray(ple**0.5, dtype)
+        tokens = self.embed_per_layer.embedding[...][input_ids]
+        if cfg.pad_token_id is not None and self.freeze_pad_row:  # as embed_tokens: padding_idx gets no gradient
+            tokens = jnp.where((input_ids == cfg.pad_token_id)[..., None], jax.lax.stop_gradient(tokens), tokens)
+        tokens = tokens * jnp.asarray(ple**0.5, dtype)
         projected = jnp.einsum("bsh,ph->bsp", x, self.ple_projection.kernel[...]) * jnp.asarray(
             cfg.hidden_size**-0.5, dtype)
         projected = norm(projected.reshape(b, s, -1, ple), self.ple_projection_norm.scale[...], cfg.rms_norm_eps)
