@@ -27,6 +27,7 @@ from otfload.index.dtypes import to_numpy_dtype
 from otfload.models.origin import remember_origin
 from otfload.opening import Opened, default_workers, open_checkpoint, storage_dtype
 from otfload.options import MODEL_FIELDS, LoadKeywords, LoadOptions, ParamsKeywords, resolve_options
+from otfload.place.agree import DEFAULT_TIMEOUT_S
 from otfload.place.collective_route import resolve_policy
 from otfload.place.loader import execute_plan
 from otfload.place.report import LoadReport
@@ -211,7 +212,7 @@ class PlannedLoad:
 def plan_load(source: Location, options: LoadOptions) -> PlannedLoad:
     """What ``from_pretrained(source, options=options)`` does before reading a tensor byte (the
     checkpoint stays open for :meth:`PlannedLoad.load`)."""
-    policy = resolve_policy(options.reshard)  # $OTFLOAD_RESHARD too: a bad value fails before anything is opened
+    policy = resolve_policy(options.reshard)  # resolve_options took $OTFLOAD_RESHARD, checked
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
     model, plan, opened = _plan_model(source, options)
     return PlannedLoad(model, plan, opened, source, options, policy)
@@ -226,6 +227,9 @@ def run_plan(
         arrays, report = execute_plan(
             plan, opened.source, workers=options.workers or default_workers(opened.base),
             host_memory_budget=options.host_memory_budget, progress=options.progress, reshard=policy,
+            host_ring_bytes=options.host_ring_bytes, device_hooks=options.device_hooks or "auto",
+            read_ahead=options.read_ahead is not False, direct_io=options.direct_io is not False,
+            collective_timeout=options.collective_timeout or DEFAULT_TIMEOUT_S,
         )
         infos = list(plan.activation.values())
         report.activation_scales = dict(zip(plan.activation, read_values(opened.source, infos), strict=True))
@@ -303,7 +307,7 @@ def load_params(
     ((256, 64), P('tp', 'fsdp'))
     """
     options = resolve_options(options, keywords, unused=MODEL_FIELDS)
-    policy = resolve_policy(options.reshard)  # $OTFLOAD_RESHARD too: a bad value fails before anything is opened
+    policy = resolve_policy(options.reshard)  # resolve_options took $OTFLOAD_RESHARD, checked
     require_merged(options.merge_adapter)  # kept LoRA factors need the bundled models (from_pretrained)
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
     target, plan, opened = _plan_params(source, abstract, mapping, config, options)

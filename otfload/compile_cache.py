@@ -21,17 +21,19 @@ import warnings
 from pathlib import Path
 
 from otfload.errors import InvalidOptionError
+from otfload.options.environment import COMPILE_CACHE_ENV, environment
 
-ENV_VAR = "OTFLOAD_COMPILE_CACHE"
+ENV_VAR = COMPILE_CACHE_ENV
 OFF = "off"
 
 
 def default_dir() -> Path:
-    """``$OTFLOAD_COMPILE_CACHE``, else ``otfload/xla`` under the user's cache directory."""
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "otfload" / "xla"
+    """``$OTFLOAD_COMPILE_CACHE``, else ``otfload/xla`` under the user's cache directory
+    (:mod:`otfload.options.environment` reads both)."""
+    env = environment()
+    if env.compile_cache:
+        return Path(env.compile_cache).expanduser()
+    return (env.cache_home or Path.home() / ".cache") / "otfload" / "xla"
 
 
 class CompileCacheWarning(UserWarning):

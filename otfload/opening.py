@@ -46,6 +46,7 @@ from otfload.errors import SourceNotFoundError
 from otfload.index.checkpoint import CheckpointIndex, open_index
 from otfload.index.derived import is_derived
 from otfload.options import LoadOptions
+from otfload.options.environment import environment
 from otfload.place.loader import ACCELERATOR_WORKERS, DEFAULT_WORKERS, REMOTE_WORKERS
 from otfload.sources import LocalSource, Source, open_source
 from otfload.sources.owned import is_owned, owned
@@ -71,7 +72,8 @@ def open_cached(location: str | os.PathLike[str] | Source, options: LoadOptions,
     with ExitStack() as on_error:
         src = on_error.enter_context(owned(open_source(location, **source_options), location))
         cached = wrap_with_cache(src, options.shard_cache, storage_options=options.shard_cache_options,
-                                 verify=options.verify, owns_source=is_owned(src, location))
+                                 verify=options.verify, owns_source=is_owned(src, location),
+                                 local_dir=environment().local_cache_dir if options.shard_cache is True else None)
         on_error.pop_all()  # success: the caller owns ``cached``
     return cached
 

@@ -14,10 +14,9 @@ from otfload.sources.local import LocalSource
 
 
 def default_cache_dir() -> Path:
-    """``$OTFLOAD_CACHE``, else ``$XDG_CACHE_HOME/otfload`` (``~/.cache/otfload``)."""
-    if env := os.environ.get("OTFLOAD_CACHE"):
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "otfload"
+    """Where ``cache_dir=True`` keeps whole files of a source that keeps none itself, unless its
+    caller names a directory (a load's options do: ``$OTFLOAD_CACHE``, :mod:`otfload.options.environment`)."""
+    return Path("~/.cache/otfload").expanduser()
 
 
 def wrap_with_cache(
@@ -27,6 +26,7 @@ def wrap_with_cache(
     storage_options: dict[str, Any] | None = None,
     verify: str = VERIFY_RECORD,
     owns_source: bool = True,
+    local_dir: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> Source:
     """The source a load should read from.
@@ -62,7 +62,7 @@ def wrap_with_cache(
                 if verify == VERIFY_FULL:
                     _check_download(source, file, path)
             return source
-        cache_dir = default_cache_dir()
+        cache_dir = default_cache_dir() if local_dir is None else local_dir
     return ShardCache(source, cache_dir, storage_options=storage_options, verify=verify, owns_source=owns_source,
                       **options)
 

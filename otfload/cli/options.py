@@ -36,14 +36,16 @@ def common_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def dtype_arg(text: str) -> np.dtype:
-    """argparse type: a dtype name (``bf16``, ``float32``, ...); bad names are usage errors."""
-    from otfload.index.dtypes import to_numpy_dtype
+def dtype_arg(text: str) -> np.dtype | None:
+    """argparse type: a float dtype a load casts to (``bf16``, ``float32``, ...; ``auto``: the storage
+    dtype), as :class:`~otfload.options.LoadOptions` checks it; other names are usage errors."""
+    from otfload.errors import InvalidOptionError
+    from otfload.options.checks import cast_dtype
 
     try:
-        return to_numpy_dtype(text)
-    except TypeError as e:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}") from e
+        return cast_dtype("--dtype", text)
+    except InvalidOptionError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from e
 
 
 def mesh_arg(text: str) -> dict[str, int]:

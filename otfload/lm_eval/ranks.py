@@ -27,7 +27,6 @@ import atexit
 import base64
 import contextlib
 import itertools
-import os
 import pickle
 import threading
 import time
@@ -38,7 +37,8 @@ import numpy as np
 
 from otfload.cache.coordination import Coordinator, current_coordinator
 from otfload.errors import CollectiveError, CollectiveTimeoutError, InvalidOptionError
-from otfload.place.agree import TIMEOUT_ENV, collective_timeout
+from otfload.options.environment import environment
+from otfload.place.agree import TIMEOUT_ENV
 
 KEY_PREFIX = "otfload/lm_eval"
 # An evaluation's processes meet at a barrier after each request type: the fastest waits for the
@@ -91,7 +91,7 @@ class Ranks:
         self.rank = self.coordinator.process_index
         self.world_size = self.coordinator.process_count
         if timeout_s is None:
-            timeout_s = collective_timeout() if os.environ.get(TIMEOUT_ENV) else DEFAULT_TIMEOUT_S
+            timeout_s = environment().collective_timeout or DEFAULT_TIMEOUT_S
         self.timeout_s = timeout_s
         if job is None:
             with _jobs_lock:

@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from otfload.adapters.load import AdapterSpec, adapter_specs
 from otfload.cache import VERIFY_MODES
 from otfload.errors import AdapterError, InvalidOptionError
-from otfload.place.collective_route import resolve_policy
+from otfload.options import checks
+from otfload.options.environment import VARIABLES, Environment, environment
+from otfload.place.collective_route import POLICIES as RESHARD_POLICIES
+from otfload.place.device_hooks import POLICIES as DEVICE_HOOK_POLICIES
 from otfload.plan.keep import check_quantized_mode
 from otfload.sources.retry import RetryPolicy
 
@@ -102,6 +105,19 @@ class LoadOptions:
         Scratch bytes in flight (default: the largest leaf).
     progress
         A progress bar in bytes on stderr (default: when stderr is a terminal).
+    device_hooks
+        Where a leaf's hooks run: ``"auto"`` (on the devices on accelerators), ``"always"``,
+        ``"never"`` (on the host); default ``$OTFLOAD_DEVICE_HOOKS``, else ``"auto"``.
+    read_ahead
+        Read cold local files ahead of the builders (default ``$OTFLOAD_READ_AHEAD``, else on).
+    direct_io
+        Read cold local files with ``O_DIRECT`` (default ``$OTFLOAD_DIRECT_IO``, else on).
+    host_ring_bytes
+        On accelerators, the staging bytes the builders keep registered for direct DMA (0: none;
+        default ``$OTFLOAD_HOST_RING_BYTES``, else 1 GiB).
+    collective_timeout
+        Seconds a multi-process load waits at an exchange or for a collective (default
+        ``$OTFLOAD_COLLECTIVE_TIMEOUT``, else 600).
     reshard
         When a leaf is read in the storage's own layout (a band of rows, a distinct share per
         process) and moved to its sharding by a collective: ``"auto"`` where the time model says it
@@ -111,11 +127,18 @@ class LoadOptions:
     Raises
     ------
     InvalidOptionError
-        A bad ``quantized``, ``reshard`` or ``verify`` value.
+        A value of the wrong kind or out of range, naming the option, the value and what is allowed
+        (``scan_layers="no"``, ``dtype="int8"``, ``workers=0``, ``mesh=(2, 4)``, ...).
     AdapterError
         Several adapters with ``merge_adapter=False``.
     TypeError
         An ``adapter`` that is neither a location, a ``Source`` nor a list of them.
+
+    A ``mesh`` given as a spec (``"fsdp=2,tp=4"``) or a dict of axis sizes is made a ``Mesh``, and a
+    ``dtype`` name a numpy dtype (``"auto"``: None), when the object is made. The fields the
+    environment can set (``timeout``, ``reshard``, ``device_hooks``, ``read_ahead``, ``direct_io``,
+    ``host_ring_bytes``, ``collective_timeout``) are filled from it by :func:`resolve_options`
+    (:mod:`otfload.options.environment`).
 
     Examples
     --------
@@ -153,14 +176,30 @@ class LoadOptions:
     workers: int | None = None
     host_memory_budget: int | None = None
     progress: bool | None = None
+    device_hooks: str | None = None
+    read_ahead: bool | None = None
+    direct_io: bool | None = None
+    host_ring_bytes: int | None = None
+    collective_timeout: float | None = None
     reshard: str | None = None
 
     def __post_init__(self) -> None:
         check_quantized_mode(self.quantized)
-        if self.reshard is not None:  # None: $OTFLOAD_RESHARD, read when the load starts
-            resolve_policy(self.reshard)
-        if self.verify not in VERIFY_MODES:
-            raise InvalidOptionError(f"verify={self.verify!r}: expected one of {', '.join(map(repr, VERIFY_MODES))}")
+        for name in ("local_files_only", "mmap", "merge_adapter", "scan_layers", "strict"):
+            checks.flag(name, getattr(self, name))
+        for name in ("progress", "read_ahead", "direct_io"):
+            checks.optional_flag(name, getattr(self, name))
+        for name, allowed in (("reshard", RESHARD_POLICIES), ("device_hooks", DEVICE_HOOK_POLICIES)):
+            if getattr(self, name) is not None:  # None: from the environment, when the load resolves its options
+                checks.one_of(name, getattr(self, name), allowed)
+        checks.one_of("verify", self.verify, VERIFY_MODES)
+        checks.seconds("timeout", self.timeout)
+        checks.seconds("collective_timeout", self.collective_timeout)
+        checks.count("workers", self.workers)
+        checks.count("host_memory_budget", self.host_memory_budget)
+        checks.count("host_ring_bytes", self.host_ring_bytes, least=0)
+        object.__setattr__(self, "dtype", checks.cast_dtype("dtype", self.dtype))
+        object.__setattr__(self, "mesh", checks.mesh("mesh", self.mesh))
         adapters = self.adapters
         if not self.merge_adapter and len(adapters) > 1:
             raise AdapterError(f"{len(adapters)} adapters with merge_adapter=False: kept LoRA factors are one adapter "
@@ -203,6 +242,11 @@ class ParamsKeywords(TypedDict, total=False):
     workers: int | None
     host_memory_budget: int | None
     progress: bool | None
+    device_hooks: str | None
+    read_ahead: bool | None
+    direct_io: bool | None
+    host_ring_bytes: int | None
+    collective_timeout: float | None
     reshard: str | None
 
 
@@ -219,7 +263,8 @@ def resolve_options(
     """``options`` with ``keywords`` (option fields by name) merged in: a keyword sets a field the
     object leaves at its default, or repeats its value; a keyword and a field set to different
     values raise :class:`InvalidOptionError`. A keyword that is no field, or one in ``unused`` (the
-    fields the entry point has no use for), raises ``TypeError``."""
+    fields the entry point has no use for), raises ``TypeError``. The fields still unset that the
+    environment sets are then taken from it (:func:`with_environment`)."""
     if options is not None and not isinstance(options, LoadOptions):
         raise TypeError(f"options= takes a LoadOptions, not {type(options).__name__}")
     unknown = sorted(set(keywords) - set(DEFAULTS))
@@ -229,12 +274,37 @@ def resolve_options(
     if misplaced:
         raise TypeError(f"option(s) {misplaced} do not apply here (a tree you bring fixes its own layout and dtypes)")
     if options is None:
-        return LoadOptions(**keywords)
+        return with_environment(LoadOptions(**keywords))
     for name, value in keywords.items():
         mine = getattr(options, name)
-        if not _equal(mine, DEFAULTS[name]) and not _equal(mine, value):
+        if not _equal(mine, DEFAULTS[name]) and not _equal(mine, _checked(name, value)):
             raise InvalidOptionError(f"{name}={value!r} and options.{name}={mine!r}: give each option once")
-    return dataclasses.replace(options, **keywords) if keywords else options
+    return with_environment(dataclasses.replace(options, **keywords) if keywords else options)
+
+
+# The fields the environment sets when a load leaves them unset (None).
+ENVIRONMENT_FIELDS = tuple(VARIABLES)
+
+
+def with_environment(options: LoadOptions, env: Environment | None = None) -> LoadOptions:
+    """``options`` with its unset :data:`ENVIRONMENT_FIELDS` taken from ``env`` (default: read now,
+    :func:`~otfload.options.environment.environment`); a set field wins over its variable, which is
+    then not even checked."""
+    env = environment(given=[name for name in ENVIRONMENT_FIELDS if getattr(options, name) is not None]) \
+        if env is None else env
+    taken = {name: value for name in ENVIRONMENT_FIELDS
+             if getattr(options, name) is None and (value := getattr(env, name)) is not None}
+    return dataclasses.replace(options, **taken) if taken else options
+
+
+def _checked(name: str, value: object) -> object:
+    """``value`` as a :class:`LoadOptions` keeps it (a dtype name as its dtype, a mesh spec as a
+    ``Mesh``), to compare with a field already checked."""
+    if name == "dtype":
+        return checks.cast_dtype(name, value)
+    if name == "mesh":
+        return checks.mesh(name, value)
+    return value
 
 
 def _equal(a: object, b: object) -> bool:
@@ -248,4 +318,5 @@ def _equal(a: object, b: object) -> bool:
         return False
 
 
-__all__ = ["LoadKeywords", "LoadOptions", "ParamsKeywords", "ShardCacheSpec", "resolve_options"]
+__all__ = ["ENVIRONMENT_FIELDS", "LoadKeywords", "LoadOptions", "ParamsKeywords", "ShardCacheSpec", "resolve_options",
+           "with_environment"]

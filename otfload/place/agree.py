@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +45,7 @@ from typing import Any, TypeVar
 from jax.sharding import Mesh
 
 from otfload.cache.coordination import Coordinator, current_coordinator
-from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, InvalidOptionError
+from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from otfload.place.collective_route import cold_processes, plan_mesh, process_devices
 from otfload.plan.planner import LeafPlan
 
@@ -58,21 +57,6 @@ TIMEOUT_ENV = "OTFLOAD_COLLECTIVE_TIMEOUT"
 KEY_PREFIX = "otfload/agree"
 
 T = TypeVar("T")
-
-
-def collective_timeout() -> float:
-    """The bound of a load's exchanges and collectives: ``$OTFLOAD_COLLECTIVE_TIMEOUT`` (seconds, > 0)
-    or DEFAULT_TIMEOUT_S. Raises :class:`~otfload.errors.InvalidOptionError` for a bad value."""
-    text = os.environ.get(TIMEOUT_ENV)
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:  # NaN too
-        raise InvalidOptionError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
-    return value
 
 
 def mesh_key(mesh: Mesh) -> str:
@@ -122,16 +106,17 @@ class Agreed:
 
 
 def agree_load(
-    leaves: Mapping[str, LeafPlan], policy: str, local: bool, resident: float | None
+    leaves: Mapping[str, LeafPlan], policy: str, local: bool, resident: float | None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[Agreement | None, Agreed]:
     """The facts a load chooses from: this process's own on a mesh of one process (no agreement),
     else exchanged with the others (:meth:`Agreement.facts`); the agreement serves the load's
-    reshard exchange and collectives."""
+    reshard exchange and collectives, each bounded by ``timeout_s`` (the load's ``collective_timeout``)."""
     source = "local" if local else "remote"
     mesh = plan_mesh(leaves)
     if mesh is None or len(process_devices(mesh)) < 2:
         return None, Agreed(policy, source, (resident,))
-    agreement = Agreement(current_coordinator(), mesh_key(mesh), collective_timeout())
+    agreement = Agreement(current_coordinator(), mesh_key(mesh), timeout_s)
     return agreement, agreement.facts(Facts(plan_digest(leaves), policy, source, resident))
 
 

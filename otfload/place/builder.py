@@ -253,9 +253,10 @@ def _stack_into(
 
 def build_leaf(
     plan: LeafPlan, reader: TensorReader, arena: Arena, budget: ByteBudget | None = None,
-    staging: Arena | None = None,
+    staging: Arena | None = None, device_hooks: str = "auto",
 ) -> jax.Array:
-    """The leaf as a ``jax.Array`` with its target sharding, built from the bytes local devices need.
+    """The leaf as a ``jax.Array`` with its target sharding, built from the bytes local devices need;
+    ``device_hooks``: where its hooks run (:func:`~otfload.place.device_hooks.hooks_on_device`).
 
     ``staging``: the thread's reusable host buffer for devices that copy what they are given
     (:func:`host_staged`); it is free again when this returns."""
@@ -279,7 +280,7 @@ def build_leaf(
 
     boxes = list(dict.fromkeys(box_of.values()))
     try:
-        if hooks_on_device(plan):  # raw boxes stacked as stored, laid out on the devices
+        if hooks_on_device(plan, device_hooks):  # raw boxes stacked as stored, laid out on the devices
             def on_devices(raw: dict[Box, np.ndarray]) -> jax.Array:
                 return place_on_devices(plan, box_of, raw).block_until_ready()  # staging is free again
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -105,14 +104,13 @@ Groups = Mapping[int, list[jax.Device]]
 
 
 def resolve_policy(reshard: str | None = None) -> str:
-    """The reshard policy of a load: ``reshard``, else ``$OTFLOAD_RESHARD``, else ``"auto"``.
+    """The reshard policy of a load: ``reshard`` (its options hold ``$OTFLOAD_RESHARD`` when it was
+    not given, :mod:`otfload.options.environment`), else ``"auto"``.
 
-    Raises :class:`~otfload.errors.InvalidOptionError` naming where a bad value came from."""
-    origin = "reshard"
-    if reshard is None:
-        reshard, origin = os.environ.get(RESHARD_ENV) or "auto", RESHARD_ENV
+    Raises :class:`~otfload.errors.InvalidOptionError` for a bad value."""
+    reshard = "auto" if reshard is None else reshard
     if reshard not in POLICIES:
-        raise InvalidOptionError(f"{origin}={reshard!r}: expected one of {', '.join(map(repr, POLICIES))}")
+        raise InvalidOptionError(f"reshard={reshard!r}: expected one of {', '.join(map(repr, POLICIES))}")
     return reshard
 
 

@@ -27,7 +27,6 @@ on the device). :func:`device_hooks_policy`: ``"auto"`` (accelerators only; defa
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,7 +34,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import numpy as np
 
-from otfload.errors import InvalidOptionError
 from otfload.index.derived import is_derived
 from otfload.plan.boxes import Box, box_nbytes, box_shape, crop
 from otfload.plan.hooks import Hook, chain_apply, chain_needed
@@ -54,17 +52,9 @@ COMPILE_THREADS = 2
 TRANSFORM_CACHE_SIZE = 1024
 
 
-def device_hooks_policy() -> str:
-    """``$OTFLOAD_DEVICE_HOOKS``, checked (default ``"auto"``)."""
-    policy = os.environ.get(DEVICE_HOOKS_ENV, "auto").strip() or "auto"
-    if policy not in POLICIES:
-        raise InvalidOptionError(f"${DEVICE_HOOKS_ENV} must be one of {POLICIES}, got {policy!r}")
-    return policy
-
-
-def hooks_on_device(plan: LeafPlan, policy: str | None = None) -> bool:
-    """Whether ``plan``'s leaf is laid out on its devices (see the module docstring)."""
-    policy = policy or device_hooks_policy()
+def hooks_on_device(plan: LeafPlan, policy: str = "auto") -> bool:
+    """Whether ``plan``'s leaf is laid out on its devices under ``policy`` (one of :data:`POLICIES`,
+    the load's ``device_hooks``; see the module docstring)."""
     if policy == "never" or not plan.sources or any(is_derived(info) for info in plan.sources):
         return False
     if plan.layout is not None:  # stack dims placed inside the leaf: the host writes the tree's layout
@@ -141,13 +131,15 @@ def _wait_compiled(layout: Callable[[jax.Array], jax.Array], spec: jax.ShapeDtyp
         future.result()  # a compile error is raised here, in the leaf's own build
 
 
-def compile_ahead(plans: Iterable[LeafPlan], workers: int = COMPILE_THREADS) -> ThreadPoolExecutor | None:
+def compile_ahead(
+    plans: Iterable[LeafPlan], policy: str = "auto", workers: int = COMPILE_THREADS
+) -> ThreadPoolExecutor | None:
     """Start compiling the layout function of every device box of every leaf in ``plans`` that is
-    laid out on its devices (:func:`hooks_on_device`); returns the pool (shut it down after the
+    laid out on its devices under ``policy`` (:func:`hooks_on_device`); returns the pool (shut it down after the
     load) or None when there is nothing to compile."""
     jobs: dict[tuple[object, ...], Callable[[], object]] = {}
     for plan in plans:
-        if not hooks_on_device(plan):
+        if not hooks_on_device(plan, policy):
             continue
         for device, box in addressable_boxes(plan.leaf.shape, plan.leaf.sharding):
             layout, spec = _layout_of(plan, box)

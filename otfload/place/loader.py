@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from otfload.errors import LoadCancelled
 from otfload.fetch.meter import FetchMeter, metering
-from otfload.place.agree import agree_load
+from otfload.place.agree import DEFAULT_TIMEOUT_S, agree_load
 from otfload.place.builder import ByteBudget, build_leaf
 from otfload.place.collective_route import (
     ReshardPrograms,
@@ -67,6 +67,10 @@ def execute_plan(
     progress: bool | None = None,
     reshard: str | None = None,
     host_ring_bytes: int | None = None,
+    device_hooks: str = "auto",
+    read_ahead: bool = True,
+    direct_io: bool = True,
+    collective_timeout: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[dict[str, jax.Array], LoadReport]:
     """Build every leaf of ``plan`` from ``source``; returns ``{leaf path: array}`` and the report.
 
@@ -76,11 +80,14 @@ def execute_plan(
     ``reshard`` says when a leaf may be read in its storage layout and moved to its sharding by a
     collective (see :mod:`otfload.place.collective_route`): ``"auto"`` (where the time model says it is
     faster), ``"always"`` (wherever it fetches fewer bytes: column-split leaves, and leaves several
-    processes hold — each byte then read once cluster-wide) or ``"never"``; default: the
-    ``OTFLOAD_RESHARD`` environment variable, else ``"auto"``. ``host_ring_bytes``: on accelerators,
-    the staging memory all builders keep registered for direct DMA together
-    (:mod:`otfload.read.pinned`; default ``$OTFLOAD_HOST_RING_BYTES``, else 1 GiB; 0: the runtime's
-    staged copy).
+    processes hold — each byte then read once cluster-wide) or ``"never"``; default ``"auto"``.
+    ``host_ring_bytes``: on accelerators, the staging memory all builders keep registered for direct
+    DMA together (:mod:`otfload.read.pinned`; default 1 GiB; 0: the runtime's staged copy).
+    ``device_hooks``: where hooks run (:func:`~otfload.place.device_hooks.hooks_on_device`);
+    ``read_ahead`` and ``direct_io``: whether cold local files are read ahead and with ``O_DIRECT``;
+    ``collective_timeout``: the bound of a multi-process load's exchanges and collectives. The
+    options of a load give each of these (:class:`~otfload.options.LoadOptions`, the environment
+    included); nothing here reads the environment.
     """
     largest = max((p.source_bytes for p in plan.leaves.values()), default=0)
     budget = ByteBudget(host_memory_budget or largest, workers)
@@ -90,15 +97,17 @@ def execute_plan(
     files = is_local(reader)
     residency = local_residency(reader)  # None: not known (read as cold)
     cold_files = None if residency is None else residency.cold
-    agreement, agreed = agree_load(plan.leaves, policy, files, None if residency is None else residency.resident)
+    agreement, agreed = agree_load(plan.leaves, policy, files, None if residency is None else residency.resident,
+                                   collective_timeout)
     # The same choices on every process: a pure function of the plan, the policy and the agreed facts.
     chosen = choose_read_shardings(plan.leaves, reader, policy, cold=agreed.cold)
     bands = {path: c.sharding for path, c in chosen.items() if c.sharding is not None}
     report.route = route(policy, files, agreed.resident, chosen)
     programs = ReshardPrograms(plan.leaves, bands)  # compiled while the builders read
-    direct = reader.use_direct(cold_files or ())  # cold files bypass the page cache (O_DIRECT); the rest
-    ahead = start_read_ahead(plan, reader, bands, None if cold_files is None else cold_files - direct)  # read ahead
-    compiling = compile_ahead(plan.leaves.values())  # device layouts compile while the bytes are read
+    direct = reader.use_direct(cold_files or ()) if direct_io else frozenset()  # cold files bypass the page cache
+    rest = None if cold_files is None else cold_files - direct  # (O_DIRECT); the rest are read ahead
+    ahead = start_read_ahead(plan, reader, bands, rest) if read_ahead else None
+    compiling = compile_ahead(plan.leaves.values(), device_hooks)  # device layouts compile while the bytes are read
     local = threading.local()
     registry = DmaRegistry(load_devices(plan), host_ring_bytes)  # accelerators: staging for direct DMA
     stagings: list[Arena] = []
@@ -127,7 +136,7 @@ def execute_plan(
                 leaf_plan = plan.leaves[path]
                 if path in bands:
                     leaf_plan = with_sharding(leaf_plan, bands[path])
-                array = build_leaf(leaf_plan, reader, local.arena, budget, local.staging)
+                array = build_leaf(leaf_plan, reader, local.arena, budget, local.staging, device_hooks)
         except BaseException:
             token.cancel()  # at once, before this worker picks up a queued leaf
             raise

@@ -20,7 +20,6 @@ which route a load took and why).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterable
 
@@ -41,11 +40,9 @@ MIN_REGISTERED_BYTES = 1 << 20
 
 
 def host_ring_bytes(given: int | None = None) -> int:
-    """The ring's size: ``given``, else ``$OTFLOAD_HOST_RING_BYTES``, else the default."""
-    if given is not None:
-        return max(0, int(given))
-    text = os.environ.get(HOST_RING_ENV, "").strip()
-    return max(0, int(text)) if text else DEFAULT_HOST_RING_BYTES
+    """The ring's size: ``given`` (the load's ``host_ring_bytes``, which ``$OTFLOAD_HOST_RING_BYTES``
+    sets), else the default."""
+    return DEFAULT_HOST_RING_BYTES if given is None else max(0, int(given))
 
 
 class DmaRegistry:

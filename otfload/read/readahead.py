@@ -23,7 +23,6 @@ fetches and reports the error).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
@@ -197,8 +196,6 @@ def start_read_ahead(
     worth reading ahead when already probed (:func:`local_residency`)."""
     source = reader.source
     if not (reader.maps or reader.pages) or not isinstance(source, ResidencySource):  # narrows the type
-        return None
-    if os.environ.get(READ_AHEAD_ENV, "1") == "0":
         return None
     cold = cold_files(source) if cold is None else cold
     if not cold:  # a warm cache: no thread, no range computed (measured: that cost 0.15 s of 1.0 s warm)

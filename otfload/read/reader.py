@@ -20,7 +20,6 @@ is read beyond what the box needs, and nothing larger than the box exists.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -253,9 +252,10 @@ class TensorReader:
 
     def use_direct(self, files: Iterable[str]) -> frozenset[str]:
         """Read ``files`` (cold ones) with ``O_DIRECT`` from now on, those the source can; returns them.
-        ``OTFLOAD_DIRECT_IO=0`` turns this off (every file then goes through the page cache)."""
+        A load with ``direct_io=False`` (``OTFLOAD_DIRECT_IO=0``) does not call this: every file then
+        goes through the page cache."""
         direct = self._direct
-        if direct is None or os.environ.get(DIRECT_IO_ENV, "1") == "0":
+        if direct is None:
             return self.direct_files
         self.direct_files = frozenset(f for f in files if direct.direct_capable(f))
         return self.direct_files

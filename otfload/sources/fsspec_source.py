@@ -104,7 +104,7 @@ class FsspecSource(RetriedCalls):
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
     ):
-        self._deadline = Deadline.resolve(timeout)
+        self._deadline = Deadline(timeout)
         self.url = url.rstrip("/")
         self._retry = retry or RetryPolicy()
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"

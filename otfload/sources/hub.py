@@ -125,7 +125,7 @@ class HubSource(RetriedCalls):
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
     ):
-        self._deadline = Deadline.resolve(timeout)
+        self._deadline = Deadline(timeout)
         self.repo_id = repo_id
         self.revision = revision or constants.DEFAULT_REVISION
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")

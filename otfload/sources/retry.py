@@ -29,7 +29,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import os
 import random
 import threading
 import time
@@ -81,18 +80,6 @@ class Deadline:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout_s!r}")
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.at = math.inf if timeout_s is None else time.monotonic() + timeout_s
-
-    @classmethod
-    def resolve(cls, timeout: float | None) -> Deadline:
-        """``timeout`` seconds from now; ``None`` falls back on ``OTFLOAD_TIMEOUT`` (unset: no limit)."""
-        if timeout is None and (text := os.environ.get(TIMEOUT_ENV, "").strip()):
-            try:
-                timeout = float(text)
-            except ValueError:
-                raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
-            if timeout <= 0 or not math.isfinite(timeout):
-                raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
-        return cls(timeout)
 
     def remaining(self) -> float:
         return self.at - time.monotonic()

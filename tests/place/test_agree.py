@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 
 from otfload.cache.coordination import LocalCoordinator
-from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, InvalidOptionError
-from otfload.place.agree import TIMEOUT_ENV, Agreement, Facts, collective_timeout, run_bounded
+from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from otfload.place.agree import Agreement, Facts, run_bounded
 from otfload.place.collective_route import cold_processes
 
 PROCESSES = 4
@@ -123,12 +123,3 @@ def test_a_collective_that_never_completes_ends_the_load_naming_its_leaf():
     assert run_bounded([("a", lambda: 1), ("b", lambda: 2)], BOUND_S) == [1, 2]
     with pytest.raises(ZeroDivisionError):  # a collective's own error is raised as it is
         run_bounded([("a", lambda: 1 // 0)], BOUND_S)
-
-
-def test_the_bound_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(TIMEOUT_ENV, "2.5")
-    assert collective_timeout() == 2.5
-    for bad in ("0", "-1", "soon", "nan"):
-        monkeypatch.setenv(TIMEOUT_ENV, bad)
-        with pytest.raises(InvalidOptionError, match=TIMEOUT_ENV):
-            collective_timeout()

@@ -12,15 +12,17 @@ import pytest
 import otfload
 from otfload.cli import main
 from otfload.errors import InvalidOptionError, OtfloadError
+from otfload.options import resolve_options
 from otfload.place.collective_route import RESHARD_ENV, resolve_policy
 
 
 def test_the_keyword_wins_over_the_environment_which_wins_over_auto(monkeypatch):
     monkeypatch.delenv(RESHARD_ENV, raising=False)
-    assert resolve_policy(None) == "auto"
+    assert resolve_policy(resolve_options(None, {}).reshard) == "auto"
     monkeypatch.setenv(RESHARD_ENV, "always")
-    assert resolve_policy(None) == "always"
-    assert resolve_policy("never") == "never"
+    assert resolve_policy(resolve_options(None, {}).reshard) == "always"  # read at the front door
+    assert resolve_policy(resolve_options(None, {"reshard": "never"}).reshard) == "never"
+    assert resolve_policy(None) == "auto"  # below the front door: no environment
 
 
 @pytest.mark.parametrize("call", ["from_pretrained", "load_params"])

@@ -46,21 +46,20 @@ def test_device_route_is_bitwise_the_host_route(tiny_checkpoints, mesh_2x4, monk
         assert host[name].tobytes() == device[name].tobytes(), name
 
 
-def test_policy_is_checked(monkeypatch):
+def test_policy_is_checked(monkeypatch, tmp_path):
     monkeypatch.setenv(device_hooks.DEVICE_HOOKS_ENV, "sometimes")
-    with pytest.raises(InvalidOptionError, match="OTFLOAD_DEVICE_HOOKS"):
-        device_hooks.device_hooks_policy()
+    with pytest.raises(InvalidOptionError, match="OTFLOAD_DEVICE_HOOKS='sometimes'"):
+        otfload.from_pretrained(tmp_path / "never-opened")  # checked at the front door, before the source
 
 
 def test_layouts_are_compiled_ahead_from_the_plan_alone(tiny_checkpoints, mesh_2x4, monkeypatch, caplog):
     """Before any byte is read, the plan gives every device box's layout function and its input: they
     compile in the background, and a load then finds them compiled."""
     path, _ = tiny_checkpoints("llama")
-    monkeypatch.setenv(device_hooks.DEVICE_HOOKS_ENV, "always")
     _, plan, src = otfload.plan_model(path, mesh=mesh_2x4)
     src.close()
-    laid = [p for p in plan.leaves.values() if device_hooks.hooks_on_device(p)]
-    pool = device_hooks.compile_ahead(plan.leaves.values())
+    laid = [p for p in plan.leaves.values() if device_hooks.hooks_on_device(p, "always")]
+    pool = device_hooks.compile_ahead(plan.leaves.values(), "always")
     assert pool is not None and laid
     pool.shutdown(wait=True)
     import jax
@@ -72,5 +71,4 @@ def test_layouts_are_compiled_ahead_from_the_plan_alone(tiny_checkpoints, mesh_2
         with caplog.at_level(logging.WARNING), jax.log_compiles(True):
             layout(jax.device_put(np.zeros(spec.shape, spec.dtype), device))
         assert not [r for r in caplog.records if "Compiling" in r.getMessage()], leaf_plan.path  # compiled ahead
-    monkeypatch.setenv(device_hooks.DEVICE_HOOKS_ENV, "never")
-    assert device_hooks.compile_ahead(plan.leaves.values()) is None  # nothing laid out on devices
+    assert device_hooks.compile_ahead(plan.leaves.values(), "never") is None  # nothing laid out on devices

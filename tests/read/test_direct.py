@@ -10,6 +10,7 @@ import pytest
 from otfload.errors import TruncatedFileError
 from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.checkpoint import open_index
+from otfload.options import resolve_options
 from otfload.plan.boxes import box_to_slices
 from otfload.read.arena import Arena
 from otfload.read.reader import DIRECT_IO_ENV, TensorReader
@@ -119,5 +120,5 @@ def test_a_cold_load_reads_direct_and_leaves_no_pages(tmp_path, closing, mesh_2x
     (path,) = directory.glob("*.safetensors")
     assert resident(path) < 0.05  # read around the page cache, not through it
     assert report.bytes_read >= want.nbytes  # every byte came from the disk
-    monkeypatch.setenv(DIRECT_IO_ENV, "0")
-    assert TensorReader(source).use_direct([path.name]) == frozenset()
+    monkeypatch.setenv(DIRECT_IO_ENV, "0")  # the load's options read it (direct_io=False): execute_plan asks none
+    assert resolve_options(None, {}).direct_io is False

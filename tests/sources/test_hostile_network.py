@@ -21,6 +21,7 @@ from otfload.errors import (
     SourceTimeoutError,
     SourceUnavailableError,
 )
+from otfload.options import resolve_options
 from otfload.sources import open_source
 from otfload.sources.base import read_bytes
 from otfload.sources.fsspec_source import FsspecSource
@@ -171,9 +172,9 @@ PATIENT = RetryPolicy(attempts=50, base_delay_s=0.01, max_delay_s=0.05, deadline
 @pytest.mark.parametrize("how", ["argument", "env"])
 @pytest.mark.parametrize("fault", ["drip", "stall"])
 def test_total_timeout_ends_a_patient_policy(hub: HubServer, repo, tmp_path, monkeypatch, how, fault):
-    kw = {"timeout": 1.0} if how == "argument" else {}
     if how == "env":
         monkeypatch.setenv(TIMEOUT_ENV, "1.0")
+    kw = {"timeout": 1.0} if how == "argument" else resolve_options(None, {}).source_options()  # the front door
     src = open_source(REPO, endpoint=hub.url, cache_dir=tmp_path, retry=PATIENT, **kw)
     setattr(hub.faults, f"{fault}_next", ALWAYS)
     hub.faults.drip_interval_s = DRIP_S
@@ -196,11 +197,11 @@ def test_total_timeout_bounds_gcs_and_http_fsspec(hub: HubServer, repo, monkeypa
 @pytest.mark.parametrize("bad", ["0", "-3", "soon", "inf"])
 def test_bad_timeout_values_are_refused(monkeypatch, bad):
     monkeypatch.setenv(TIMEOUT_ENV, bad)
-    with pytest.raises(ValueError, match=TIMEOUT_ENV):
-        Deadline.resolve(None)
+    with pytest.raises(ValueError, match=TIMEOUT_ENV):  # InvalidOptionError is a ValueError
+        resolve_options(None, {})
     for value in (0, -1.0, True, "10"):
         with pytest.raises(ValueError, match="timeout"):
-            Deadline.resolve(value)  # type: ignore[arg-type]
+            Deadline(value)  # type: ignore[arg-type]
 
 
 # --- revision metadata -----------------------------------------------------------------------------
