@@ -151,3 +151,21 @@ def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(ConfigError) as err:
         Glm4MoeConfig.from_hf(config)
     assert field in err.value.field
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
+    """A PEFT adapter on the attention, the dense and shared MLPs and the fused routed experts
+    (transformers' runtime names, mapped through the family's LoRA layout) merges on the fly: logits
+    equal ``PeftModel``'s, and the adapter moves them well past the bound."""
+    from tests.adapters.support import DOWN, GATE_UP, make_adapter, peft_logits
+
+    path, torch_model = tiny_checkpoints("glm4_moe")
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4,
+                           target_modules=["q_proj", "o_proj", "down_proj"], target_parameters=[GATE_UP, DOWN])
+    ids = token_ids()
+    reference = peft_logits(torch_model, [adapter], ids)
+    model = otfload.from_pretrained(path, adapter=adapter, mesh=make_mesh(MESHES["fsdp2_ep4"]),
+                                    scan_layers=scan_layers)
+    assert max_rel_diff(logits(model, ids), reference) <= 1e-4
+    assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
