@@ -7,9 +7,9 @@ The checkpoint is ``benchmarks.make_checkpoint``'s Llama-shaped bf16 one. Every 
 same weights onto the same devices (mesh ``fsdp × tp``, 8 simulated CPU devices by default) in a
 fresh process, warm page cache, interleaved rounds, medians:
 
-* ``contiguous`` — ``otfload.load_params`` into the MaxText-style tree with every projection kept
+* ``contiguous`` — ``otfload.load_params`` into the Linen-style tree with every projection kept
   ``[out, in]`` (HF's orientation: hooks are reshapes, the copy is contiguous);
-* ``transposed`` — the same with ``[in, out]`` kernels: ``otfload.mappings.maxtext_llama``'s
+* ``transposed`` — the same with ``[in, out]`` kernels: ``otfload.mappings.linen_llama``'s
   table, ``Transpose`` on every projection (the builder's tiled copy, :mod:`otfload.place.transpose`);
 * ``tiled`` — ``transposed`` with numpy's tiled copy instead of XLA's host transpose
   (:data:`otfload.place.transpose.XLA_TRANSPOSE` off: the kernel of 2026-11-24);
@@ -44,11 +44,11 @@ KERNEL_SHAPE = (2048, 5632)  # a 22 MiB bf16 matrix, the issue's example
 
 
 def contiguous_target(config: dict, mesh, dtype) -> tuple[dict, object]:
-    """The MaxText-style tree with every projection ``[out, in]``, and its table (no transpose)."""
+    """The Linen-style tree with every projection ``[out, in]``, and its table (no transpose)."""
     import jax
     import numpy as np
 
-    from otfload.mappings import maxtext_llama as mt
+    from otfload.mappings import linen_llama as mt
     from otfload.plan.hooks import Reshape
     from otfload.plan.mapping import MappingTable, Rule
     from otfload.plan.sharding import logical_to_sharding
@@ -91,13 +91,13 @@ _NP_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def tunix_style_load(directory: Path, abstract: dict, config: dict) -> dict:
-    """tunix 0.1.7 ``load_and_create_model_opt``'s strategy on the unscanned MaxText-style tree:
+    """tunix 0.1.7 ``load_and_create_model_opt``'s strategy on the unscanned Linen-style tree:
     mmapped views, numpy transposes/reshapes as views, one ``jax.device_put(view, sharding)`` per leaf."""
     import jax
     import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
     import numpy as np
 
-    from otfload.mappings import maxtext_llama as mt
+    from otfload.mappings import linen_llama as mt
     from otfload.plan.abstract import dotted
 
     views: dict[str, np.ndarray] = {}
@@ -137,7 +137,7 @@ def child(method: str, directory: Path, devices: int) -> dict:
     import otfload
     from benchmarks.baselines import placed_bytes
     from benchmarks.target import bench_mesh, check_devices
-    from otfload.mappings import maxtext_llama as mt
+    from otfload.mappings import linen_llama as mt
     from otfload.place import transpose
     from otfload.read import arena
 

@@ -3,7 +3,7 @@
     python -m benchmarks.transpose_hosts [--size-gib 0.5] [--repeat 2] [--warm]
 
 Real multi-process JAX jobs (``jax.distributed`` on 127.0.0.1, 4 processes of 2 CPU devices, mesh
-``fsdp=2 × tp=4``) load the unscanned MaxText-style ``[in, out]`` tree of ``otfload.mappings.maxtext_llama``
+``fsdp=2 × tp=4``) load the unscanned Linen-style ``[in, out]`` tree of ``otfload.mappings.linen_llama``
 (what tunix's models hold) from the Llama-shaped bf16 checkpoint of ``benchmarks.make_checkpoint``:
 
 * ``otfload`` — ``otfload.load_params`` (each process reads the boxes its devices hold);
@@ -51,7 +51,7 @@ def worker(spec_path: str, pid: int) -> None:
 
         import otfload
         from benchmarks.bench_transpose import tunix_style_load
-        from otfload.mappings import maxtext_llama as mt
+        from otfload.mappings import linen_llama as mt
 
         directory = Path(spec["dirs"][pid])
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

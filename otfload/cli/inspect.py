@@ -50,11 +50,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="quantized weights decoded on load, or kept packed (codes + scales; shows bytes per device)")
     p.add_argument("--mapping", metavar="MODULE:TABLE",
                    help="a mapping table (or a function of config.json returning one) for a model you bring, "
-                        "e.g. otfload.mappings.maxtext_llama:TABLE; needs --target")
+                        "e.g. otfload.mappings.linen_llama:TABLE; needs --target")
     p.add_argument("--target", metavar="MODULE:FACTORY",
                    help="a function (config.json dict, mesh) -> abstract nnx.Module, nnx.State or pytree of "
                         "ShapeDtypeStruct, called under jax.set_mesh; "
-                        "e.g. otfload.mappings.maxtext_llama:abstract_params")
+                        "e.g. otfload.mappings.linen_llama:abstract_params")
     p.set_defaults(run=run)
 
 
@@ -131,7 +131,7 @@ def load_object(spec: str) -> Any:
 
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise MappingError(f"{spec!r}: expected MODULE:NAME, e.g. otfload.mappings.maxtext_llama:TABLE")
+        raise MappingError(f"{spec!r}: expected MODULE:NAME, e.g. otfload.mappings.linen_llama:TABLE")
     try:
         obj = importlib.import_module(module)
         for part in name.split("."):

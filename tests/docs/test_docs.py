@@ -43,7 +43,7 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = ["index.md", "quickstart.md", "concepts.md", "architecture.md", "families.md", "adding_a_family.md",
          "troubleshooting.md", "sources.md", "export.md", "byo_model.md", "adapters.md", "evaluation.md",
-         "checkpoints.md", "reliability.md", "robustness.md", "training.md", "formats.md"]
+         "checkpoints.md", "reliability.md", "robustness.md", "training.md", "formats.md", "maxtext.md"]
 EXEMPT = {"benchmarks.md", "benchmarks_export.md", "benchmarks_remote.md", "benchmarks_reshard.md"}
 FENCES = {"python", "bash", "text", "console"}
 # The example checkpoint's chat template, as an instruction-tuned checkpoint has one.

@@ -8,11 +8,11 @@ from otfload.cli import main
 
 def test_inspect_prints_the_custom_plan(tiny_checkpoints, capsys):
     path, _ = tiny_checkpoints("llama")
-    argv = ["inspect", str(path), "--mesh", "fsdp=2,tp=4", "--mapping", "otfload.mappings.maxtext_llama:TABLE",
-            "--target", "otfload.mappings.maxtext_llama:abstract_params"]
+    argv = ["inspect", str(path), "--mesh", "fsdp=2,tp=4", "--mapping", "otfload.mappings.linen_llama:TABLE",
+            "--target", "otfload.mappings.linen_llama:abstract_params"]
     assert main([*argv, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["family"] == "custom mapping otfload.mappings.maxtext_llama:TABLE" and info["scan_layers"] is None
+    assert info["family"] == "custom mapping otfload.mappings.linen_llama:TABLE" and info["scan_layers"] is None
     leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
     wo = leaves["params.decoder.layers.mlp.wo.kernel"]
     assert wo["shape"] == [3, 128, 64] and wo["hooks"] == ["Transpose(perm=None)"] and wo["num_hf_keys"] == 3
@@ -24,7 +24,7 @@ def test_inspect_prints_the_custom_plan(tiny_checkpoints, capsys):
 def test_inspect_lists_unmapped_leaves_and_rejects_half_the_options(tiny_checkpoints, capsys):
     path, _ = tiny_checkpoints("llama")
     argv = ["inspect", str(path), "--mapping", "otfload.mappings.pytree_llama:TABLE",
-            "--target", "otfload.mappings.maxtext_llama:abstract_params"]
+            "--target", "otfload.mappings.linen_llama:abstract_params"]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "no mapping rule matches leaf 'params.token_embedder.embedding'" in out

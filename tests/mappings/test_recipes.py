@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import otfload
-from otfload.mappings import maxtext_llama, pytree_llama
+from otfload.mappings import linen_llama, pytree_llama
 from otfload.plan.abstract import dotted
 from tests.helpers import hf_tensors, max_rel_diff, token_ids, torch_logits
 
@@ -26,25 +26,25 @@ def config_of(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied"])
-def test_maxtext_llama_logits_match_transformers(tiny_checkpoints, mesh_2x4, kind):
+def test_linen_llama_logits_match_transformers(tiny_checkpoints, mesh_2x4, kind):
     path, torch_model = tiny_checkpoints(kind)
     config = config_of(path)
-    abstract = maxtext_llama.abstract_params(config, mesh_2x4)
-    params = otfload.load_params(path, abstract, maxtext_llama.TABLE)
+    abstract = linen_llama.abstract_params(config, mesh_2x4)
+    params = otfload.load_params(path, abstract, linen_llama.TABLE)
     q = params["params"]["decoder"]["layers"]["self_attention"]["query"]["kernel"]
     assert q.shape == (3, 64, 4, 16) and q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp")
-    forward = example("maxtext_llama")["forward"]
+    forward = example("linen_llama")["forward"]
     ids = token_ids()
     ours = jax.jit(lambda p, x: forward(p, x, config))(params, ids)
     assert max_rel_diff(ours, torch_logits(torch_model, ids)) <= 1e-4
 
 
-def test_maxtext_llama_transposes_exactly_scanned_or_not(tiny_checkpoints, mesh_2x4):
+def test_linen_llama_transposes_exactly_scanned_or_not(tiny_checkpoints, mesh_2x4):
     path, _ = tiny_checkpoints("llama")
     config, hf = config_of(path), hf_tensors(path)
-    scanned = otfload.load_params(path, maxtext_llama.abstract_params(config, mesh_2x4), maxtext_llama.TABLE)
-    unscanned = otfload.load_params(path, maxtext_llama.abstract_params(config, mesh_2x4, scan_layers=False),
-                                    maxtext_llama.TABLE)
+    scanned = otfload.load_params(path, linen_llama.abstract_params(config, mesh_2x4), linen_llama.TABLE)
+    unscanned = otfload.load_params(path, linen_llama.abstract_params(config, mesh_2x4, scan_layers=False),
+                                    linen_llama.TABLE)
     wo = np.asarray(scanned["params"]["decoder"]["layers"]["mlp"]["wo"]["kernel"])
     np.testing.assert_array_equal(wo, np.stack([hf[f"model.layers.{i}.mlp.down_proj.weight"].T for i in range(3)]))
     for i in range(3):

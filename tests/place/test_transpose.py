@@ -77,7 +77,7 @@ def test_bench_methods_load_the_same_weights(tmp_path, mesh_2x4):
     import otfload
     from benchmarks.bench_transpose import contiguous_target, tunix_style_load
     from benchmarks.make_checkpoint import Dims, write_checkpoint
-    from otfload.mappings import maxtext_llama as mt
+    from otfload.mappings import linen_llama as mt
 
     directory = write_checkpoint(tmp_path / "c", Dims(hidden=512, intermediate=512, layers=2, vocab=1024))
     config = json.loads((directory / "config.json").read_text())

@@ -1,5 +1,5 @@
-"""A MaxText-style Llama (Llama 2/3, Mistral without sliding window): ``[in, out]`` kernels and one
-scanned decoder block, the layer axis leading (MaxText's ``param_scan_axis: 0``)::
+"""A Linen-style Llama (Llama 2/3, Mistral without sliding window) under a ``params`` collection:
+``[in, out]`` kernels and one scanned decoder block, the layer axis leading::
 
     params.token_embedder.embedding                                  [vocab, embed]
     params.decoder.decoder_norm.scale                                [embed]
@@ -17,8 +17,10 @@ scanned decoder block, the layer axis leading (MaxText's ``param_scan_axis: 0``)
 Every projection is stored ``[in, out]``, the transpose of HF's ``[out, in]``: its rule is
 ``Transpose()`` (then a ``Reshape`` splitting heads), and the builder copies it tile by tile
 (:mod:`otfload.place.transpose`). Unscanned trees (``params.decoder.layers.3.…``) match the same
-rules. MaxText's own checkpoint converter also rescales and permutes q/k for its RoPE variant; this
-table keeps HF's values, for a model applying HF's rotate-half RoPE (``examples/maxtext_llama.py``).
+rules. The table keeps HF's values, for a model applying HF's rotate-half RoPE and its own
+``1/sqrt(head_dim)`` (``examples/linen_llama.py``). It is **not** MaxText's tree (no ``params.``
+prefix there, ``decoder.layers_0`` unscanned, the layer axis at ``param_scan_axis``, q/k permuted
+and the query pre-scaled for Llama 3.1): MaxText runs use :mod:`otfload.maxtext`.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ TABLE = MappingTable(
     ignore=(r".*rotary_emb\.inv_freq",),
 )
 
-# MaxText's logical axis names on a (fsdp, tp) mesh: weights fully sharded over fsdp on the model
+# Logical axis names (MaxText's spelling) on a (fsdp, tp) mesh: weights fully sharded over fsdp on the model
 # dimension, heads and MLP columns over tp; layers and head_dim never split.
 LOGICAL_RULES: LogicalRules = (
     ("vocab", "tp"),
@@ -125,7 +127,7 @@ def abstract_params(
     rules: LogicalRules = LOGICAL_RULES,
     scan_layers: bool = True,
 ) -> dict[str, Any]:
-    """The MaxText-style parameter tree for ``config`` as ``jax.ShapeDtypeStruct`` s, sharded on
+    """The Linen-style parameter tree for ``config`` as ``jax.ShapeDtypeStruct`` s, sharded on
     ``mesh`` by ``rules`` (no sharding without a mesh: ``load_params(mesh=...)`` replicates them)."""
     def leaf(shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.ShapeDtypeStruct:
         sharding = None if mesh is None else logical_to_sharding(axes, shape, mesh, rules)

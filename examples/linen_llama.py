@@ -1,8 +1,8 @@
-"""A MaxText-style Llama brought by the user: ``[in, out]`` kernels, one scanned decoder block.
+"""A Linen-style Llama brought by the user: ``[in, out]`` kernels, one scanned decoder block.
 otfload fills its parameter tree from an HF checkpoint with the shipped table
-``otfload.mappings.maxtext_llama.TABLE`` (every projection transposed on load).
+``otfload.mappings.linen_llama.TABLE`` (every projection transposed on load).
 
-    .venv/bin/python examples/maxtext_llama.py [CHECKPOINT_DIR]
+    .venv/bin/python examples/linen_llama.py [CHECKPOINT_DIR]
 
 Without a directory it writes a tiny random Llama with transformers first and compares logits.
 ``forward`` is the client model: a pure function of the parameter tree (tests/mappings uses it).
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import otfload
-from otfload.mappings import maxtext_llama
+from otfload.mappings import linen_llama
 
 
 def rope_frequencies(config: Mapping[str, Any], head_dim: int) -> np.ndarray:
@@ -52,7 +52,7 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def forward(params: Mapping[str, Any], ids: jax.Array, config: Mapping[str, Any]) -> jax.Array:
-    """Logits ``[batch, seq, vocab]`` of the MaxText-style tree (scanned layers) for token ``ids``."""
+    """Logits ``[batch, seq, vocab]`` of the Linen-style tree (scanned layers) for token ``ids``."""
     p, eps = params["params"], config.get("rms_norm_eps", 1e-6)
     x = p["token_embedder"]["embedding"][ids]
     seq = ids.shape[1]
@@ -99,8 +99,8 @@ def main(checkpoint: str | None) -> None:
         reference.save_pretrained(checkpoint)
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     mesh = otfload.make_mesh({"fsdp": 2, "tp": 4})
-    abstract = maxtext_llama.abstract_params(config, mesh)
-    params, report = otfload.load_params(checkpoint, abstract, maxtext_llama.TABLE, mesh=mesh, return_report=True)
+    abstract = linen_llama.abstract_params(config, mesh)
+    params, report = otfload.load_params(checkpoint, abstract, linen_llama.TABLE, mesh=mesh, return_report=True)
     print(report.summary(), file=sys.stderr)
     ids = np.random.default_rng(0).integers(0, config["vocab_size"], (2, 12))
     logits = np.asarray(jax.jit(lambda p, x: forward(p, x, config))(params, ids))
