@@ -229,3 +229,70 @@ def test_the_published_configs_plan_at_256_devices(replicas, kind, scan_layers):
     assert r["storage"][key] == r["storage"][experts] == expected
     assert r["storage"][key.replace(".q.", ".head_weights.")] == "bfloat16"
     assert (660e9 if kind == "deepseek_v32" else 1400e9) < r["bytes"] < (700e9 if kind == "deepseek_v32" else 1600e9)
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+def _torch_grads(torch_model, ids: np.ndarray, out: Path) -> tuple[float, dict[str, np.ndarray]]:
+    """transformers' loss and gradients under checkpoint names (as tests/training/test_gradients.py
+    takes them); the indexer runs under ``torch.no_grad`` there, so its parameters get zeros."""
+    import copy
+
+    import torch
+
+    from tests.training.test_gradients import PAD
+
+    model = copy.deepcopy(torch_model)
+    model.get_input_embeddings().padding_idx = PAD
+    logits = model(torch.tensor(ids[:, :-1])).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(ids[:, 1:]).reshape(-1))
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.zeros_like(p) if p.grad is None else p.grad)
+        for b in model.buffers():
+            b.zero_()
+    model.save_pretrained(out)
+    return float(loss.detach()), hf_tensors(out)
+
+
+@pytest.mark.parametrize(("kind", "scan_layers"), [("deepseek_v32", True), ("glm_moe_dsa", False)])
+def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_layers):
+    """One AdamW step on the ep mesh: the loss and every gradient as PyTorch's (the indexer's none:
+    its top-k choice is not differentiable, and transformers runs it without gradients)."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from tests.training.test_gradients import (
+        GRAD_TOL,
+        LEARNING_RATE,
+        batch,
+        exported_grads,
+        next_token_loss,
+        train_step,
+        with_pad_id,
+    )
+
+    src, torch_model = tiny_checkpoints(kind)
+    path = with_pad_id(src, tmp_path / "ckpt")
+    mesh = make_mesh(MESHES["fsdp2_ep4"])
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, dtype=jnp.float32)
+    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
+    ids = batch()
+    with jax.set_mesh(mesh):
+        loss, grads = train_step(model, optimizer, jnp.asarray(ids))
+        after = nnx.jit(next_token_loss)(model, jnp.asarray(ids))
+    ref_loss, ref = _torch_grads(torch_model, ids, tmp_path / "torch_grads")
+    assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
+    ours = exported_grads(grads, path, tmp_path / "grads")
+    assert set(ours) == set(ref)
+    unused = {k for k, g in ref.items() if not np.any(g)}  # the indexer, the routing bias, experts not chosen
+    assert {k for k in ref if ".indexer." in k} < unused and len(unused) < len(ref) // 3
+    for key, grad in ours.items():
+        if key in unused:
+            assert not np.any(grad), key
+        else:
+            assert max_rel_diff(grad, ref[key]) <= GRAD_TOL, key
+    assert float(after) < float(loss)
