@@ -323,3 +323,18 @@ def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_l
             continue
         assert np.abs(ref[key]).max() > 0, key
         assert max_rel_diff(grad, ref[key]) <= GRAD_TOL, (key, max_rel_diff(grad, ref[key]))
+
+
+@pytest.mark.parametrize(("kind", "merge"), [("gemma4", True), ("gemma4", False), ("gemma4_ple", True)])
+def test_peft_lora_adapter_matches_peft(tiny_checkpoints, tmp_path, mesh_2x4, kind, merge):
+    """A PEFT LoRA adapter on every projection (full layers have no ``v_proj``; shared layers no k/v),
+    merged on the fly or kept as factors: logits equal ``peft.PeftModel``'s."""
+    from tests.adapters.support import ALL_PROJECTIONS, make_adapter, peft_logits
+
+    path, torch_model = tiny_checkpoints(kind)
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS)
+    ids = token_ids(seq=12)
+    reference = peft_logits(torch_model, [adapter], ids)
+    assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3  # the adapter matters
+    model = otfload.from_pretrained(path, adapter=adapter, merge_adapter=merge, mesh=mesh_2x4)
+    assert max_rel_diff(logits(model, ids), reference) <= 1e-4
