@@ -110,6 +110,17 @@ def test_chunks_temperature_and_qk_norm_matter(tiny_checkpoints, mesh_2x4):
     assert min(diffs) > 2e-4, diffs
 
 
+def test_long_inputs_match_transformers(tiny_checkpoints, mesh_2x4):
+    """530 tokens: the attention runs in query chunks (``Q_CHUNK`` 512), each masked to its
+    ``attention_chunk_size`` chunks of keys; memory stays linear in the sequence."""
+    from otfload.models.attention import Q_CHUNK
+
+    path, torch_model = tiny_checkpoints("llama4")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    ids = token_ids(batch=1, seq=Q_CHUNK + 18)
+    assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) <= 1e-4
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
     """Left-padded prompts decoded past chunk boundaries (chunks of 4 slots)."""
