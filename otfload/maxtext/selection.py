@@ -34,7 +34,7 @@ TABLES: dict[str, ModelTable] = {
 # The MaxText fields the tables' hooks and shapes use (as ``mt_<field>``); the MoE ones only for MoE tables.
 DIMENSIONS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers", "vocab_size")
 MOE_DIMENSIONS = ("num_experts", "moe_mlp_dim")
-_UNSCANNED_LAYER = re.compile(r"decoder\.layers_\d+\.")
+_UNSCANNED_LAYER = re.compile(r"decoder\.layers_(\d+)\.")
 
 
 def field(config: Any, name: str) -> Any:
@@ -137,6 +137,12 @@ def check_tree(selection: Selection, leaves: Mapping[str, tuple[int, ...]], hook
                           f"leaves it needs and the tree lacks {missing[:5]}", SOURCE)
     if selection.logits_via_embedding and LOGITS in leaves:
         raise ConfigError("logits_via_embedding", True, f"the abstract tree has {LOGITS!r}; {where}", SOURCE)
+    layers = selection.fields["num_decoder_layers"]
+    indices = {int(m.group(1)) for p in unscanned if (m := _UNSCANNED_LAYER.match(p))}
+    if not selection.scan_layers and indices != set(range(layers)):
+        raise ConfigError("num_decoder_layers", layers,
+                          f"the abstract tree has layers {sorted(indices)[:3]}..{max(indices, default=-1)}; {where}",
+                          SOURCE)
     embedding = leaves["token_embedder.embedding"]
     if embedding[0] != selection.fields["vocab_size"]:
         raise ConfigError("vocab_size", selection.fields["vocab_size"],

@@ -105,3 +105,9 @@ def test_attribute_config_as_maxtext_passes_it(tiny_checkpoints, mesh):
     assert selection.table.name == "llama3.1" and not selection.scan_layers
     with pytest.raises(ConfigError, match="scan_layers"):
         mx.select(types.SimpleNamespace(**{**cfg, "scan_layers": "yes"}))
+
+
+def test_unscanned_tree_with_other_layer_count(tiny_checkpoints, mesh, no_reads):
+    path, _ = tiny_checkpoints("mt_llama")
+    abstract = mx.abstract_params(maxtext_config("mt_llama", False, 1, num_decoder_layers=2), mesh)
+    refused(path, abstract, maxtext_config("mt_llama", False, 1), "num_decoder_layers", "[0, 1]")
