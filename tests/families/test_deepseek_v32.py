@@ -296,3 +296,24 @@ def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_l
         else:
             assert max_rel_diff(grad, ref[key]) <= GRAD_TOL, key
     assert float(after) < float(loss)
+
+
+# MLA's projections (the fused kv_a_proj_with_mqa / kv_b_proj split by hooks after the merge), the
+# dense and shared experts' MLPs, and the indexer's own projections.
+LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                "down_proj", "wq_b", "wk", "weights_proj"]
+
+
+@pytest.mark.parametrize(("kind", "scan_layers"), [("deepseek_v32", False), ("glm_moe_dsa", True)])
+def test_peft_lora_adapters_merge_like_peft(tiny_checkpoints, tmp_path, kind, scan_layers):
+    from tests.adapters.support import make_adapter, peft_logits
+
+    path, torch_model = tiny_checkpoints(kind)
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=LORA_TARGETS)
+    ids = token_ids(seq=12)
+    reference = peft_logits(torch_model, [adapter], ids)
+    assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3  # the adapter matters
+    mesh = make_mesh(MESHES["fsdp2_ep4"])
+    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=scan_layers)
+    with jax.set_mesh(mesh):
+        assert max_rel_diff(logits(model, ids), reference) <= 1e-4
