@@ -5,7 +5,7 @@ trees, in every layer layout (docs/maxtext.md).
 
 ``load_state`` takes and returns what MaxText's ``load_safetensors_dynamic_state`` does;
 ``export`` writes MaxText parameters back as HF safetensors. The tables, one module per MaxText
-decoder block (``llama``, ``qwen3``, ``mixtral``, built from ``tables``' leaves), are chosen from
+decoder block (``llama``, ``qwen2``, ``qwen3``, ``mixtral``, built from ``tables``' leaves), are chosen from
 the MaxText config by ``selection`` (``model_name``, ``scan_layers``, ``param_scan_axis``,
 ``vocab_size``), never from shapes; ``abstract`` builds MaxText's tree without MaxText.
 """

@@ -18,6 +18,7 @@ from typing import Any
 from otfload.errors import ConfigError
 from otfload.maxtext.llama import LLAMA31
 from otfload.maxtext.mixtral import MIXTRAL
+from otfload.maxtext.qwen2 import QWEN2
 from otfload.maxtext.qwen3 import QWEN3, QWEN3_MOE
 from otfload.maxtext.tables import LOGITS, SCANNED, STACK_SIZES, ModelTable
 from otfload.plan.mapping import MappingTable, stack_dims
@@ -25,6 +26,7 @@ from otfload.plan.mapping import MappingTable, stack_dims
 SOURCE = "MaxText config"
 TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("llama3.1-8b", "llama3.1-70b", "llama3.1-405b"), LLAMA31),
+    **dict.fromkeys(("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b"), QWEN2),
     **dict.fromkeys(("qwen3-0.6b", "qwen3-1.7b", "qwen3-1.7b-base", "qwen3-4b", "qwen3-4b-base",
                      "qwen3-4b-thinking-2507", "qwen3-8b", "qwen3-8b-base", "qwen3-14b", "qwen3-14b-base",
                      "qwen3-32b"), QWEN3),

@@ -133,6 +133,16 @@ def attention(rope_interleaved: bool, query_scaled: bool) -> tuple[Leaf, ...]:
     )
 
 
+def attention_biases() -> tuple[Leaf, ...]:
+    """Qwen2's q/k/v biases, HF's ``[heads * head_dim]`` split into MaxText's ``[heads, head_dim]``."""
+    def bias(name: str, source: str, heads: str) -> Leaf:
+        return Leaf(f"self_attention.{name}.bias", f"{ATTN}.{source}.bias", (Reshape((heads, "mt_head_dim")),),
+                    (heads, "mt_head_dim"), ("tensor", None))
+
+    return (bias("query", "q_proj", "mt_num_query_heads"), bias("key", "k_proj", "mt_num_kv_heads"),
+            bias("value", "v_proj", "mt_num_kv_heads"))
+
+
 def layer_norms() -> tuple[Leaf, ...]:
     """The two pre-norms of a layer."""
     return (norm("pre_self_attention_layer_norm.scale", f"{HF_LAYER}.input_layernorm.weight"),

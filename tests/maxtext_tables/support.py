@@ -23,6 +23,12 @@ def _llama(**kw):
     return LlamaForCausalLM(LlamaConfig(**{**DIMS, "rope_parameters": rope, **kw}))
 
 
+def _qwen2(**kw):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**{**DIMS, **kw}))
+
+
 def _qwen3(**kw):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -45,13 +51,14 @@ def _mixtral(**kw):
 register_hf_model("mt_llama", _llama)
 # head_dim 32: the query scale 1/sqrt(32) is no power of two, so its rounding shows
 register_hf_model("mt_llama_bf16", _llama, {"head_dim": 32}, dtype="bfloat16")
+register_hf_model("mt_qwen2", _qwen2)
 register_hf_model("mt_qwen3", _qwen3, {"tie_word_embeddings": True})
 register_hf_model("mt_qwen3_moe", _qwen3_moe)
 register_hf_model("mt_mixtral", _mixtral)
 
 # checkpoint kind -> MaxText model_name
-MODELS = {"mt_llama": "llama3.1-8b", "mt_qwen3": "qwen3-0.6b", "mt_qwen3_moe": "qwen3-30b-a3b",
-          "mt_mixtral": "mixtral-8x7b"}
+MODELS = {"mt_llama": "llama3.1-8b", "mt_qwen2": "qwen2.5-7b", "mt_qwen3": "qwen3-0.6b",
+          "mt_qwen3_moe": "qwen3-30b-a3b", "mt_mixtral": "mixtral-8x7b"}
 LAYOUTS = [(True, 1), (True, 0), (False, 1)]  # (scan_layers, param_scan_axis)
 
 
@@ -101,6 +108,10 @@ def layer(kind: str, hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, 
         "self_attention.value.kernel": _kernel(hf[f"{p}.self_attn.v_proj.weight"], h, cfg["num_kv_heads"], hd),
         "self_attention.out.kernel": _kernel(hf[f"{p}.self_attn.o_proj.weight"], cfg["num_query_heads"], hd, h),
     }
+    if kind == "mt_qwen2":
+        for name, proj, heads in (("query", "q_proj", "num_query_heads"), ("key", "k_proj", "num_kv_heads"),
+                                  ("value", "v_proj", "num_kv_heads")):
+            out[f"self_attention.{name}.bias"] = hf[f"{p}.self_attn.{proj}.bias"].reshape(cfg[heads], hd)
     if kind.startswith("mt_qwen3"):
         out["self_attention.query_norm.scale"] = hf[f"{p}.self_attn.q_norm.weight"]
         out["self_attention.key_norm.scale"] = hf[f"{p}.self_attn.k_norm.weight"]
