@@ -25,8 +25,8 @@ from otfload.export import export_hf
 from otfload.families.gemma4.config import Gemma4Config
 from otfload.plan.sharding import make_mesh
 from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
-from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.models.kinds import padded_batch, torch_greedy
 
 S, F = "sliding_attention", "full_attention"
@@ -325,16 +325,25 @@ def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_l
         assert max_rel_diff(grad, ref[key]) <= GRAD_TOL, (key, max_rel_diff(grad, ref[key]))
 
 
-@pytest.mark.parametrize(("kind", "merge"), [("gemma4", True), ("gemma4", False), ("gemma4_ple", True)])
-def test_peft_lora_adapter_matches_peft(tiny_checkpoints, tmp_path, mesh_2x4, kind, merge):
-    """A PEFT LoRA adapter on every projection (full layers have no ``v_proj``; shared layers no k/v),
-    merged on the fly or kept as factors: logits equal ``peft.PeftModel``'s."""
+@pytest.mark.parametrize(("kind", "merge"), [("gemma4", True), ("gemma4", False), ("gemma4_ple", True),
+                                          ("gemma4_moe", True)])
+def test_peft_lora_adapter_matches_peft(tiny_checkpoints, tmp_path, kind, merge):
+    """A PEFT LoRA adapter on every projection (full layers have no ``v_proj``; shared layers no k/v)
+    and, on the MoE model, on the fused experts as stored (``experts.gate_up_proj`` / ``down_proj``,
+    ``[E, out, in]`` as transformers keeps them in memory), merged on the fly or kept as factors:
+    logits equal ``peft.PeftModel``'s."""
     from tests.adapters.support import ALL_PROJECTIONS, make_adapter, peft_logits
 
     path, torch_model = tiny_checkpoints(kind)
-    adapter = make_adapter(torch_model, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS)
+    experts = ["experts.gate_up_proj", "experts.down_proj"] if kind == "gemma4_moe" else []
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS,
+                           target_parameters=experts)
+    adapted = hf_tensors(adapter)
+    assert any(".experts." in k for k in adapted) == bool(experts)
     ids = token_ids(seq=12)
     reference = peft_logits(torch_model, [adapter], ids)
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3  # the adapter matters
-    model = otfload.from_pretrained(path, adapter=adapter, merge_adapter=merge, mesh=mesh_2x4)
-    assert max_rel_diff(logits(model, ids), reference) <= 1e-4
+    mesh = _mesh(kind)
+    model = otfload.from_pretrained(path, adapter=adapter, merge_adapter=merge, mesh=mesh)
+    with jax.set_mesh(mesh):
+        assert max_rel_diff(logits(model, ids), reference) <= 1e-4
