@@ -4,7 +4,8 @@
 Exit codes: 0 success, 1 a typed ``OtfloadError`` or a file-system ``OSError`` (its message is
 printed, with the CLI's flags for the Python arguments it names, without a traceback unless
 ``--debug``), 2 bad usage: a flag argparse refuses (the subcommand's usage is shown), or an
-``InvalidOptionError`` such as a mesh needing another number of devices.
+``InvalidOptionError`` such as a mesh needing another number of devices, 130 interrupted (Ctrl-C:
+one line, and no output directory half written).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from otfload.cli import eval as eval_
 from otfload.cli import generate as generate_
 
 COMMANDS = (inspect, load, export, reshard, bench, eval_, generate_, harness)
+INTERRUPTED = 130  # the shell's exit status of a process ended by SIGINT (128 + 2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,3 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"otfload: error: {type(e).__name__}: {cli_message(e)}", file=sys.stderr)
         return 2 if isinstance(e, InvalidOptionError) else 1
+    except KeyboardInterrupt:  # Ctrl-C: what was being written is not there (outputs are written whole)
+        if args.debug:
+            raise
+        print(f"otfload: {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED

@@ -9,6 +9,7 @@ The output can be cast (``--dtype``) and re-split into files of at most ``--max-
 from __future__ import annotations
 
 import argparse
+import os
 
 from otfload.cli import options
 
@@ -25,14 +26,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="layer layout: of a native SRC, checked against its metadata (default: as saved); "
                         "of the model an HF SRC is loaded into (default: scanned)")
     p.add_argument("--dtype", type=options.dtype_arg, help="dtype written, e.g. bf16 (default: keep)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default: 5GB)")
+    p.add_argument("--max-shard-size", type=options.size_arg, default="5GB", help="largest output file (default: 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from otfload.errors import OutputExistsError
     from otfload.export import export_checkpoint, export_native, is_native_checkpoint
 
+    if os.path.lexists(args.out) and not args.overwrite:  # before anything is loaded
+        raise OutputExistsError(f"{args.out} exists; pass --overwrite to replace it")
     written = dict(dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     if is_native_checkpoint(args.src):
         out = export_native(args.src, args.out, step=args.step, scan_layers=args.scan_layers, **written)

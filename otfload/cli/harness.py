@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from otfload.cli import options
 from otfload.cli.compile_cache import add_compile_cache_arg
 from otfload.compile_cache import enable_compile_cache
-from otfload.errors import InvalidOptionError
+from otfload.errors import InvalidOptionError, TokenizerError
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,16 +79,18 @@ def run(args: argparse.Namespace) -> int:
     from otfload.lm_eval import OtfloadLM
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.include_path is not None and not os.path.isdir(args.include_path):
+        raise InvalidOptionError(f"--include-path {args.include_path!r}: no such directory of lm_eval task files")
     manager = _task_manager(tasks, args.include_path)
-    unknown = [t for t in tasks if not manager.match_tasks([t]) and not os.path.exists(t)]
-    if unknown:  # before the load, not after it
-        raise InvalidOptionError(f"--tasks: no lm_eval task or group named {', '.join(unknown)} "
-                                 f"({len(manager.all_tasks)} known; --include-path adds a directory of task files)")
+    check_tasks(tasks, manager.all_tasks, lambda t: bool(manager.match_tasks([t])) or os.path.exists(t))
     # OtfloadLM resolves --mesh: over this process's devices (each process scores a share of the
     # documents), or over every process's when its sizes multiply to their count (one replica)
     model = OtfloadLM(args.source, mesh=args.mesh, options=options.load_options(args, mesh=False),
                       batch_size=args.batch_size, max_length=args.max_length, progress=args.progress)
     with _stdout_to_stderr() if args.json else contextlib.nullcontext(), _leaving_on_error(model):
+        if model.tokenizer.eos_id is None:  # the checkpoint's fault, found before lm_eval starts on the tasks
+            raise TokenizerError(f"{args.source}: the checkpoint's tokenizer names no EOS token (tokenizer_config.json "
+                                 "eos_token or config.json eos_token_id): lm_eval needs one")
         out = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
                                       task_manager=manager, apply_chat_template=args.apply_chat_template,
                                       random_seed=args.seed, numpy_random_seed=args.seed,
@@ -103,6 +106,18 @@ def run(args: argparse.Namespace) -> int:
         print("load {load_seconds:.2f} s; compiling {compile_seconds:.2f} s (scoring shapes while the weights load); "
               "scoring {score_seconds:.2f} s; generating {generate_seconds:.2f} s".format(**timings))
     return 0
+
+
+def check_tasks(tasks: list[str], known: list[str], found: Callable[[str], bool]) -> None:
+    """Raise :class:`InvalidOptionError` for the names in ``tasks`` that ``found`` refuses, each with
+    the closest of ``known`` (did you mean ...?), before anything is loaded."""
+    unknown = [t for t in tasks if not found(t)]
+    if not unknown:
+        return
+    hints = [f"{t!r} (did you mean {', '.join(map(repr, close))}?)" if (close := difflib.get_close_matches(t, known, 3))
+             else repr(t) for t in unknown]
+    raise InvalidOptionError(f"--tasks: no lm_eval task or group named {', '.join(hints)} "
+                             f"({len(known)} known; --include-path adds a directory of task files)")
 
 
 def _task_manager(tasks: list[str], include_path: str | None) -> Any:

@@ -59,6 +59,19 @@ def mesh_arg(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def size_arg(text: str) -> int:
+    """argparse type: a size such as ``5GB`` or ``500MiB`` in bytes (checked before any work)."""
+    from otfload.export.writer import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size above 0 bytes, got {text!r}")
+    return size
+
+
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")

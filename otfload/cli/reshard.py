@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from otfload.cli import options
 
@@ -24,7 +25,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     from otfload.checkpoint import reshard_checkpoint
 
-    step = reshard_checkpoint(args.src, args.dst, args.mesh, step=args.step, scan_layers=args.scan_layers)
+    made = not os.path.lexists(args.dst)
+    try:
+        step = reshard_checkpoint(args.src, args.dst, args.mesh, step=args.step, scan_layers=args.scan_layers)
+    except BaseException:
+        if made and os.path.isdir(args.dst) and not os.listdir(args.dst):
+            os.rmdir(args.dst)  # a failed reshard leaves no empty DST behind
+        raise
     axes = ", ".join(f"{k}={v}" for k, v in args.mesh.items())
     print(f"resharded step {step} of {args.src} into {args.dst} for mesh {axes}")
     return 0
