@@ -347,3 +347,28 @@ def test_peft_lora_adapter_matches_peft(tiny_checkpoints, tmp_path, kind, merge)
     model = otfload.from_pretrained(path, adapter=adapter, merge_adapter=merge, mesh=mesh)
     with jax.set_mesh(mesh):
         assert max_rel_diff(logits(model, ids), reference) <= 1e-4
+
+
+def test_kv_projections_stored_for_shared_layers_are_ignored(tiny_checkpoints, tmp_path, mesh_2x4):
+    """A checkpoint that still holds key/value projections and norms for its KV-shared layers (which
+    transformers ignores on load) loads under ``strict`` and reads none of them; any other extra
+    tensor is still unexpected."""
+    import shutil
+
+    from otfload.errors import CheckpointMismatchError
+    from tests.helpers import rename_tensors
+
+    src, torch_model = tiny_checkpoints("gemma4_ple")
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    a = "model.layers.3.self_attn"  # shared (sliding): reuses layer 2's keys and values
+    extra = {f"{a}.k_proj.weight": np.ones((32, 64), np.float32), f"{a}.v_proj.weight": np.ones((32, 64), np.float32),
+             f"{a}.k_norm.weight": np.ones((16,), np.float32)}
+    rename_tensors(path, lambda k: k, extra)
+    model, report = otfload.from_pretrained(path, mesh=mesh_2x4, strict=True, return_report=True)
+    assert report.unused_tensors == []
+    ids = token_ids(seq=12)
+    assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) <= 1e-4
+    rename_tensors(path, lambda k: k, {"model.layers.2.self_attn.v_norm.weight": np.ones((16,), np.float32)})
+    with pytest.raises(CheckpointMismatchError, match="v_norm"):
+        otfload.from_pretrained(path, mesh=mesh_2x4, strict=True)

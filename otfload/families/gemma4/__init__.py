@@ -6,7 +6,7 @@ importing the package registers both families.
 """
 
 from otfload.families.gemma4.config import Gemma4Config
-from otfload.families.gemma4.mapping import GEMMA4_TABLE, gemma4_checks
+from otfload.families.gemma4.mapping import GEMMA4_TABLE, gemma4_checks, gemma4_table
 from otfload.families.gemma4.model import Gemma4ForCausalLM
 from otfload.families.multimodal import LANGUAGE_MODEL_PREFIXES, MODULE_PREFIXES, text_model_family
 from otfload.families.registry import Family, register
@@ -17,7 +17,7 @@ GEMMA4 = register(
         model_types=("gemma4_text",),
         parse_config=Gemma4Config.from_hf,
         build=Gemma4ForCausalLM,
-        mapping=lambda cfg: GEMMA4_TABLE,
+        mapping=gemma4_table,
         checks=gemma4_checks,
     )
 )

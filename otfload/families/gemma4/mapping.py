@@ -5,10 +5,11 @@ config's list of them (``indices={"layer": "sliding_layers"}``, ...), so the gro
 Every kernel keeps HF's ``[out, in]`` orientation: q/k/v/o are only reshaped to heads (with the
 full layers' ``global_head_dim`` and kv heads), and the MoE block's fused ``experts.gate_up_proj
 [E, 2 * inter, hidden]`` is split on its output axis into the ``gate`` (first half) and ``up``
-leaves. Tied configs (the default) build no ``lm_head`` leaf; an untied one without
-``lm_head.weight`` is a missing tensor. The multimodal ``gemma4`` checkpoints carry the same keys
-under ``model.language_model.`` (:mod:`otfload.families.multimodal`); their vision and audio towers
-match no rule and are never read."""
+leaves. The KV-shared layers' key/value projections and norms, which a checkpoint may hold and
+transformers ignores, are ignored (:func:`gemma4_table`). Tied configs (the default) build no
+``lm_head`` leaf; an untied one without ``lm_head.weight`` is a missing tensor. The multimodal
+``gemma4`` checkpoints carry the same keys under ``model.language_model.``
+(:mod:`otfload.families.multimodal`); their vision and audio towers match no rule and are never read."""
 
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ GEMMA4_TABLE = MappingTable(
         *(r for group, layer_type, _ in GROUPS for r in group_rules(group, layer_type == "full_attention")),
     ),
 )
+
+
+def gemma4_table(cfg: Gemma4Config) -> MappingTable:
+    """:data:`GEMMA4_TABLE`, ignoring the key/value projections and norms a checkpoint may still hold
+    for its KV-shared layers (transformers drops them on load: those layers compute none)."""
+    shared = [i for i, source in enumerate(cfg.kv_source) if source != i]
+    if not shared:
+        return GEMMA4_TABLE
+    layers = "|".join(map(str, shared))
+    ignore = rf"(.*\.)?layers\.({layers})\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.weight"
+    return MappingTable(GEMMA4_TABLE.rules, (*GEMMA4_TABLE.ignore, ignore))
 
 
 def gemma4_checks(cfg: Gemma4Config, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
