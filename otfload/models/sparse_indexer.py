@@ -13,7 +13,9 @@ published kernels' Hadamard rotation (orthogonal: scores unchanged) and FP8 scor
 
 :func:`sparse_attention` runs per chunk of :data:`Q_CHUNK` queries: the chunk's scores against
 every key slot (``[b, chunk, index_heads, slots]``), its top keys, and attention over the gathered
-keys only, so memory is linear in the sequence and attention costs ``index_topk`` keys per query.
+keys only, so memory is linear in the sequence and attention costs ``index_topk`` keys per query
+(the scores still cost every key, as the indexer's do anywhere). A model's ``attention_impl`` does
+not apply to these layers.
 """
 
 from __future__ import annotations

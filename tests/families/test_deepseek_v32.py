@@ -1,5 +1,6 @@
 """DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``): tiny transformers checkpoints →
-otfload → logits and greedy ids equal transformers', on both sides of the indexer's top-k rule.
+otfload → logits, greedy ids, gradients and LoRA-merged logits equal transformers' (and PEFT's), on
+both sides of the indexer's top-k rule; the export round trip bit-exact.
 
 The tiny models are DeepSeek-V3's (tests/families/test_deepseek.py: one dense and two MoE layers,
 grouped routing with a correction bias, YaRN) plus the DSA indexer on every layer with
