@@ -142,6 +142,49 @@ def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, ki
     assert weight_map_keys(out) == weight_map_keys(src)
 
 
+def _fbgemm_fp8(key: str, w):
+    """FP8 e4m3 codes as the ``fbgemm_fp8`` release stores them: a scale per row of a ``[out, in]``
+    weight (``weight_scale [out, 1]``), per expert and output column of a fused ``[E, in, out]`` one
+    (``gate_up_proj_scale [E, 1, out]``, ``down_proj_scale [E, out, 1]``); returns the stored tensors and
+    the dequantised reference."""
+    import torch
+
+    from tests.index.quant.layouts import FP8_MAX
+
+    axis = 1 if w.ndim == 3 else -1
+    scale = (w.abs().amax(axis, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    codes = (w / scale).to(torch.float8_e4m3fn)
+    stored = scale.transpose(1, 2) if key.endswith("down_proj") else scale
+    return {key: codes, f"{key}_scale": stored}, codes.float() * scale
+
+
+def _is_fp8_in_release(key: str) -> bool:
+    """The feed-forward weights (dense MLPs, shared and routed experts); attention and router kept."""
+    return ".feed_forward." in key and ".router." not in key
+
+
+def test_fbgemm_fp8_experts_match_transformers_on_the_dequantised_weights(tiny_checkpoints, mesh_2x4, tmp_path):
+    """The FP8 layout of Llama 4's ``fbgemm_fp8`` release (Maverick): fused experts FP8 with a scale
+    per expert and output column, dense and shared-expert MLPs per row; logits equal transformers' on
+    the dequantised weights, the experts kept packed on the devices on request."""
+    from tests.index.quant import layouts
+
+    src, torch_model = tiny_checkpoints("llama4")
+    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+          "modules_to_not_convert": ["self_attn", "router", "lm_head"]}
+    dst = tmp_path / "ckpt"
+    reference = layouts.quantize_checkpoint(src, dst, _is_fp8_in_release, _fbgemm_fp8, qc)
+    assert len(reference) == 2 * 3 + 2 * (2 + 3)  # 2 dense MLPs x 3, 2 MoE layers x (2 fused + 3 shared)
+    reference_model = layouts.load_reference(torch_model, reference, src, tmp_path / "reference")
+    ids = token_ids(seq=12)
+    ref = torch_logits(reference_model, ids)
+    for quantized in ("dequantize", "keep"):
+        model = otfload.from_pretrained(dst, mesh=mesh_2x4, dtype="float32", quantized=quantized)
+        kept = type(model.moe_layers.moe.gate.kernel[...]).__name__ == "QuantizedArray"
+        assert kept == (quantized == "keep")
+        assert max_rel_diff(logits(model, ids), ref) <= 1e-4
+
+
 def _real_config() -> dict:
     return json.loads(SCOUT.read_text())
 

@@ -3,7 +3,8 @@
 - ``fp8``: ``W`` F8 + ``W_scale_inv`` per ``weight_block_size`` block, or a single per-tensor (or
   per-row) scale when ``weight_block_size`` is null; with no ``quantization_config`` at all,
   DeepSeek-style ``_scale_inv`` pairs with the default block (:func:`legacy_fp8`).
-- ``fbgemm_fp8``: ``W`` F8 + ``W_scale`` ``[out, 1]`` (per row).
+- ``fbgemm_fp8``: ``W`` F8 + ``W_scale`` ``[out, 1]`` (per row); Llama 4's fused experts ``[E, in,
+  out]`` with a scale per expert and output column.
 
 :func:`fp8_pairs` and :func:`unscaled_fp8` serve ModelOpt's FP8 too.
 """
@@ -20,6 +21,8 @@ from otfload.index.quant.methods.scale_grid import as_grid, checked_scale, fit_b
 from otfload.index.quant.scales import BlockScales
 from otfload.index.quant.tensor import QuantizedTensor
 
+# The scale of a fused expert tensor (``experts.gate_up_proj_scale``, ``experts.down_proj_scale``).
+FUSED_EXPERT_SCALE = "_proj_scale"
 # DeepSeek-V3's ``weight_block_size``, for FP8 ``_scale_inv`` checkpoints whose config omits it.
 DEFAULT_FP8_BLOCK = (128, 128)
 
@@ -86,17 +89,24 @@ def legacy_fp8(tensors: dict[str, Tensor]) -> None:
 
 
 def fbgemm_fp8(qc: QuantConfig, tensors: dict[str, Tensor], _read: ReadValues) -> None:
-    """``quant_method: fbgemm_fp8``: ``W_scale`` per row."""
-    for key in [k for k in tensors if k.endswith(".weight_scale")]:
+    """``quant_method: fbgemm_fp8``: ``W_scale`` per row; Llama 4's fused experts ``[E, in, out]``
+    (``experts.gate_up_proj``, ``experts.down_proj``) with ``W_scale`` per expert and output column,
+    ``[E, 1, out]`` or ``[E, out, 1]`` (transformers' ``FbgemmFp8Llama4TextExperts``: the same bytes)."""
+    for key in [k for k in tensors if k.endswith((".weight_scale", FUSED_EXPERT_SCALE))]:
         name = key[: -len("_scale")]
         weight = tensors.get(name)
         if not isinstance(weight, TensorInfo) or not is_fp8(weight):
             raise fail("fbgemm_fp8", f"scale {key!r} has no FP8 weight {name!r}")
+        fused = not key.endswith(".weight_scale")
+        if fused and len(weight.shape) != 3:
+            raise fail("fbgemm_fp8", f"fused expert weight {name!r} has shape {list(weight.shape)}; "
+                                     "expected [experts, in, out]")
         scale = stored("fbgemm_fp8", key, tensors.pop(key))
-        block = (*(1,) * (len(weight.shape) - 1), weight.shape[-1])
+        block = (1, weight.shape[1], 1) if fused else (*(1,) * (len(weight.shape) - 1), weight.shape[-1])
         scales = BlockScales(checked_scale("fbgemm_fp8", weight, scale, block), block)
+        per = "per expert and column" if fused else "per row"
         tensors[name] = QuantizedTensor(name, weight.shape, PlainCodes(weight), scales,
-                                        f"fbgemm_fp8 {weight.dtype.name}, {scale.dtype.name} scale per row")
+                                        f"fbgemm_fp8 {weight.dtype.name}, {scale.dtype.name} scale {per}")
     unscaled_fp8("fbgemm_fp8", tensors)
 
 
