@@ -38,6 +38,7 @@ from otfload.plan.keep import LAYER_LEAF, assemble_kept, keep_plan
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, make_mesh
+from otfload.replicated import warn_replicated
 from otfload.sources import Source
 from otfload.sources.owned import owned
 
@@ -215,6 +216,7 @@ def plan_load(source: Location, options: LoadOptions) -> PlannedLoad:
     policy = resolve_policy(options.reshard)  # resolve_options took $OTFLOAD_RESHARD, checked
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
     model, plan, opened = _plan_model(source, options)
+    warn_replicated({path: p.leaf for path, p in plan.leaves.items()}, options.rules)  # once per load
     return PlannedLoad(model, plan, opened, source, options, policy)
 
 
@@ -311,6 +313,7 @@ def load_params(
     require_merged(options.merge_adapter)  # kept LoRA factors need the bundled models (from_pretrained)
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
     target, plan, opened = _plan_params(source, abstract, mapping, config, options)
+    warn_replicated({path: p.leaf for path, p in plan.leaves.items()}, options.rules)  # once per load
     arrays, report = run_plan(plan, opened, source, options, policy)
     tree = target.rebuild(assemble_kept(plan, arrays))
     return (tree, report) if return_report else tree

@@ -29,7 +29,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("place",),  # read -> hooks -> stack -> place, the load report
     ("adapters",),  # LoRA adapters merged into the index and the reads
     ("options", "opening"),  # LoadOptions; the front door: source, shard cache, index, adapters layered on
-    ("api",),  # from_pretrained, load_params, plan_model
+    ("api", "replicated"),  # from_pretrained, load_params, plan_model; leaves a mesh divides nowhere
     # native checkpoints, decoding, training start-up, compiled programs kept across jobs and where
     ("checkpoint", "generate", "tokenizer", "training", "programs", "compile_cache"),
     # back to HF safetensors; eval jobs; the lm-evaluation-harness backend; MaxText's trees (load_params, export)

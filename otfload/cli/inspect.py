@@ -177,6 +177,7 @@ def describe_plan(
 
     from otfload.place.report import process_counts, process_totals
     from otfload.plan.leaf_bytes import placed_per_device
+    from otfload.replicated import replicated_by_mesh
 
     first = next(iter(plan.leaves.values())).leaf.sharding if plan.leaves else None
     mesh = first.mesh if isinstance(first, jax.sharding.NamedSharding) else None  # planned leaves: named
@@ -192,7 +193,7 @@ def describe_plan(
     leaves = []
     for path, p in plan.leaves.items():
         fetch = fetches.get(path)
-        leaf = {**p.describe(), "process_bytes": held[path].needed}
+        leaf = {**p.describe(), "process_bytes": held[path].needed, "replicated_by_mesh": replicated_by_mesh(p.leaf)}
         if fetch is not None:
             leaf |= {"fetch_bytes": fetch["fetch_bytes"], "requests": fetch["requests"],
                      "ideal_bytes": held[path].ideal, "read_as": fetch["read_as"]}
@@ -219,6 +220,7 @@ def describe_plan(
             "process_bytes": summed.needed,
             **totals,
             "resharded_leaves": sum(1 for leaf in leaves if leaf.get("read_as")),
+            "replicated_by_mesh": sum(1 for leaf in leaves if leaf["replicated_by_mesh"]),
             "device_bytes": summed.device,
         },
     }
@@ -261,8 +263,9 @@ def format_plan(info: Info) -> str:
             if leaf["stack_axes"] else ""
         read = f", fetches {human_bytes(leaf['fetch_bytes'])}" if "fetch_bytes" in leaf else ""
         read += f" as {leaf['read_as']} + reshard" if leaf.get("read_as") else ""
+        replicated = "  REPLICATED: the mesh divides none of its dimensions" if leaf.get("replicated_by_mesh") else ""
         lines.append(f"{leaf['leaf']}  {tuple(leaf['shape'])} {leaf['dtype']}  {leaf['sharding']}  "
-                     f"{human_bytes(leaf['process_bytes'])}/process{read}")
+                     f"{human_bytes(leaf['process_bytes'])}/process{read}{replicated}")
         lines.append(f"    ← {keys}{stacked}  [{leaf['storage']}]")
         if leaf["hooks"]:
             lines.append(f"    hooks: {', '.join(leaf['hooks'])}")
@@ -274,7 +277,9 @@ def format_plan(info: Info) -> str:
         + (f", fetches {human_bytes(t['fetch_bytes'])} in {t['requests']} requests "
            f"({t['fetch_bytes'] / max(1, t['ideal_bytes']):.2f}x its ideal {human_bytes(t['ideal_bytes'])}; "
            f"{t['resharded_leaves']} leaves read as bands and resharded)" if "fetch_bytes" in t else "")
-        + f"; largest device shard total {human_bytes(t['device_bytes'])}",
+        + f"; largest device shard total {human_bytes(t['device_bytes'])}"
+        + (f"; {t['replicated_by_mesh']} leaves replicated: the mesh divides none of their dimensions"
+           if t.get("replicated_by_mesh") else ""),
         *_kept_lines(info),
         f"unused tensors ({len(info['unused'])}):" + (" none" if not info["unused"] else ""),
         *(f"    {line}" for line in summarize_names(info["unused"])),
