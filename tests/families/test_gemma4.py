@@ -372,3 +372,19 @@ def test_kv_projections_stored_for_shared_layers_are_ignored(tiny_checkpoints, t
     rename_tensors(path, lambda k: k, {"model.layers.2.self_attn.v_norm.weight": np.ones((16,), np.float32)})
     with pytest.raises(CheckpointMismatchError, match="v_norm"):
         otfload.from_pretrained(path, mesh=mesh_2x4, strict=True)
+
+
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_ple"])
+def test_padded_batches_match_transformers(tiny_checkpoints, mesh_2x4, kind):
+    """Left and right padding: every real token's logits equal transformers' with the same mask."""
+    from tests.models.kinds import torch_masked_logits
+
+    path, torch_model = tiny_checkpoints(kind)
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    run = jax.jit(lambda m, ids, mask: m(ids, attention_mask=mask))
+    for side in ("left", "right"):
+        ids, mask, _ = padded_batch(side)
+        real = mask.astype(bool)
+        with jax.set_mesh(mesh_2x4):
+            ours = np.asarray(run(model, ids, mask))
+        assert max_rel_diff(ours[real], torch_masked_logits(torch_model, ids, mask)[real]) <= 1e-4, side
