@@ -255,6 +255,12 @@ def test_the_published_26b_a4b_config_plans_at_256_devices(tmp_path):
     assert totals["process_bytes"] <= 1.1 * totals["ideal_bytes"], totals
 
 
+def test_the_last_layer_is_full_as_transformers_makes_it():
+    text = {**TEXT, "model_type": "gemma4_text"}
+    assert Gemma4Config.from_hf({**text, "layer_types": [S, F, S, S, S, S]}).full_layers == (1, 5)
+    assert Gemma4Config.from_hf({**text, "layer_types": None, "num_hidden_layers": 8}).full_layers == (5, 7)
+
+
 def test_the_published_config_parses():
     cfg = Gemma4Config.from_hf(_real_config()["text_config"])
     assert (cfg.global_head_dim, cfg.num_global_key_value_heads, cfg.num_experts, cfg.top_k_experts) == (512, 2, 128, 8)
@@ -264,7 +270,6 @@ def test_the_published_config_parses():
 
 @pytest.mark.parametrize(("field", "value"), [
     ("layer_types", [S, "chunked_attention"] * 3),
-    ("layer_types", [S, F, S, S, S, S]),
     ("rope_parameters", {F: {"rope_type": "yarn", "factor": 2.0}, S: {"rope_type": "default"}}),
     ("use_bidirectional_attention", "all"),
     ("attention_bias", True),

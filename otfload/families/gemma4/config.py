@@ -175,8 +175,7 @@ class Gemma4Config:
             raise ConfigError("use_bidirectional_attention", "all", "bidirectional text attention is not supported")
         n = f.get("num_hidden_layers", LAYERS)
         types = layer_types(f, n, lambda: [SLIDING if (i + 1) % FULL_EVERY else FULL for i in range(n)])
-        # transformers turns a last sliding layer into a full one (with a warning): refused here instead.
-        require(types[-1] == FULL, "layer_types", list(types), "must end with a full_attention layer")
+        types = (*types[:-1], FULL)  # transformers makes the last layer full whatever the list says
         k_eq_v = f.get("attention_k_eq_v", BOOL, False)
         global_head_dim, global_kv = _global_shape(f, types, head_dim, kv_heads, k_eq_v)
         require(global_head_dim % 2 == 0, "global_head_dim", global_head_dim, "must be even: RoPE rotates pairs")
