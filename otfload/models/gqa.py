@@ -10,7 +10,7 @@ head_dim)`` so it shards with the heads). Partial rotary comes from RoPE tables 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -33,6 +33,8 @@ from otfload.models.layers import (
 )
 
 Rope = tuple[jax.Array, jax.Array]
+# An RMSNorm ``(x, scale, eps) -> normed x`` (:func:`~otfload.models.layers.rms_norm` or a variant).
+NormFn = Callable[[jax.Array, jax.Array, float], jax.Array]
 # What a q/k norm normalises over: each head, or the whole projection (all heads together).
 PER_HEAD, WHOLE = "head", "whole"
 
@@ -87,28 +89,28 @@ class Attention(nnx.Module):
             self.k_norm = Norm(d, dtype=dtype, rngs=rngs, stack=stack)
 
 
-def qk_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm of ``x [b, s, heads, head_dim]`` per head (``scale (head_dim,)``) or over the whole
-    projection (``scale (heads, head_dim)``, :data:`WHOLE`)."""
+def qk_norm(x: jax.Array, scale: jax.Array, eps: float, norm: NormFn = rms_norm) -> jax.Array:
+    """RMSNorm (``norm``) of ``x [b, s, heads, head_dim]`` per head (``scale (head_dim,)``) or over
+    the whole projection (``scale (heads, head_dim)``, :data:`WHOLE`)."""
     if scale.ndim == 1:
-        return rms_norm(x, scale, eps)
+        return norm(x, scale, eps)
     b, s, n, d = x.shape
-    return rms_norm(x.reshape(b, s, n * d), scale.reshape(n * d), eps).reshape(b, s, n, d)
+    return norm(x.reshape(b, s, n * d), scale.reshape(n * d), eps).reshape(b, s, n, d)
 
 
 def attention_block(
     a: Params, h: jax.Array, cfg: GqaShape, rope: Rope, ctx: Context, cache: GroupCache | None,
-    window: Window | None = None,
+    window: Window | None = None, norm: NormFn = rms_norm,
 ) -> tuple[jax.Array, GroupCache | None]:
-    """Self-attention of the normed input ``h``: GQA, optional q/k norm (either kind), RoPE (full or
-    partial), optional ``sinks``;
+    """Self-attention of the normed input ``h``: GQA, optional q/k norm (either kind, by ``norm``),
+    RoPE (full or partial), optional ``sinks``;
     returns the output and the layer's updated cache."""
     q = dense(a["q"], h, "bsh,ndh->bsnd")
     k = dense(a["k"], h, "bsh,ndh->bsnd")
     v = dense(a["v"], h, "bsh,ndh->bsnd")
     if cfg.qk_norm:
-        q = qk_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps)
-        k = qk_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps)
+        q = qk_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps, norm)
+        k = qk_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps, norm)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out, cache = self_attention(q, k, v, ctx, cache, scale=cfg.head_dim**-0.5, window=window, sinks=a.get("sinks"))
     return dense(a["o"], out, "bsnd,hnd->bsh"), cache

@@ -133,6 +133,12 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) ->
     return (x32.astype(x.dtype) * (offset + scale.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
 
 
+def rms_norm_scaled_f32(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm whose scale multiplies the float32 normalised values before the one cast back to
+    ``x``'s dtype (OLMo's order; :func:`rms_norm` casts, then multiplies, as Llama does)."""
+    return rms_norm(x.astype(jnp.float32), scale, eps).astype(x.dtype)
+
+
 def dense(p: Params, x: jax.Array, spec: str) -> jax.Array:
     """``einsum(spec, x, kernel) + bias``."""
     y = jnp.einsum(spec, x, p["kernel"])

@@ -1,7 +1,7 @@
 """Flax NNX decoder for OLMo 3: GQA attention whose q/k norms span the whole projections
 (:data:`~otfload.models.gqa.WHOLE`), norms *after* attention and after the SwiGLU MLP (each output
-normed before its residual add, no input norm), and sliding or full attention per layer
-(``layer_types``), each type with its own RoPE.
+normed before its residual add, no input norm; every norm scales in float32 before its cast back, as
+OLMo's does), and sliding or full attention per layer (``layer_types``), each type with its own RoPE.
 
 With ``scan_layers`` every layer sits in one stack (the two types share their shapes); each layer's
 type is scanned over as data beside it.
@@ -29,7 +29,7 @@ from otfload.models.layers import (
     ParamOptions,
     Params,
     pure,
-    rms_norm,
+    rms_norm_scaled_f32,
     run_layers,
 )
 from otfload.models.mlp import Mlp, swiglu
@@ -50,9 +50,9 @@ def layer_forward(
     p: Params, x: jax.Array, cfg: Olmo3Config, rope: Rope, ctx: Context, cache: GroupCache | None, window: Window
 ) -> tuple[jax.Array, GroupCache | None]:
     """One post-norm decoder layer as a pure function of its parameters ``p``: ``(x, updated cache)``."""
-    out, cache = attention_block(p["attn"], x, cfg, rope, ctx, cache, window)
-    x = x + rms_norm(out, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
-    return x + rms_norm(swiglu(p["mlp"], x), p["post_ffw_norm"]["scale"], cfg.rms_norm_eps), cache
+    out, cache = attention_block(p["attn"], x, cfg, rope, ctx, cache, window, rms_norm_scaled_f32)
+    x = x + rms_norm_scaled_f32(out, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
+    return x + rms_norm_scaled_f32(swiglu(p["mlp"], x), p["post_ffw_norm"]["scale"], cfg.rms_norm_eps), cache
 
 
 class Olmo3ForCausalLM(CausalLM):
@@ -100,5 +100,5 @@ class Olmo3ForCausalLM(CausalLM):
         params = [pure(layer) for layer in layers] if isinstance(layers, nnx.List) else pure(layers)
         x, cache = run_layers(params, self.embed_tokens(input_ids), run_layer,
                               (flags, windows, group_cache(caches, "layers")))
-        x = rms_norm(x, self.final_norm.scale[...], cfg.rms_norm_eps)
+        x = rms_norm_scaled_f32(x, self.final_norm.scale[...], cfg.rms_norm_eps)
         return x, None if caches is None else {"layers": cache}
