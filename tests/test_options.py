@@ -104,7 +104,7 @@ def test_the_command_line_builds_one_object_from_its_flags(tiny_checkpoints):
     assert options.verify == "record"  # load --verify checks the model, not the shard cache's copies
     assert options.mesh is not None and options.mesh.shape == {"fsdp": len(jax.devices())}
     args = build_parser().parse_args(["inspect", path, "--quantized", "keep"])
-    assert load_options(args, mesh=False) == LoadOptions(quantized="keep", reshard="auto")
+    assert load_options(args, mesh=False) == LoadOptions(quantized="keep")  # --reshard unset: the environment decides
 
 
 @pytest.mark.parametrize(("field", "value", "allowed"), [

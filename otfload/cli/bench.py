@@ -14,6 +14,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)
+    options.add_load_args(p)
     p.add_argument("--repeats", type=options.positive_int, default=3, help="number of loads (default: 3)")
     p.set_defaults(run=run)
 

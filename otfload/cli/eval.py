@@ -23,6 +23,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)
+    options.add_load_args(p)
     p.add_argument("--data", required=True, metavar="FILE", help="JSONL ({\"text\": ...} per line) or text file")
     p.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto",
                    help="data format (default: jsonl for .jsonl/.ndjson files, else one text per line)")

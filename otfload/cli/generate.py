@@ -21,6 +21,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)
+    options.add_load_args(p)
     p.add_argument("--prompt", action="append", required=True, help="the text to continue (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=options.positive_int, default=32, metavar="N",
                    help="tokens to generate (default: 32)")

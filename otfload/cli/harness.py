@@ -39,7 +39,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     options.add_source_args(p)
     options.add_layout_args(p, mesh_help="mesh axes over this process's devices, e.g. fsdp=4,tp=2 (in a job of "
                             "several processes, over all of theirs when the sizes multiply to their count)")
-    options.add_adapter_args(p)
+    options.add_load_args(p)
     p.add_argument("--tasks", required=True, metavar="T[,T...]", help="lm_eval task or group names")
     p.add_argument("--include-path", metavar="DIR", help="a directory of lm_eval task YAML files to add")
     p.add_argument("--limit", type=float, metavar="N",
@@ -49,8 +49,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="rows per forward pass (default: 16)")
     p.add_argument("--max-length", type=options.positive_int, metavar="L",
                    help="context window in tokens (default: the config's max_position_embeddings)")
-    p.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
-                   help="quantized weights decoded on load (default) or kept packed")
     p.add_argument("--apply-chat-template", action="store_true",
                    help="render each prompt with the checkpoint's chat template (few-shot turns as messages)")
     p.add_argument("--seed", type=int, default=1234, help="lm_eval's seed for few-shot sampling (default: 1234)")

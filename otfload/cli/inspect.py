@@ -42,12 +42,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="plan for process I of --process-count processes (default: this process)")
     p.add_argument("--process-count", type=int, default=None, metavar="P",
                    help="processes sharing the mesh's devices, each a contiguous block in mesh order")
-    p.add_argument("--reshard", choices=("auto", "always", "never"), default="auto",
-                   help="when a leaf is read as a band in the storage layout and resharded (default: auto)")
     p.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default=None,
                    help="the devices' platform, for the reshard time model's interconnect (default: this one's)")
-    p.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
-                   help="quantized weights decoded on load, or kept packed (codes + scales; shows bytes per device)")
+    options.add_load_args(p)
     p.add_argument("--mapping", metavar="MODULE:TABLE",
                    help="a mapping table (or a function of config.json returning one) for a model you bring, "
                         "e.g. otfload.mappings.linen_llama:TABLE; needs --target")
@@ -193,7 +190,9 @@ def describe_plan(
     leaves = []
     for path, p in plan.leaves.items():
         fetch = fetches.get(path)
-        leaf = {**p.describe(), "process_bytes": held[path].needed, "replicated_by_mesh": replicated_by_mesh(p.leaf)}
+        spec = spec_list(getattr(p.placed.sharding, "spec", None))
+        leaf = {**p.describe(), "hf_keys": [info.name for info in p.sources], "spec": spec,
+                "process_bytes": held[path].needed, "replicated_by_mesh": replicated_by_mesh(p.leaf)}
         if fetch is not None:
             leaf |= {"fetch_bytes": fetch["fetch_bytes"], "requests": fetch["requests"],
                      "ideal_bytes": held[path].ideal, "read_as": fetch["read_as"]}
@@ -209,7 +208,8 @@ def describe_plan(
         "scan_layers": scan_layers,
         "leaves": leaves,
         "unused": list(plan.unused),
-        "quantized_kept": {path: {"parts": list(k.parts.values()), "sharding": str(k.spec), "storage": k.storage}
+        "quantized_kept": {path: {"parts": list(k.parts.values()), "sharding": str(k.spec),
+                                  "spec": spec_list(k.spec), "storage": k.storage}
                            for path, k in plan.kept.items()},
         "quantized_notes": dict(plan.kept_notes),
         "placed_bytes_per_device": placed_per_device(p.leaf for p in plan.leaves.values()) if mesh is not None else {},
@@ -224,6 +224,14 @@ def describe_plan(
             "device_bytes": summed.device,
         },
     }
+
+
+def spec_list(spec: Any) -> list[str | list[str] | None] | None:
+    """A ``PartitionSpec`` as JSON: one entry per dimension, a mesh axis, a list of them, or None
+    (replicated); None for no spec (a sharding that is not named)."""
+    if spec is None:
+        return None
+    return [list(axes) if isinstance(axes, tuple) else axes for axes in spec]
 
 
 def human_bytes(n: float) -> str:
@@ -258,7 +266,7 @@ def format_plan(info: Info) -> str:
         "",
     ]
     for leaf in info["leaves"]:
-        keys = " … ".join(k for k in leaf["hf_keys"] if not k.startswith("... "))
+        keys = " … ".join(dict.fromkeys(leaf["hf_keys"][:1] + leaf["hf_keys"][-1:]))  # the first and the last
         stacked = f" ({leaf['num_hf_keys']} keys, stacked on {', '.join(leaf['stack_axes'])})" \
             if leaf["stack_axes"] else ""
         read = f", fetches {human_bytes(leaf['fetch_bytes'])}" if "fetch_bytes" in leaf else ""
@@ -369,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
                                   **load_options.source_options())
         else:
             info = inspect_source(args.source, process_index=args.process_index, process_count=args.process_count,
-                                  reshard=args.reshard, platform=args.platform, options=load_options)
+                                  reshard=load_options.reshard or "auto", platform=args.platform, options=load_options)
     except CheckpointMismatchError as e:
         print(json.dumps(problems_json(e), indent=1) if args.json else format_problems(e))
         return 1

@@ -14,6 +14,8 @@ as separate factors with ``--no-merge-adapter``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +27,7 @@ from otfload.cli import options
 if TYPE_CHECKING:
     from flax import nnx
 
+    from otfload.place.report import LoadReport
     from otfload.sources import Source
 
 TOLERANCE = 1e-3  # float32 logits against float32 logits of the same weights
@@ -35,13 +38,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             description=options.description(__doc__), parents=[options.common_parser()])
     options.add_source_args(p)
     options.add_layout_args(p)
-    options.add_adapter_args(p)
+    options.add_load_args(p)
+    p.add_argument("--json", action="store_true", help="print the load report as one JSON object")
     p.add_argument("--verify", action="store_true",
                    help="run a forward pass and compare its logits with transformers' (a check of the model; "
                         "unrelated to from_pretrained's verify=, the shard cache's integrity check)")
-    p.add_argument("--reshard", choices=("auto", "always", "never"), default=None,
-                   help="when a leaf is read as a band in the storage layout and resharded on the devices "
-                        "(default: $OTFLOAD_RESHARD, else auto)")
     p.set_defaults(run=run)
 
 
@@ -143,6 +144,14 @@ def verify(model: nnx.Module, source: str, vocab_size: int, adapters: list[str] 
     return ok
 
 
+def report_json(report: LoadReport) -> dict[str, object]:
+    """The load report as JSON: its fields (activation scales as lists of floats)."""
+    fields = dataclasses.asdict(report)
+    fields["activation_scales"] = {k: np.asarray(v, np.float64).ravel().tolist()
+                                   for k, v in report.activation_scales.items()}
+    return fields
+
+
 def config_vocab_size(source: Source) -> int:
     """``vocab_size`` of the checkpoint's config.json."""
     from otfload.errors import CheckpointIndexError
@@ -161,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     load_options = options.load_options(args)
     with owned_source(args.source, **load_options.source_options()) as source:  # closed on return or error
         model, report = from_pretrained(source, options=load_options, return_report=True)
-        print(report.summary())
+        print(json.dumps(report_json(report)) if args.json else report.summary())
         if not args.merge_adapter:
             from otfload.adapters.factored import factored_record
 

@@ -104,6 +104,17 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
                              "own parameters (--no-merge-adapter; one adapter)")
 
 
+def add_load_args(parser: argparse.ArgumentParser) -> None:
+    """The options of how a load reads, the same on every subcommand that loads (or plans) a model:
+    adapters (:func:`add_adapter_args`), ``--quantized`` and ``--reshard``."""
+    add_adapter_args(parser)
+    parser.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
+                        help="quantized weights decoded on load (default), or kept packed (codes + scales)")
+    parser.add_argument("--reshard", choices=("auto", "always", "never"), default=None,
+                        help="when a leaf is read as a band in the storage layout and resharded on the devices "
+                             "(default: $OTFLOAD_RESHARD, else auto)")
+
+
 def simulate_devices(n: int | None) -> None:
     """Make JAX see ``n`` CPU devices; must run before JAX initialises its backend."""
     if n is None:
