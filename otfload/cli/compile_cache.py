@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from otfload.compile_cache import ENV_VAR
-
 
 def add_compile_cache_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", metavar="DIR|off", default=None,
-                        help=f"keep compiled programs in DIR for later jobs (default: ${ENV_VAR}, else "
+                        help="keep compiled programs in DIR for later jobs (default: $OTFLOAD_COMPILE_CACHE, else "
                              "~/.cache/otfload/xla); off: compile afresh")

@@ -15,7 +15,6 @@ import json
 
 from otfload.cli import options
 from otfload.cli.compile_cache import add_compile_cache_arg
-from otfload.compile_cache import enable_compile_cache
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from otfload.evaluate import evaluate, read_texts
 
     texts = read_texts(args.data, args.format, args.text_key)  # a bad data file fails before the load
+    from otfload.compile_cache import enable_compile_cache
+
     enable_compile_cache(args.compile_cache)
     result = evaluate(args.source, texts, max_len=args.max_len, batch_size=args.batch_size, progress=args.progress,
                       options=options.load_options(args))

@@ -29,7 +29,6 @@ from typing import Any
 
 from otfload.cli import options
 from otfload.cli.compile_cache import add_compile_cache_arg
-from otfload.compile_cache import enable_compile_cache
 from otfload.errors import InvalidOptionError, TokenizerError
 
 
@@ -69,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
     flags = ("--coordinator", "--num-processes", "--process-id")
     join_job(args.coordinator, args.num_processes, args.process_id, flags)
+    from otfload.compile_cache import enable_compile_cache
+
     enable_compile_cache(args.compile_cache)
     import jax
     import lm_eval
