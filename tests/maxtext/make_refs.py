@@ -46,7 +46,8 @@ def write(root: Path, family: Family) -> None:
 def main(argv: list[str]) -> None:
     root = Path(argv[1])
     for family in FAMILIES.values():
-        write(root, family)
+        if family.same_checkpoint_as is None:
+            write(root, family)
 
 
 if __name__ == "__main__":

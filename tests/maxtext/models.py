@@ -34,6 +34,15 @@ class Family:
     vocab: int = VOCAB
     tied: bool = False
     moe: bool = False
+    # MaxText's vocab_size where it pads the checkpoint's embedding (more rows than the checkpoint's vocab)
+    maxtext_vocab: int | None = None
+    # the checkpoint of another family this one loads (the same weights in another MaxText config)
+    same_checkpoint_as: str | None = None
+
+    @property
+    def checkpoint(self) -> str:
+        """The folder (under make_refs.py's output) of this family's checkpoint and reference logits."""
+        return self.same_checkpoint_as or self.name
 
     def hf_kwargs(self) -> dict[str, Any]:
         """The transformers config of the checkpoint."""
@@ -48,22 +57,27 @@ class Family:
         return dict(model_name=self.model_name, override_model_config=True, base_emb_dim=EMBED,
                     base_num_query_heads=HEADS, base_num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                     base_mlp_dim=MOE_MLP if self.moe else MLP, base_num_decoder_layers=LAYERS,
-                    vocab_size=self.vocab, scan_layers=scan_layers, param_scan_axis=param_scan_axis,
+                    vocab_size=self.maxtext_vocab or self.vocab, scan_layers=scan_layers,
+                    param_scan_axis=param_scan_axis,
                     **moe, **self.maxtext_extra)
 
 
+_QWEN3 = dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6)
 _MOE_HF = dict(moe_intermediate_size=MOE_MLP, num_experts=EXPERTS, num_experts_per_tok=TOP_K)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("llama", "llama3.1-8b", "LlamaConfig", "LlamaForCausalLM",
            hf_extra=dict(rope_parameters=LLAMA31_ROPE, rms_norm_eps=1e-5, max_position_embeddings=131072)),
-    Family("qwen3", "qwen3-0.6b", "Qwen3Config", "Qwen3ForCausalLM", tied=True,
-           hf_extra=dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6)),
+    Family("qwen3", "qwen3-0.6b", "Qwen3Config", "Qwen3ForCausalLM", tied=True, hf_extra=_QWEN3),
+    # MaxText's vocab_size above the checkpoint's: its Qwen converter pads the embedding with zero rows
+    Family("qwen3_padded", "qwen3-0.6b", "Qwen3Config", "Qwen3ForCausalLM", tied=True, hf_extra=_QWEN3,
+           maxtext_vocab=VOCAB + 32, same_checkpoint_as="qwen3"),
     Family("qwen3_moe", "qwen3-30b-a3b", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", moe=True,
            hf_extra=dict(_MOE_HF, norm_topk_prob=True, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0})),
     Family("mixtral", "mixtral-8x7b", "MixtralConfig", "MixtralForCausalLM", moe=True,
-           hf_extra=dict(intermediate_size=MOE_MLP, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, rms_norm_eps=1e-5,
+           hf_extra=dict(intermediate_size=MOE_MLP, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                         rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
 ]}
 

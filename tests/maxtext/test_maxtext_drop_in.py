@@ -1,0 +1,169 @@
+"""``otfload.maxtext.load_state`` against the real MaxText (maxtext 0.2.5, in its own venv).
+
+For each tiny family (Llama 3.1, Qwen3 tied and with MaxText's vocabulary padding, Qwen3-MoE,
+Mixtral) and each layout MaxText has (``scan_layers`` with ``param_scan_axis`` 1 and 0, unscanned),
+MaxText builds its abstract NNX model on a 2x4 mesh of the 8 simulated CPU devices and loads the
+multi-shard float32 checkpoint with its own ``load_safetensors_dynamic_state``; the drop-in, given the
+same arguments, must give every leaf bitwise equal, with the tree's dtype and sharding.
+
+Where MaxText's own loader is wrong it is the reference no more: for MoE experts with
+``param_scan_axis=0`` it stacks ``[experts, layers, ...]`` for a tree that wants ``[layers, experts,
+...]`` (``tensor_handling.stacked_axes`` puts both stacked axes first whatever the config says). There
+the test checks that MaxText's leaf has the swapped shape, that otfload's has the tree's shape, and
+that otfload's equals MaxText's with the two axes swapped back.
+
+Then MaxText's forward pass on otfload's tree gives transformers' float32 logits (written by the
+main venv: ``make_refs.py``) within 1e-4 x max|logits|, once per family, each family in another
+layout (the MoE one MaxText cannot load among them). Qwen3 with tied embeddings is looser: MaxText's
+``attend_on_embedding`` casts the embedding to bfloat16 for the logits whatever ``dtype`` says
+(measured 2.2e-3 with MaxText's own loader), so that case allows 5e-3.
+
+Run: ``PYTHONPATH=. .venv-maxtext/bin/python -m pytest -q tests/maxtext`` (the venv:
+``scripts/make_maxtext_venv.sh``); the main venv skips this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("maxtext", reason="MaxText is not installed (its own venv: scripts/make_maxtext_venv.sh)")
+# MaxText 0.2.5 on flax 0.12.12 / orbax 0.12.8 warns of its own deprecated calls a thousand times a run
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+from tests.helpers import max_rel_diff  # noqa: E402
+from tests.maxtext import reference  # noqa: E402
+from tests.maxtext.models import FAMILIES, LAYOUTS, Family  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
+EXPERT_LEAVES = ("wi_0", "wi_1", "wo")
+# family -> the layout its forward pass runs in; tolerance x max|logits|
+FORWARD = {"llama": ((True, 1), 1e-4), "qwen3": ((False, 1), 5e-3), "qwen3_moe": ((True, 0), 1e-4),
+           "mixtral": ((True, 1), 1e-4)}
+
+needs_drop_in = pytest.mark.skipif(importlib.util.find_spec("otfload.maxtext") is None,
+                                   reason="otfload.maxtext (the drop-in) does not exist yet")
+
+
+@pytest.fixture(scope="session")
+def refs(tmp_path_factory) -> Path:
+    """The tiny checkpoints and transformers' logits, written by the main venv (torch lives there)."""
+    root = tmp_path_factory.mktemp("maxtext_refs")
+    subprocess.run([str(MAIN_PYTHON), str(ROOT / "tests" / "maxtext" / "make_refs.py"), str(root)], check=True,
+                   cwd=ROOT, capture_output=True)
+    return root
+
+
+_BUILT: dict[tuple[str, bool, int], reference.Built] = {}
+_LOADED: dict[tuple[str, bool, int], dict] = {}
+
+
+def built(family: Family, layout: tuple[bool, int]) -> reference.Built:
+    """MaxText's config and abstract model, built once per family and layout."""
+    key = (family.name, *layout)
+    if key not in _BUILT:
+        _BUILT[key] = reference.build(family, *layout)
+    return _BUILT[key]
+
+
+def maxtext_loaded(family: Family, layout: tuple[bool, int], refs: Path) -> dict:
+    """MaxText's own loader's tree, once per family and layout."""
+    key = (family.name, *layout)
+    if key not in _LOADED:
+        _LOADED[key] = reference.maxtext_load(built(family, layout), refs / family.checkpoint)
+    return _LOADED[key]
+
+
+def otfload_loaded(family: Family, layout: tuple[bool, int], refs: Path) -> dict:
+    """The drop-in, called exactly as MaxText's loader is."""
+    from otfload.maxtext import load_state
+
+    b = built(family, layout)
+    restored, tree = load_state(str(refs / family.checkpoint), b.params, b.config)
+    assert restored is None and set(tree) == {"params"}
+    return tree
+
+
+def misstacked(family: Family, layout: tuple[bool, int], leaf: str) -> bool:
+    """A leaf MaxText's loader stacks wrongly: MoE experts, scanned with the layer axis first."""
+    return family.moe and layout == (True, 0) and leaf.rsplit(".", 1)[-1] in EXPERT_LEAVES
+
+
+def bits(x) -> np.ndarray:
+    a = np.asarray(x)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+# family -> the layouts it is loaded in: all of them, but the padding (a hook on the embedding, a leaf no
+# layout changes) once
+PADDED_LAYOUT = (False, 1)
+CASES = [pytest.param(FAMILIES[name], layout, id=f"{name}-{'scan' if layout[0] else 'unscanned'}"
+                      + (f"-axis{layout[1]}" if layout[0] else ""))
+         for name in FAMILIES for layout in LAYOUTS
+         if FAMILIES[name].maxtext_vocab is None or layout == PADDED_LAYOUT]
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES)
+def test_maxtext_loader_fills_its_tree(family, layout, refs):
+    """MaxText's loader, the reference, maps every leaf of its tree, with the tree's sharding; its one
+    wrong case has the swapped shape (so the next test's exception is a fact, not a guess)."""
+    b = built(family, layout)
+    want = reference.flat(b.params)
+    have = reference.flat(maxtext_loaded(family, layout, refs)["params"])
+    assert set(have) == set(want)
+    for name, target in want.items():
+        leaf = have[name]
+        assert hasattr(leaf, "addressable_shards"), f"{name} left unloaded by MaxText"
+        if misstacked(family, layout, name):
+            assert leaf.shape == (target.shape[1], target.shape[0], *target.shape[2:]), name
+        else:
+            assert (leaf.shape, leaf.dtype, leaf.sharding) == (target.shape, target.dtype, target.sharding), name
+
+
+@needs_drop_in
+@pytest.mark.parametrize(("family", "layout"), CASES)
+def test_drop_in_equals_maxtext_loader(family, layout, refs):
+    """Every leaf bitwise equal to MaxText's loader's, with the tree's shape, dtype and sharding."""
+    b = built(family, layout)
+    want = reference.flat(b.params)
+    ours = reference.flat(otfload_loaded(family, layout, refs)["params"])
+    theirs = reference.flat(maxtext_loaded(family, layout, refs)["params"])
+    assert set(ours) == set(want)
+    for name, target in want.items():
+        leaf = ours[name]
+        assert (leaf.shape, leaf.dtype) == (target.shape, target.dtype), name
+        assert leaf.sharding.is_equivalent_to(target.sharding, leaf.ndim), name
+        expected = np.swapaxes(np.asarray(theirs[name]), 0, 1) if misstacked(family, layout, name) else theirs[name]
+        np.testing.assert_array_equal(bits(leaf), bits(expected), err_msg=name)
+
+
+@needs_drop_in
+@pytest.mark.parametrize("name", list(FORWARD))
+def test_maxtext_forward_on_drop_in_matches_transformers(name, refs):
+    """MaxText's own forward pass on the drop-in's tree gives transformers' logits."""
+    family = FAMILIES[name]
+    layout, tolerance = FORWARD[name]
+    ids = np.load(refs / family.checkpoint / "ids.npy")
+    expected = np.load(refs / family.checkpoint / "logits.npy")
+    got = reference.logits(built(family, layout), otfload_loaded(family, layout, refs), ids)
+    assert max_rel_diff(got, expected) <= tolerance, (name, layout, max_rel_diff(got, expected))
+
+
+def test_padded_vocabulary_is_zero_rows(refs):
+    """MaxText's padding, checked against the checkpoint itself: the first rows are the checkpoint's
+    embedding, the rest zeros (so the bitwise comparison above also pins the padding)."""
+    from safetensors.numpy import load_file
+
+    family = FAMILIES["qwen3_padded"]
+    loaded = reference.flat(maxtext_loaded(family, PADDED_LAYOUT, refs)["params"])
+    embedding = np.asarray(loaded["token_embedder.embedding"])
+    stored = {k: v for f in sorted((refs / family.checkpoint).glob("*.safetensors")) for k, v in load_file(f).items()}
+    rows = stored["model.embed_tokens.weight"].shape[0]
+    np.testing.assert_array_equal(embedding[:rows], stored["model.embed_tokens.weight"])
+    assert embedding.shape[0] == family.maxtext_vocab and not embedding[rows:].any()
+
