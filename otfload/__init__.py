@@ -8,6 +8,8 @@ ranges into scratch) → ``place`` (hooks, one ``np.stack``, placement) → this
 """
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what a type checker reads; at run time each name is imported on first use
@@ -117,6 +119,19 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_HOMES])
+
+
+class _Package(types.ModuleType):
+    """This package's module type: a public function named as its module (``evaluate``, ``generate``)
+    keeps its name when the module is imported (the import system sets the attribute to the module)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __version__ = "0.1.0"
