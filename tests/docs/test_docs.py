@@ -44,7 +44,7 @@ README = ROOT / "README.md"
 PAGES = ["index.md", "quickstart.md", "concepts.md", "architecture.md", "families.md", "adding_a_family.md",
          "troubleshooting.md", "sources.md", "export.md", "byo_model.md", "adapters.md", "evaluation.md",
          "checkpoints.md", "reliability.md", "robustness.md", "training.md", "formats.md", "maxtext.md"]
-EXEMPT = {"benchmarks.md", "benchmarks_export.md", "benchmarks_remote.md", "benchmarks_reshard.md"}
+EXEMPT = {"benchmarks.md", "benchmarks_log.md", "benchmarks_export.md", "benchmarks_remote.md", "benchmarks_reshard.md"}
 FENCES = {"python", "bash", "text", "console"}
 # The example checkpoint's chat template, as an instruction-tuned checkpoint has one.
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
