@@ -287,10 +287,11 @@ class Reshape(Hook):
 @dataclass(frozen=True)
 class Scale(Hook):
     """Multiply by a constant, a config field or a config expression (``Scale("1 / sqrt(head_dim)")``);
-    ``divide=True`` divides by it instead. The factor is cast to the tensor's dtype and the product
-    rounded there (a float32 tensor times ``float32(factor)``, as a converter working in float32
-    writes it). The inverse divides (multiplies), so ``x * f / f`` round-trips where ``f`` is a power
-    of two and to the last bit of rounding otherwise."""
+    ``divide=True`` divides by it instead. The product is computed in float32 at least (a bfloat16
+    tensor is widened, multiplied by ``float32(factor)`` and rounded once back to bfloat16, as a
+    converter working in float32 writes it: MaxText's query pre-scale). The inverse divides
+    (multiplies), so ``x * f / f`` round-trips where ``f`` is a power of two and to the last bit of
+    rounding otherwise."""
 
     factor: float | str
     divide: bool = False
@@ -309,8 +310,10 @@ class Scale(Hook):
     def forward(self, x: np.ndarray) -> np.ndarray:
         if isinstance(self.factor, str):
             raise MappingError(f"{self} was not resolved against a config")
-        factor = np.asarray(self.factor, dtype=x.dtype)
-        scaled: np.ndarray = (x / factor if self.divide else x * factor).astype(x.dtype)
+        work = np.promote_types(x.dtype, np.float32)
+        factor = np.asarray(self.factor, dtype=work)
+        wide = x if x.dtype == work else x.astype(work)
+        scaled: np.ndarray = (wide / factor if self.divide else wide * factor).astype(x.dtype)
         return scaled
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
@@ -372,7 +375,7 @@ class Pad(Hook):
         axis = self.axis % x.ndim
         widths = [(0, 0)] * x.ndim
         widths[axis] = (0, self._size() - x.shape[axis])
-        return np.pad(x, widths, constant_values=np.asarray(self.value, dtype=x.dtype))
+        return _pad(x, widths, self.value)
 
     def needed(self, out_box: Box, in_shape: Shape) -> Box:
         """The stored rows of ``out_box``; a box wholly in the padding still reads the last stored row
@@ -390,7 +393,7 @@ class Pad(Hook):
         if hi == in_shape[axis]:  # the box reaches the stored end: the padding follows it
             widths = [(0, 0)] * x.ndim
             widths[axis] = (0, self._size() - hi)
-            x = np.pad(x, widths, constant_values=np.asarray(self.value, dtype=x.dtype))
+            x = _pad(x, widths, self.value)
             box[axis] = (lo, self._size())
         return x, tuple(box)
 
@@ -485,6 +488,13 @@ class Slice(Hook):
         box = list(in_box)
         box[axis] = (lo, hi)
         return x[tuple(index)], tuple(box)
+
+
+def _pad(x: np.ndarray, widths: list[tuple[int, int]], value: float) -> np.ndarray:
+    """``x`` padded by ``widths`` with ``value``, in ``x``'s own array library (numpy on the host,
+    ``jax.numpy`` where the hooks run on the device)."""
+    padded: np.ndarray = x.__array_namespace__().pad(x, widths, constant_values=value)
+    return padded
 
 
 def _flat_intervals(

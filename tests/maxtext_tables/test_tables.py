@@ -54,8 +54,6 @@ def test_vocabulary_padded_with_zeros(tiny_checkpoints, mesh):
     assert not np.asarray(params["token_embedder"]["embedding"])[256:].any()
 
 
-@pytest.mark.xfail(strict=True, reason="MaxText scales a bfloat16 query in float32 and rounds once to bfloat16; "
-                   "otfload's Scale multiplies by bfloat16(factor) in bfloat16 (needs Scale computing in float32)")
 def test_bf16_checkpoint_into_float32_tree(tiny_checkpoints, mesh):
     path, _ = tiny_checkpoints("mt_llama_bf16")
     cfg = maxtext_config("mt_llama_bf16", True, 1, head_dim=32)

@@ -52,3 +52,23 @@ def test_pad_never_cuts_a_longer_axis():
         Pad(0, 8).out_shape((10, 2))
     with pytest.raises(MappingError, match="not 12"):
         Pad(0, 16, original=12).out_shape((10, 2))
+
+
+def test_pad_and_scale_run_on_device_arrays_as_on_numpy():
+    """Where hooks run on the device (place/device_hooks.py traces them under jit) Pad and Scale
+    give numpy's values: the bfloat16 scale rounded once from float32."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from otfload.plan.hooks import Scale
+
+    hooks = (Pad(0, "padded").resolve(CONFIG), Scale(0.3))
+    x = np.random.default_rng(0).standard_normal((10, 3)).astype(ml_dtypes.bfloat16)
+    shapes = chain_shapes(hooks, x.shape)
+    want = run_forward(hooks, x)
+    np.testing.assert_array_equal(want, (x.astype(np.float32) * np.float32(0.3)).astype(ml_dtypes.bfloat16)
+                                  [np.r_[0:10, [0] * 6]] * np.r_[[1] * 10, [0] * 6][:, None])
+    box = ((0, 10), (0, 3))
+    got = jax.jit(lambda a: chain_apply(hooks, shapes, a, box)[0])(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), want)
