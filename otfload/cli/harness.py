@@ -12,7 +12,7 @@ examples as turns). A job can run as several processes (one per host, each start
 --coordinator, --num-processes and --process-id): on a --mesh of each process's devices each scores
 a share of the documents; on one over every process's devices they run every batch together,
 sharded over the mesh; the first process alone prints. Needs the lm-eval extra
-(pip install "otfload[lm-eval]").
+(from a clone of the source: pip install -e ".[lm-eval]").
 """
 
 from __future__ import annotations
