@@ -100,3 +100,21 @@ def test_a_missing_include_path_is_reported(llama, tmp_path, capsys):
     missing = tmp_path / "no-tasks-here"
     assert main(["lm-eval", str(llama), "--tasks", "x", "--include-path", str(missing)]) == 2
     assert f"--include-path '{missing}': no such directory of lm_eval task files" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_eos_is_the_checkpoints_error_before_lm_eval_runs(tiny_checkpoints, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    import json
+
+    from tests.eval_support import with_tokenizer
+    from tests.lmeval.tasks import write_tasks
+
+    checkpoint = with_tokenizer(tiny_checkpoints("llama")[0], tmp_path / "no-eos")  # no tokenizer_config.json
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    tasks = write_tasks(tmp_path / "tasks")
+    assert main(["lm-eval", str(checkpoint), "--tasks", "otf_mc", "--include-path", str(tasks), "--limit", "2",
+                 "--compile-cache", "off"]) == 1  # the checkpoint's error, not bad usage (2)
+    err = capsys.readouterr().err
+    assert "otfload: error: TokenizerError:" in err and "names no EOS token" in err
