@@ -3,9 +3,9 @@
 A logical axis whose mesh axes do not divide its dimension is replicated
 (:func:`otfload.plan.sharding.logical_to_spec`): ``--mesh fsdp=3`` on a model whose sizes are powers
 of two shards nothing, and every device then holds a full copy of every weight. That is a valid
-load, but rarely the one asked for, so :func:`warn_replicated` says so once per load
-(:class:`ReplicatedLeavesWarning`: the count, the first few leaves, the bytes) and ``otfload
-inspect`` marks those leaves (:func:`replicated_leaves`).
+load, but rarely the one asked for, so :func:`warn_replicated` says so once per load when they
+hold a noticeable share of the model (:class:`ReplicatedLeavesWarning`: the count, the first few
+leaves, the bytes) and ``otfload inspect`` marks every such leaf (:func:`replicated_leaves`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, logical_to_spec
 
 SHOWN = 3  # leaves named in the warning; the rest are counted
+# The share of the model's bytes replicated for want of a dividing axis that a load warns about: a
+# few small leaves (GQA's key/value biases when the KV heads are fewer than ``tp``) are the usual
+# price of a mesh, whole weights copied to every device are not (inspect marks every one).
+WARN_SHARE = 0.01
 
 
 class ReplicatedLeavesWarning(UserWarning):
@@ -66,9 +70,11 @@ def replicated_leaves(leaves: Mapping[str, AbstractLeaf], rules: LogicalRules | 
 
 
 def warn_replicated(leaves: Mapping[str, AbstractLeaf], rules: LogicalRules | None = None) -> Replicated:
-    """:func:`replicated_leaves`, with one :class:`ReplicatedLeavesWarning` when there are any."""
+    """:func:`replicated_leaves`, with one :class:`ReplicatedLeavesWarning` when they hold at least
+    :data:`WARN_SHARE` of the leaves' bytes."""
     found = replicated_leaves(leaves, rules)
-    if found.paths:
+    total = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves.values())
+    if found.paths and found.nbytes >= WARN_SHARE * total:
         mesh = next(leaf.sharding.mesh for leaf in leaves.values() if isinstance(leaf.sharding, NamedSharding))
         warnings.warn(found.message(mesh.shape), ReplicatedLeavesWarning, stacklevel=3)
     return found

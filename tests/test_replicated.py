@@ -57,3 +57,19 @@ def test_inspect_marks_the_replicated_leaves(llama):
     text = otfload_cli("inspect", llama, "--mesh", "fsdp=7", "--devices", "7").stdout
     assert text.count("REPLICATED: the mesh divides none of its dimensions") == len(marked)
     assert f"{len(marked)} leaves replicated: the mesh divides none of their dimensions" in text
+
+
+def test_a_few_small_replicated_leaves_are_marked_not_warned(tiny_checkpoints, mesh_2x4):
+    """Qwen2's key/value biases: 2 KV heads on tp=4 are replicated, a sliver of the model."""
+    from otfload.replicated import WARN_SHARE, replicated_leaves
+
+    path = tiny_checkpoints("qwen2")[0]
+    _, plan, src = otfload.plan_model(path, mesh=mesh_2x4)
+    src.close()
+    leaves = {p: lp.leaf for p, lp in plan.leaves.items()}
+    found = replicated_leaves(leaves)
+    total = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves.values())
+    assert found.paths and all("bias" in p for p in found.paths) and found.nbytes < WARN_SHARE * total
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedLeavesWarning)
+        otfload.from_pretrained(path, mesh=mesh_2x4)
