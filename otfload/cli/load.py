@@ -139,7 +139,7 @@ def verify(model: nnx.Module, source: str, vocab_size: int, adapters: list[str] 
     ok = diff <= tolerance
     compared = "float32 forward passes" if rounded is None else \
         f"float32 forward passes of the weights as loaded in {dtype} (transformers' rounded to {dtype} too)"
-    print(f"verify: {compared}: max relative difference vs transformers {diff:.2e} (tolerance {tolerance:.0e}): "
+    print(f"verify: max relative difference vs transformers {diff:.2e} ({compared}; tolerance {tolerance:.0e}): "
           f"{'ok' if ok else 'FAILED'}")
     return ok
 
