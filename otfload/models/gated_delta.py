@@ -160,7 +160,7 @@ def recurrent_gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`gated_delta_rule` one token at a time (same arguments and results): the recurrence as
-    written, for a reference and the benchmark's baseline."""
+    written (a reference; ``gated_delta_forward(..., chunk=0)``)."""
     b, s, h, dk = k.shape
     s0 = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
 
@@ -188,7 +188,8 @@ def gated_delta_forward(
     chunk: int = CHUNK,
 ) -> tuple[jax.Array, GroupCache | None]:
     """The mixer on the normed input ``h [b, s, hidden]`` (``mask [b, s]``: 1 = token, None: all are)
-    from a layer's ``cache`` (``{"conv", "state"}``, None: no cache): ``(output, updated cache)``."""
+    from a layer's ``cache`` (``{"conv", "state"}``, None: no cache): ``(output, updated cache)``.
+    ``chunk`` is the recurrence's chunk length; 0 runs it token by token."""
     b, s, _ = h.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -205,8 +206,11 @@ def gated_delta_forward(
     if mask is not None:
         keep = mask[..., None].astype(bool)
         g, beta = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
-    out, state = gated_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta,
-                                  None if cache is None else cache["state"], chunk)
+    initial = None if cache is None else cache["state"]
+    if chunk:
+        out, state = gated_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta, initial, chunk)
+    else:
+        out, state = recurrent_gated_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta, initial)
     z = dense(p["z"], h, "bsh,ndh->bsnd")
     out = gated_rms_norm(out, z, p["norm"]["scale"], cfg.rms_norm_eps, h.dtype)
     new = None if cache is None else {"conv": conv_state.astype(cache["conv"].dtype), "state": state}

@@ -1,0 +1,135 @@
+"""Forward time of a Gated DeltaNet layer (Qwen3.5's linear-attention mixer) over 2k-16k tokens: the
+chunked recurrence otfload runs, against the same layer token by token and in the quadratic form, in
+one run.
+
+    python -m benchmarks.bench_hybrid                          # 2k, 4k, 8k, 16k tokens
+    python -m benchmarks.bench_hybrid --lengths 2048 4096 --repeat 5 --json out.json
+
+The layer is :func:`otfload.models.gated_delta.gated_delta_forward` with random float32 weights
+(hidden 1024, 8 key heads and 16 value heads of 64 dims, a 4-tap conv), one row, on the default
+device. ``chunked`` is the model's form (chunks of 64 tokens, the state carried across them);
+``token`` the same layer with the recurrence one token per ``lax.scan`` step; ``quadratic`` the
+chunked code with one chunk as long as the sequence (its ``[s, s]`` solve is cubic, so it runs up to
+``--quadratic-max`` tokens). Each form is compiled once, then the median of ``--repeat`` calls;
+``growth`` is a length's time over the previous length's (linear: 2.0 per doubling). Every form's
+output is checked against the chunked one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from otfload.models import gated_delta
+from otfload.models.gated_delta import gated_delta_forward
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Qwen3.5-like linear-attention layer, scaled down to fit one CPU."""
+
+    hidden_size: int = 1024
+    linear_num_key_heads: int = 8
+    linear_num_value_heads: int = 16
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+
+
+def params(cfg: Shape, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    h, hv, dv, c = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, gated_delta.conv_dim(cfg)
+
+    def w(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.normal(0, 0.02, shape), jnp.float32)
+
+    return {"qkv": {"kernel": w(c, h)}, "conv": w(c, 1, cfg.linear_conv_kernel_dim) * 10,
+            "z": {"kernel": w(hv, dv, h)}, "a": {"kernel": w(hv, h)}, "b": {"kernel": w(hv, h)},
+            "dt_bias": w(hv), "A_log": jnp.log(jnp.linspace(1.0, 8.0, hv)), "norm": {"scale": 1 + w(dv)},
+            "out": {"kernel": w(h, hv, dv)}}
+
+
+def forms(cfg: Shape) -> dict[str, Callable[[dict[str, Any], jax.Array], jax.Array]]:
+    """``name -> layer(params, x)``: the same layer with its recurrence chunked, token by token, or in
+    one chunk (the quadratic form)."""
+
+    def form(chunk: int | None) -> Callable[[dict[str, Any], jax.Array], jax.Array]:
+        def layer(p: dict[str, Any], x: jax.Array) -> jax.Array:
+            return gated_delta_forward(p, x, cfg, None, None, chunk=x.shape[1] if chunk is None else chunk)[0]
+
+        return layer
+
+    return {"chunked": form(gated_delta.CHUNK), "token": form(0), "quadratic": form(None)}
+
+
+def median_seconds(fn: Callable[..., jax.Array], args: tuple[Any, ...], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def run(lengths: list[int], repeat: int, quadratic_max: int) -> list[dict[str, Any]]:
+    cfg = Shape()
+    p = params(cfg)
+    rows: list[dict[str, Any]] = []
+    layers = forms(cfg)
+    reference = jax.jit(layers["chunked"])
+    for name, layer in layers.items():
+        compiled = jax.jit(layer)
+        previous = None
+        for s in lengths:
+            if name == "quadratic" and s > quadratic_max:
+                rows.append({"form": name, "tokens": s, "ms": None, "growth": None, "max_abs_diff": None})
+                continue
+            x = jnp.asarray(np.random.default_rng(s).normal(size=(1, s, cfg.hidden_size)), jnp.float32)
+            out = compiled(p, x).block_until_ready()  # compiled
+            ref = out if name == "chunked" else reference(p, x)
+            seconds = median_seconds(compiled, (p, x), repeat)
+            rows.append({"form": name, "tokens": s, "ms": seconds * 1e3,
+                         "growth": None if previous is None else seconds / previous,
+                         "max_abs_diff": float(jnp.abs(out - ref).max())})
+            previous = seconds
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| form | tokens | ms (median) | growth per doubling | max abs diff / chunked |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        ms = "not run" if r["ms"] is None else f"{r['ms']:.1f}"
+        growth = "" if r["growth"] is None else f"{r['growth']:.2f}x"
+        diff = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
+        lines.append(f"| {r['form']} | {r['tokens']} | {ms} | {growth} | {diff} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per form and length (default: 3)")
+    parser.add_argument("--quadratic-max", type=int, default=4096,
+                        help="longest sequence the quadratic form runs on (default: 4096)")
+    parser.add_argument("--json", help="write the rows here too")
+    args = parser.parse_args(argv)
+    rows = run(args.lengths, args.repeat, args.quadratic_max)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
