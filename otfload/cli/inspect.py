@@ -365,6 +365,7 @@ def _jsonable(value: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from otfload.errors import CheckpointMismatchError
+    from otfload.options import with_environment
 
     try:
         if (args.mapping is None) != (args.target is None):
@@ -376,8 +377,9 @@ def run(args: argparse.Namespace) -> int:
             info = inspect_custom(args.source, args.mapping, args.target, load_options.mesh,
                                   **load_options.source_options())
         else:
+            reshard = with_environment(load_options).reshard or "auto"  # --reshard, else $OTFLOAD_RESHARD
             info = inspect_source(args.source, process_index=args.process_index, process_count=args.process_count,
-                                  reshard=load_options.reshard or "auto", platform=args.platform, options=load_options)
+                                  reshard=reshard, platform=args.platform, options=load_options)
     except CheckpointMismatchError as e:
         print(json.dumps(problems_json(e), indent=1) if args.json else format_problems(e))
         return 1
