@@ -6,7 +6,7 @@ the multimodal ``qwen3_5`` / ``qwen3_5_moe`` checkpoints (``Qwen3_5(Moe)ForCondi
 blocks, ``mapping`` holds the tables and checks; importing the package registers the families.
 """
 
-from otfload.families.multimodal import text_model_family
+from otfload.families.multimodal import LANGUAGE_MODEL_PREFIXES, MODULE_PREFIXES, text_model_family
 from otfload.families.qwen3_5.config import Qwen35Config
 from otfload.families.qwen3_5.mapping import qwen3_5_checks, qwen3_5_table
 from otfload.families.qwen3_5.model import Qwen35ForCausalLM
@@ -23,12 +23,16 @@ QWEN3_5 = register(
     )
 )
 
+# The releases (and transformers' save_pretrained) keep the text model under model.language_model.:
+# that layout first, so export writes it.
+RELEASED = (MODULE_PREFIXES, LANGUAGE_MODEL_PREFIXES)
 QWEN3_5_MULTIMODAL = register(
-    text_model_family("qwen3_5 (text model of a multimodal checkpoint)", ("qwen3_5",), QWEN3_5, "qwen3_5_text")
+    text_model_family("qwen3_5 (text model of a multimodal checkpoint)", ("qwen3_5",), QWEN3_5, "qwen3_5_text",
+                      RELEASED)
 )
 QWEN3_5_MOE_MULTIMODAL = register(
     text_model_family("qwen3_5_moe (text model of a multimodal checkpoint)", ("qwen3_5_moe",), QWEN3_5,
-                      "qwen3_5_moe_text")
+                      "qwen3_5_moe_text", RELEASED)
 )
 
 __all__ = ["QWEN3_5", "QWEN3_5_MOE_MULTIMODAL", "QWEN3_5_MULTIMODAL", "Qwen35Config", "Qwen35ForCausalLM"]
