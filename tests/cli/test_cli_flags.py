@@ -63,8 +63,8 @@ def test_help_and_version_import_neither_jax_nor_the_pipeline(argv):
     import subprocess
     import sys
 
-    probe = ("import sys\nfrom otfload.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in ('jax', 'flax', 'ml_dtypes', 'otfload.api') if m in sys.modules))") % argv
+    probe = (f"import sys\nfrom otfload.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('jax', 'flax', 'ml_dtypes', 'otfload.api') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"  # what made them take ~3 s

@@ -213,8 +213,8 @@ def test_published_rope_configs_match_transformers(published):
     import importlib
 
     from otfload.families.deepseek.config import DeepseekConfig
-    from otfload.models.mla import softmax_scale
     from otfload.models.layers import rope_attention_factor, rope_inv_freq
+    from otfload.models.mla import softmax_scale
 
     hf = {**DEEPSEEK_BASE, "max_position_embeddings": 163840, "rope_theta": 10000, "qk_nope_head_dim": 128,
           "qk_rope_head_dim": 64, **published}

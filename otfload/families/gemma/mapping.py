@@ -15,7 +15,8 @@ from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.gemma.config import GemmaConfig
-from otfload.families.llama.mapping import LLAMA_TABLE, attention_checks
+from otfload.families.gqa_shape import attention_checks
+from otfload.families.llama.mapping import LLAMA_TABLE
 from otfload.plan.mapping import MappingTable, Rule
 
 L = "model.layers.{layer}"

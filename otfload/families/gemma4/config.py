@@ -45,7 +45,7 @@ from otfload.config.fields import MAX_FACTOR
 from otfload.config.layer_types import FULL, SLIDING, layer_types
 from otfload.config.rope import THETA
 from otfload.errors import ConfigError
-from otfload.families.llama.config import attention_shape
+from otfload.families.gqa_shape import attention_shape
 
 # transformers' activation name -> whether GELU uses the tanh approximation.
 _GELU_APPROXIMATE = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu_fast": True, "gelu": False}

@@ -28,7 +28,7 @@ from otfload.config import (
 )
 from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
 from otfload.config.rope import rotary_dim
-from otfload.families.llama.config import attention_shape
+from otfload.families.gqa_shape import attention_shape
 
 ACTIVATIONS = Choice("silu", "swish")
 # transformers' field names first (``num_local_experts``/``num_mtp_layers`` are its aliases).

@@ -16,7 +16,7 @@ from typing import Any
 from otfload.config import Count, Dim
 from otfload.families.glm4_moe.config import EXPERT_FIELDS, Glm4MoeConfig
 from otfload.families.gqa_rules import gqa_rules
-from otfload.families.llama.mapping import attention_checks
+from otfload.families.gqa_shape import attention_checks
 from otfload.plan.mapping import MappingTable, Rule
 
 HF = "model.layers.{layer}"

@@ -11,9 +11,6 @@ from typing import Any
 from otfload.config import (
     BOOL,
     EPS,
-    HEAD_DIM,
-    HEADS,
-    HIDDEN,
     INTERMEDIATE,
     LAYERS,
     NAME,
@@ -22,27 +19,12 @@ from otfload.config import (
     Choice,
     Fields,
     padding_idx,
-    require,
     rope_params,
 )
+from otfload.families.gqa_shape import attention_shape
 
 # transformers' names of the activation Llama-family MLPs apply (SiLU; "swish" is the same function).
 ACTIVATIONS = Choice("silu", "swish")
-
-
-def attention_shape(f: Fields) -> tuple[int, int, int, int]:
-    """``(hidden_size, heads, kv_heads, head_dim)`` of a GQA config, checked for consistency."""
-    hidden, heads = f.get("hidden_size", HIDDEN), f.get("num_attention_heads", HEADS)
-    kv_heads = f.get("num_key_value_heads", HEADS, heads)
-    require(heads % kv_heads == 0, f.name("num_key_value_heads"), kv_heads,
-            f"must divide num_attention_heads ({heads}): each key/value head serves a whole group of query heads")
-    head_dim = f.get("head_dim", HEAD_DIM, None)
-    if head_dim is None:
-        require(hidden % heads == 0, f.name("hidden_size"), hidden,
-                f"must be divisible by num_attention_heads ({heads}) when head_dim is not given")
-        head_dim = hidden // heads
-    require(head_dim % 2 == 0, f.name("head_dim"), head_dim, "must be even: RoPE rotates pairs of dimensions")
-    return hidden, heads, kv_heads, head_dim
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ against the checkpoint's tensors; the MoE and Gemma tables extend them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.gqa_shape import attention_checks
 from otfload.families.llama.config import LlamaConfig
-from otfload.models.gqa import HeadShape
 from otfload.plan.hooks import Reshape
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -51,30 +51,6 @@ LLAMA_TABLE = MappingTable(
     ),
     ignore=(r".*\.rotary_emb\.inv_freq",),
 )
-
-
-class AttentionConfig(HeadShape, Protocol):
-    """The fields of a Llama-style attention config that :func:`attention_checks` compares
-    (:class:`LlamaConfig`, and Gemma's, which shares their names)."""
-
-    @property
-    def num_hidden_layers(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-
-
-def attention_checks(cfg: AttentionConfig, prefix: str = "model.") -> tuple[Count | Dim, ...]:
-    """Layer count, vocabulary, width and (kv) heads of a Llama-style config against the tensors
-    under ``prefix``."""
-    embed, attn = f"{prefix}embed_tokens.weight", f"{prefix}layers.{{layer}}.self_attn"
-    per_head = ("head_dim", cfg.head_dim)
-    return (
-        Count("num_hidden_layers", cfg.num_hidden_layers, "layer"),
-        Dim("vocab_size", cfg.vocab_size, embed, 0),
-        Dim("hidden_size", cfg.hidden_size, embed, 1),
-        Dim("num_attention_heads", cfg.num_attention_heads, f"{attn}.q_proj.weight", 0, per_head),
-        Dim("num_key_value_heads", cfg.num_key_value_heads, f"{attn}.k_proj.weight", 0, per_head),
-    )
 
 
 def llama_checks(cfg: LlamaConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:

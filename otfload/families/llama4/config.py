@@ -36,7 +36,7 @@ from otfload.config import (
 )
 from otfload.config.fields import MAX_CONTEXT, MAX_LAYERS
 from otfload.errors import ConfigError
-from otfload.families.llama.config import attention_shape
+from otfload.families.gqa_shape import attention_shape
 
 ACTIVATIONS = Choice("silu", "swish")
 CHUNKED, FULL = "chunked_attention", "full_attention"

@@ -17,7 +17,7 @@ from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.gqa_rules import gqa_rules
-from otfload.families.llama.mapping import attention_checks
+from otfload.families.gqa_shape import attention_checks
 from otfload.families.llama4.config import Llama4Config
 from otfload.plan.hooks import Slice
 from otfload.plan.mapping import MappingTable, Rule

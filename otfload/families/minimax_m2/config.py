@@ -33,7 +33,7 @@ from otfload.config import (
 )
 from otfload.config.fields import Spec
 from otfload.config.rope import rotary_dim
-from otfload.families.llama.config import attention_shape
+from otfload.families.gqa_shape import attention_shape
 
 ACTIVATIONS = Choice("silu", "swish")
 # Fields of MiniMax's remote code, each accepted at the one value transformers' model implements.

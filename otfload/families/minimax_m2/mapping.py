@@ -12,7 +12,7 @@ from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.gqa_rules import gqa_rules
-from otfload.families.llama.mapping import attention_checks
+from otfload.families.gqa_shape import attention_checks
 from otfload.families.minimax_m2.config import MiniMaxM2Config
 from otfload.models.gqa import WHOLE
 from otfload.plan.mapping import MappingTable, Rule

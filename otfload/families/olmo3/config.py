@@ -25,7 +25,7 @@ from otfload.config import (
 )
 from otfload.config.layer_types import FULL, SLIDING, layer_types
 from otfload.config.rope import THETA
-from otfload.families.llama.config import attention_shape
+from otfload.families.gqa_shape import attention_shape
 
 ACTIVATIONS = Choice("silu", "swish")
 # transformers' Olmo3Config defaults.

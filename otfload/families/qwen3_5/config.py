@@ -43,7 +43,7 @@ from otfload.config import (
 from otfload.config.layer_types import FULL
 from otfload.config.rope import THETA, rotary_dim
 from otfload.errors import ConfigError
-from otfload.families.llama.config import attention_shape
+from otfload.families.gqa_shape import attention_shape
 from otfload.models.moe import SOFTMAX_TOPK, SWIGLU
 
 LINEAR = "linear_attention"
