@@ -54,6 +54,8 @@ def replicated_by_mesh(leaf: AbstractLeaf, rules: LogicalRules = DEFAULT_RULES) 
     sharding = leaf.sharding
     if not isinstance(sharding, NamedSharding) or leaf.logical_axes is None or not sharding.is_fully_replicated:
         return False
+    if len(leaf.logical_axes) != len(leaf.shape):  # names for some dims only (a stacked leaf): no rule to judge by
+        return False
     mesh = sharding.mesh
     if not isinstance(mesh, Mesh) or mesh.size < 2:
         return False

@@ -137,8 +137,8 @@ class LoadOptions:
     A ``mesh`` given as a spec (``"fsdp=2,tp=4"``) or a dict of axis sizes is made a ``Mesh``, and a
     ``dtype`` name a numpy dtype (``"auto"``: None), when the object is made. The fields the
     environment can set (``timeout``, ``reshard``, ``device_hooks``, ``read_ahead``, ``direct_io``,
-    ``host_ring_bytes``, ``collective_timeout``) are filled from it by :func:`resolve_options`
-    (:mod:`otfload.options.environment`).
+    ``host_ring_bytes``, ``collective_timeout``) are filled from it by ``resolve_options``
+    (``otfload.options.environment``).
 
     Examples
     --------

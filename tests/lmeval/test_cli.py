@@ -104,4 +104,4 @@ def test_unknown_task_fails_before_the_load(setup):
     checkpoint, tasks = setup
     out = subprocess.run([str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "no_such_task", "--include-path",
                           str(tasks), "--compile-cache", "off", "--json"], capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and "no lm_eval task or group named no_such_task" in out.stderr
+    assert out.returncode != 0 and "no lm_eval task or group named 'no_such_task'" in out.stderr
