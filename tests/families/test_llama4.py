@@ -262,6 +262,7 @@ def test_the_published_scout_config_plans_at_256_devices(tmp_path):
     assert info["seconds"] <= 10 if "seconds" in info else True
 
 
+@pytest.mark.skipif(not SCOUT.is_file(), reason="../shared/realconfigs is not checked out")
 def test_the_published_config_parses():
     cfg = Llama4Config.from_hf(_real_config()["text_config"])
     assert cfg.moe_layers == tuple(range(48)) and cfg.dense_layers == ()
