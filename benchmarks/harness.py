@@ -134,8 +134,12 @@ def cpu_seconds() -> float:
 
 
 def peak_rss() -> int:
-    """Peak RSS of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak RSS of this process's own address space so far (``VmHWM``; ``ru_maxrss`` would include
+    the peak of the process that spawned it: see ``otfload.place.report.peak_rss``)."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.exists() else []
+    hwm = [line.split()[1] for line in lines if line.startswith("VmHWM:")]
+    return int(hwm[0]) * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def current_rss() -> int:

@@ -43,7 +43,19 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """The process's peak resident set size so far (Linux reports KiB)."""
+    """The process's peak resident set size so far, in bytes.
+
+    Linux's ``VmHWM`` (the peak of this process's own address space) where there is one:
+    ``ru_maxrss`` also counts, after an ``exec``, the peak of the process that spawned it (the
+    kernel carries it over from the old address space; Python's ``subprocess`` uses ``vfork``, so
+    a child of a large test worker would report the worker's peak)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -201,18 +201,19 @@ def _replica_tensors(text: dict) -> list[tuple[str, str, tuple[int, ...]]]:
 # Run in a process of 256 simulated devices: the plan timed alone (and the process's peak memory),
 # then ``otfload inspect`` as process 0 of 32 (8 devices each) in the same process.
 PLAN_256 = """
-import json, resource, sys, time
+import json, sys, time
 import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 256)
 import otfload
 from otfload.cli import main
+from otfload.place.report import peak_rss
 from otfload.plan.sharding import make_mesh
 start = time.perf_counter()
 _, plan, src = otfload.plan_model(sys.argv[1], mesh=make_mesh({"fsdp": 32, "ep": 8}), scan_layers=True)
 seconds = time.perf_counter() - start
 src.close()
-print(json.dumps({"seconds": seconds, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"seconds": seconds, "peak": peak_rss()}))
 sys.exit(main(["inspect", sys.argv[1], "--mesh", "fsdp=32,ep=8", "--process-count", "32", "--process-index", "0",
                "--json"]))
 """

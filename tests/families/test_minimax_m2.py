@@ -179,10 +179,9 @@ def test_published_minimax_m25_plans_at_256_devices(tmp_path):
 
     path = minimax_m25_headers(tmp_path / "minimax_m25")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # the child reports its own peak (RUSAGE_CHILDREN's is the largest of every child this worker ran)
-    probe = ("import resource, sys\nfrom otfload.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
-             "finally:\n    sys.stderr.write(f'PEAK {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}\\n')\n"
-             "sys.exit(code)")
+    # the child reports its own peak (its address space's: ru_maxrss would carry this worker's over the exec)
+    probe = ("import sys\nfrom otfload.cli import main\nfrom otfload.place.report import peak_rss\ntry:\n"
+             "    code = main(sys.argv[1:])\nfinally:\n    sys.stderr.write(f'PEAK {peak_rss()}\\n')\nsys.exit(code)")
     run = subprocess.run([sys.executable, "-c", probe, "inspect", str(path), "--devices", "256",
                           "--mesh", "fsdp=16,ep=16", "--process-index", "0", "--process-count", "32", "--json"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "TQDM_DISABLE": "1"})
