@@ -52,7 +52,7 @@ Window = int | np.integer[Any] | jax.Array
 CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
               "v": ("layers", "batch", None, "kv_heads", "head_dim"),
               "mask": ("batch", None), "index": (),
-              # recurrent layers (otfload.models.gated_delta): the conv's last inputs and the state
+              # recurrent layers (otfload.models.gated_delta, .mamba2): the conv's last inputs and the state
               "conv": ("layers", "batch", "mlp", None), "state": ("layers", "batch", "heads", None, None)}
 
 
@@ -110,6 +110,15 @@ def make_context(
     new = jnp.ones((b, s), bool) if mask is None else mask
     kv_mask = jax.lax.dynamic_update_slice(cache["mask"], new, (0, index))
     return Context(positions, index + jnp.arange(s), kv_mask, index, attention_impl, moe_impl)
+
+
+def token_mask(ctx: Context, s: int) -> jax.Array | None:
+    """``[b, s]``: which of this call's ``s`` tokens are real (None: all are), for the recurrent mixers."""
+    if ctx.kv_mask is None:
+        return None
+    if ctx.cache_index is None:
+        return ctx.kv_mask
+    return jax.lax.dynamic_slice_in_dim(ctx.kv_mask, ctx.cache_index, s, axis=1)
 
 
 def write_cache(layer_cache: Mapping[str, jax.Array], name: str, value: jax.Array, ctx: Context) -> jax.Array:

@@ -49,9 +49,12 @@ PADDING_FRACTION = 1
 # Backends whose XLA implements ragged_dot natively (elsewhere it becomes a dense masked dot).
 RAGGED_BACKENDS = ("gpu", "tpu", "cuda", "rocm")
 
-Activation = Callable[[jax.Array, jax.Array], jax.Array]
-# ``gate``, ``up`` and ``down``, each ``{"kernel": [E, ...], "bias": [E, out]}`` (bias optional).
+# The experts' activation of their input projections: ``(gate, up)``, or ``(up,)`` for experts without
+# a gate (Nemotron-H's squared ReLU).
+Activation = Callable[..., jax.Array]
+# ``gate`` (optional), ``up`` and ``down``, each ``{"kernel": [E, ...], "bias": [E, out]}`` (bias optional).
 Experts = Mapping[str, Mapping[str, jax.Array]]
+INPUTS = ("gate", "up")
 
 
 def default_impl() -> str:
@@ -80,12 +83,13 @@ def expert_ffn(
 
     ``experts`` holds ``gate``, ``up`` and ``down`` dicts with a ``kernel`` stacked on a leading
     experts axis (``[E, out, in]``, or ``[E, in, out]`` with ``in_first``) and optionally a ``bias``
-    ``[E, out]``; an expert computes ``down(activation(gate(x), up(x)))``. Returns ``x``'s dtype.
+    ``[E, out]``; an expert computes ``down(activation(gate(x), up(x)))``, or ``down(activation(up(x)))``
+    without ``gate``. Returns ``x``'s dtype.
     """
     impl = impl or default_impl()
     if impl not in IMPLS:
         raise ValueError(f"unknown MoE implementation {impl!r}; expected one of {IMPLS}")
-    num_experts = experts["gate"]["kernel"].shape[0]
+    num_experts = experts["up"]["kernel"].shape[0]
     if impl == DENSE:
         return _dense(x, idx, weights, experts, num_experts, in_first, activation)
     mesh = jax.sharding.get_abstract_mesh()
@@ -111,6 +115,11 @@ def expert_ffn(
     return out
 
 
+def _activated(experts: Experts, proj: Callable[[str], jax.Array], activation: Activation) -> jax.Array:
+    """``activation`` of the input projections ``proj(name)`` the experts have (gate and up, or up)."""
+    return activation(*(proj(name) for name in INPUTS if name in experts))
+
+
 def _project(kernel: jax.Array, bias: jax.Array | None, x: jax.Array, in_first: bool) -> jax.Array:
     """One expert's projection of rows ``x [n, in]`` (``kernel`` is that expert's 2-D weight)."""
     y = x @ kernel if in_first else x @ kernel.T
@@ -129,7 +138,7 @@ def _dense(
         y = jnp.einsum(spec, h, p["kernel"])
         return y + p["bias"] if "bias" in p else y
 
-    act = activation(proj(experts["gate"], x, up_spec), proj(experts["up"], x, up_spec))
+    act = _activated(experts, lambda name: proj(experts[name], x, up_spec), activation)
     out = proj(experts["down"], act, down_spec)
     return jnp.einsum("teh,te->th", out, dense_w.astype(out.dtype))
 
@@ -141,7 +150,7 @@ def _routed(
     """The rows routed to experts ``first .. first + E_local - 1`` (the experts held here), sorted
     by expert, through a grouped matmul, then weighted back into token order (f32 sum over k)."""
     tokens, k = idx.shape
-    local_experts = experts["gate"]["kernel"].shape[0]
+    local_experts = experts["up"]["kernel"].shape[0]
     local = idx - first
     held = (local >= 0) & (local < local_experts)
     bucket = jnp.where(held, local, local_experts).reshape(-1)  # the last bucket: experts held elsewhere
@@ -174,7 +183,7 @@ def _ragged(rows: jax.Array, sizes: jax.Array, experts: Experts, in_first: bool,
         y = jax.lax.ragged_dot_general(h, p["kernel"], sizes, dims, preferred_element_type=h.dtype)
         return y + p["bias"][expert] if "bias" in p else y
 
-    return proj(experts["down"], activation(proj(experts["gate"], rows), proj(experts["up"], rows)))
+    return proj(experts["down"], _activated(experts, lambda name: proj(experts[name], rows), activation))
 
 
 def _blocks(rows: jax.Array, sizes: jax.Array, experts: Experts, in_first: bool, activation: Activation) -> jax.Array:
@@ -214,7 +223,7 @@ def _block_loop(block: int, in_first: bool, activation: Activation) -> BlockLoop
         def proj(name: str, v: jax.Array) -> jax.Array:
             return _project(w[name]["kernel"], w[name].get("bias"), v, in_first)
 
-        return proj("down", activation(proj("gate", h), proj("up", h)))
+        return proj("down", _activated(w, lambda name: proj(name, h), activation))
 
     def rows_of(a: jax.Array, j: jax.Array) -> jax.Array:
         return jax.lax.dynamic_slice_in_dim(a, j * block, block)

@@ -87,16 +87,20 @@ class GatedDeltaNet(nnx.Module):
         self.out = Dense((h, hv, dv), ("embed", "heads", "head_dim"), **kw)
 
 
-def causal_conv1d(x: jax.Array, weight: jax.Array, state: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Causal depthwise convolution of ``x [b, s, c]`` with ``weight [c, K]`` after the previous inputs
-    ``state [b, c, K]`` (zeros when None), then SiLU: ``(y [b, s, c], the last K inputs [b, c, K])``.
-    ``y[t] = sum_j weight[:, j] * input[t - K + 1 + j]``, accumulated in float32."""
+def causal_conv1d(
+    x: jax.Array, weight: jax.Array, state: jax.Array | None, bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise convolution of ``x [b, s, c]`` with ``weight [c, K]`` (plus ``bias [c]``) after
+    the previous inputs ``state [b, c, K]`` (zeros when None), then SiLU: ``(y [b, s, c], the last K
+    inputs [b, c, K])``. ``y[t] = sum_j weight[:, j] * input[t - K + 1 + j]``, accumulated in float32."""
     b, s, c = x.shape
     taps = weight.shape[-1]
     past = jnp.zeros((b, c, taps), x.dtype) if state is None else state.astype(x.dtype)
     inputs = jnp.concatenate([jnp.swapaxes(past, 1, 2), x], axis=1)  # [b, K + s, c]
     w = weight.astype(jnp.float32)
     y = sum(inputs[:, 1 + j: 1 + j + s].astype(jnp.float32) * w[:, j] for j in range(taps))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
     return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(inputs[:, -taps:], 1, 2)
 
 

@@ -99,11 +99,11 @@ def qk_norm(x: jax.Array, scale: jax.Array, eps: float, norm: NormFn = rms_norm)
 
 
 def attention_block(
-    a: Params, h: jax.Array, cfg: GqaShape, rope: Rope, ctx: Context, cache: GroupCache | None,
+    a: Params, h: jax.Array, cfg: GqaShape, rope: Rope | None, ctx: Context, cache: GroupCache | None,
     window: Window | None = None, norm: NormFn = rms_norm,
 ) -> tuple[jax.Array, GroupCache | None]:
     """Self-attention of the normed input ``h``: GQA, optional q/k norm (either kind, by ``norm``),
-    RoPE (full or partial), optional ``sinks``;
+    RoPE (full or partial; ``rope=None``: no position rotation, Nemotron-H), optional ``sinks``;
     returns the output and the layer's updated cache."""
     q = dense(a["q"], h, "bsh,ndh->bsnd")
     k = dense(a["k"], h, "bsh,ndh->bsnd")
@@ -111,7 +111,8 @@ def attention_block(
     if cfg.qk_norm:
         q = qk_norm(q, a["q_norm"]["scale"], cfg.rms_norm_eps, norm)
         k = qk_norm(k, a["k_norm"]["scale"], cfg.rms_norm_eps, norm)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     out, cache = self_attention(q, k, v, ctx, cache, scale=cfg.head_dim**-0.5, window=window, sinks=a.get("sinks"))
     return dense(a["o"], out, "bsnd,hnd->bsh"), cache
 

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from otfload.families.qwen3_5.config import Qwen35Config
-from otfload.models.attention import Context
+from otfload.models.attention import Context, token_mask
 from otfload.models.base import Cache, CacheLayout, CausalLM, GroupCache, GroupCaches
 from otfload.models.gated_attention import GatedAttention, gated_attention
 from otfload.models.gated_delta import GatedDeltaNet, gated_delta_forward
@@ -64,15 +64,6 @@ class Qwen35Layer(nnx.Module):
             self.shared_gate = Dense((1, cfg.hidden_size), (None, "embed"), **kw)
         else:
             self.mlp = Mlp(cfg, **kw)
-
-
-def token_mask(ctx: Context, s: int) -> jax.Array | None:
-    """``[b, s]``: which of this call's ``s`` tokens are real (None: all are)."""
-    if ctx.kv_mask is None:
-        return None
-    if ctx.cache_index is None:
-        return ctx.kv_mask
-    return jax.lax.dynamic_slice_in_dim(ctx.kv_mask, ctx.cache_index, s, axis=1)
 
 
 def layer_forward(
