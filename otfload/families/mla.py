@@ -22,7 +22,7 @@ checkpoint lacks it is a missing tensor.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -51,8 +51,9 @@ from otfload.config import (
 )
 from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
 from otfload.errors import ConfigError
+from otfload.families.decoder_rules import decoder_table, mlp_rules, norm_rules, routed_rules
 from otfload.plan.hooks import Reshape, Slice
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import Rule
 
 V2 = "deepseek_v2"
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -197,18 +198,13 @@ ATTN = f"{HF}.self_attn"
 KV_B_HEADS = Reshape(("num_attention_heads", -1, "kv_lora_rank"))
 
 
-def _mlp_rules(rule: Callable[..., Rule], target: str, source: str) -> list[Rule]:
-    return [rule(f"{target}.{name}.kernel", f"{source}.{name}_proj.weight") for name in ("gate", "up", "down")]
-
-
 def layer_rules(group: str, *, moe: bool) -> list[Rule]:
     """Rules for one layer group (``dense_layers`` or ``moe_layers``)."""
     rule = partial(Rule, offsets={"layer": "first_k_dense_replace"}) if moe else Rule
     g = f"{group}.{{layer}}"
     a, i = f"{g}.attn", f"{ATTN}.indexer"
     rules = [
-        rule(f"{g}.input_norm.scale", f"{HF}.input_layernorm.weight"),
-        rule(f"{g}.post_attn_norm.scale", f"{HF}.post_attention_layernorm.weight"),
+        *norm_rules(g, HF, rule),
         rule(f"{a}.q.kernel", f"{ATTN}.q_proj.weight", (Reshape(("num_attention_heads", -1, "hidden_size")),)),
         rule(f"{a}.q_a.kernel", f"{ATTN}.q_a_proj.weight"),
         rule(f"{a}.q_a_norm.scale", f"{ATTN}.q_a_layernorm.weight"),
@@ -226,28 +222,10 @@ def layer_rules(group: str, *, moe: bool) -> list[Rule]:
         rule(f"{a}.indexer.k_norm.bias", f"{i}.k_norm.bias"),
         rule(f"{a}.indexer.head_weights.kernel", f"{i}.weights_proj.weight"),
     ]
-    if not moe:
-        return rules + _mlp_rules(rule, f"{g}.mlp", f"{HF}.mlp")
-    return [
-        *rules,
-        rule(f"{g}.moe.router.kernel", f"{HF}.mlp.gate.weight"),
-        rule(f"{g}.moe.router.bias", f"{HF}.mlp.gate.e_score_correction_bias"),
-        # {expert} is absent from the target: it becomes the experts stack axis (after layers).
-        *_mlp_rules(rule, f"{g}.moe.experts", f"{HF}.mlp.experts.{{expert}}"),
-        *_mlp_rules(rule, f"{g}.moe.shared", f"{HF}.mlp.shared_experts"),
-    ]
+    return rules + (routed_rules(f"{g}.moe", f"{HF}.mlp", rule) if moe else mlp_rules(f"{g}.mlp", f"{HF}.mlp", rule))
 
 
-MLA_TABLE = MappingTable(
-    rules=(
-        Rule("embed.embedding", "model.embed_tokens.weight"),
-        Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight"),
-        *layer_rules("dense_layers", moe=False),
-        *layer_rules("moe_layers", moe=True),
-    ),
-    ignore=(r".*\.rotary_emb\.inv_freq",),
-)
+MLA_TABLE = decoder_table(*layer_rules("dense_layers", moe=False), *layer_rules("moe_layers", moe=True))
 
 
 def mla_checks(cfg: MlaConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:

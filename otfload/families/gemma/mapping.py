@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import LLAMA_STYLE_TABLE as LLAMA_TABLE
 from otfload.families.gemma.config import GemmaConfig
 from otfload.families.gqa_shape import attention_checks
-from otfload.families.llama.mapping import LLAMA_TABLE
 from otfload.plan.mapping import MappingTable, Rule
 
 L = "model.layers.{layer}"

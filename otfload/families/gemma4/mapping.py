@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import MODEL_RULES
 from otfload.families.gemma4.config import GROUPS, Gemma4Config
 from otfload.plan.hooks import Reshape, Slice
 from otfload.plan.mapping import MappingTable, Rule
@@ -64,12 +65,10 @@ def group_rules(group: str, full: bool) -> list[Rule]:
 
 GEMMA4_TABLE = MappingTable(
     rules=(
-        Rule("embed.embedding", "model.embed_tokens.weight"),
+        *MODEL_RULES,
         Rule("embed_per_layer.embedding", "model.embed_tokens_per_layer.weight"),
         Rule("ple_projection.kernel", "model.per_layer_model_projection.weight"),
         Rule("ple_projection_norm.scale", "model.per_layer_projection_norm.weight"),
-        Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight"),
         *(r for group, layer_type, _ in GROUPS for r in group_rules(group, layer_type == "full_attention")),
     ),
 )

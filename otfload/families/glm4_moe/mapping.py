@@ -9,53 +9,29 @@ are listed as unused and never read."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import decoder_table, mlp_rules, norm_rules, routed_rules
 from otfload.families.glm4_moe.config import EXPERT_FIELDS, Glm4MoeConfig
 from otfload.families.gqa_rules import gqa_rules
 from otfload.families.gqa_shape import attention_checks
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import Rule
 
 HF = "model.layers.{layer}"
-
-
-def _mlp_rules(rule: Callable[..., Rule], target: str, source: str) -> list[Rule]:
-    return [rule(f"{target}.{name}.kernel", f"{source}.{name}_proj.weight") for name in ("gate", "up", "down")]
 
 
 def layer_rules(group: str, *, moe: bool) -> list[Rule]:
     """Rules for one layer group (``dense_layers`` or ``moe_layers``)."""
     rule = partial(Rule, offsets={"layer": "first_k_dense_replace"}) if moe else Rule
     g = f"{group}.{{layer}}"
-    rules = [
-        rule(f"{g}.input_norm.scale", f"{HF}.input_layernorm.weight"),
-        rule(f"{g}.post_attn_norm.scale", f"{HF}.post_attention_layernorm.weight"),
-        *gqa_rules(f"{g}.attn", f"{HF}.self_attn", rule=rule),
-    ]
-    if not moe:
-        return rules + _mlp_rules(rule, f"{g}.mlp", f"{HF}.mlp")
-    return [
-        *rules,
-        rule(f"{g}.moe.router.kernel", f"{HF}.mlp.gate.weight"),
-        rule(f"{g}.moe.router.bias", f"{HF}.mlp.gate.e_score_correction_bias"),
-        *_mlp_rules(rule, f"{g}.moe.experts", f"{HF}.mlp.experts.{{expert}}"),
-        *_mlp_rules(rule, f"{g}.moe.shared", f"{HF}.mlp.shared_experts"),
-    ]
+    ffn = routed_rules(f"{g}.moe", f"{HF}.mlp", rule) if moe else mlp_rules(f"{g}.mlp", f"{HF}.mlp", rule)
+    return [*norm_rules(g, HF, rule), *gqa_rules(f"{g}.attn", f"{HF}.self_attn", rule=rule), *ffn]
 
 
-GLM4_MOE_TABLE = MappingTable(
-    rules=(
-        Rule("embed.embedding", "model.embed_tokens.weight"),
-        Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight"),
-        *layer_rules("dense_layers", moe=False),
-        *layer_rules("moe_layers", moe=True),
-    ),
-    ignore=(r".*\.rotary_emb\.inv_freq",),
-)
+GLM4_MOE_TABLE = decoder_table(*layer_rules("dense_layers", moe=False), *layer_rules("moe_layers", moe=True))
 
 
 def glm4_moe_checks(cfg: Glm4MoeConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:

@@ -16,11 +16,12 @@ from functools import partial
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import decoder_table, mlp_rules, norm_rules
 from otfload.families.gqa_rules import gqa_rules
 from otfload.families.gqa_shape import attention_checks
 from otfload.families.llama4.config import Llama4Config
 from otfload.plan.hooks import Slice
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import Rule
 
 HF = "model.layers.{layer}"
 FF = f"{HF}.feed_forward"
@@ -30,33 +31,20 @@ def layer_rules(group: str, *, moe: bool) -> list[Rule]:
     """The rules of one layer group (``dense_layers`` or ``moe_layers``)."""
     rule = partial(Rule, indices={"layer": group})
     g = f"{group}.{{layer}}"
-    rules = [
-        rule(f"{g}.input_norm.scale", f"{HF}.input_layernorm.weight"),
-        rule(f"{g}.post_attn_norm.scale", f"{HF}.post_attention_layernorm.weight"),
-        *gqa_rules(f"{g}.attn", f"{HF}.self_attn", rule=rule),
-    ]
+    rules = [*norm_rules(g, HF, rule), *gqa_rules(f"{g}.attn", f"{HF}.self_attn", rule=rule)]
     if not moe:
-        return rules + [rule(f"{g}.mlp.{n}.kernel", f"{FF}.{n}_proj.weight") for n in ("gate", "up", "down")]
+        return rules + mlp_rules(f"{g}.mlp", FF, rule)
     return [
         *rules,
         rule(f"{g}.moe.router.kernel", f"{FF}.router.weight"),
         rule(f"{g}.moe.gate.kernel", f"{FF}.experts.gate_up_proj", (Slice(-1, 0, "intermediate_size"),)),
         rule(f"{g}.moe.up.kernel", f"{FF}.experts.gate_up_proj", (Slice(-1, "intermediate_size", None),)),
         rule(f"{g}.moe.down.kernel", f"{FF}.experts.down_proj"),
-        *(rule(f"{g}.moe.shared.{n}.kernel", f"{FF}.shared_expert.{n}_proj.weight") for n in ("gate", "up", "down")),
+        *mlp_rules(f"{g}.moe.shared", f"{FF}.shared_expert", rule),
     ]
 
 
-LLAMA4_TABLE = MappingTable(
-    rules=(
-        Rule("embed.embedding", "model.embed_tokens.weight"),
-        Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight"),
-        *layer_rules("dense_layers", moe=False),
-        *layer_rules("moe_layers", moe=True),
-    ),
-    ignore=(r".*\.rotary_emb\.inv_freq",),
-)
+LLAMA4_TABLE = decoder_table(*layer_rules("dense_layers", moe=False), *layer_rules("moe_layers", moe=True))
 
 
 def llama4_checks(cfg: Llama4Config, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:

@@ -11,31 +11,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import decoder_table, norm_rules
 from otfload.families.gqa_rules import gqa_rules
 from otfload.families.gqa_shape import attention_checks
 from otfload.families.minimax_m2.config import MiniMaxM2Config
 from otfload.models.gqa import WHOLE
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import Rule
 
 L = "model.layers.{layer}"
 MOE = f"{L}.block_sparse_moe"
 EXPERT = f"{MOE}.experts.{{expert}}"
 
-MINIMAX_M2_TABLE = MappingTable(
-    rules=(
-        Rule("embed.embedding", "model.embed_tokens.weight"),
-        Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight"),
-        Rule("layers.{layer}.input_norm.scale", f"{L}.input_layernorm.weight"),
-        Rule("layers.{layer}.post_attn_norm.scale", f"{L}.post_attention_layernorm.weight"),
-        *gqa_rules("layers.{layer}.attn", f"{L}.self_attn", WHOLE),
-        Rule("layers.{layer}.moe.router.kernel", f"{MOE}.gate.weight"),
-        Rule("layers.{layer}.moe.router.bias", f"{MOE}.e_score_correction_bias"),
-        Rule("layers.{layer}.moe.experts.gate.kernel", f"{EXPERT}.w1.weight"),
-        Rule("layers.{layer}.moe.experts.up.kernel", f"{EXPERT}.w3.weight"),
-        Rule("layers.{layer}.moe.experts.down.kernel", f"{EXPERT}.w2.weight"),
-    ),
-    ignore=(r".*\.rotary_emb\.inv_freq",),
+MINIMAX_M2_TABLE = decoder_table(
+    *norm_rules("layers.{layer}", L),
+    *gqa_rules("layers.{layer}.attn", f"{L}.self_attn", WHOLE),
+    Rule("layers.{layer}.moe.router.kernel", f"{MOE}.gate.weight"),
+    Rule("layers.{layer}.moe.router.bias", f"{MOE}.e_score_correction_bias"),
+    Rule("layers.{layer}.moe.experts.gate.kernel", f"{EXPERT}.w1.weight"),
+    Rule("layers.{layer}.moe.experts.up.kernel", f"{EXPERT}.w3.weight"),
+    Rule("layers.{layer}.moe.experts.down.kernel", f"{EXPERT}.w2.weight"),
 )
 
 

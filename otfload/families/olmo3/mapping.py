@@ -8,25 +8,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import decoder_table, mlp_rules
 from otfload.families.gqa_rules import gqa_rules
 from otfload.families.gqa_shape import attention_checks
 from otfload.families.olmo3.config import Olmo3Config
 from otfload.models.gqa import WHOLE
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import Rule
 
 L = "model.layers.{layer}"
 
-OLMO3_TABLE = MappingTable(
-    rules=(
-        Rule("embed.embedding", "model.embed_tokens.weight"),
-        Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight"),
-        Rule("layers.{layer}.post_attn_norm.scale", f"{L}.post_attention_layernorm.weight"),
-        Rule("layers.{layer}.post_ffw_norm.scale", f"{L}.post_feedforward_layernorm.weight"),
-        *gqa_rules("layers.{layer}.attn", f"{L}.self_attn", WHOLE),
-        *(Rule(f"layers.{{layer}}.mlp.{n}.kernel", f"{L}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")),
-    ),
-    ignore=(r".*\.rotary_emb\.inv_freq",),
+OLMO3_TABLE = decoder_table(
+    Rule("layers.{layer}.post_attn_norm.scale", f"{L}.post_attention_layernorm.weight"),
+    Rule("layers.{layer}.post_ffw_norm.scale", f"{L}.post_feedforward_layernorm.weight"),
+    *gqa_rules("layers.{layer}.attn", f"{L}.self_attn", WHOLE),
+    *mlp_rules("layers.{layer}.mlp", f"{L}.mlp"),
 )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import MODEL_RULES
 from otfload.families.qwen3_5.config import Qwen35Config
 from otfload.families.qwen3_5.model import ATTENTION_GROUP, LINEAR_GROUP
 from otfload.plan.hooks import Hook, Reshape
@@ -60,11 +61,6 @@ ATTENTION = {
     "attn.q_norm.scale": ("self_attn.q_norm.weight", ()),
     "attn.k_norm.scale": ("self_attn.k_norm.weight", ()),
 }
-GLOBAL = (
-    Rule("embed.embedding", "model.embed_tokens.weight"),
-    Rule("final_norm.scale", "model.norm.weight"),
-    Rule("lm_head.kernel", "lm_head.weight"),
-)
 
 
 def group_rules(group: str, leaves: Mapping[str, tuple[str, tuple[Hook, ...]]]) -> list[Rule]:
@@ -74,7 +70,7 @@ def group_rules(group: str, leaves: Mapping[str, tuple[str, tuple[Hook, ...]]]) 
 
 
 def _table(ffn: Mapping[str, tuple[str, tuple[Hook, ...]]]) -> MappingTable:
-    return MappingTable((*GLOBAL, *group_rules(LINEAR_GROUP, {**COMMON, **LINEAR, **ffn}),
+    return MappingTable((*MODEL_RULES, *group_rules(LINEAR_GROUP, {**COMMON, **LINEAR, **ffn}),
                          *group_rules(ATTENTION_GROUP, {**COMMON, **ATTENTION, **ffn})))
 
 

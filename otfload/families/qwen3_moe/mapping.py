@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import LLAMA_STYLE_TABLE as LLAMA_TABLE
 from otfload.families.gqa_shape import attention_checks
-from otfload.families.llama.mapping import LLAMA_TABLE
 from otfload.families.mixtral.config import MoeConfig
 from otfload.families.qwen3_moe.config import EXPERT_FIELDS
 from otfload.plan.mapping import MappingTable, Rule
