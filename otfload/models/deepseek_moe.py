@@ -13,6 +13,7 @@ experts (DeepSeek-V2/V3/V3.2, GLM-5).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from otfload.models.experts import expert_ffn
+from otfload.models.experts import Activation, expert_ffn
 from otfload.models.layers import ExpertDense, ParamOptions, Params, make_param
 from otfload.models.mlp import Mlp, swiglu
 
@@ -131,11 +132,20 @@ def group_route(router: Params, x: jax.Array, cfg: DeepseekMoeShape) -> tuple[ja
     return weights * cfg.routed_scaling_factor, idx
 
 
-def deepseek_moe_forward(p: Params, x: jax.Array, cfg: DeepseekMoeShape, impl: str | None = None) -> jax.Array:
+def silu_gated(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's activation of the experts' gate and up projections."""
+    return jax.nn.silu(gate) * up
+
+
+def deepseek_moe_forward(
+    p: Params, x: jax.Array, cfg: DeepseekMoeShape, impl: str | None = None, activation: Activation = silu_gated,
+    shared: Callable[[Params, jax.Array], jax.Array] = swiglu,
+) -> jax.Array:
     """Routed experts (each token through its top-k only, :func:`~otfload.models.experts.expert_ffn`)
-    plus the shared experts, of ``x [b, s, hidden]``."""
+    plus the shared experts, of ``x [b, s, hidden]``; ``activation`` and ``shared`` are the experts'
+    activation and the shared MLP (Nemotron-H: squared ReLU experts without a gate, an ungated MLP)."""
     flat = x.reshape(-1, x.shape[-1])
     weights, idx = group_route(p["router"], flat, cfg)
-    out = expert_ffn(flat, idx, weights, p["experts"], in_first=False,
-                     activation=lambda g, u: jax.nn.silu(g) * u, impl=impl).reshape(x.shape)
-    return out + swiglu(p["shared"], x) if "shared" in p else out
+    out = expert_ffn(flat, idx, weights, p["experts"], in_first=False, activation=activation,
+                     impl=impl).reshape(x.shape)
+    return out + shared(p["shared"], x) if "shared" in p else out
