@@ -6,7 +6,9 @@ arithmetic expression over field names (``"1 / sqrt(head_dim)"``, ``"num_heads *
 never ``eval``: only numbers, field names, ``+ - * / // % **``, unary signs and the functions in
 :data:`FUNCTIONS` are allowed; anything else is a :class:`~otfload.errors.MappingError` naming the
 expression. Arithmetic is Python's (float64), so a table gets the same value wherever it is
-resolved; a hook that must match another system's rounding casts the result itself.
+resolved; a hook that must match another system's rounding casts the result itself, or rounds a
+constant as that system does with ``bfloat16(x)`` (the nearest bfloat16, as a float: MaxText's Gemma 3
+embedding scale ``bfloat16(sqrt(hidden))``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import math
 import operator
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import ml_dtypes
 
 from otfload.errors import MappingError
 
@@ -29,6 +33,7 @@ FUNCTIONS: dict[str, Callable[..., Number]] = {
     "max": max,
     "ceil": math.ceil,
     "floor": math.floor,
+    "bfloat16": lambda x: float(ml_dtypes.bfloat16(x)),
 }
 _BINARY: dict[type[ast.operator], Callable[[Any, Any], Number]] = {
     ast.Add: operator.add,

@@ -285,7 +285,37 @@ class Reshape(Hook):
 
 
 @dataclass(frozen=True)
-class Scale(Hook):
+class Elementwise(Hook):
+    """A hook acting on each element alone (shape kept, each box of the output needs the same box of
+    the input); subclasses give :meth:`forward`."""
+
+    def out_shape(self, in_shape: Shape) -> Shape:
+        return tuple(in_shape)
+
+    def in_shape(self, out_shape: Shape) -> Shape:
+        return tuple(out_shape)
+
+    def needed(self, out_box: Box, in_shape: Shape) -> Box:
+        return out_box
+
+    def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
+        return out_sel
+
+    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
+        return self.forward(x), in_box
+
+
+def _widened(x: np.ndarray, constant: float | str, hook: Hook) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` in float32 at least and ``constant`` in that dtype: a hook's arithmetic, rounded once back
+    to ``x.dtype`` by the caller (as a converter working in float32 writes it)."""
+    if isinstance(constant, str):
+        raise MappingError(f"{hook} was not resolved against a config")
+    work = np.promote_types(x.dtype, np.float32)
+    return (x if x.dtype == work else x.astype(work)), np.asarray(constant, dtype=work)
+
+
+@dataclass(frozen=True)
+class Scale(Elementwise):
     """Multiply by a constant, a config field or a config expression (``Scale("1 / sqrt(head_dim)")``);
     ``divide=True`` divides by it instead. The product is computed in float32 at least (a bfloat16
     tensor is widened, multiplied by ``float32(factor)`` and rounded once back to bfloat16, as a
@@ -301,32 +331,37 @@ class Scale(Hook):
             return self
         return Scale(float(evaluate(self.factor, config)), self.divide)
 
-    def out_shape(self, in_shape: Shape) -> Shape:
-        return tuple(in_shape)
-
-    def in_shape(self, out_shape: Shape) -> Shape:
-        return tuple(out_shape)
-
     def forward(self, x: np.ndarray) -> np.ndarray:
-        if isinstance(self.factor, str):
-            raise MappingError(f"{self} was not resolved against a config")
-        work = np.promote_types(x.dtype, np.float32)
-        factor = np.asarray(self.factor, dtype=work)
-        wide = x if x.dtype == work else x.astype(work)
+        wide, factor = _widened(x, self.factor, self)
         scaled: np.ndarray = (wide / factor if self.divide else wide * factor).astype(x.dtype)
         return scaled
 
-    def needed(self, out_box: Box, in_shape: Shape) -> Box:
-        return out_box
-
-    def selection(self, out_sel: Selection, in_shape: Shape) -> Selection:
-        return out_sel
-
-    def apply(self, x: np.ndarray, in_box: Box, in_shape: Shape) -> tuple[np.ndarray, Box]:
-        return self.forward(x), in_box
-
     def inverse(self, in_shape: Shape) -> Hook:
         return Scale(self.factor, not self.divide)
+
+
+@dataclass(frozen=True)
+class Shift(Elementwise):
+    """Add a constant, a config field or expression: a norm scale stored as ``w`` for a model that
+    reads ``1 + w`` as ``w`` (MaxText's Gemma RMSNorm: ``Shift(1.0)``, its converter's ``x + 1.0``).
+    Computed in float32 at least and rounded once back, as :class:`Scale`. The inverse subtracts:
+    ``(x + c) - c`` is ``x`` only to the rounding of ``x + c`` (a float32 ``w`` near 0 loses its low
+    bits to the ``1``), so an export through it is exact to that rounding, not bit-exact."""
+
+    amount: float | str
+
+    def resolve(self, config: Mapping[str, Any]) -> Hook:
+        if not isinstance(self.amount, str):
+            return self
+        return Shift(float(evaluate(self.amount, config)))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        wide, amount = _widened(x, self.amount, self)
+        shifted: np.ndarray = (wide + amount).astype(x.dtype)
+        return shifted
+
+    def inverse(self, in_shape: Shape) -> Hook:
+        return Shift(f"-({self.amount})" if isinstance(self.amount, str) else -self.amount)
 
 
 @dataclass(frozen=True)
