@@ -13,8 +13,11 @@ softplus(a + dt_bias)`` and ``beta = sigmoid(b)``; the output is RMSNorm(o) * Si
 
 :func:`gated_delta_rule` computes the recurrence in chunks of ``chunk`` tokens: within a chunk
 densely (the delta rule's updates folded into one unit lower-triangular solve, the WY form), across
-chunks by carrying ``S`` in a ``lax.scan``. A chunk as long as the sequence is the quadratic form;
-:func:`recurrent_gated_delta_rule` is the same recurrence token by token. All of it runs in float32
+chunks by carrying ``S`` in a ``lax.scan``. The decay is one per head and token (``g [b, s, h]``, as
+here) or one per key channel (``g [b, s, h, dk]``: Kimi Delta Attention,
+:mod:`otfload.models.kimi_delta`), ``exp(g_t)`` then scaling the rows of ``S``. A chunk as long as
+the sequence is the quadratic form; :func:`recurrent_gated_delta_rule` is the same recurrence token
+by token. All of it runs in float32
 whatever the weights' dtype. Padding (``mask`` 0) never enters a convolution window or the state:
 a pad token's input is zeroed, its decay is 1 and its write strength 0.
 
@@ -24,6 +27,7 @@ activation dtype, as transformers keeps them), and ``state [b, hv, dk, dv]`` in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -109,19 +113,45 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
+def _decayed_products(cum: jax.Array) -> Callable[[jax.Array, jax.Array, bool], jax.Array]:
+    """``products(a, b, strict) [..., c, c]``: ``sum_d a_i,d b_j,d exp(cum_i,d - cum_j,d)`` where ``j <=
+    i`` (``j < i`` when ``strict``), else 0, for the chunk-wise log decays ``cum [..., c, 1 or dk]``
+    summed from the chunk's start. The exponent is masked before ``exp`` (no overflow above the
+    diagonal), and taken per pair, never split into ``exp(cum_i) exp(-cum_j)`` (which overflows)."""
+    c = cum.shape[-2]
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    off = 1 - jnp.eye(c, dtype=jnp.float32)
+    if cum.shape[-1] == 1:  # one decay per head: a [c, c] factor of the plain products
+        decay = jnp.exp(jnp.where(lower, cum[..., :, None, 0] - cum[..., None, :, 0], -jnp.inf))
+
+        def per_head(a: jax.Array, b: jax.Array, strict: bool) -> jax.Array:
+            return jnp.einsum("...id,...jd->...ij", a, b) * (decay * off if strict else decay)
+
+        return per_head
+    channel_decay = jnp.exp(jnp.where(lower[..., None], cum[..., :, None, :] - cum[..., None, :, :], -jnp.inf))
+
+    def per_channel(a: jax.Array, b: jax.Array, strict: bool) -> jax.Array:
+        out = jnp.einsum("...id,...jd,...ijd->...ij", a, b, channel_decay)
+        return out * off if strict else out
+
+    return per_channel
+
+
 def gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array | None,
     chunk: int = CHUNK,
 ) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule over ``q, k [b, s, h, dk]``, ``v [b, s, h, dv]``, log decays ``g`` and
-    write strengths ``beta [b, s, h]`` (q/k normed and scaled by the caller), from ``state [b, h, dk,
-    dv]`` (zeros when None), in chunks of ``chunk`` tokens: ``(o [b, s, h, dv], final state)``, float32.
+    """The gated delta rule over ``q, k [b, s, h, dk]``, ``v [b, s, h, dv]``, log decays ``g [b, s,
+    h]`` (per head) or ``[b, s, h, dk]`` (per key channel) and write strengths ``beta [b, s, h]`` (q/k
+    normed and scaled by the caller), from ``state [b, h, dk, dv]`` (zeros when None), in chunks of
+    ``chunk`` tokens: ``(o [b, s, h, dv], final state)``, float32.
 
-    Within a chunk, with ``G_i`` the decay summed from the chunk's start to token ``i`` and ``S_0`` the
-    state before it, the writes ``u_i = beta_i (v_i - exp(G_i) S_0^T k_i - sum_{j<i} exp(G_i - G_j)
-    (k_i . k_j) u_j)`` solve one unit lower-triangular system; then ``o_i = exp(G_i) S_0^T q_i +
-    sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j`` and the state after the chunk is ``exp(G_C) S_0 +
-    sum_j exp(G_C - G_j) k_j u_j^T``."""
+    Within a chunk, with ``G_i`` the decay summed from the chunk's start to token ``i`` (per channel
+    ``d`` where the decay is), ``S_0`` the state before it and ``<a, b>_ij = sum_d a_d b_d exp(G_i,d -
+    G_j,d)``, the writes ``u_i = beta_i (v_i - S_0^T (exp(G_i) k_i) - sum_{j<i} <k_i, k_j>_ij u_j)``
+    solve one unit lower-triangular system; then ``o_i = S_0^T (exp(G_i) q_i) + sum_{j<=i} <q_i,
+    k_j>_ij u_j`` and the state after the chunk is ``exp(G_C) S_0 + sum_j (exp(G_C - G_j) k_j)
+    u_j^T``."""
     b, s, h, dk = k.shape
     dv = v.shape[-1]
     c = max(1, min(chunk, s))
@@ -133,20 +163,17 @@ def gated_delta_rule(
         x = x.reshape(b, n, c, h, *x.shape[3:])
         return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
 
-    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
-    cum = jnp.cumsum(g, axis=-1)  # [n, b, h, c]
-    lower = jnp.tril(jnp.ones((c, c), bool))
-    # exp(G_i - G_j) where j <= i, else 0 (masked before exp: no overflow above the diagonal).
-    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
-    strict = decay * (1 - jnp.eye(c, dtype=jnp.float32))
-    system = jnp.eye(c, dtype=jnp.float32) + beta[..., :, None] * jnp.einsum("...id,...jd->...ij", k, k) * strict
-    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * jnp.exp(cum)[..., None] * k], axis=-1)
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g if g.ndim == 4 else g[..., None], beta))
+    cum = jnp.cumsum(g, axis=-2)  # [n, b, h, c, 1 or dk]
+    products = _decayed_products(cum)
+    system = jnp.eye(c, dtype=jnp.float32) + beta[..., :, None] * products(k, k, True)
+    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * jnp.exp(cum) * k], axis=-1)
     solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
     writes, state_weights = solved[..., :dv], solved[..., dv:]  # u = writes - state_weights @ S_0
-    scores = jnp.einsum("...id,...jd->...ij", q, k) * decay
-    q_decayed = q * jnp.exp(cum)[..., None]
-    k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    end_decay = jnp.exp(cum[..., -1])[..., None, None]
+    scores = products(q, k, False)
+    q_decayed = q * jnp.exp(cum)
+    k_to_end = k * jnp.exp(cum[..., -1:, :] - cum)
+    end_decay = jnp.exp(cum[..., -1, :])[..., None]  # scales S_0's rows: [..., 1 or dk, 1]
 
     def step(s0: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         w, sw, sc, qd, kd, ed = xs
@@ -170,11 +197,12 @@ def recurrent_gated_delta_rule(
 
     def step(st: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         qt, kt, vt, gt, bt = xs
-        st = st * jnp.exp(gt)[..., None, None]
+        st = st * jnp.exp(gt)[..., None]
         delta = (vt - jnp.einsum("bhkv,bhk->bhv", st, kt)) * bt[..., None]
         st = st + kt[..., :, None] * delta[..., None, :]
         return st, jnp.einsum("bhkv,bhk->bhv", st, qt)
 
+    g = g if g.ndim == 4 else g[..., None]
     xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (q, k, v, g, beta))
     final, out = jax.lax.scan(step, s0, xs)
     return jnp.moveaxis(out, 0, 1), final
