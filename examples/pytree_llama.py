@@ -25,22 +25,15 @@ from jax.sharding import Mesh, NamedSharding
 
 import otfload
 from otfload.mappings import pytree_llama
+from otfload.models.layers import rope_inv_freq
 from otfload.plan.abstract import dotted
 
 
 def rope_frequencies(config: Mapping[str, Any], head_dim: int) -> np.ndarray:
     """RoPE inverse frequencies of an HF config (``rope_parameters`` or ``rope_theta``/``rope_scaling``),
-    with Llama 3 scaling."""
+    with Llama 3 scaling (otfload's own table of them: the model is yours, the RoPE maths is HF's)."""
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    if rope.get("rope_type", rope.get("type")) == "llama3":
-        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        context = rope["original_max_position_embeddings"]
-        wavelen = 2 * np.pi / inv
-        smooth = np.clip((context / wavelen - low) / (high - low), 0.0, 1.0)
-        inv = (1 - smooth) * inv / factor + smooth * inv
-    return inv.astype(np.float32)
+    return rope_inv_freq(head_dim, rope.get("rope_theta", config.get("rope_theta", 10000.0)), rope)
 
 
 def module(cls: type) -> type:
