@@ -111,6 +111,14 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def example_checkpoints(tmp_path_factory):
+    """``otfload example``'s checkpoints (tiny Llama, LoRA adapter, FP8 copy), written once per session."""
+    from otfload.examples import write_examples
+
+    return write_examples(tmp_path_factory.mktemp("examples"))
+
+
+@pytest.fixture(scope="session")
 def mesh_2x4():
     from otfload.plan.sharding import make_mesh
 

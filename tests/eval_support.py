@@ -13,16 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "a checkpoint is loaded on the fly into sharded arrays",
-    "evaluation jobs pull the weights straight from the hub",
-    "every process reads only the bytes its devices need",
-    "the model predicts each token from the tokens before it",
-    "perplexity is the exponential of the mean negative log likelihood",
-]
-SPECIAL = ["<unk>", "<s>", "</s>"]
-VOCAB_SIZE = 200  # below the tiny models' 256 embedding rows
+# The tiny tokenizer is otfload example's (its corpus, special tokens and size are the tests' too).
+from otfload.examples import CORPUS, SPECIAL, VOCAB_SIZE, build_tokenizer  # noqa: F401
 
 # Texts an eval job sends: seen and unseen words, an empty text (BOS only: nothing to predict),
 # lengths from 2 to beyond the truncation length the tests use.
@@ -37,23 +29,6 @@ TEXTS = [
     "",
     "every process reads only the bytes its devices need, then the model predicts the rest",
 ]
-
-
-def build_tokenizer(path: Path) -> Path:
-    """Train the tiny BPE tokenizer and save it as ``path`` (a ``tokenizer.json``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL, show_progress=False)
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    bos = tokenizer.token_to_id("<s>")
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                             special_tokens=[("<s>", bos)])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path))
-    return path
 
 
 def with_tokenizer(checkpoint: Path, dest: Path) -> Path:

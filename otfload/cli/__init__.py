@@ -1,5 +1,5 @@
 """The ``otfload`` command line: ``inspect``, ``load``, ``export``, ``reshard``, ``bench``, ``eval``,
-``generate``, ``lm-eval``.
+``generate``, ``lm-eval``, ``example``.
 
 Exit codes: 0 success, 1 a typed ``OtfloadError`` or a file-system ``OSError`` (its message is
 printed, with the CLI's flags for the Python arguments it names, without a traceback unless
@@ -18,11 +18,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
 
-from otfload.cli import bench, export, harness, inspect, load, options, reshard
+from otfload.cli import bench, example, export, harness, inspect, load, options, reshard
 from otfload.cli import eval as eval_
 from otfload.cli import generate as generate_
 
-COMMANDS = (inspect, load, export, reshard, bench, eval_, generate_, harness)
+COMMANDS = (inspect, load, export, reshard, bench, eval_, generate_, harness, example)
 INTERRUPTED = 130  # the shell's exit status of a process ended by SIGINT (128 + 2)
 
 
