@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from otfload.api import from_pretrained
     from otfload.sources.owned import owned_source
 
+    options.adapter_as_checkpoint(args)
     load_options = options.load_options(args)
     speeds: list[float] = []
     with owned_source(args.source, **load_options.source_options()) as source:  # closed on return or error

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from otfload.compile_cache import enable_compile_cache
 
     enable_compile_cache(args.compile_cache)
+    options.adapter_as_checkpoint(args)
     result = evaluate(args.source, texts, max_len=args.max_len, batch_size=args.batch_size, progress=args.progress,
                       options=options.load_options(args))
     if args.json:

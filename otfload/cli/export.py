@@ -17,10 +17,10 @@ from otfload.cli import options
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("export", help="write a checkpoint back as HF safetensors",
                             description=options.description(__doc__), parents=[options.common_parser()])
-    options.add_source_args(p, "src")
+    options.add_source_args(p, "SRC")
     p.add_argument("out", help="output directory")
-    p.add_argument("--mesh", type=options.mesh_arg, help="mesh to load an HF SRC on (default: every device on fsdp)")
-    p.add_argument("--devices", type=options.positive_int, metavar="N", help="simulate N CPU devices")
+    options.add_mesh_args(p, mesh_help="mesh to load an HF SRC on, e.g. fsdp=4,tp=2")
+    options.add_load_args(p)
     p.add_argument("--step", type=int, help="step of a native SRC (default: the latest)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="layer layout: of a native SRC, checked against its metadata (default: as saved); "
@@ -37,13 +37,12 @@ def run(args: argparse.Namespace) -> int:
 
     if os.path.lexists(args.out) and not args.overwrite:  # before anything is loaded
         raise OutputExistsError(f"{args.out} exists; pass --overwrite to replace it")
+    given = args.source
+    options.adapter_as_checkpoint(args)
     written = dict(dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    if is_native_checkpoint(args.src):
-        out = export_native(args.src, args.out, step=args.step, scan_layers=args.scan_layers, **written)
-    else:
-        scan = True if args.scan_layers is None else args.scan_layers
-        load_options = options.load_options(args)  # the source's options and the mesh (--dtype is the written one)
-        out = export_checkpoint(args.src, args.out, mesh=load_options.mesh, scan_layers=scan, **written,
-                                **load_options.source_options())  # fmt: skip
-    print(f"exported {args.src} to {out}")
+    if is_native_checkpoint(args.source):
+        out = export_native(args.source, args.out, step=args.step, scan_layers=args.scan_layers, **written)
+    else:  # the load's flags (--dtype, the one written, is the load's too: a cast either way)
+        out = export_checkpoint(args.source, args.out, options=options.load_options(args), **written)
+    print(f"exported {given} to {out}")
     return 0

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from otfload.evaluate import load_with_tokenizer
     from otfload.generate import generate, special_tokens
 
+    options.adapter_as_checkpoint(args)
     model, tokenizer, seconds = load_with_tokenizer(args.source, options=options.load_options(args), progress=False)
     prompts = [e.ids for e in tokenizer.encode_batch(args.prompt)]
     if not all(prompts):

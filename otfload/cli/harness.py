@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidOptionError(f"--include-path {args.include_path!r}: no such directory of lm_eval task files")
     manager = _task_manager(tasks, args.include_path)
     check_tasks(tasks, manager.all_tasks, lambda t: bool(manager.match_tasks([t])) or os.path.exists(t))
+    options.adapter_as_checkpoint(args)
     # OtfloadLM resolves --mesh: over this process's devices (each process scores a share of the
     # documents), or over every process's when its sizes multiply to their count (one replica)
     model = OtfloadLM(args.source, mesh=args.mesh, options=options.load_options(args, mesh=False),

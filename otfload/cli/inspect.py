@@ -371,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         if (args.mapping is None) != (args.target is None):
             print("otfload inspect: error: --mapping and --target go together", file=sys.stderr)
             return 2
+        options.adapter_as_checkpoint(args)
         load_options = options.load_options(args)
         if args.mapping is not None:
             assert load_options.mesh is not None  # load_options makes --mesh a Mesh

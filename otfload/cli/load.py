@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from otfload.api import from_pretrained
     from otfload.sources.owned import owned_source
 
+    options.adapter_as_checkpoint(args)
     load_options = options.load_options(args)
     with owned_source(args.source, **load_options.source_options()) as source:  # closed on return or error
         model, report = from_pretrained(source, options=load_options, return_report=True)

@@ -78,18 +78,25 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
-def add_source_args(parser: argparse.ArgumentParser, name: str = "source") -> None:
-    """The checkpoint location and the Hub options that go with it."""
-    parser.add_argument(name, help="local directory, Hub repo id (org/name) or URL (gs://, s3://, hf://, ...)")
+def add_source_args(parser: argparse.ArgumentParser, metavar: str = "source") -> None:
+    """The checkpoint location (``args.source``) and the Hub options that go with it."""
+    parser.add_argument("source", metavar=metavar,
+                        help="local directory, Hub repo id (org/name) or URL (gs://, s3://, hf://, ...); a PEFT "
+                             "adapter's location loads the base its adapter_config.json names, with the adapter")
     parser.add_argument("--revision", help="Hub branch, tag or commit")
     parser.add_argument("--token", help="Hub token (default: the huggingface_hub login)")
 
 
-def add_layout_args(parser: argparse.ArgumentParser, *, mesh_help: str = "mesh axes, e.g. fsdp=4,tp=2") -> None:
-    """Mesh, simulated devices, dtype and layer layout of the target model."""
+def add_mesh_args(parser: argparse.ArgumentParser, *, mesh_help: str = "mesh axes, e.g. fsdp=4,tp=2") -> None:
+    """The mesh of the target model and simulated devices."""
     parser.add_argument("--mesh", type=mesh_arg, help=f"{mesh_help} (default: every device on fsdp)")
     parser.add_argument("--devices", type=positive_int, metavar="N",
                         help="simulate N CPU devices (plan or load for a mesh this machine does not have)")
+
+
+def add_layout_args(parser: argparse.ArgumentParser, *, mesh_help: str = "mesh axes, e.g. fsdp=4,tp=2") -> None:
+    """Mesh, simulated devices (:func:`add_mesh_args`), dtype and layer layout of the target model."""
+    add_mesh_args(parser, mesh_help=mesh_help)
     parser.add_argument("--dtype", type=dtype_arg, help="parameter dtype, e.g. bf16 (default: the storage dtype)")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="stack layers on a leading axis for jax.lax.scan (default: yes)")
@@ -143,3 +150,29 @@ def load_options(args: argparse.Namespace, *, mesh: bool = True) -> LoadOptions:
     if mesh and hasattr(args, "mesh"):
         given["mesh"] = mesh_of(args)
     return LoadOptions(**given)
+
+
+def adapter_as_checkpoint(args: argparse.Namespace) -> None:
+    """A PEFT adapter given as the checkpoint (a location with ``adapter_config.json`` and no
+    ``config.json``): ``args.source`` becomes the base its config names (at the adapter's
+    ``revision``) and the adapter the first of ``args.adapter``, so that what a subcommand reads
+    beside the weights (``--verify``'s reference, the tokenizer, the files ``export`` copies) is the
+    base's. Any other source is left as it is."""
+    from otfload.adapters.load import base_location, base_not_found, named_base
+    from otfload.errors import SourceNotFoundError
+    from otfload.sources import open_source
+    from otfload.sources.owned import owned_source
+
+    given = load_options(args, mesh=False).source_options()
+    with owned_source(args.source, **given) as source:
+        adapter = named_base(source)
+    if adapter is None:
+        return
+    base, base_options = base_location(adapter, given)
+    try:
+        open_source(base, **base_options).close()  # the library's message for a base that is not there
+    except SourceNotFoundError as e:
+        raise base_not_found(adapter, e) from None
+    spec = args.source if args.revision is None else f"{args.source}@{args.revision}"  # the adapter's revision
+    args.source, args.revision = base, base_options.get("revision")
+    args.adapter = [spec, *(args.adapter or [])]

@@ -15,6 +15,7 @@ from otfload.export.job import ExportJob
 from otfload.families.registry import Family
 from otfload.index.checkpoint import CONFIG_FILE, open_index, read_json
 from otfload.models.origin import origin_of
+from otfload.options import LoadOptions, resolve_options
 from otfload.plan.mapping import MappingTable, Rule
 from otfload.sources import Source
 from otfload.sources.owned import owned_source
@@ -133,19 +134,20 @@ def export_checkpoint(
     source: str | os.PathLike[str] | Source,
     out_dir: str | os.PathLike[str],
     *,
-    scan_layers: bool = True,
-    mesh: Any = None,
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
-    **source_options: Any,
+    options: LoadOptions | None = None,
+    **keywords: Any,  # LoadKeywords but dtype, the one written here (the load's: options.dtype)
 ) -> Path:
     """What ``otfload export SRC OUT`` runs: load the HF checkpoint ``source`` with
-    ``otfload.from_pretrained`` (sharded on ``mesh``) and write it back with ``export_hf``,
-    using ``source`` as the reference (config, shapes, tokenizer and generation files)."""
+    ``otfload.from_pretrained`` (``options`` and ``keywords`` are its own: ``mesh``, ``scan_layers``,
+    ``adapter``, ``revision``, ...; ``dtype`` here is the one written) and write it back with
+    ``export_hf``, using ``source`` as the reference (config, shapes, tokenizer and generation files)."""
     from otfload.api import from_pretrained
 
-    with owned_source(source, **source_options) as src:  # one opening for the load and the reference
-        model = from_pretrained(src, mesh=mesh, scan_layers=scan_layers)
+    load_options = resolve_options(options, keywords)
+    with owned_source(source, **load_options.source_options()) as src:  # one opening for the load and the reference
+        model = from_pretrained(src, options=load_options)
         return export_hf(model, out_dir, reference=src, dtype=dtype, max_shard_size=max_shard_size,
                          overwrite=overwrite)
