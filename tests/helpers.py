@@ -140,6 +140,16 @@ def memory_copy(local: Path, name: str = "ckpt") -> str:
     return url
 
 
+def module_name(key: str) -> str:
+    """A Hub key of a multimodal checkpoint (``language_model.model.*``) as transformers names the
+    module in memory (``model.language_model.*``; vision tower and projector under ``model.``)."""
+    if key.startswith("language_model.lm_head."):
+        return key[len("language_model."):]
+    if key.startswith("language_model.model."):
+        return "model.language_model." + key[len("language_model.model."):]
+    return "model." + key
+
+
 def rename_tensors(path: Path, rename: Callable[[str], str], extra: dict[str, np.ndarray] | None = None) -> None:
     """Rename every tensor of the (sharded, float) checkpoint at ``path`` in place, adding ``extra``
     to its first shard."""

@@ -9,7 +9,7 @@ import pytest
 import otfload
 from otfload.errors import ShapeMismatchError
 from otfload.families.gemma.config import GemmaConfig
-from tests.helpers import BASE, max_rel_diff, register_hf_model, rename_tensors, token_ids, torch_logits
+from tests.helpers import BASE, max_rel_diff, module_name, register_hf_model, rename_tensors, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
 
 # 4 layers, a window of 4 and 12-token inputs: sliding and global layers both occur and differ.
@@ -137,20 +137,11 @@ def test_wrong_shaped_tensor_names_key_and_leaf(tiny_checkpoints, tmp_path):
     assert "(32,)" in str(err.value) and "(31,)" in str(err.value)
 
 
-def _module_name(key: str) -> str:
-    """A Hub key of a multimodal Gemma 3 as transformers names the module in memory."""
-    if key.startswith("language_model.lm_head."):
-        return key[len("language_model."):]
-    if key.startswith("language_model.model."):
-        return "model.language_model." + key[len("language_model.model."):]
-    return "model." + key  # vision tower, projector
-
-
 def test_multimodal_gemma3_under_transformers_module_names_loads_the_same(tiny_checkpoints, mesh_2x4, tmp_path):
     src, torch_model = tiny_checkpoints("gemma3_multimodal")
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
-    rename_tensors(path, _module_name)
+    rename_tensors(path, module_name)
     keys = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(k.startswith("model.language_model.layers.") for k in keys)
     assert not any(k.startswith("language_model.") for k in keys)

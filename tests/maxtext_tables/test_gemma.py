@@ -18,7 +18,7 @@ import pytest
 import otfload.maxtext as mx
 from otfload.errors import ConfigError
 from otfload.plan.sharding import make_mesh
-from tests.helpers import hf_tensors, register_hf_model, rename_tensors
+from tests.helpers import hf_tensors, module_name, register_hf_model, rename_tensors
 from tests.maxtext_tables.support import LAYOUTS, _kernel, _pad
 from tests.maxtext_tables.test_tables import check
 
@@ -133,7 +133,7 @@ def test_gemma3_under_transformers_module_names_and_padded(tiny_checkpoints, mes
     src, _ = tiny_checkpoints("mt_gemma3")
     path = tmp_path / "module_names"
     shutil.copytree(src, path)
-    rename_tensors(path, lambda k: MODULE_TEXT + k[len(HUB_TEXT):] if k.startswith(HUB_TEXT) else "model." + k)
+    rename_tensors(path, module_name)
     cfg = maxtext_config("mt_gemma3", True, 1, vocab_size=VOCAB + 64)
     params, abstract = _load(path, cfg, mesh)
     check(params, expected("mt_gemma3", hf_tensors(path), cfg, MODULE_TEXT), abstract)
