@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from otfload.maxtext.selection import Selection, select
-from otfload.maxtext.tables import LOGITS, SCANNED, STACK_SIZES, Leaf, slice_shape
+from otfload.maxtext.tables import EXPERTS, LOGITS, Leaf, slice_shape
 from otfload.plan.mapping import stack_dims
 
 
@@ -36,29 +36,33 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 def leaf_layouts(selection: Selection) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """Every leaf path → (shape, mesh axis per dimension) of the tree ``selection`` describes."""
-    config = selection.hook_config(selection.fields["vocab_size"])
+    config = selection.hook_config({"hf_vocab_size": selection.fields["vocab_size"]})
     out: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {}
     for leaf in selection.table.top:
         if leaf.path == LOGITS and selection.logits_via_embedding:
             continue
         out[leaf.path] = (slice_shape(leaf, config), leaf.axes)
     table = selection.mapping
-    layers = [SCANNED] if selection.scan_layers else [f"decoder.layers_{i}"
-                                                      for i in range(selection.fields["num_decoder_layers"])]
-    for prefix in layers:
-        for leaf in selection.table.block:
-            out[f"{prefix}.{leaf.path}"] = _stacked(table.find(f"{prefix}.{leaf.path}"), leaf, config)
+    for group in selection.groups:
+        template = group.prefix(selection.scan_layers)
+        layers = group.layers(config)
+        # a group of single layers in a scanned tree too: Gemma 3's decoder.layers_remainder.layers_<r>
+        prefixes = [template.format(layer=i) for i in range(layers)] if "{layer}" in template else [template]
+        for prefix in prefixes if layers else ():
+            for leaf in group.leaves:
+                out[f"{prefix}.{leaf.path}"] = _stacked(table.find(f"{prefix}.{leaf.path}"), leaf, config, layers)
     return out
 
 
-def _stacked(found: Any, leaf: Leaf, config: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+def _stacked(found: Any, leaf: Leaf, config: Mapping[str, Any],
+             layers: int) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
     rule, _, axes = found
     shape: list[int] = list(slice_shape(leaf, config))
     names: list[str | None] = list(leaf.axes)
     ndim = len(shape) + len(axes)
     placed = dict(zip(stack_dims(rule, axes, ndim, config), axes, strict=True))
     for dim in sorted(placed):
-        shape.insert(dim, int(config[STACK_SIZES[placed[dim]]]))
+        shape.insert(dim, layers if placed[dim] == "layer" else int(config[EXPERTS]))
         names.insert(dim, None)
     return tuple(shape), tuple(names)
 

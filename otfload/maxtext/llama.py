@@ -5,11 +5,11 @@ attention then applies no ``1/sqrt(head_dim)`` of its own)."""
 
 from __future__ import annotations
 
-from otfload.maxtext.tables import ModelTable, attention, dense_mlp, layer_norms, top_leaves
+from otfload.maxtext.tables import ModelTable, attention, decoder_layers, dense_mlp, layer_norms, top_leaves
 
 LLAMA31 = ModelTable(
     name="llama3.1",
     model_types=frozenset({"llama"}),
     top=top_leaves(),
-    block=(*layer_norms(), *attention(rope_interleaved=True, query_scaled=True), *dense_mlp()),
+    groups=decoder_layers(*layer_norms(), *attention(rope_interleaved=True, query_scaled=True), *dense_mlp()),
 )

@@ -5,7 +5,15 @@ hook), the MoE block ``MoeBlock_0`` (router ``gate``, experts ``wi_0`` = w1, ``w
 
 from __future__ import annotations
 
-from otfload.maxtext.tables import HF_LAYER, ModelTable, attention, layer_norms, routed_experts, top_leaves
+from otfload.maxtext.tables import (
+    HF_LAYER,
+    ModelTable,
+    attention,
+    decoder_layers,
+    layer_norms,
+    routed_experts,
+    top_leaves,
+)
 
 _MOE = f"{HF_LAYER}.block_sparse_moe"
 
@@ -13,6 +21,6 @@ MIXTRAL = ModelTable(
     name="mixtral",
     model_types=frozenset({"mixtral"}),
     top=top_leaves(),
-    block=(*layer_norms(), *attention(rope_interleaved=False, query_scaled=True),
-           *routed_experts("MoeBlock_0", f"{_MOE}.gate.weight", f"{_MOE}.experts", ("w1", "w3", "w2"))),
+    groups=decoder_layers(*layer_norms(), *attention(rope_interleaved=False, query_scaled=True),
+                          *routed_experts("MoeBlock_0", f"{_MOE}.gate.weight", f"{_MOE}.experts", ("w1", "w3", "w2"))),
 )

@@ -4,11 +4,20 @@
 
 from __future__ import annotations
 
-from otfload.maxtext.tables import ModelTable, attention, attention_biases, dense_mlp, layer_norms, top_leaves
+from otfload.maxtext.tables import (
+    ModelTable,
+    attention,
+    attention_biases,
+    decoder_layers,
+    dense_mlp,
+    layer_norms,
+    top_leaves,
+)
 
 QWEN2 = ModelTable(
     name="qwen2",
     model_types=frozenset({"qwen2"}),
     top=top_leaves(),
-    block=(*layer_norms(), *attention(rope_interleaved=False, query_scaled=False), *attention_biases(), *dense_mlp()),
+    groups=decoder_layers(*layer_norms(), *attention(rope_interleaved=False, query_scaled=False), *attention_biases(),
+                          *dense_mlp()),
 )

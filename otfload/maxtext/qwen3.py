@@ -9,6 +9,7 @@ from otfload.maxtext.tables import (
     HF_LAYER,
     ModelTable,
     attention,
+    decoder_layers,
     dense_mlp,
     layer_norms,
     qk_norms,
@@ -22,13 +23,14 @@ QWEN3 = ModelTable(
     name="qwen3",
     model_types=frozenset({"qwen3"}),
     top=top_leaves(),
-    block=(*_ATTENTION, *dense_mlp()),
+    groups=decoder_layers(*_ATTENTION, *dense_mlp()),
 )
 
 QWEN3_MOE = ModelTable(
     name="qwen3_moe",
     model_types=frozenset({"qwen3_moe"}),
     top=top_leaves(),
-    block=(*_ATTENTION, *routed_experts("moe_block", f"{HF_LAYER}.mlp.gate.weight", f"{HF_LAYER}.mlp.experts",
-                                        ("gate_proj", "up_proj", "down_proj"))),
+    groups=decoder_layers(*_ATTENTION, *routed_experts("moe_block", f"{HF_LAYER}.mlp.gate.weight",
+                                                       f"{HF_LAYER}.mlp.experts",
+                                                       ("gate_proj", "up_proj", "down_proj"))),
 )

@@ -16,11 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from otfload.errors import ConfigError
+from otfload.maxtext.deepseek import DEEPSEEK2, DEEPSEEK3
+from otfload.maxtext.gemma import GEMMA2, GEMMA3
+from otfload.maxtext.gpt_oss import GPT_OSS
 from otfload.maxtext.llama import LLAMA31
 from otfload.maxtext.mixtral import MIXTRAL
 from otfload.maxtext.qwen2 import QWEN2
 from otfload.maxtext.qwen3 import QWEN3, QWEN3_MOE
-from otfload.maxtext.tables import LOGITS, SCANNED, STACK_SIZES, ModelTable
+from otfload.maxtext.tables import EXPERTS, LOGITS, LayerGroup, ModelTable
+from otfload.plan import expressions
 from otfload.plan.mapping import MappingTable, stack_dims
 
 SOURCE = "MaxText config"
@@ -32,11 +36,15 @@ TABLES: dict[str, ModelTable] = {
                      "qwen3-32b"), QWEN3),
     **dict.fromkeys(("qwen3-30b-a3b", "qwen3-30b-a3b-base", "qwen3-235b-a22b", "qwen3-coder-480b-a35b"), QWEN3_MOE),
     **dict.fromkeys(("mixtral-8x7b", "mixtral-8x22b"), MIXTRAL),
+    "deepseek2-16b": DEEPSEEK2,
+    "deepseek3-671b": DEEPSEEK3,
+    **dict.fromkeys(("gpt-oss-20b", "gpt-oss-120b"), GPT_OSS),
+    **dict.fromkeys(("gemma2-2b", "gemma2-9b", "gemma2-27b"), GEMMA2),
+    **dict.fromkeys(("gemma3-4b", "gemma3-12b", "gemma3-27b"), GEMMA3),
 }
 # The MaxText fields the tables' hooks and shapes use (as ``mt_<field>``); the MoE ones only for MoE tables.
 DIMENSIONS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers", "vocab_size")
 MOE_DIMENSIONS = ("num_experts", "moe_mlp_dim")
-_UNSCANNED_LAYER = re.compile(r"decoder\.layers_(\d+)\.")
 
 
 def field(config: Any, name: str) -> Any:
@@ -69,11 +77,15 @@ class Selection:
     def mapping(self) -> MappingTable:
         return self.table.mapping(self.scan_layers)
 
-    def hook_config(self, hf_vocab_size: int) -> dict[str, int]:
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        return self.table.layer_groups(self.scan_layers)
+
+    def hook_config(self, hf: Mapping[str, int | float]) -> dict[str, int | float]:
         """What the table's hooks and stack positions resolve against: the MaxText fields as
-        ``mt_<field>``, ``param_scan_axis``, and the checkpoint's own ``hf_vocab_size``."""
-        return {**{f"mt_{k}": v for k, v in self.fields.items()}, "param_scan_axis": self.param_scan_axis,
-                "hf_vocab_size": hf_vocab_size}
+        ``mt_<field>``, ``param_scan_axis``, and the checkpoint's own fields ``hf`` (``hf_vocab_size``
+        and the table's ``hf_fields``: :func:`check_checkpoint`)."""
+        return {**{f"mt_{k}": v for k, v in self.fields.items()}, "param_scan_axis": self.param_scan_axis, **hf}
 
     def describe(self) -> str:
         layout = f"scanned, param_scan_axis {self.param_scan_axis}" if self.scan_layers else "unscanned"
@@ -92,30 +104,57 @@ def select(config: Any) -> Selection:
     if not isinstance(scan, bool):
         raise ConfigError("scan_layers", scan, "must be true or false", SOURCE)
     axis = _int(config, "param_scan_axis", minimum=0) if scan else 0
-    names = DIMENSIONS + (MOE_DIMENSIONS if any("expert" in leaf.source for leaf in table.block) else ())
+    names = DIMENSIONS + (MOE_DIMENSIONS if table.moe else ()) + table.fields + tuple(table.fixed)
     fields = {n: _int(config, n) for n in names}
+    for name, value in table.fixed.items():
+        if fields[name] != value:
+            raise ConfigError(name, fields[name], f"otfload.maxtext table {table.name!r} is written for {value}",
+                              SOURCE)
     tied = bool(config.get("logits_via_embedding", False) if isinstance(config, Mapping)
                 else getattr(config, "logits_via_embedding", False))
     return Selection(key, table, scan, axis, fields, tied)
 
 
-def check_checkpoint(selection: Selection, hf_config: Mapping[str, Any], location: str) -> int:
-    """The checkpoint's vocabulary size, once its ``config.json`` is one ``selection``'s table reads:
-    a ``model_type`` of another model, or a vocabulary larger than MaxText's ``vocab_size``, is a
-    :class:`ConfigError` on ``model_name`` / ``vocab_size``."""
+def check_checkpoint(selection: Selection, hf_config: Mapping[str, Any], location: str) -> dict[str, int | float]:
+    """The checkpoint's fields the hooks read (``hf_vocab_size``, ``hf_<field>`` of the table's
+    ``hf_fields``; a multimodal checkpoint's from its ``text_config``), once its ``config.json`` is
+    one ``selection``'s table reads: a ``model_type`` of another model, or a vocabulary larger than
+    MaxText's ``vocab_size``, is a :class:`ConfigError` on ``model_name`` / ``vocab_size``."""
     model_type = hf_config.get("model_type")
     if model_type not in selection.table.model_types:
         raise ConfigError("model_name", selection.model_name,
                           f"{selection.describe()} reads {sorted(selection.table.model_types)} checkpoints; "
                           f"{location} is model_type {model_type!r}", SOURCE)
-    hf_vocab = hf_config.get("vocab_size")
+    text = hf_config.get("text_config")
+    text = text if isinstance(text, Mapping) else hf_config
+    hf_vocab = text.get("vocab_size")
     if isinstance(hf_vocab, bool) or not isinstance(hf_vocab, int) or hf_vocab < 1:
         raise ConfigError("vocab_size", hf_vocab, "must be a positive integer", f"{location}/config.json")
     if hf_vocab > selection.fields["vocab_size"]:
         raise ConfigError("vocab_size", selection.fields["vocab_size"],
                           f"smaller than the checkpoint's vocab_size {hf_vocab} ({location}); MaxText pads the "
                           f"vocabulary, never cuts it ({selection.describe()})", SOURCE)
-    return hf_vocab
+    values: dict[str, int | float] = {"hf_vocab_size": hf_vocab}
+    for name in selection.table.hf_fields:
+        value = text.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(name, value, f"must be a positive number: {selection.describe()} reads it",
+                              f"{location}/config.json")
+        values[f"hf_{name}"] = value
+    return values
+
+
+def _unscanned_regex(group: LayerGroup) -> re.Pattern[str]:
+    head, _, tail = group.unscanned.partition("{layer}")
+    return re.compile(rf"{re.escape(head)}(\d+){re.escape(tail)}\.")
+
+
+def _layout_paths(table: ModelTable, leaves: Mapping[str, tuple[int, ...]], scan_layers: bool) -> list[str]:
+    """The paths of ``leaves`` under a layer group of the scanned (or unscanned) tree of ``table``."""
+    groups = table.layer_groups(scan_layers)
+    if scan_layers:
+        return sorted(p for p in leaves if any(p.startswith(g.scanned + ".") for g in groups))
+    return sorted(p for p in leaves if any(_unscanned_regex(g).match(p) for g in groups))
 
 
 def check_tree(selection: Selection, leaves: Mapping[str, tuple[int, ...]], hook_config: Mapping[str, Any]) -> None:
@@ -123,60 +162,76 @@ def check_tree(selection: Selection, leaves: Mapping[str, tuple[int, ...]], hook
     every leaf the table maps and none it does not, the layer axis at ``param_scan_axis`` and the
     embedding padded to ``vocab_size``; otherwise a :class:`ConfigError` naming the MaxText field."""
     where = selection.describe()
-    unscanned = sorted(p for p in leaves if _UNSCANNED_LAYER.match(p))
-    scanned = sorted(p for p in leaves if p.startswith(SCANNED + "."))
-    if selection.scan_layers and unscanned or not selection.scan_layers and scanned:
-        found = (unscanned or scanned)[0]
+    other = _layout_paths(selection.table, leaves, not selection.scan_layers)
+    if other:
         raise ConfigError("scan_layers", selection.scan_layers,
-                          f"the abstract tree is laid out the other way ({found!r}); {where}", SOURCE)
+                          f"the abstract tree is laid out the other way ({other[0]!r}); {where}", SOURCE)
     table = selection.mapping
     unmapped = sorted(p for p in leaves if table.find(p) is None)
-    expected = _expected(selection)
-    missing = sorted(expected - set(leaves))
+    missing = sorted(_expected(selection, hook_config) - set(leaves))
     if unmapped or missing:
         raise ConfigError("model_name", selection.model_name,
                           f"the abstract tree is not this model's: leaves {where} does not map {unmapped[:5]}, "
                           f"leaves it needs and the tree lacks {missing[:5]}", SOURCE)
     if selection.logits_via_embedding and LOGITS in leaves:
         raise ConfigError("logits_via_embedding", True, f"the abstract tree has {LOGITS!r}; {where}", SOURCE)
-    layers = selection.fields["num_decoder_layers"]
-    indices = {int(m.group(1)) for p in unscanned if (m := _UNSCANNED_LAYER.match(p))}
-    if not selection.scan_layers and indices != set(range(layers)):
-        raise ConfigError("num_decoder_layers", layers,
-                          f"the abstract tree has layers {sorted(indices)[:3]}..{max(indices, default=-1)}; {where}",
-                          SOURCE)
+    if not selection.scan_layers:
+        _check_layer_counts(selection, leaves, hook_config)
     embedding = leaves["token_embedder.embedding"]
     if embedding[0] != selection.fields["vocab_size"]:
         raise ConfigError("vocab_size", selection.fields["vocab_size"],
                           f"the abstract tree's token_embedder.embedding is {embedding}; {where}", SOURCE)
     if selection.scan_layers:
-        _check_layer_axis(selection, table, leaves, hook_config)
+        _check_layer_axis(selection, leaves, hook_config)
 
 
-def _expected(selection: Selection) -> set[str]:
-    """The leaf paths the tree must have (the first layer's, unscanned)."""
-    prefix = SCANNED if selection.scan_layers else "decoder.layers_0"
+def _count_field(group: LayerGroup) -> str:
+    """The MaxText field a group's layer count is blamed on (its count expression's first field)."""
+    return min(expressions.fields(group.count), key=group.count.index).removeprefix("mt_")
+
+
+def _check_layer_counts(selection: Selection, leaves: Mapping[str, tuple[int, ...]],
+                        hook_config: Mapping[str, Any]) -> None:
+    """Each group of an unscanned tree has the layers ``0 .. count-1`` its config says."""
+    for group in selection.groups:
+        regex, layers = _unscanned_regex(group), group.layers(hook_config)
+        indices = {int(m.group(1)) for p in leaves if (m := regex.match(p))}
+        if indices != set(range(layers)):
+            raise ConfigError(_count_field(group), selection.fields.get(_count_field(group)),
+                              f"{group.unscanned} should be {layers} layers; the abstract tree has "
+                              f"{sorted(indices)[:3]}..{max(indices, default=-1)}; {selection.describe()}", SOURCE)
+
+
+def _expected(selection: Selection, hook_config: Mapping[str, Any]) -> set[str]:
+    """The leaf paths the tree must have (each unscanned group's first layer's)."""
     top = {leaf.path for leaf in selection.table.top}
     if selection.logits_via_embedding:
         top.discard(LOGITS)
-    return top | {f"{prefix}.{leaf.path}" for leaf in selection.table.block}
+    for group in selection.groups:
+        if group.layers(hook_config) > 0:
+            prefix = group.prefix(selection.scan_layers).replace("{layer}", "0")
+            top |= {f"{prefix}.{leaf.path}" for leaf in group.leaves}
+    return top
 
 
-def _check_layer_axis(selection: Selection, table: MappingTable, leaves: Mapping[str, tuple[int, ...]],
+def _check_layer_axis(selection: Selection, leaves: Mapping[str, tuple[int, ...]],
                       hook_config: Mapping[str, Any]) -> None:
-    for path, shape in sorted(leaves.items()):
-        found = table.find(path)
-        if found is None or not found[2]:
-            continue
-        rule, _, axes = found
-        if len(shape) <= max(selection.param_scan_axis, len(axes) - 1):
-            raise ConfigError("param_scan_axis", selection.param_scan_axis,
-                              f"leaf {path!r} {shape} has no such dimension; {selection.describe()}", SOURCE)
-        for name, dim in zip(axes, stack_dims(rule, axes, len(shape), hook_config), strict=True):
-            size = hook_config[f"{STACK_SIZES[name]}"]
-            if shape[dim] != size:
-                blame = "param_scan_axis" if name == "layer" else "num_experts"
-                value = selection.param_scan_axis if name == "layer" else size
-                raise ConfigError(blame, value,
-                                  f"leaf {path!r} {shape}: its {name} axis at dimension {dim} has {shape[dim]}, "
-                                  f"not {size}; {selection.describe()}", SOURCE)
+    for group in selection.groups:
+        rules = {rule.target: rule for rule in group.rules(scan_layers=True)}
+        for path, shape in sorted(leaves.items()):
+            rule = rules.get(path)
+            found = None if rule is None else rule.match(path)
+            if rule is None or found is None:
+                continue
+            axes = found[1]
+            if len(shape) <= max(selection.param_scan_axis, len(axes) - 1):
+                raise ConfigError("param_scan_axis", selection.param_scan_axis,
+                                  f"leaf {path!r} {shape} has no such dimension; {selection.describe()}", SOURCE)
+            for name, dim in zip(axes, stack_dims(rule, axes, len(shape), hook_config), strict=True):
+                size = group.layers(hook_config) if name == "layer" else hook_config[EXPERTS]
+                if shape[dim] != size:
+                    blame = "param_scan_axis" if name == "layer" else "num_experts"
+                    value = selection.param_scan_axis if name == "layer" else size
+                    raise ConfigError(blame, value,
+                                      f"leaf {path!r} {shape}: its {name} axis at dimension {dim} has {shape[dim]}, "
+                                      f"not {size}; {selection.describe()}", SOURCE)

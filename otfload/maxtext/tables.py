@@ -9,6 +9,11 @@ MaxText's NNX parameter trees (``nnx.state(model, nnx.Param)``) have no ``params
     decoder.layers.<block leaf>                    scan_layers: one leaf for all layers
     decoder.layers_<i>.<block leaf>                unscanned: one subtree per layer
 
+A model whose layers are not all alike has a :class:`LayerGroup` per kind (DeepSeek's
+``decoder.dense_layers`` / ``decoder.moe_layers``; GPT-OSS's scanned ``decoder.layers.layers_<j>``,
+every ``inhomogeneous_layer_cycle_interval``-th layer), each with its own layer count and the HF
+layers it reads (:class:`~otfload.plan.mapping.Rule` ``offsets`` / ``indices``).
+
 A scanned leaf has the layer axis at dimension ``param_scan_axis`` (MaxText's default 1: a norm
 scale is ``[embed, layers]``, a query kernel ``[embed, layers, heads, head_dim]``); a stack of
 experts leads (``[experts, layers, embed, mlp]`` at ``param_scan_axis`` 1, ``[layers, experts, ...]``
@@ -24,18 +29,19 @@ the transpose of HF's ``[out, in]``, with the heads split.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from otfload.plan.expressions import integer
 from otfload.plan.hooks import Hook, Pad, Reshape, Scale, Transpose
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import MappingTable, Rule, Stride
 
 SCANNED = "decoder.layers"
 UNSCANNED = "decoder.layers_{layer}"
 HF_LAYER = "model.layers.{layer}"
 LOGITS = "decoder.logits_dense.kernel"
-# Stack axes of a block leaf besides the layer, with the MaxText field giving their size.
-STACK_SIZES = {"layer": "mt_num_decoder_layers", "expert": "mt_num_experts"}
+# The size of an expert stack axis (a layer axis has its group's count).
+EXPERTS = "mt_num_experts"
 T = Transpose()
 
 
@@ -50,24 +56,74 @@ class Leaf:
     hooks: tuple[Hook, ...]
     shape: tuple[str, ...]
     axes: tuple[str | None, ...]
+    # where a scanned tree puts the layer axis: MaxText scans nnx.Params at param_scan_axis, its
+    # other variables (DeepSeek-V3's MoEBiasVar routing bias) at 0
+    layer_at: int | str = "param_scan_axis"
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Decoder layers of one kind: the scanned subtree (each leaf stacking all of them, the layer
+    axis at ``param_scan_axis``), the unscanned one (``{layer}`` the index within the group), their
+    number (an expression over the hook config) and the HF layer position ``i`` reads (``offsets`` /
+    ``indices`` as :class:`~otfload.plan.mapping.Rule` takes them)."""
+
+    scanned: str
+    unscanned: str
+    leaves: tuple[Leaf, ...]
+    count: str = "mt_num_decoder_layers"
+    offsets: Mapping[str, int | str] = field(default_factory=dict)
+    indices: Mapping[str, Stride] = field(default_factory=dict)
+
+    def prefix(self, scan_layers: bool) -> str:
+        return self.scanned if scan_layers else self.unscanned
+
+    def layers(self, config: Mapping[str, Any]) -> int:
+        """How many layers the group has for the hook config ``config``."""
+        return integer(self.count, config, f"layer count of {self.scanned}")
+
+    def rules(self, scan_layers: bool) -> list[Rule]:
+        prefix = self.prefix(scan_layers)
+        return [Rule(f"{prefix}.{leaf.path}", leaf.source, leaf.hooks, offsets=self.offsets, indices=self.indices,
+                     stack_at={"layer": leaf.layer_at}) for leaf in self.leaves]
+
+
+def decoder_layers(*leaves: Leaf) -> tuple[LayerGroup, ...]:
+    """The one group of a model whose layers are all alike (``decoder.layers``)."""
+    return (LayerGroup(SCANNED, UNSCANNED, leaves),)
 
 
 @dataclass(frozen=True)
 class ModelTable:
-    """A MaxText model's table: the leaves outside the layers, one layer's leaves, and the HF
+    """A MaxText model's table: the leaves outside the layers, the layer groups of the scanned and
+    of the unscanned tree (``unscanned`` ``None``: the same groups), the MaxText fields its shapes
+    and hooks use beyond the common ones (and those it needs at one value), and the HF
     ``model_type`` s whose checkpoints it reads."""
 
     name: str
     model_types: frozenset[str]
     top: tuple[Leaf, ...]
-    block: tuple[Leaf, ...]
+    groups: tuple[LayerGroup, ...]
+    unscanned: tuple[LayerGroup, ...] | None = None
+    fields: tuple[str, ...] = ()
+    # MaxText fields whose value the table is written for (GPT-OSS's two-layer scanned block)
+    fixed: Mapping[str, int] = field(default_factory=dict)
+    # checkpoint config fields its hooks read, as ``hf_<field>`` (from ``text_config`` where there is one)
+    hf_fields: tuple[str, ...] = ()
+
+    def layer_groups(self, scan_layers: bool) -> tuple[LayerGroup, ...]:
+        return self.groups if scan_layers or self.unscanned is None else self.unscanned
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer reads experts (the MoE fields are then needed)."""
+        return any("expert" in leaf.source for g in (*self.groups, *(self.unscanned or ())) for leaf in g.leaves)
 
     def mapping(self, scan_layers: bool) -> MappingTable:
         """The otfload mapping table for the scanned or the unscanned tree."""
-        prefix = SCANNED if scan_layers else UNSCANNED
         rules = [Rule(leaf.path, leaf.source, leaf.hooks) for leaf in self.top]
-        rules += [Rule(f"{prefix}.{leaf.path}", leaf.source, leaf.hooks, stack_at={"layer": "param_scan_axis"})
-                  for leaf in self.block]
+        for group in self.layer_groups(scan_layers):
+            rules += group.rules(scan_layers)
         return MappingTable(tuple(rules), ignore=(r".*rotary_emb\.inv_freq",))
 
 
@@ -114,29 +170,29 @@ O_AXES = ("tensor", None, "fsdp")
 ATTN = f"{HF_LAYER}.self_attn"
 
 
-def attention(rope_interleaved: bool, query_scaled: bool) -> tuple[Leaf, ...]:
-    """The GQA attention projections, q/k with MaxText's RoPE order and the query pre-scaled by
-    ``1/sqrt(head_dim)`` where the model's converter does either."""
+def attention(rope_interleaved: bool, query_scaled: bool, module: str = "self_attention") -> tuple[Leaf, ...]:
+    """The GQA attention projections of MaxText's attention ``module``, q/k with MaxText's RoPE order
+    and the query pre-scaled by ``1/sqrt(head_dim)`` where the model's converter does either."""
     scale = (QUERY_SCALE,) if query_scaled else ()
     if rope_interleaved:
-        q = Leaf("self_attention.query.kernel", f"{ATTN}.q_proj.weight",
+        q = Leaf(f"{module}.query.kernel", f"{ATTN}.q_proj.weight",
                  (T, *interleave_rope("mt_num_query_heads"), *scale), Q_SHAPE, QKV_AXES)
-        k = Leaf("self_attention.key.kernel", f"{ATTN}.k_proj.weight", (T, *interleave_rope("mt_num_kv_heads")),
+        k = Leaf(f"{module}.key.kernel", f"{ATTN}.k_proj.weight", (T, *interleave_rope("mt_num_kv_heads")),
                  KV_SHAPE, QKV_AXES)
     else:
-        q = kernel("self_attention.query.kernel", f"{ATTN}.q_proj.weight", Q_SHAPE, QKV_AXES, scale)
-        k = kernel("self_attention.key.kernel", f"{ATTN}.k_proj.weight", KV_SHAPE, QKV_AXES)
+        q = kernel(f"{module}.query.kernel", f"{ATTN}.q_proj.weight", Q_SHAPE, QKV_AXES, scale)
+        k = kernel(f"{module}.key.kernel", f"{ATTN}.k_proj.weight", KV_SHAPE, QKV_AXES)
     return (
         q, k,
-        kernel("self_attention.value.kernel", f"{ATTN}.v_proj.weight", KV_SHAPE, QKV_AXES),
-        kernel("self_attention.out.kernel", f"{ATTN}.o_proj.weight", O_SHAPE, O_AXES),
+        kernel(f"{module}.value.kernel", f"{ATTN}.v_proj.weight", KV_SHAPE, QKV_AXES),
+        kernel(f"{module}.out.kernel", f"{ATTN}.o_proj.weight", O_SHAPE, O_AXES),
     )
 
 
-def attention_biases() -> tuple[Leaf, ...]:
-    """Qwen2's q/k/v biases, HF's ``[heads * head_dim]`` split into MaxText's ``[heads, head_dim]``."""
+def attention_biases(module: str = "self_attention") -> tuple[Leaf, ...]:
+    """Qwen2's (GPT-OSS's) q/k/v biases, HF's ``[heads * head_dim]`` split into MaxText's ``[heads, head_dim]``."""
     def bias(name: str, source: str, heads: str) -> Leaf:
-        return Leaf(f"self_attention.{name}.bias", f"{ATTN}.{source}.bias", (Reshape((heads, "mt_head_dim")),),
+        return Leaf(f"{module}.{name}.bias", f"{ATTN}.{source}.bias", (Reshape((heads, "mt_head_dim")),),
                     (heads, "mt_head_dim"), ("tensor", None))
 
     return (bias("query", "q_proj", "mt_num_query_heads"), bias("key", "k_proj", "mt_num_kv_heads"),
@@ -155,12 +211,13 @@ def qk_norms() -> tuple[Leaf, ...]:
             norm("self_attention.key_norm.scale", f"{ATTN}.k_norm.weight", "mt_head_dim"))
 
 
-def dense_mlp() -> tuple[Leaf, ...]:
-    """A gated MLP: ``wi_0`` the gate, ``wi_1`` the up projection, ``wo`` the down projection."""
-    mlp = f"{HF_LAYER}.mlp"
-    return (kernel("mlp.wi_0.kernel", f"{mlp}.gate_proj.weight", ("mt_emb_dim", "mt_mlp_dim"), ("fsdp", "tensor")),
-            kernel("mlp.wi_1.kernel", f"{mlp}.up_proj.weight", ("mt_emb_dim", "mt_mlp_dim"), ("fsdp", "tensor")),
-            kernel("mlp.wo.kernel", f"{mlp}.down_proj.weight", ("mt_mlp_dim", "mt_emb_dim"), ("tensor", "fsdp")))
+def dense_mlp(module: str = "mlp", mlp: str = f"{HF_LAYER}.mlp", width: str = "mt_mlp_dim") -> tuple[Leaf, ...]:
+    """A gated MLP (MaxText's ``module``, HF's ``mlp``, ``width`` wide): ``wi_0`` the gate, ``wi_1``
+    the up projection, ``wo`` the down projection."""
+    inner, outer = ("mt_emb_dim", width), (width, "mt_emb_dim")
+    return (kernel(f"{module}.wi_0.kernel", f"{mlp}.gate_proj.weight", inner, ("fsdp", "tensor")),
+            kernel(f"{module}.wi_1.kernel", f"{mlp}.up_proj.weight", inner, ("fsdp", "tensor")),
+            kernel(f"{module}.wo.kernel", f"{mlp}.down_proj.weight", outer, ("tensor", "fsdp")))
 
 
 def routed_experts(block: str, router: str, experts: str, names: tuple[str, str, str]) -> tuple[Leaf, ...]:
@@ -176,5 +233,5 @@ def routed_experts(block: str, router: str, experts: str, names: tuple[str, str,
 
 
 def slice_shape(leaf: Leaf, config: Mapping[str, Any]) -> tuple[int, ...]:
-    """One slice of ``leaf`` (no stack axes) for the MaxText fields in ``config``."""
-    return tuple(int(config[name]) for name in leaf.shape)
+    """One slice of ``leaf`` (no stack axes) for the MaxText fields (or expressions of them) in ``config``."""
+    return tuple(integer(name, config, f"shape of {leaf.path}") for name in leaf.shape)

@@ -43,7 +43,7 @@ def test_model_without_a_table_names_model_name_and_the_tables(tiny_checkpoints,
     path, _ = tiny_checkpoints("mt_llama")
     cfg = maxtext_config("mt_llama", True, 1)
     abstract = mx.abstract_params(cfg, mesh)
-    refused(path, abstract, {**cfg, "model_name": "gemma2-2b"}, "model_name", "gemma2-2b", "llama3.1-8b")
+    refused(path, abstract, {**cfg, "model_name": "gpt3-175b"}, "model_name", "gpt3-175b", "llama3.1-8b")
 
 
 def test_missing_field_is_named(tiny_checkpoints, mesh):

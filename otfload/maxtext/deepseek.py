@@ -1,0 +1,81 @@
+"""MaxText's DeepSeek (``decoder_block: deepseek``): DeepSeek-V3 (``deepseek3-671b``) and V2-Lite
+(``deepseek2-16b``). MLA attention, kernels ``[in, out]`` with heads split and nothing else changed
+(MaxText's converter only transposes and reshapes: its MLA applies the interleaved RoPE HF's
+checkpoints are stored for, and its own softmax scale). The first ``first_num_dense_layers`` layers
+are ``decoder.dense_layers`` (a dense MLP), the rest ``decoder.moe_layers`` (unscanned
+``moe_layers_<i>`` reading HF layer ``first_num_dense_layers + i``): the routed experts of
+``DeepSeekMoeBlock_0.MoeBlock_0`` and ``shared_experts`` (``shared_experts * moe_mlp_dim`` wide).
+
+V3 has a q LoRA (``wq_a``, ``q_norm``, ``wq_b``) and the router's ``e_score_correction_bias`` as
+``MoeBlock_0.gate.bias``, a ``MoEBiasVar`` (not an ``nnx.Param``), which MaxText scans with the
+layer axis first whatever ``param_scan_axis`` says; V2-Lite (``q_lora_rank: 0``) has ``query`` and
+no bias. The multi-token-prediction layer of V3 checkpoints (HF layer ``num_hidden_layers``) is
+not mapped, as MaxText's converter does not map it (a tree with ``mtp_num_layers`` > 0 has
+``mtp_block`` leaves, refused as leaves this table does not map).
+"""
+
+from __future__ import annotations
+
+from otfload.maxtext.tables import (
+    ATTN,
+    HF_LAYER,
+    LayerGroup,
+    Leaf,
+    ModelTable,
+    dense_mlp,
+    kernel,
+    layer_norms,
+    norm,
+    routed_experts,
+    top_leaves,
+)
+
+_HEADS = "mt_num_query_heads"
+_QK_HEAD = "mt_qk_nope_head_dim + mt_qk_rope_head_dim"
+_MOE = "DeepSeekMoeBlock_0"
+_DENSE = "mt_first_num_dense_layers"
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_num_dense_layers",
+              "shared_experts")
+
+
+def _query(q_lora: bool) -> tuple[Leaf, ...]:
+    """V3's q LoRA (down, norm, up) or V2-Lite's one query kernel, per head ``[nope | rope]``."""
+    a = "self_attention"
+    if not q_lora:
+        return (kernel(f"{a}.query.kernel", f"{ATTN}.q_proj.weight", ("mt_emb_dim", _HEADS, _QK_HEAD),
+                       ("fsdp", "tensor", None)),)
+    return (kernel(f"{a}.wq_a.kernel", f"{ATTN}.q_a_proj.weight", ("mt_emb_dim", "mt_q_lora_rank"), ("fsdp", None)),
+            norm(f"{a}.q_norm.scale", f"{ATTN}.q_a_layernorm.weight", "mt_q_lora_rank"),
+            kernel(f"{a}.wq_b.kernel", f"{ATTN}.q_b_proj.weight", ("mt_q_lora_rank", _HEADS, _QK_HEAD),
+                   ("fsdp", "tensor", None)))
+
+
+def _mla(q_lora: bool) -> tuple[Leaf, ...]:
+    """A layer's norms and MLA: the kv LoRA (``wkv_a`` also carries the shared RoPE key) and the output."""
+    a = "self_attention"
+    return (*layer_norms(), *_query(q_lora),
+            kernel(f"{a}.wkv_a.kernel", f"{ATTN}.kv_a_proj_with_mqa.weight",
+                   ("mt_emb_dim", "mt_kv_lora_rank + mt_qk_rope_head_dim"), ("fsdp", None)),
+            norm(f"{a}.kv_norm.scale", f"{ATTN}.kv_a_layernorm.weight", "mt_kv_lora_rank"),
+            kernel(f"{a}.wkv_b.kernel", f"{ATTN}.kv_b_proj.weight",
+                   ("mt_kv_lora_rank", _HEADS, "mt_qk_nope_head_dim + mt_v_head_dim"), ("fsdp", "tensor", None)),
+            kernel(f"{a}.out.kernel", f"{ATTN}.o_proj.weight", (_HEADS, "mt_v_head_dim", "mt_emb_dim"),
+                   ("tensor", None, "fsdp")))
+
+
+def _table(name: str, model_type: str, v3: bool) -> ModelTable:
+    mlp = f"{HF_LAYER}.mlp"
+    bias = (Leaf(f"{_MOE}.MoeBlock_0.gate.bias", f"{mlp}.gate.e_score_correction_bias", (), ("mt_num_experts",),
+                 (None,), layer_at=0),) if v3 else ()
+    moe = (*_mla(v3), *routed_experts(f"{_MOE}.MoeBlock_0", f"{mlp}.gate.weight", f"{mlp}.experts",
+                                      ("gate_proj", "up_proj", "down_proj")), *bias,
+           *dense_mlp(f"{_MOE}.shared_experts", f"{mlp}.shared_experts", "mt_shared_experts * mt_moe_mlp_dim"))
+    groups = (LayerGroup("decoder.dense_layers", "decoder.dense_layers_{layer}", (*_mla(v3), *dense_mlp()), _DENSE),
+              LayerGroup("decoder.moe_layers", "decoder.moe_layers_{layer}", moe, f"mt_num_decoder_layers - {_DENSE}",
+                         offsets={"layer": _DENSE}))
+    return ModelTable(name=name, model_types=frozenset({model_type}), top=top_leaves(), groups=groups,
+                      fields=(*MLA_FIELDS, "q_lora_rank") if v3 else MLA_FIELDS)
+
+
+DEEPSEEK3 = _table("deepseek3", "deepseek_v3", v3=True)
+DEEPSEEK2 = _table("deepseek2", "deepseek_v2", v3=False)
