@@ -1,0 +1,243 @@
+"""Nemotron-H (``nemotron_h``, Nemotron-3): tiny transformers checkpoints → otfload → logits and
+greedy ids equal transformers' (its PyTorch reference path: ``mamba_ssm`` and ``causal_conv1d`` are
+not installed), padded rows equal to the rows alone, the export round trip bit-exact, the published
+Nemotron-3-Nano-30B-A3B config planned at 256 devices, and the config fields otfload does not
+implement refused by name.
+
+The tiny model mixes every block kind out of transformers' default order (Mamba-2, attention, MoE,
+Mamba-2, MLP) with grouped Mamba heads (8 heads in 2 groups), the conv bias, 32-token chunks and 13-
+to 70-token inputs (more than one chunk, a ragged last one); 8 routed experts in 2 groups (the best
+group only) by sigmoid score plus a random correction bias, scaled by 2.5, with a shared expert. The
+variant adds the Mamba projections' and the MLPs' biases."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import otfload
+from otfload.errors import ConfigError
+from otfload.export import export_hf
+from otfload.families.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+from otfload.models import mamba2
+from otfload.models.layers import pure
+from otfload.plan.sharding import make_mesh
+from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.test_deepseek import MESHES, _randomize_router_bias
+from tests.helpers import jax_logits as logits
+from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.models.kinds import padded_batch, torch_greedy
+
+M, A, E, D = "linear_attention", "full_attention", "moe", "mlp"
+REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
+NANO = REALCONFIGS / "nvidia__NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.json"
+TINY = dict(vocab_size=256, hidden_size=64, layers_block_type=[M, A, E, M, D], num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=8,
+            n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48, max_position_embeddings=128)
+NEW = 6
+
+
+def _nemotron_h(**kw):
+    from transformers import NemotronHConfig as HfNemotronHConfig
+    from transformers import NemotronHForCausalLM
+
+    model = NemotronHForCausalLM(HfNemotronHConfig(**{**TINY, **kw}))
+    _randomize_router_bias(model)
+    return model
+
+
+register_hf_model("nemotron_h", _nemotron_h)
+register_hf_model("nemotron_h_bias", _nemotron_h, {"use_bias": True, "mlp_bias": True})
+
+
+@pytest.mark.parametrize(("kind", "scan_layers", "mesh_name"), [
+    ("nemotron_h", True, "fsdp2_tp4"), ("nemotron_h", False, "fsdp2_ep4"), ("nemotron_h_bias", True, "fsdp2_tp4"),
+])  # fmt: skip
+def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
+    path, torch_model = tiny_checkpoints(kind)
+    assert len(list(path.glob("*.safetensors"))) > 1
+    mesh = make_mesh(MESHES[mesh_name])
+    model, report = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, return_report=True)
+    assert report.unused_tensors == []
+    if scan_layers:  # each block kind: one stack of its own shapes
+        assert model.mamba_layers.mixer.in_proj.kernel[...].shape == (2, 64 + 128 + 8, 64)
+        assert model.moe_layers.mixer.experts.up.kernel[...].shape == (1, 8, 32, 64)
+    with jax.set_mesh(mesh):
+        for seq in (13, 70):  # one chunk, and three with a ragged last one
+            ids = token_ids(seq=seq)
+            diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+            assert diff <= 1e-4, (seq, diff)
+
+
+def test_the_mixer_is_the_same_recurrence_in_every_form():
+    """Chunked (several chunk sizes), token by token and quadratic give the same outputs and final
+    state; a prompt run in two calls through the cache equals it run in one."""
+    cfg = NemotronHConfig.from_hf({**TINY, "model_type": "nemotron_h"})
+    model = NemotronHForCausalLM(cfg, rngs=nnx.Rngs(0))
+    p = jax.tree.map(lambda a: a[0], pure(model.mamba_layers.mixer))
+    p["A_log"] = jnp.log(jnp.linspace(1.0, 4.0, 8))
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 45, 64)), jnp.float32)
+    cache = {"conv": jnp.zeros((2, mamba2.conv_dim(cfg), 4)), "state": jnp.zeros((2, 8, 8, 16))}
+    ref, ref_cache = mamba2.mamba2_forward(p, h, cfg, None, cache, chunk=0)
+    for chunk in (1, 7, 32, 45):
+        out, new = mamba2.mamba2_forward(p, h, cfg, None, cache, chunk=chunk)
+        assert float(jnp.abs(out - ref).max()) <= 1e-5 * float(jnp.abs(ref).max()), chunk
+        assert float(jnp.abs(new["state"] - ref_cache["state"]).max()) <= 1e-5, chunk
+    first, mid = mamba2.mamba2_forward(p, h[:, :20], cfg, None, cache)
+    second, end = mamba2.mamba2_forward(p, h[:, 20:], cfg, None, mid)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), ref, atol=1e-5 * float(jnp.abs(ref).max()))
+    np.testing.assert_allclose(end["conv"], ref_cache["conv"], atol=0)
+    np.testing.assert_allclose(end["state"], ref_cache["state"], atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_rows_get_the_logits_they_get_alone(tiny_checkpoints, mesh_2x4, side):
+    """Pads enter neither a convolution window nor the recurrent state (the variant's in_proj bias
+    would put them in the window were they not zeroed after the projection too): each padded row's
+    real positions equal transformers' logits of the row alone."""
+    path, torch_model = tiny_checkpoints("nemotron_h_bias")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    ids, mask, _ = padded_batch(side)
+    with jax.set_mesh(mesh_2x4):
+        ours = np.asarray(jax.jit(lambda m, x, a: m(x, attention_mask=a))(model, ids, mask))
+    for r in range(len(ids)):
+        real = mask[r].astype(bool)
+        alone = torch_logits(torch_model, ids[r : r + 1, real])[0]
+        assert max_rel_diff(ours[r, real], alone) <= 1e-4, (side, r)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
+    path, torch_model = tiny_checkpoints("nemotron_h")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
+    cache = model.init_cache(3, 8)
+    assert cache["layers"]["mamba_layers"]["state"].shape == (2, 3, 8, 8, 16)  # [b, heads, head_dim, state]
+    assert cache["layers"]["mamba_layers"]["state"].dtype == jnp.float32
+    assert cache["layers"]["mamba_layers"]["conv"].shape == (2, 3, 128, 4)  # [b, conv_dim, K]
+    ids, mask, _ = padded_batch("left")
+    with jax.set_mesh(mesh_2x4):
+        ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[]))
+    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW, eos_token_id=None))
+
+
+@pytest.mark.parametrize(("kind", "scan_layers"), [("nemotron_h", True), ("nemotron_h", False),
+                                                   ("nemotron_h_bias", True)])
+def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
+    src, _ = tiny_checkpoints(kind)
+    model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
+    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
+    assert_bit_exact(read_tensors(out), read_tensors(src))
+    assert weight_map_keys(out) == weight_map_keys(src)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("layers_block_type", [M, A, "sliding_attention", M, D]),
+    ("hybrid_override_pattern", "M*EX-"),
+    ("mamba_hidden_act", "gelu"),
+    ("mlp_hidden_act", "silu"),
+    ("mamba_ssm_cache_dtype", "bfloat16"),
+    ("attention_bias", True),
+    ("sliding_window", 64),
+    ("moe_latent_size", 16),
+    ("n_groups", 3),
+    ("n_group", 3),
+    ("conv_kernel", 0),
+])  # fmt: skip
+def test_unsupported_fields_are_refused_by_name(field, value):
+    config = {**TINY, "model_type": "nemotron_h", field: value}
+    if field == "hybrid_override_pattern":
+        del config["layers_block_type"]
+    with pytest.raises(ConfigError) as err:
+        NemotronHConfig.from_hf(json.loads(json.dumps(config)))
+    assert err.value.field.startswith(field)
+
+
+def test_block_pattern_and_legacy_names_follow_transformers():
+    base = {k: v for k, v in TINY.items() if k not in ("layers_block_type", "n_groups", "conv_kernel")}
+    cfg = NemotronHConfig.from_hf({**base, "model_type": "nemotron_h", "hybrid_override_pattern": "M-M*E",
+                                   "mamba_n_groups": 4, "mamba_d_conv": 3, "num_hidden_layers": 7})
+    assert cfg.layers_block_type == (M, D, M, A, E) and cfg.num_hidden_layers == 5
+    assert (cfg.mamba_layers, cfg.mlp_layers, cfg.attention_layers, cfg.moe_layers) == ((0, 2), (1,), (3,), (4,))
+    assert (cfg.n_groups, cfg.conv_kernel) == (4, 3)
+    assert NemotronHConfig.from_hf({**base, "model_type": "nemotron_h"}).layers_block_type == (M, E, A, D)
+
+
+def nano_headers(path: Path) -> Path:
+    """Nemotron-3-Nano-30B-A3B at full size, headers only: its published config and every tensor its
+    BF16 release stores (the correction bias float32), under ``backbone.``, four layers a file."""
+    from tests.realsize import write_header_checkpoint
+
+    raw = json.loads(NANO.read_text())
+    cfg = NemotronHConfig.from_hf(raw)
+    h, heads, inner = cfg.hidden_size, cfg.mamba_num_heads, mamba2.inner_dim(cfg)
+    conv, e, m = mamba2.conv_dim(cfg), cfg.num_experts, cfg.moe_intermediate_size
+    layers = []
+    for i, kind in enumerate(cfg.layers_block_type):
+        x = f"backbone.layers.{i}.mixer"
+        t = {f"backbone.layers.{i}.norm.weight": ("BF16", (h,))}
+        if kind == M:
+            t |= {f"{x}.in_proj.weight": ("BF16", (inner + conv + heads, h)),
+                  f"{x}.conv1d.weight": ("BF16", (conv, 1, cfg.conv_kernel)), f"{x}.conv1d.bias": ("BF16", (conv,)),
+                  f"{x}.dt_bias": ("BF16", (heads,)), f"{x}.A_log": ("BF16", (heads,)), f"{x}.D": ("BF16", (heads,)),
+                  f"{x}.norm.weight": ("BF16", (inner,)), f"{x}.out_proj.weight": ("BF16", (h, inner))}
+        elif kind == A:
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            t |= {f"{x}.{n}_proj.weight": ("BF16", shape)
+                  for n, shape in (("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q)))}
+        else:
+            s = cfg.moe_shared_expert_intermediate_size
+            t |= {f"{x}.gate.weight": ("BF16", (e, h)), f"{x}.gate.e_score_correction_bias": ("F32", (e,)),
+                  f"{x}.shared_experts.up_proj.weight": ("BF16", (s, h)),
+                  f"{x}.shared_experts.down_proj.weight": ("BF16", (h, s))}
+            for j in range(e):
+                t |= {f"{x}.experts.{j}.up_proj.weight": ("BF16", (m, h)),
+                      f"{x}.experts.{j}.down_proj.weight": ("BF16", (h, m))}
+        layers.append(t)
+    files = -(-len(layers) // 4) + 1
+    shards = {f"model-{k + 1:05d}-of-{files:05d}.safetensors": {n: v for t in layers[4 * k : 4 * k + 4]
+                                                                for n, v in t.items()} for k in range(files - 1)}
+    shards[f"model-{files:05d}-of-{files:05d}.safetensors"] = {
+        "backbone.embeddings.weight": ("BF16", (cfg.vocab_size, h)), "backbone.norm_f.weight": ("BF16", (h,)),
+        "lm_head.weight": ("BF16", (cfg.vocab_size, h))}
+    return write_header_checkpoint(path, shards, raw)
+
+
+@pytest.mark.skipif(not NANO.is_file(), reason="../shared/realconfigs is not checked out")
+def test_published_nano_plans_at_256_devices(tmp_path):
+    """``otfload inspect --devices 256`` of the full-size Nemotron-3-Nano-30B-A3B (52 layers: 23
+    Mamba-2, 6 attention, 23 MoE of 128 experts; 6k stored tensors) on fsdp x tp: every leaf planned,
+    within 10 s of CPU (the child's own time) and 1 GiB (its own peak), and one process's bytes, held
+    and fetched, within 1.1 x its devices' share of the checkpoint."""
+    import resource
+
+    path = nano_headers(tmp_path / "nano")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    probe = ("import sys\nfrom otfload.cli import main\nfrom otfload.place.report import peak_rss\ntry:\n"
+             "    code = main(sys.argv[1:])\nfinally:\n    sys.stderr.write(f'PEAK {peak_rss()}\\n')\nsys.exit(code)")
+    run = subprocess.run([sys.executable, "-c", probe, "inspect", str(path), "--devices", "256",
+                          "--mesh", "fsdp=32,tp=8", "--process-index", "0", "--process-count", "32", "--json"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TQDM_DISABLE": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    peak = int(run.stderr.rsplit("PEAK ", 1)[1].split()[0])
+    assert cpu <= 10 and peak <= 2**30, (cpu, peak)
+    info = json.loads(run.stdout)
+    assert info["model_type"] == "nemotron_h" and info["unused"] == []
+    leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
+    experts = leaves["moe_layers.mixer.experts.up.kernel"]
+    assert experts["shape"] == [23, 128, 1856, 2688] and "'tp', 'fsdp'" in experts["sharding"], experts
+    assert leaves["mamba_layers.mixer.in_proj.kernel"]["shape"] == [23, 4096 + 6144 + 64, 2688]
+    totals = info["totals"]
+    assert 58e9 < totals["source_bytes"] < 66e9, totals
+    share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
+    assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)
