@@ -32,15 +32,21 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from otfload.errors import OutputExistsError
+    from otfload.errors import InvalidOptionError, OutputExistsError
     from otfload.export import export_checkpoint, export_native, is_native_checkpoint
 
     if os.path.lexists(args.out) and not args.overwrite:  # before anything is loaded
         raise OutputExistsError(f"{args.out} exists; pass --overwrite to replace it")
+    if args.quantized != "dequantize" or not args.merge_adapter:  # an HF checkpoint holds plain weights
+        raise InvalidOptionError("export writes each weight whole (quantized ones dequantized, adapters merged): "
+                                 "--quantized keep and --no-merge-adapter do not apply")
     given = args.source
     options.adapter_as_checkpoint(args)
     written = dict(dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     if is_native_checkpoint(args.source):
+        if args.adapter:
+            raise InvalidOptionError("--adapter: a native SRC is exported as it was saved (merge adapters when "
+                                     "loading the HF checkpoint it came from)")
         out = export_native(args.source, args.out, step=args.step, scan_layers=args.scan_layers, **written)
     else:  # the load's flags (--dtype, the one written, is the load's too: a cast either way)
         out = export_checkpoint(args.source, args.out, options=options.load_options(args), **written)

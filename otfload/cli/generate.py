@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from otfload.cli import options
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -31,6 +33,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def left_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, mask)``: the rows padded on the left with id 0 to the longest (mask 0 there)."""
+    import numpy as np
+
     width = max(len(r) for r in rows)
     ids = np.zeros((len(rows), width), np.int32)
     mask = np.zeros((len(rows), width), np.int32)
@@ -48,6 +52,8 @@ def until_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from otfload.errors import OtfloadError
     from otfload.evaluate import load_with_tokenizer
     from otfload.generate import generate, special_tokens

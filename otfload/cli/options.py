@@ -8,9 +8,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
+    import numpy as np
     from jax.sharding import Mesh
 
     from otfload.options import LoadOptions

@@ -175,12 +175,12 @@ def test_load_verify_matches_transformers(llama):
 
 
 def test_verify_reports_failure_when_logits_disagree(llama, capsys):
-    from otfload.cli import load
+    from otfload.cli.verify import verify
 
     model = otfload.from_pretrained(llama)
-    assert load.verify(model, str(llama), 256)
+    assert verify(model, str(llama), 256)
     model.layers.mlp.down.kernel[...] = model.layers.mlp.down.kernel[...] * 1.5
-    assert not load.verify(model, str(llama), 256)
+    assert not verify(model, str(llama), 256)
     assert capsys.readouterr().out.rstrip().endswith("(float32 forward passes; tolerance 1e-03): FAILED")
 
 
