@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.helpers import register_hf_model
+from tests.maxtext_tables.grouped import grouped_layers
 
 DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16, max_position_embeddings=128)
@@ -48,6 +49,33 @@ def _mixtral(**kw):
     return MixtralForCausalLM(MixtralConfig(**{**MOE, "num_local_experts": 4, "num_experts_per_tok": 2, **kw}))
 
 
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+           moe_intermediate_size=32)
+
+
+def _deepseek(v3: bool, **kw):
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    if not v3:
+        return DeepseekV2ForCausalLM(DeepseekV2Config(**{**DIMS, **MLA, "q_lora_rank": None, **kw}))
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**DIMS, **MLA, "q_lora_rank": 32, "n_group": 2,
+                                                      "topk_group": 1, **kw}))
+    with torch.no_grad():  # a stored buffer randomize_ leaves at zeros
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape) * 0.1)
+    return model
+
+
+def _gpt_oss(**kw):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(GptOssConfig(**{**MOE, "num_hidden_layers": 4, "num_local_experts": 4,
+                                             "num_experts_per_tok": 2, **kw}))
+
+
 register_hf_model("mt_llama", _llama)
 # head_dim 32: the query scale 1/sqrt(32) is no power of two, so its rounding shows
 register_hf_model("mt_llama_bf16", _llama, {"head_dim": 32}, dtype="bfloat16")
@@ -55,20 +83,31 @@ register_hf_model("mt_qwen2", _qwen2)
 register_hf_model("mt_qwen3", _qwen3, {"tie_word_embeddings": True})
 register_hf_model("mt_qwen3_moe", _qwen3_moe)
 register_hf_model("mt_mixtral", _mixtral)
+register_hf_model("mt_deepseek3", lambda **kw: _deepseek(True, **kw))
+register_hf_model("mt_deepseek2", lambda **kw: _deepseek(False, **kw))
+register_hf_model("mt_gpt_oss", _gpt_oss)
 
 # checkpoint kind -> MaxText model_name
 MODELS = {"mt_llama": "llama3.1-8b", "mt_qwen2": "qwen2.5-7b", "mt_qwen3": "qwen3-0.6b",
-          "mt_qwen3_moe": "qwen3-30b-a3b", "mt_mixtral": "mixtral-8x7b"}
+          "mt_qwen3_moe": "qwen3-30b-a3b", "mt_mixtral": "mixtral-8x7b", "mt_deepseek3": "deepseek3-671b",
+          "mt_deepseek2": "deepseek2-16b", "mt_gpt_oss": "gpt-oss-20b"}
+GROUPED = ("mt_deepseek3", "mt_deepseek2", "mt_gpt_oss")
 LAYOUTS = [(True, 1), (True, 0), (False, 1)]  # (scan_layers, param_scan_axis)
 
 
 def maxtext_config(kind: str, scan_layers: bool, param_scan_axis: int, **over) -> dict:
     """The MaxText fields of a run on checkpoint ``kind`` (what its pyconfig would hold)."""
-    moe = kind in ("mt_qwen3_moe", "mt_mixtral")
-    cfg = dict(model_name=MODELS[kind.removesuffix("_bf16")], scan_layers=scan_layers,
+    moe = kind in ("mt_qwen3_moe", "mt_mixtral", "mt_gpt_oss")
+    cfg = dict(model_name=MODELS[kind.removesuffix("_bf16").removesuffix("_mxfp4")], scan_layers=scan_layers,
                param_scan_axis=param_scan_axis, vocab_size=256, emb_dim=64, num_query_heads=8, num_kv_heads=4,
                head_dim=16, mlp_dim=32 if moe else 128, num_decoder_layers=3, num_experts=4 if moe else 1,
                moe_mlp_dim=32, logits_via_embedding=kind == "mt_qwen3")
+    if kind.startswith("mt_deepseek"):  # MaxText's MLA fields, the checkpoint's sizes
+        cfg.update(num_query_heads=4, num_kv_heads=4, head_dim=24, num_experts=4, kv_lora_rank=16,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_num_dense_layers=1,
+                   shared_experts=1, q_lora_rank=32 if kind == "mt_deepseek3" else 0)
+    if kind.startswith("mt_gpt_oss"):
+        cfg.update(num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2)
     return {**cfg, **over}
 
 
@@ -136,6 +175,8 @@ def expected(kind: str, hf: dict[str, np.ndarray], cfg: dict) -> dict[str, np.nd
            "decoder.decoder_norm.scale": hf["model.norm.weight"]}
     if not cfg["logits_via_embedding"]:
         out["decoder.logits_dense.kernel"] = _pad(hf["lm_head.weight"].T, 1, vocab)
+    if kind.removesuffix("_mxfp4") in GROUPED:
+        return {**out, **grouped_layers(kind, hf, cfg)}
     layers = [layer(kind, hf, i, cfg) for i in range(cfg["num_decoder_layers"])]
     if not cfg["scan_layers"]:
         out.update({f"decoder.layers_{i}.{k}": v for i, leaves in enumerate(layers) for k, v in leaves.items()})

@@ -111,3 +111,24 @@ def test_unscanned_tree_with_other_layer_count(tiny_checkpoints, mesh, no_reads)
     path, _ = tiny_checkpoints("mt_llama")
     abstract = mx.abstract_params(maxtext_config("mt_llama", False, 1, num_decoder_layers=2), mesh)
     refused(path, abstract, maxtext_config("mt_llama", False, 1), "num_decoder_layers", "[0, 1]")
+
+
+def test_deepseek_param_scan_axis_the_tree_does_not_have(tiny_checkpoints, mesh, no_reads):
+    path, _ = tiny_checkpoints("mt_deepseek3")
+    abstract = mx.abstract_params(maxtext_config("mt_deepseek3", True, 0), mesh)
+    refused(path, abstract, maxtext_config("mt_deepseek3", True, 1), "param_scan_axis", "'deepseek3'",
+            "decoder.dense_layers.")
+
+
+def test_deepseek_unscanned_dense_layer_count(tiny_checkpoints, mesh, no_reads):
+    path, _ = tiny_checkpoints("mt_deepseek2")
+    abstract = mx.abstract_params(maxtext_config("mt_deepseek2", False, 1), mesh)
+    refused(path, abstract, maxtext_config("mt_deepseek2", False, 1, first_num_dense_layers=2),
+            "first_num_dense_layers", "decoder.dense_layers_{layer}", "'deepseek2'")
+
+
+def test_gpt_oss_layer_cycle_other_than_the_tables(tiny_checkpoints, mesh):
+    cfg = maxtext_config("mt_gpt_oss", True, 1)
+    with pytest.raises(ConfigError) as info:
+        mx.select({**cfg, "inhomogeneous_layer_cycle_interval": 4})
+    assert info.value.field == "inhomogeneous_layer_cycle_interval" and "'gpt_oss'" in str(info.value)

@@ -76,3 +76,18 @@ def test_nnx_state_and_linen_params_are_taken_as_maxtext_takes_them(tiny_checkpo
 def test_instruct_suffix_reads_the_base_table():
     cfg = maxtext_config("mt_llama", True, 1, model_name="llama3.1-8b-Instruct")
     assert mx.select(cfg).table.name == "llama3.1"
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantises_them(tiny_checkpoints, mesh, tmp_path):
+    """GPT-OSS as published: experts in MXFP4 (``*_blocks`` / ``*_scales``), decoded by otfload's index
+    into MaxText's ``wi_0`` / ``wi_1`` / ``wo``, equal to transformers' dequantisation of the same bytes."""
+    from tests.index.quant import layouts
+
+    src, _ = tiny_checkpoints("mt_gpt_oss")
+    path = tmp_path / "mxfp4"
+    dequantised = layouts.quantize_checkpoint(src, path, layouts.is_gpt_oss_expert, layouts.mxfp4_experts,
+                                              layouts.MXFP4_CONFIG)
+    cfg = maxtext_config("mt_gpt_oss", True, 1)
+    abstract = mx.abstract_params(cfg, mesh)
+    params = mx.load_state(str(path), abstract, cfg)[1]["params"]
+    check(params, expected("mt_gpt_oss", {**hf_tensors(path), **dequantised}, cfg), abstract)

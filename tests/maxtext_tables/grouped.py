@@ -1,0 +1,101 @@
+"""numpy references of the MaxText trees whose layers come in groups — DeepSeek (``dense_layers``,
+then ``moe_layers``) and GPT-OSS (scanned as ``layers.layers_0`` / ``layers_1``, every other HF layer)
+— written from MaxText's converter (``param_mapping.DEEPSEEK_*`` / ``GPT_OSS_*``): kernels ``[in,
+out]`` with heads split, nothing else changed; GPT-OSS's fused ``gate_up_proj`` split into its even
+(gate, ``wi_0``) and odd (up, ``wi_1``) columns. Scanned leaves stack at ``param_scan_axis``, but
+DeepSeek-V3's routing bias (a ``MoEBiasVar``, which MaxText scans at 0)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+ROUTING_BIAS = "DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"
+
+
+def _kernel(w: np.ndarray, *split: int) -> np.ndarray:
+    return w.T.reshape(*split) if split else w.T
+
+
+def _mla(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarray]:
+    a, h, heads = f"model.layers.{i}.self_attn", cfg["emb_dim"], cfg["num_query_heads"]
+    qk, nope_v = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"] + cfg["v_head_dim"]
+    out = {"pre_self_attention_layer_norm.scale": hf[f"model.layers.{i}.input_layernorm.weight"],
+           "post_self_attention_layer_norm.scale": hf[f"model.layers.{i}.post_attention_layernorm.weight"],
+           "self_attention.wkv_a.kernel": hf[f"{a}.kv_a_proj_with_mqa.weight"].T,
+           "self_attention.kv_norm.scale": hf[f"{a}.kv_a_layernorm.weight"],
+           "self_attention.wkv_b.kernel": _kernel(hf[f"{a}.kv_b_proj.weight"], cfg["kv_lora_rank"], heads, nope_v),
+           "self_attention.out.kernel": _kernel(hf[f"{a}.o_proj.weight"], heads, cfg["v_head_dim"], h)}
+    if cfg.get("q_lora_rank"):
+        out["self_attention.wq_a.kernel"] = hf[f"{a}.q_a_proj.weight"].T
+        out["self_attention.q_norm.scale"] = hf[f"{a}.q_a_layernorm.weight"]
+        out["self_attention.wq_b.kernel"] = _kernel(hf[f"{a}.q_b_proj.weight"], cfg["q_lora_rank"], heads, qk)
+    else:
+        out["self_attention.query.kernel"] = _kernel(hf[f"{a}.q_proj.weight"], h, heads, qk)
+    return out
+
+
+def _mlp(hf: dict[str, np.ndarray], module: str, source: str) -> dict[str, np.ndarray]:
+    return {f"{module}.{leaf}.kernel": hf[f"{source}.{name}.weight"].T
+            for leaf, name in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj"))}
+
+
+def _dense(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarray]:
+    return {**_mla(hf, i, cfg), **_mlp(hf, "mlp", f"model.layers.{i}.mlp")}
+
+
+def _moe(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarray]:
+    m, block = f"model.layers.{i}.mlp", "DeepSeekMoeBlock_0"
+    out = {**_mla(hf, i, cfg), **_mlp(hf, f"{block}.shared_experts", f"{m}.shared_experts"),
+           f"{block}.MoeBlock_0.gate.kernel": hf[f"{m}.gate.weight"].T}
+    if f"{m}.gate.e_score_correction_bias" in hf:
+        out[ROUTING_BIAS] = hf[f"{m}.gate.e_score_correction_bias"]
+    for leaf, name in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
+        out[f"{block}.MoeBlock_0.{leaf}"] = np.stack([hf[f"{m}.experts.{e}.{name}.weight"].T
+                                                     for e in range(cfg["num_experts"])])
+    return out
+
+
+def _gpt_oss(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarray]:
+    a, x, h, hd = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp.experts", cfg["emb_dim"], cfg["head_dim"]
+    out = {"pre_self_attention_layer_norm.scale": hf[f"model.layers.{i}.input_layernorm.weight"],
+           "post_self_attention_layer_norm.scale": hf[f"model.layers.{i}.post_attention_layernorm.weight"],
+           "GptOssAttention.out.kernel": _kernel(hf[f"{a}.o_proj.weight"], cfg["num_query_heads"], hd, h),
+           "GptOssAttention.out.bias": hf[f"{a}.o_proj.bias"],
+           "GptOssAttention.sinks": hf[f"{a}.sinks"],
+           "GptOssMlp.gate.kernel": hf[f"model.layers.{i}.mlp.router.weight"].T,
+           "GptOssMlp.gate.bias": hf[f"model.layers.{i}.mlp.router.bias"],
+           "GptOssMlp.wi_0": hf[f"{x}.gate_up_proj"][..., ::2], "GptOssMlp.wi_1": hf[f"{x}.gate_up_proj"][..., 1::2],
+           "GptOssMlp.wi_0_bias": hf[f"{x}.gate_up_proj_bias"][..., ::2],
+           "GptOssMlp.wi_1_bias": hf[f"{x}.gate_up_proj_bias"][..., 1::2],
+           "GptOssMlp.wo": hf[f"{x}.down_proj"], "GptOssMlp.wo_bias": hf[f"{x}.down_proj_bias"]}
+    for name, proj, heads in (("query", "q_proj", "num_query_heads"), ("key", "k_proj", "num_kv_heads"),
+                              ("value", "v_proj", "num_kv_heads")):
+        out[f"GptOssAttention.{name}.kernel"] = _kernel(hf[f"{a}.{proj}.weight"], h, cfg[heads], hd)
+        out[f"GptOssAttention.{name}.bias"] = hf[f"{a}.{proj}.bias"].reshape(cfg[heads], hd)
+    return out
+
+
+def _groups(kind: str, cfg: dict) -> list[tuple[str, str, object, list[int]]]:
+    """(scanned prefix, unscanned prefix, per-layer builder, HF layers) of each group."""
+    layers = cfg["num_decoder_layers"]
+    if kind.startswith("mt_deepseek"):
+        dense = cfg["first_num_dense_layers"]
+        return [("decoder.dense_layers", "decoder.dense_layers_", _dense, list(range(dense))),
+                ("decoder.moe_layers", "decoder.moe_layers_", _moe, list(range(dense, layers)))]
+    if not cfg["scan_layers"]:
+        return [("", "decoder.layers_", _gpt_oss, list(range(layers)))]
+    return [(f"decoder.layers.layers_{j}", "", _gpt_oss, list(range(j, layers, 2))) for j in range(2)]
+
+
+def grouped_layers(kind: str, hf: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
+    """Every layer leaf (dotted path → array) of a grouped tree in the layout ``cfg`` names."""
+    out: dict[str, np.ndarray] = {}
+    for scanned, unscanned, build, hf_layers in _groups(kind, cfg):
+        per_layer = [build(hf, i, cfg) for i in hf_layers]
+        if not cfg["scan_layers"]:
+            out.update({f"{unscanned}{n}.{k}": v for n, leaves in enumerate(per_layer) for k, v in leaves.items()})
+            continue
+        for name in per_layer[0]:
+            axis = 0 if name == ROUTING_BIAS else cfg["param_scan_axis"]
+            out[f"{scanned}.{name}"] = np.stack([leaves[name] for leaves in per_layer], axis=axis)
+    return out
