@@ -1,18 +1,21 @@
-"""Forward time of a Gated DeltaNet layer (Qwen3.5's linear-attention mixer) over 2k-16k tokens: the
-chunked recurrence otfload runs, against the same layer token by token and in the quadratic form, in
-one run.
+"""Forward time of a Gated DeltaNet layer (Qwen3.5's linear-attention mixer) or a Mamba-2 layer
+(Nemotron-H's) over 2k-16k tokens: the chunked recurrence otfload runs, against the same layer token
+by token and in the quadratic form, in one run.
 
     python -m benchmarks.bench_hybrid                          # 2k, 4k, 8k, 16k tokens
     python -m benchmarks.bench_hybrid --lengths 2048 4096 --repeat 5 --json out.json
+    python -m benchmarks.bench_hybrid --layer mamba2
 
 The layer is :func:`otfload.models.gated_delta.gated_delta_forward` with random float32 weights
-(hidden 1024, 8 key heads and 16 value heads of 64 dims, a 4-tap conv), one row, on the default
-device. ``chunked`` is the model's form (chunks of 64 tokens, the state carried across them);
-``token`` the same layer with the recurrence one token per ``lax.scan`` step; ``quadratic`` the
-chunked code with one chunk as long as the sequence (its ``[s, s]`` solve is cubic, so it runs up to
-``--quadratic-max`` tokens). Each form is compiled once, then the median of ``--repeat`` calls;
-``growth`` is a length's time over the previous length's (linear: 2.0 per doubling). Every form's
-output is checked against the chunked one's.
+(hidden 1024, 8 key heads and 16 value heads of 64 dims, a 4-tap conv), or with ``--layer mamba2``
+:func:`otfload.models.mamba2.mamba2_forward` (hidden 1024, 32 heads of 32 dims in 4 groups, a state
+of 64, a 4-tap conv), one row, on the default device. ``chunked`` is the model's form (chunks of 64
+tokens, Mamba-2's of 128, the state carried across them); ``token`` the same layer with the
+recurrence one token per ``lax.scan`` step; ``quadratic`` the chunked code with one chunk as long as
+the sequence (an ``[s, s]`` system: the Gated DeltaNet's solve is cubic, Mamba-2's product quadratic,
+so it runs up to ``--quadratic-max`` tokens). Each form is compiled once, then the median of
+``--repeat`` calls; ``growth`` is a length's time over the previous length's (linear: 2.0 per
+doubling). Every form's output is checked against the chunked one's.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from otfload.models import gated_delta
+from otfload.models import gated_delta, mamba2
 from otfload.models.gated_delta import gated_delta_forward
 
 
@@ -71,6 +74,52 @@ def forms(cfg: Shape) -> dict[str, Callable[[dict[str, Any], jax.Array], jax.Arr
     return {"chunked": form(gated_delta.CHUNK), "token": form(0), "quadratic": form(None)}
 
 
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Nemotron-H-like Mamba-2 layer, scaled down to fit one CPU."""
+
+    hidden_size: int = 1024
+    mamba_num_heads: int = 32
+    mamba_head_dim: int = 32
+    n_groups: int = 4
+    ssm_state_size: int = 64
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    chunk_size: int = 128
+    time_step_min: float = 0.001
+    layer_norm_epsilon: float = 1e-5
+
+
+def mamba2_params(cfg: Mamba2Shape, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    h, heads, inner, c = cfg.hidden_size, cfg.mamba_num_heads, mamba2.inner_dim(cfg), mamba2.conv_dim(cfg)
+
+    def w(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.normal(0, 0.02, shape), jnp.float32)
+
+    return {"in_proj": {"kernel": w(inner + c + heads, h)}, "conv": w(c, 1, cfg.conv_kernel) * 10,
+            "conv_bias": w(c), "dt_bias": w(heads), "A_log": jnp.log(jnp.linspace(1.0, 8.0, heads)), "D": 1 + w(heads),
+            "norm": {"scale": 1 + w(inner)}, "out_proj": {"kernel": w(h, inner)}}
+
+
+def mamba2_forms(cfg: Mamba2Shape) -> dict[str, Callable[[dict[str, Any], jax.Array], jax.Array]]:
+    """:func:`forms` of the Mamba-2 layer."""
+
+    def form(chunk: int | None) -> Callable[[dict[str, Any], jax.Array], jax.Array]:
+        def layer(p: dict[str, Any], x: jax.Array) -> jax.Array:
+            return mamba2.mamba2_forward(p, x, cfg, None, None, chunk=x.shape[1] if chunk is None else chunk)[0]
+
+        return layer
+
+    return {"chunked": form(cfg.chunk_size), "token": form(0), "quadratic": form(None)}
+
+
+# --layer -> (its shape, its random parameters, its forms)
+LAYERS: dict[str, tuple[Any, Callable[..., dict[str, Any]], Callable[..., dict[str, Any]]]] = {
+    "gated_delta": (Shape, params, forms), "mamba2": (Mamba2Shape, mamba2_params, mamba2_forms)}
+
+
 def median_seconds(fn: Callable[..., jax.Array], args: tuple[Any, ...], repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -80,11 +129,12 @@ def median_seconds(fn: Callable[..., jax.Array], args: tuple[Any, ...], repeat: 
     return float(np.median(times))
 
 
-def run(lengths: list[int], repeat: int, quadratic_max: int) -> list[dict[str, Any]]:
-    cfg = Shape()
-    p = params(cfg)
+def run(lengths: list[int], repeat: int, quadratic_max: int, layer: str = "gated_delta") -> list[dict[str, Any]]:
+    shape, make_params, make_forms = LAYERS[layer]
+    cfg = shape()
+    p = make_params(cfg)
     rows: list[dict[str, Any]] = []
-    layers = forms(cfg)
+    layers = make_forms(cfg)
     reference = jax.jit(layers["chunked"])
     for name, layer in layers.items():
         compiled = jax.jit(layer)
@@ -122,13 +172,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per form and length (default: 3)")
     parser.add_argument("--quadratic-max", type=int, default=4096,
                         help="longest sequence the quadratic form runs on (default: 4096)")
+    parser.add_argument("--layer", choices=sorted(LAYERS), default="gated_delta",
+                        help="the mixer (default: gated_delta)")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args(argv)
-    rows = run(args.lengths, args.repeat, args.quadratic_max)
+    rows = run(args.lengths, args.repeat, args.quadratic_max, args.layer)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": rows}, f, indent=1)
+            json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]), "layer": args.layer, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
