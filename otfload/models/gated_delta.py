@@ -208,6 +208,22 @@ def recurrent_gated_delta_rule(
     return jnp.moveaxis(out, 0, 1), final
 
 
+def masked_delta_rule(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, mask: jax.Array | None,
+    state: jax.Array | None, chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`gated_delta_rule` in chunks of ``chunk`` tokens (0: :func:`recurrent_gated_delta_rule`)
+    with the pads of ``mask [b, s]`` (0; None: no pads) kept out of the state: their decay is 1 (``g``
+    0) and their write strength 0."""
+    if mask is not None:
+        keep = mask.astype(bool)
+        g = jnp.where(keep.reshape(*keep.shape, *(1,) * (g.ndim - 2)), g, 0.0)
+        beta = jnp.where(keep[..., None], beta, 0.0)
+    if chunk:
+        return gated_delta_rule(q, k, v, g, beta, state, chunk)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+
+
 def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float, dtype: DTypeLike) -> jax.Array:
     """RMSNorm of ``x`` (float32, the scale applied in ``dtype``) times SiLU of ``gate``, in ``dtype``."""
     x32 = x.astype(jnp.float32)
@@ -235,14 +251,8 @@ def gated_delta_forward(
     a = dense(p["a"], h, "bsh,nh->bsn").astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
     beta = jax.nn.sigmoid(dense(p["b"], h, "bsh,nh->bsn").astype(jnp.float32))
-    if mask is not None:
-        keep = mask[..., None].astype(bool)
-        g, beta = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
-    initial = None if cache is None else cache["state"]
-    if chunk:
-        out, state = gated_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta, initial, chunk)
-    else:
-        out, state = recurrent_gated_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta, initial)
+    out, state = masked_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta, mask,
+                                   None if cache is None else cache["state"], chunk)
     z = dense(p["z"], h, "bsh,ndh->bsnd")
     out = gated_rms_norm(out, z, p["norm"]["scale"], cfg.rms_norm_eps, h.dtype)
     new = None if cache is None else {"conv": conv_state.astype(cache["conv"].dtype), "state": state}

@@ -28,13 +28,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from otfload.models.base import GroupCache
-from otfload.models.gated_delta import (
-    CHUNK,
-    causal_conv1d,
-    gated_delta_rule,
-    l2_normalize,
-    recurrent_gated_delta_rule,
-)
+from otfload.models.gated_delta import CHUNK, causal_conv1d, l2_normalize, masked_delta_rule
 from otfload.models.layers import Dense, Norm, ParamOptions, Params, dense, make_param, rms_norm
 
 
@@ -109,14 +103,7 @@ def kda_forward(
     decay_rate = jnp.exp(p["A_log"].astype(jnp.float32).reshape(n, 1))
     g = -decay_rate * jax.nn.softplus(forget.reshape(b, s, n, d))
     beta = jax.nn.sigmoid(dense(p["b"], h, "bsh,nh->bsn").astype(jnp.float32))
-    if mask is not None:
-        keep = mask[..., None].astype(bool)
-        g, beta = jnp.where(keep[..., None], g, 0.0), jnp.where(keep, beta, 0.0)
-    initial = None if cache is None else cache["state"]
-    if chunk:
-        out, state = gated_delta_rule(q * d**-0.5, k, v, g, beta, initial, chunk)
-    else:
-        out, state = recurrent_gated_delta_rule(q * d**-0.5, k, v, g, beta, initial)
+    out, state = masked_delta_rule(q * d**-0.5, k, v, g, beta, mask, None if cache is None else cache["state"], chunk)
     gate = _low_rank(p, "g_b", "g_a", h).reshape(b, s, n, d)
     normed = rms_norm(out, p["norm"]["scale"], cfg.rms_norm_eps) * jax.nn.sigmoid(gate.astype(jnp.float32))
     new = None if cache is None else {"conv": conv_state.astype(cache["conv"].dtype), "state": state}

@@ -99,9 +99,14 @@ def test_padded_rows_get_the_logits_they_get_alone(tiny_checkpoints, mesh_2x4, s
     """Pads enter neither a convolution window nor the recurrent state: each padded row's real
     positions equal transformers' logits of the row alone."""
     path, torch_model = tiny_checkpoints("qwen3_5")
-    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    assert_padded_rows_alone(otfload.from_pretrained(path, mesh=mesh_2x4), torch_model, mesh_2x4, side)
+
+
+def assert_padded_rows_alone(model, torch_model, mesh, side: str) -> None:
+    """A ``side``-padded batch: each row's real positions get transformers' logits of the row alone,
+    and the whole batch transformers' masked logits there."""
     ids, mask, _ = padded_batch(side)
-    with jax.set_mesh(mesh_2x4):
+    with jax.set_mesh(mesh):
         ours = np.asarray(jax.jit(lambda m, x, a: m(x, attention_mask=a))(model, ids, mask))
     for r in range(len(ids)):
         real = mask[r].astype(bool)
