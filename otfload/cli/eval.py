@@ -31,8 +31,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="keep each text's first L ids (default: the config's max_position_embeddings)")
     p.add_argument("--batch-size", type=options.positive_int, default=8, metavar="B",
                    help="texts per forward pass (default: 8)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: when stderr is a terminal)")
+    options.add_progress_arg(p)
     add_compile_cache_arg(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(run=run)

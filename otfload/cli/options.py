@@ -121,6 +121,12 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
                              "(default: $OTFLOAD_RESHARD, else auto)")
 
 
+def add_progress_arg(parser: argparse.ArgumentParser) -> None:
+    """``--progress``/``--no-progress``: the load's bar in bytes and the command's own on stderr."""
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bars on stderr (default: when stderr is a terminal)")
+
+
 def simulate_devices(n: int | None) -> None:
     """Make JAX see ``n`` CPU devices; must run before JAX initialises its backend."""
     if n is None:

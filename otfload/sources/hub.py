@@ -56,6 +56,7 @@ from otfload.errors import (
     SourceNotFoundError,
     SourcePermissionError,
     SourceProtocolError,
+    SourceUnavailableError,
     TruncatedFileError,
 )
 from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
@@ -150,7 +151,13 @@ class HubSource(RetriedCalls):
         and size, and its answer is checked field by field (a broken server is a typed error).
         """
         url = f"{self.endpoint}/api/models/{self.repo_id}/revision/{quote(self.revision, safe='')}?blobs=true"
-        body = self._call(lambda: self._get_small(url, MAX_METADATA_BYTES), url=url)
+        try:
+            body = self._call(lambda: self._get_small(url, MAX_METADATA_BYTES), url=url)
+        except SourceUnavailableError as e:
+            if type(e) is not SourceUnavailableError:  # a timeout keeps its type and fields
+                raise
+            raise SourceUnavailableError(f"{e}. Without a network, HF_HUB_OFFLINE=1 (or local_files_only=True) "
+                                         f"loads the revision from the local Hub cache ({self.cache_dir})") from e
         return _parse_revision_info(body, f"{self.description}: revision metadata from {url}")
 
     def _open_cached(self) -> tuple[str, dict[str, _Entry], list[str]]:
