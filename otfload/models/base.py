@@ -9,7 +9,7 @@ returns ``(logits, cache)`` with this call's keys and values written after the c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -19,7 +19,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from otfload.models.attention import Context, make_context
-from otfload.models.layers import Dense, Embed
+from otfload.models.layers import Dense, Embed, Norm
 
 # ``{"index": [], "mask": [b, slots], "layers": {group: GroupCache}}`` (a pytree of arrays).
 Cache = dict[str, Any]
@@ -63,6 +63,7 @@ class CausalLM(nnx.Module):
     # the token embedding and, for untied embeddings, the output projection.
     cfg: ModelConfig
     embed: Embed
+    final_norm: Norm
     lm_head: Dense
 
     def __call__(
@@ -103,6 +104,12 @@ class CausalLM(nnx.Module):
         (None without a cache)."""
         raise NotImplementedError
 
+    def init_output(self, vocab_size: int, hidden_size: int, dtype: DTypeLike, rngs: nnx.Rngs | None) -> None:
+        """Create the final norm and, for untied embeddings, the output projection ``lm_head``."""
+        self.final_norm = Norm(hidden_size, dtype=dtype, rngs=rngs)
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head = Dense((vocab_size, hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
         """The embedding rows of ``input_ids``; with :attr:`freeze_pad_row`, no gradient reaches the
         pad token's row through them (its value is used as stored)."""
@@ -132,6 +139,12 @@ class CausalLM(nnx.Module):
             if v_dim:
                 layers[group]["v"] = jnp.zeros((n, batch, slots, kv_heads, v_dim), dtype)
         return {"index": jnp.zeros((), jnp.int32), "mask": jnp.zeros((batch, slots), bool), "layers": layers}
+
+
+def layer_stack(make: Callable[..., nnx.Module], count: int, scan_layers: bool) -> nnx.Module:
+    """``count`` decoder layers: one layer stacked ``count`` deep (``make(stack=count)``) to scan, or
+    an ``nnx.List`` of ``count`` ``make()`` layers."""
+    return make(stack=count) if scan_layers else nnx.List([make() for _ in range(count)])
 
 
 def group_cache(caches: Mapping[str, GroupCache] | None, group: str) -> GroupCache | None:

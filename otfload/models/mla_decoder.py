@@ -21,7 +21,7 @@ from jax.typing import DTypeLike
 from otfload.models.attention import Context
 from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
 from otfload.models.deepseek_moe import DeepseekMoe, DeepseekMoeShape, FfnDims, deepseek_moe_forward
-from otfload.models.layers import Dense, Embed, Norm, ParamOptions, Params, pure, rms_norm, run_layers
+from otfload.models.layers import Embed, Norm, ParamOptions, Params, pure, rms_norm, run_layers
 from otfload.models.mla import MlaRope, MlaShape, MLAttention, cache_key_dim, mla_forward, mla_rope
 from otfload.models.mlp import Mlp, swiglu
 
@@ -101,9 +101,7 @@ class MlaForCausalLM(CausalLM):
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.dense_layers = _layer_group(cfg, cfg.first_k_dense_replace, False, scan_layers, dtype, rngs)
         self.moe_layers = _layer_group(cfg, cfg.num_moe_layers, True, scan_layers, dtype, rngs)
-        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg

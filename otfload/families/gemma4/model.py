@@ -281,9 +281,7 @@ class Gemma4ForCausalLM(CausalLM):
             self.embed_per_layer = Embed(cfg.vocab_size_per_layer_input, width, dtype=dtype, rngs=rngs)
             self.ple_projection = Dense((width, h), (None, "embed"), dtype=dtype, rngs=rngs)
             self.ple_projection_norm = Norm(cfg.hidden_size_per_layer_input, dtype=dtype, rngs=rngs)
-        self.final_norm = Norm(h, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.vocab_size, h), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.init_output(cfg.vocab_size, h, dtype, rngs)
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg

@@ -24,9 +24,7 @@ from otfload.models.decoder import DecoderLayer, GroupRoutedLayer, layer_forward
 from otfload.models.deepseek_moe import deepseek_moe_forward
 from otfload.models.gqa import gqa_rope
 from otfload.models.layers import (
-    Dense,
     Embed,
-    Norm,
     Params,
     pure,
     rms_norm,
@@ -47,9 +45,7 @@ class Glm4MoeForCausalLM(CausalLM):
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.dense_layers = self._group(DecoderLayer, cfg.first_k_dense_replace, dtype, rngs)
         self.moe_layers = self._group(GroupRoutedLayer, cfg.num_moe_layers, dtype, rngs)
-        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
 
     def _group(
         self, layer: type[DecoderLayer] | type[GroupRoutedLayer], n: int, dtype: DTypeLike, rngs: nnx.Rngs | None

@@ -8,6 +8,7 @@ orientation (output dims first), so loading copies and reshapes only.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +17,11 @@ from jax.typing import DTypeLike
 
 from otfload.families.llama.config import LlamaConfig
 from otfload.models.attention import Context
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
+from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache, layer_stack
 from otfload.models.decoder import DecoderLayer, layer_forward
 from otfload.models.gqa import Rope
 from otfload.models.layers import (
-    Dense,
     Embed,
-    Norm,
     pure,
     rms_norm,
     rope_attention_factor,
@@ -49,17 +48,13 @@ class LlamaForCausalLM(CausalLM):
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.init_layers(dtype, rngs)
-        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
 
     def init_layers(self, dtype: DTypeLike, rngs: nnx.Rngs | None) -> None:
         """Create ``self.layers``: one stacked :class:`DecoderLayer` (scanned) or a list of them."""
         cfg = self.cfg
-        if self.scan_layers:
-            self.layers = DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=cfg.num_hidden_layers)
-        else:
-            self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = layer_stack(partial(DecoderLayer, cfg, dtype=dtype, rngs=rngs), cfg.num_hidden_layers,
+                                  self.scan_layers)
 
     def rope(self, positions: jax.Array) -> Rope:
         """RoPE ``(cos, sin)`` tables for ``positions`` (YaRN's attention factor folded in)."""

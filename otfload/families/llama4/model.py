@@ -168,9 +168,7 @@ class Llama4ForCausalLM(CausalLM):
             else:
                 setattr(self, group, nnx.List([Llama4Layer(cfg, moe, dtype=dtype, rngs=rngs) for _ in range(n)])
                         if n else None)
-        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg

@@ -8,6 +8,7 @@ router with one group, :mod:`otfload.models.deepseek_moe`), the top-k weights re
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +17,11 @@ from jax.typing import DTypeLike
 
 from otfload.families.minimax_m2.config import MiniMaxM2Config
 from otfload.models.attention import Context
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
+from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache, layer_stack
 from otfload.models.decoder import GroupRoutedLayer, layer_forward
 from otfload.models.deepseek_moe import deepseek_moe_forward
 from otfload.models.gqa import WHOLE, gqa_rope
-from otfload.models.layers import Dense, Embed, Norm, Params, pure, rms_norm, run_layers
+from otfload.models.layers import Embed, Params, pure, rms_norm, run_layers
 
 
 class MiniMaxM2ForCausalLM(CausalLM):
@@ -36,15 +37,9 @@ class MiniMaxM2ForCausalLM(CausalLM):
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        n = cfg.num_hidden_layers
-        if scan_layers:
-            self.layers = GroupRoutedLayer(cfg, dtype=dtype, rngs=rngs, stack=n, qk_norm_over=WHOLE)
-        else:
-            self.layers = nnx.List([GroupRoutedLayer(cfg, dtype=dtype, rngs=rngs, qk_norm_over=WHOLE)
-                                    for _ in range(n)])
-        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.layers = layer_stack(partial(GroupRoutedLayer, cfg, dtype=dtype, rngs=rngs, qk_norm_over=WHOLE),
+                                  cfg.num_hidden_layers, scan_layers)
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg

@@ -10,6 +10,7 @@ type is scanned over as data beside it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +21,9 @@ from jax.typing import DTypeLike
 from otfload.config.layer_types import SLIDING
 from otfload.families.olmo3.config import Olmo3Config
 from otfload.models.attention import Context, Window
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache
+from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache, layer_stack
 from otfload.models.gqa import WHOLE, Attention, Rope, attention_block, gqa_rope
 from otfload.models.layers import (
-    Dense,
     Embed,
     Norm,
     ParamOptions,
@@ -67,14 +67,9 @@ class Olmo3ForCausalLM(CausalLM):
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        n = cfg.num_hidden_layers
-        if scan_layers:
-            self.layers = Olmo3DecoderLayer(cfg, dtype=dtype, rngs=rngs, stack=n)
-        else:
-            self.layers = nnx.List([Olmo3DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(n)])
-        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.layers = layer_stack(partial(Olmo3DecoderLayer, cfg, dtype=dtype, rngs=rngs), cfg.num_hidden_layers,
+                                  scan_layers)
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
 
     def cache_layout(self) -> dict[str, CacheLayout]:
         cfg = self.cfg
