@@ -64,7 +64,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from otfload.lm_eval.ranks import join_job
+    from otfload.cli.task_names import unmentioned
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.include_path is not None and not os.path.isdir(args.include_path):
+        raise InvalidOptionError(f"--include-path {args.include_path!r}: no such directory of lm_eval task files")
+    missing, defined = unmentioned(tasks, args.include_path)  # before lm_eval's own index (~20 s)
+    check_tasks(tasks, defined, lambda t: t not in missing)
+    from otfload.lm_eval.ranks import join_job  # imports lm_eval (~3 s)
 
     flags = ("--coordinator", "--num-processes", "--process-id")
     join_job(args.coordinator, args.num_processes, args.process_id, flags)
@@ -77,9 +84,6 @@ def run(args: argparse.Namespace) -> int:
 
     from otfload.lm_eval import OtfloadLM
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if args.include_path is not None and not os.path.isdir(args.include_path):
-        raise InvalidOptionError(f"--include-path {args.include_path!r}: no such directory of lm_eval task files")
     manager = _task_manager(tasks, args.include_path)
     check_tasks(tasks, manager.all_tasks, lambda t: bool(manager.match_tasks([t])) or os.path.exists(t))
     options.adapter_as_checkpoint(args)
