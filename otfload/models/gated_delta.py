@@ -116,8 +116,10 @@ def l2_normalize(x: jax.Array) -> jax.Array:
 def _decayed_products(cum: jax.Array) -> Callable[[jax.Array, jax.Array, bool], jax.Array]:
     """``products(a, b, strict) [..., c, c]``: ``sum_d a_i,d b_j,d exp(cum_i,d - cum_j,d)`` where ``j <=
     i`` (``j < i`` when ``strict``), else 0, for the chunk-wise log decays ``cum [..., c, 1 or dk]``
-    summed from the chunk's start. The exponent is masked before ``exp`` (no overflow above the
-    diagonal), and taken per pair, never split into ``exp(cum_i) exp(-cum_j)`` (which overflows)."""
+    summed from the chunk's start, ``[n, ...]`` over ``n`` chunks. The exponent is masked before ``exp``
+    (no overflow above the diagonal), and taken per pair, never split into ``exp(cum_i) exp(-cum_j)``
+    (which overflows); per channel the ``[c, c, dk]`` factors are made one chunk at a time, so they
+    never exist for the whole sequence at once."""
     c = cum.shape[-2]
     lower = jnp.tril(jnp.ones((c, c), bool))
     off = 1 - jnp.eye(c, dtype=jnp.float32)
@@ -128,10 +130,14 @@ def _decayed_products(cum: jax.Array) -> Callable[[jax.Array, jax.Array, bool], 
             return jnp.einsum("...id,...jd->...ij", a, b) * (decay * off if strict else decay)
 
         return per_head
-    channel_decay = jnp.exp(jnp.where(lower[..., None], cum[..., :, None, :] - cum[..., None, :, :], -jnp.inf))
+
+    def one_chunk(xs: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        a, b, g = xs
+        decay = jnp.exp(jnp.where(lower[..., None], g[..., :, None, :] - g[..., None, :, :], -jnp.inf))
+        return jnp.einsum("...id,...jd,...ijd->...ij", a, b, decay)
 
     def per_channel(a: jax.Array, b: jax.Array, strict: bool) -> jax.Array:
-        out = jnp.einsum("...id,...jd,...ijd->...ij", a, b, channel_decay)
+        out: jax.Array = jax.lax.map(one_chunk, (a, b, cum))
         return out * off if strict else out
 
     return per_channel
