@@ -48,30 +48,34 @@ class Shape:
     rms_norm_eps: float = 1e-6
 
 
-def params(cfg: Shape, seed: int = 0) -> dict[str, Any]:
+def weights(seed: int) -> Callable[..., jax.Array]:
+    """``w(*shape)``: random float32 weights of scale 0.02."""
     rng = np.random.default_rng(seed)
+    return lambda *shape: jnp.asarray(rng.normal(0, 0.02, shape), jnp.float32)
+
+
+def params(cfg: Shape, seed: int = 0) -> dict[str, Any]:
+    w = weights(seed)
     h, hv, dv, c = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, gated_delta.conv_dim(cfg)
-
-    def w(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.normal(0, 0.02, shape), jnp.float32)
-
     return {"qkv": {"kernel": w(c, h)}, "conv": w(c, 1, cfg.linear_conv_kernel_dim) * 10,
             "z": {"kernel": w(hv, dv, h)}, "a": {"kernel": w(hv, h)}, "b": {"kernel": w(hv, h)},
             "dt_bias": w(hv), "A_log": jnp.log(jnp.linspace(1.0, 8.0, hv)), "norm": {"scale": 1 + w(dv)},
             "out": {"kernel": w(h, hv, dv)}}
 
 
-def forms(cfg: Shape) -> dict[str, Callable[[dict[str, Any], jax.Array], jax.Array]]:
-    """``name -> layer(params, x)``: the same layer with its recurrence chunked, token by token, or in
-    one chunk (the quadratic form)."""
+def forms(
+    cfg: Any, forward: Callable[..., tuple[jax.Array, Any]] = gated_delta_forward, chunk: int = gated_delta.CHUNK
+) -> dict[str, Callable[[dict[str, Any], jax.Array], jax.Array]]:
+    """``name -> layer(params, x)``: the same layer (``forward``) with its recurrence chunked
+    (``chunk`` tokens), token by token, or in one chunk (the quadratic form)."""
 
-    def form(chunk: int | None) -> Callable[[dict[str, Any], jax.Array], jax.Array]:
+    def form(size: int | None) -> Callable[[dict[str, Any], jax.Array], jax.Array]:
         def layer(p: dict[str, Any], x: jax.Array) -> jax.Array:
-            return gated_delta_forward(p, x, cfg, None, None, chunk=x.shape[1] if chunk is None else chunk)[0]
+            return forward(p, x, cfg, None, None, chunk=x.shape[1] if size is None else size)[0]
 
         return layer
 
-    return {"chunked": form(gated_delta.CHUNK), "token": form(0), "quadratic": form(None)}
+    return {"chunked": form(chunk), "token": form(0), "quadratic": form(None)}
 
 
 @dataclass(frozen=True)
@@ -92,32 +96,17 @@ class Mamba2Shape:
 
 
 def mamba2_params(cfg: Mamba2Shape, seed: int = 0) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
+    w = weights(seed)
     h, heads, inner, c = cfg.hidden_size, cfg.mamba_num_heads, mamba2.inner_dim(cfg), mamba2.conv_dim(cfg)
-
-    def w(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.normal(0, 0.02, shape), jnp.float32)
-
     return {"in_proj": {"kernel": w(inner + c + heads, h)}, "conv": w(c, 1, cfg.conv_kernel) * 10,
             "conv_bias": w(c), "dt_bias": w(heads), "A_log": jnp.log(jnp.linspace(1.0, 8.0, heads)), "D": 1 + w(heads),
             "norm": {"scale": 1 + w(inner)}, "out_proj": {"kernel": w(h, inner)}}
 
 
-def mamba2_forms(cfg: Mamba2Shape) -> dict[str, Callable[[dict[str, Any], jax.Array], jax.Array]]:
-    """:func:`forms` of the Mamba-2 layer."""
-
-    def form(chunk: int | None) -> Callable[[dict[str, Any], jax.Array], jax.Array]:
-        def layer(p: dict[str, Any], x: jax.Array) -> jax.Array:
-            return mamba2.mamba2_forward(p, x, cfg, None, None, chunk=x.shape[1] if chunk is None else chunk)[0]
-
-        return layer
-
-    return {"chunked": form(cfg.chunk_size), "token": form(0), "quadratic": form(None)}
-
-
 # --layer -> (its shape, its random parameters, its forms)
 LAYERS: dict[str, tuple[Any, Callable[..., dict[str, Any]], Callable[..., dict[str, Any]]]] = {
-    "gated_delta": (Shape, params, forms), "mamba2": (Mamba2Shape, mamba2_params, mamba2_forms)}
+    "gated_delta": (Shape, params, forms),
+    "mamba2": (Mamba2Shape, mamba2_params, lambda cfg: forms(cfg, mamba2.mamba2_forward, cfg.chunk_size))}
 
 
 def median_seconds(fn: Callable[..., jax.Array], args: tuple[Any, ...], repeat: int) -> float:

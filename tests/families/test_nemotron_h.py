@@ -11,9 +11,6 @@ group only) by sigmoid score plus a random correction bias, scaled by 2.5, with 
 variant adds the Mamba projections' and the MLPs' biases."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -34,6 +31,7 @@ from tests.families.test_deepseek import MESHES, _randomize_router_bias
 from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.models.kinds import padded_batch, torch_greedy
+from tests.realsize import inspect_at_scale, write_header_checkpoint
 
 M, A, E, D = "linear_attention", "full_attention", "moe", "mlp"
 REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
@@ -175,8 +173,6 @@ def test_block_pattern_and_legacy_names_follow_transformers():
 def nano_headers(path: Path) -> Path:
     """Nemotron-3-Nano-30B-A3B at full size, headers only: its published config and every tensor its
     BF16 release stores (the correction bias float32), under ``backbone.``, four layers a file."""
-    from tests.realsize import write_header_checkpoint
-
     raw = json.loads(NANO.read_text())
     cfg = NemotronHConfig.from_hf(raw)
     h, heads, inner = cfg.hidden_size, cfg.mamba_num_heads, mamba2.inner_dim(cfg)
@@ -218,21 +214,9 @@ def test_published_nano_plans_at_256_devices(tmp_path):
     Mamba-2, 6 attention, 23 MoE of 128 experts; 6k stored tensors) on fsdp x tp: every leaf planned,
     within 10 s of CPU (the child's own time) and 1 GiB (its own peak), and one process's bytes, held
     and fetched, within 1.1 x its devices' share of the checkpoint."""
-    import resource
-
     path = nano_headers(tmp_path / "nano")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    probe = ("import sys\nfrom otfload.cli import main\nfrom otfload.place.report import peak_rss\ntry:\n"
-             "    code = main(sys.argv[1:])\nfinally:\n    sys.stderr.write(f'PEAK {peak_rss()}\\n')\nsys.exit(code)")
-    run = subprocess.run([sys.executable, "-c", probe, "inspect", str(path), "--devices", "256",
-                          "--mesh", "fsdp=32,tp=8", "--process-index", "0", "--process-count", "32", "--json"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "TQDM_DISABLE": "1"})
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    assert run.returncode == 0, run.stderr[-2000:]
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    peak = int(run.stderr.rsplit("PEAK ", 1)[1].split()[0])
+    cpu, peak, info = inspect_at_scale(path, "fsdp=32,tp=8")
     assert cpu <= 10 and peak <= 2**30, (cpu, peak)
-    info = json.loads(run.stdout)
     assert info["model_type"] == "nemotron_h" and info["unused"] == []
     leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
     experts = leaves["moe_layers.mixer.experts.up.kernel"]
