@@ -41,6 +41,7 @@ from otfload.maxtext.tables import (
     Leaf,
     ModelTable,
     attention,
+    block_groups,
     decoder_layers,
     dense_mlp,
 )
@@ -111,8 +112,7 @@ GEMMA3 = MultimodalTable(
     name="gemma3",
     model_types=frozenset({"gemma3"}),
     top=top("bfloat16(sqrt(mt_emb_dim))"),
-    groups=(*(LayerGroup(f"{SCANNED}.layers_{j}", f"{SCANNED}.layers_{j}", _GEMMA3_LAYER, _BLOCKS,
-                         indices={"layer": Stride(GEMMA3_BLOCK, j)}) for j in range(GEMMA3_BLOCK)),
+    groups=(*block_groups(_GEMMA3_LAYER, GEMMA3_BLOCK, GEMMA3_BLOCK),
             LayerGroup(REMAINDER, REMAINDER, _GEMMA3_LAYER, f"mt_num_decoder_layers % {GEMMA3_BLOCK}",
                        indices={"layer": Stride(1, f"{_BLOCKS} * {GEMMA3_BLOCK}")})),
     unscanned=decoder_layers(*_GEMMA3_LAYER),

@@ -18,18 +18,17 @@ from __future__ import annotations
 from otfload.maxtext.tables import (
     ATTN,
     HF_LAYER,
-    LayerGroup,
     Leaf,
     ModelTable,
     attention,
     attention_biases,
+    block_groups,
     decoder_layers,
     kernel,
     layer_norms,
     top_leaves,
 )
 from otfload.plan.hooks import Slice
-from otfload.plan.mapping import Stride
 
 _ATTN, _MLP = "GptOssAttention", "GptOssMlp"
 _X = f"{HF_LAYER}.mlp.experts"
@@ -63,9 +62,7 @@ GPT_OSS = ModelTable(
     name="gpt_oss",
     model_types=frozenset({"gpt_oss"}),
     top=top_leaves(),
-    groups=tuple(LayerGroup(f"decoder.layers.layers_{j}", f"decoder.layers.layers_{j}", _LEAVES,
-                            f"mt_num_decoder_layers // {CYCLE}", indices={"layer": Stride(CYCLE, j)})
-                 for j in range(LAYERS_PER_BLOCK)),
+    groups=block_groups(_LEAVES, LAYERS_PER_BLOCK, CYCLE),
     unscanned=decoder_layers(*_LEAVES),
     fixed={"inhomogeneous_layer_cycle_interval": LAYERS_PER_BLOCK},
 )

@@ -93,6 +93,15 @@ def decoder_layers(*leaves: Leaf) -> tuple[LayerGroup, ...]:
     return (LayerGroup(SCANNED, UNSCANNED, leaves),)
 
 
+def block_groups(leaves: tuple[Leaf, ...], blocks: int, period: int | str) -> tuple[LayerGroup, ...]:
+    """A scanned repeating block of ``blocks`` layers (``period``, a number or a field, as many):
+    ``decoder.layers.layers_<j>`` stacks HF layers ``j, j + period, ...``, ``num_decoder_layers //
+    period`` of them (GPT-OSS's, OLMo 3's cycle, Gemma 3's six)."""
+    return tuple(LayerGroup(f"{SCANNED}.layers_{j}", f"{SCANNED}.layers_{j}", leaves,
+                            f"mt_num_decoder_layers // {period}", indices={"layer": Stride(period, j)})
+                 for j in range(blocks))
+
+
 @dataclass(frozen=True)
 class ModelTable:
     """A MaxText model's table: the leaves outside the layers, the layer groups of the scanned and
