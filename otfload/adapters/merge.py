@@ -55,8 +55,9 @@ LORA_SUFFIXES = {
     ".lora_embedding_B": ("B", True),
 }
 # transformers 5 registers expert parameters in this order, and PEFT nests the wrappers of several
-# targeted parameters of one module in registration order (the first one innermost).
-PARAMETER_ORDER = ("weight", "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+# targeted parameters of one module in registration order (the first one innermost); ungated experts
+# (Nemotron-H) have up_proj where the others have gate_up_proj.
+PARAMETER_ORDER = ("weight", "gate_up_proj", "gate_up_proj_bias", "up_proj", "down_proj", "down_proj_bias")
 # (embedding, head) keys of the tied pair; a checkpoint with the embedding and no head is tied.
 TIED_PAIRS = (("model.embed_tokens.weight", "lm_head.weight"),)
 

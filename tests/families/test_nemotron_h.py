@@ -138,6 +138,25 @@ def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, ki
     assert weight_map_keys(out) == weight_map_keys(src)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_peft_lora_merges_like_peft(tiny_checkpoints, mesh_2x4, tmp_path, scan_layers):
+    """A PEFT adapter on the projections PEFT targets (transformers' runtime names under ``model.``:
+    attention, the Mamba-2 ``in_proj`` (PEFT refuses its ``out_proj`` and ``conv1d``), the MLPs' and
+    shared experts' ``up_proj``/``down_proj``, the routed experts' fused parameters) merges on the
+    fly: logits equal ``PeftModel``'s, and the adapter moves them well past the bound."""
+    from tests.adapters.support import make_adapter, peft_logits
+
+    path, torch_model = tiny_checkpoints("nemotron_h")
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4,
+                           target_modules=["q_proj", "v_proj", "in_proj", "up_proj", "down_proj"],
+                           target_parameters=["mixer.experts.up_proj", "mixer.experts.down_proj"])
+    ids = token_ids()
+    reference = peft_logits(torch_model, [adapter], ids)
+    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh_2x4, scan_layers=scan_layers)
+    assert max_rel_diff(logits(model, ids), reference) <= 1e-4
+    assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("layers_block_type", [M, A, "sliding_attention", M, D]),
     ("hybrid_override_pattern", "M*EX-"),

@@ -2,11 +2,12 @@
 MLP and MoE blocks in the pattern ``layers_block_type`` gives, under ``backbone.``.
 
 ``config`` parses ``config.json``, ``model`` assembles the decoder from :mod:`otfload.models`'
-blocks, ``mapping`` holds the table and checks; importing the package registers the family.
+blocks, ``mapping`` holds the table, checks and LoRA layout; importing the package registers the
+family.
 """
 
 from otfload.families.nemotron_h.config import NemotronHConfig
-from otfload.families.nemotron_h.mapping import NEMOTRON_H_TABLE, nemotron_h_checks
+from otfload.families.nemotron_h.mapping import NEMOTRON_H_LORA, NEMOTRON_H_TABLE, nemotron_h_checks
 from otfload.families.nemotron_h.model import NemotronHForCausalLM
 from otfload.families.registry import Family, register
 
@@ -18,6 +19,7 @@ NEMOTRON_H = register(
         build=NemotronHForCausalLM,
         mapping=lambda cfg: NEMOTRON_H_TABLE,
         checks=nemotron_h_checks,
+        lora_layout=NEMOTRON_H_LORA,
     )
 )
 

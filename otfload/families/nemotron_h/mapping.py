@@ -9,7 +9,9 @@ each reading its HF layers through the config's list of them, so the groups inte
 attention's q/k/v/o are split by heads (:mod:`otfload.families.gqa_rules`). The MoE blocks read
 their experts per expert (``mixer.experts.{expert}.up_proj``/``down_proj``, as transformers saves
 them), the router ``gate.weight`` with its ``e_score_correction_bias`` and the shared experts. The
-multi-token-prediction layers (``mtp.*``) match no rule and are never read."""
+multi-token-prediction layers (``mtp.*``) match no rule and are never read. LoRA adapters name the
+modules as transformers 5 runs them (:data:`NEMOTRON_H_LORA`): under ``model.``, the experts' fused
+``up_proj``/``down_proj`` parameters."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.gqa_rules import gqa_rules
+from otfload.families.lora import ExpertLayout
 from otfload.families.nemotron_h.config import NemotronHConfig
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -33,6 +36,11 @@ MOE = {"router.kernel": "gate.weight", "router.bias": "gate.e_score_correction_b
        **{f"experts.{n}.kernel": f"experts.{{expert}}.{n}_proj.weight" for n in ("up", "down")},
        **{f"shared.{leaf}": f"shared_experts.{key}" for leaf, key in UP_DOWN.items()}}
 MIXERS = {"mamba_layers": MAMBA, "mlp_layers": UP_DOWN, "moe_layers": MOE}
+
+
+# transformers 5 renames backbone. to model. on load and fuses each layer's experts.{e}.up_proj/down_proj.
+NEMOTRON_H_LORA = ExpertLayout(renames=(("model.", "backbone."),),
+                               fused=(("up_proj", ("up_proj",)), ("down_proj", ("down_proj",))))
 
 
 def _group(group: str) -> functools.partial[Rule]:
