@@ -21,6 +21,7 @@ from otfload.maxtext.gemma import GEMMA2, GEMMA3
 from otfload.maxtext.gpt_oss import GPT_OSS
 from otfload.maxtext.llama import LLAMA31
 from otfload.maxtext.mixtral import MIXTRAL
+from otfload.maxtext.olmo3 import OLMO3
 from otfload.maxtext.qwen2 import QWEN2
 from otfload.maxtext.qwen3 import QWEN3, QWEN3_MOE
 from otfload.maxtext.tables import EXPERTS, LOGITS, LayerGroup, ModelTable
@@ -41,6 +42,7 @@ TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("gpt-oss-20b", "gpt-oss-120b"), GPT_OSS),
     **dict.fromkeys(("gemma2-2b", "gemma2-9b", "gemma2-27b"), GEMMA2),
     **dict.fromkeys(("gemma3-4b", "gemma3-12b", "gemma3-27b"), GEMMA3),
+    **dict.fromkeys(("olmo3-7b", "olmo3-7b-pt", "olmo3-32b"), OLMO3),
 }
 # The MaxText fields the tables' hooks and shapes use (as ``mt_<field>``); the MoE ones only for MoE tables.
 DIMENSIONS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers", "vocab_size")
