@@ -4,7 +4,10 @@ Run by the main venv (it has torch and transformers; the MaxText venv has no tor
 ``.venv/bin/python tests/maxtext/make_refs.py DIR``. For each family in ``FAMILIES`` it writes
 ``DIR/<family>/``: a random float32 checkpoint saved by ``save_pretrained`` in several shard files
 (with ``model.safetensors.index.json`` and ``config.json``), ``ids.npy`` (fixed token ids) and
-``logits.npy`` (transformers' float32 logits for them). The sizes are the ones ``tests/maxtext/models.py``
+``logits.npy`` (transformers' float32 logits for them). A family with ``mxfp4`` also gets
+``DIR/<family>_mxfp4/``: its experts in MXFP4 as GPT-OSS publishes them; ``DIR/<family>/`` then holds
+their dequantised values (what MaxText's loader, which reads no MXFP4, is given), and the logits are
+those of that dequantised model. The sizes are the ones ``tests/maxtext/models.py``
 gives MaxText, so MaxText's tree and the checkpoint describe the same model.
 """
 
@@ -29,6 +32,34 @@ def _hf_model(family: Family):
     return model_class(config_class(**family.hf_kwargs()))
 
 
+def _randomize_buffers(model, family: Family) -> None:
+    """Random values for the stored buffers ``randomize_`` skips (DeepSeek-V3's routing bias)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    for name, buffer in model.named_buffers():
+        if name.endswith(family.random_buffers):
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
+
+
+def _mxfp4(model, root: Path, family: Family) -> None:
+    """Write ``<family>_mxfp4`` and put its dequantised experts into ``model``."""
+    import tempfile
+
+    import torch
+
+    from tests.index.quant import layouts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, max_shard_size="60KB")
+        dequantised = layouts.quantize_checkpoint(Path(tmp), root / f"{family.name}_mxfp4",
+                                                  layouts.is_gpt_oss_expert, layouts.mxfp4_experts,
+                                                  layouts.MXFP4_CONFIG)
+    with torch.no_grad():
+        for key, value in dequantised.items():
+            model.get_parameter(key).copy_(torch.from_numpy(value))
+
+
 def write(root: Path, family: Family) -> None:
     import torch
 
@@ -37,6 +68,10 @@ def write(root: Path, family: Family) -> None:
     model = _hf_model(family)
     randomize_(model)
     model = model.float().eval()
+    if family.random_buffers:
+        _randomize_buffers(model, family)
+    if family.mxfp4:
+        _mxfp4(model, root, family)
     model.save_pretrained(out, max_shard_size="60KB")
     ids = token_ids(batch=2, seq=SEQ, vocab=family.vocab)
     np.save(out / "ids.npy", ids)
@@ -44,9 +79,10 @@ def write(root: Path, family: Family) -> None:
 
 
 def main(argv: list[str]) -> None:
-    root = Path(argv[1])
+    """``make_refs.py DIR [FAMILY ...]``: every family's checkpoint, or those named."""
+    root, names = Path(argv[1]), argv[2:]
     for family in FAMILIES.values():
-        if family.same_checkpoint_as is None:
+        if family.same_checkpoint_as is None and (not names or family.name in names):
             write(root, family)
 
 

@@ -38,6 +38,11 @@ class Family:
     maxtext_vocab: int | None = None
     # the checkpoint of another family this one loads (the same weights in another MaxText config)
     same_checkpoint_as: str | None = None
+    # buffers (by name suffix) that the checkpoint stores and randomize_ leaves as initialised
+    random_buffers: tuple[str, ...] = ()
+    # written a second time with its experts in MXFP4 (make_refs: ``<name>_mxfp4``), the float
+    # checkpoint holding the dequantised values
+    mxfp4: bool = False
 
     @property
     def checkpoint(self) -> str:
@@ -54,16 +59,58 @@ class Family:
     def maxtext_kwargs(self, scan_layers: bool, param_scan_axis: int) -> dict[str, Any]:
         """The ``pyconfig.initialize`` overrides that make MaxText build the same model."""
         moe = dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, base_moe_mlp_dim=MOE_MLP) if self.moe else {}
-        return dict(model_name=self.model_name, override_model_config=True, base_emb_dim=EMBED,
+        base = dict(model_name=self.model_name, override_model_config=True, base_emb_dim=EMBED,
                     base_num_query_heads=HEADS, base_num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                     base_mlp_dim=MOE_MLP if self.moe else MLP, base_num_decoder_layers=LAYERS,
                     vocab_size=self.maxtext_vocab or self.vocab, scan_layers=scan_layers,
-                    param_scan_axis=param_scan_axis,
-                    **moe, **self.maxtext_extra)
+                    param_scan_axis=param_scan_axis, **moe)
+        return {**base, **self.maxtext_extra}
 
 
 _QWEN3 = dict(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6)
 _MOE_HF = dict(moe_intermediate_size=MOE_MLP, num_experts=EXPERTS, num_experts_per_tok=TOP_K)
+
+# MLA: heads 4, q and kv LoRA ranks 32 / 16, per head 16 (no RoPE) + 8 (RoPE) for q/k, 16 for v; the first
+# layer dense, then MoE with one shared expert. The YaRN RoPE of deepseek3-671b.yml / deepseek2-16b.yml
+# (factor 40 over 4096 positions, interleaved pairs; the softmax scaled by MaxText's mscale, as HF's
+# mscale_all_dim does).
+MLA_HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_DIM, DENSE_LAYERS, SHARED = 4, 32, 16, 16, 8, 16, 1, 1
+
+
+def _mla(q_lora: int, mscale: float, v3: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(transformers config, MaxText overrides) of a tiny DeepSeek-V3 (``v3``) or V2."""
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": mscale, "mscale_all_dim": mscale, "rope_theta": 10_000.0}
+    hf = dict(num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, q_lora_rank=q_lora or None,
+              kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM,
+              head_dim=ROPE, first_k_dense_replace=DENSE_LAYERS, n_routed_experts=EXPERTS,
+              num_experts_per_tok=TOP_K, n_shared_experts=SHARED, moe_intermediate_size=MOE_MLP,
+              rope_parameters=yarn, rms_norm_eps=1e-6, max_position_embeddings=163840)
+    mt = dict(base_num_query_heads=MLA_HEADS, base_num_kv_heads=MLA_HEADS, q_lora_rank=q_lora,
+              kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM,
+              head_dim=NOPE + ROPE, first_num_dense_layers=DENSE_LAYERS, shared_experts=SHARED, base_mlp_dim=MLP)
+    if v3:  # sigmoid routing over 2 groups of 2 experts, the best group kept; scores normalised, x 2.5
+        hf.update(n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True)
+        mt.update(n_routing_groups=2, topk_routing_group=1)
+    else:  # softmax routing, greedy top-k, no normalisation
+        hf.update(topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    return hf, mt
+
+
+_V3_HF, _V3_MT = _mla(Q_LORA, 1.0, v3=True)
+_V2_HF, _V2_MT = _mla(0, 0.707, v3=False)
+
+# gpt-oss-20b.yml's YaRN (factor 32 over 4096 positions, rotate-half, no truncation), its clamped
+# SwiGLU (limit 7) and sliding window (here 8, under the 12 tokens, so the window matters); 4 layers:
+# two blocks of MaxText's scanned (sliding, full) pair.
+GPT_OSS_LAYERS, WINDOW = 4, 8
+_GPT_OSS_HF = dict(num_hidden_layers=GPT_OSS_LAYERS, intermediate_size=MOE_MLP, num_local_experts=EXPERTS,
+                   num_experts_per_tok=TOP_K, sliding_window=WINDOW, rms_norm_eps=1e-5, swiglu_limit=7.0,
+                   attention_bias=True, max_position_embeddings=131072,
+                   rope_parameters={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                    "rope_theta": 150_000.0})
+_GPT_OSS_MT = dict(base_num_decoder_layers=GPT_OSS_LAYERS, sliding_window_size=WINDOW)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("llama", "llama3.1-8b", "LlamaConfig", "LlamaForCausalLM",
@@ -79,6 +126,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            hf_extra=dict(intermediate_size=MOE_MLP, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
                          rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    Family("deepseek3", "deepseek3-671b", "DeepseekV3Config", "DeepseekV3ForCausalLM", moe=True, hf_extra=_V3_HF,
+           maxtext_extra=_V3_MT, random_buffers=("e_score_correction_bias",)),
+    Family("deepseek2", "deepseek2-16b", "DeepseekV2Config", "DeepseekV2ForCausalLM", moe=True, hf_extra=_V2_HF,
+           maxtext_extra=_V2_MT),
+    Family("gpt_oss", "gpt-oss-20b", "GptOssConfig", "GptOssForCausalLM", moe=True, hf_extra=_GPT_OSS_HF,
+           maxtext_extra=_GPT_OSS_MT, mxfp4=True),
 ]}
 
 # (scan_layers, param_scan_axis): every layout MaxText has.
