@@ -40,8 +40,19 @@ from otfload.sources.retry import RetryPolicy
 from tests.servers.fault_proxy import FaultProxy
 from tests.servers.net import free_port
 from tests.servers.s3_server import S3Server
+from tests.sources.conftest import FAST_RETRY
 from tests.sources.test_fsspec_source import CHECKPOINT_FILES, SHARD, check_reads
-from tests.sources.test_hostile_network import ALWAYS, DRIP_S, LENGTH, OFFSET, TIGHT, Row, check_row, knobs
+from tests.sources.test_hostile_network import (
+    ALWAYS,
+    DRIP_S,
+    LENGTH,
+    OFFSET,
+    RETRYING,
+    TIGHT,
+    Row,
+    check_row,
+    knobs,
+)
 
 BUCKET = "otfload-s3"
 FIRST = CHECKPOINT_FILES[1]
@@ -52,18 +63,26 @@ def s3_source(url: str, endpoint: str, retry: RetryPolicy, **kw) -> FsspecSource
     return FsspecSource(url, S3Server.options_for(endpoint), retry=retry, **kw)
 
 
+def warm(url: str, endpoint: str, *policies: RetryPolicy) -> None:
+    """Build the S3 client that sources of each policy share at ``endpoint`` (fsspec keeps one per set of
+    options, and the policy's idle timeout is one), with time to do it: on a busy machine, building
+    botocore's S3 client takes longer than one attempt of TIGHT or of the fast policy."""
+    for policy in policies:
+        s3_source(url, endpoint, dataclasses.replace(policy, attempt_timeout_s=30, deadline_s=30))
+
+
 @pytest.fixture(scope="module")
 def s3_url(s3_server: S3Server, checkpoint: Path) -> str:
-    return s3_server.upload_dir(checkpoint, BUCKET, "models/tiny")
+    url = s3_server.upload_dir(checkpoint, BUCKET, "models/tiny")
+    warm(url, s3_server.url, FAST_RETRY)
+    return url
 
 
 @pytest.fixture(scope="module")
 def proxy(s3_server: S3Server, s3_url) -> Iterator[FaultProxy]:
     """The fault proxy in front of moto; faults and counts apply to object reads of ``BUCKET``."""
     with FaultProxy(s3_server.url, match=f"/{BUCKET}/") as proxy:
-        # Warm the client TIGHT's sources share (fsspec keeps one per set of options, and TIGHT's idle
-        # timeout is one): building botocore's S3 client takes longer than one of TIGHT's attempts.
-        s3_source(s3_url, proxy.url, dataclasses.replace(TIGHT, attempt_timeout_s=30, deadline_s=30))
+        warm(s3_url, proxy.url, TIGHT, FAST_RETRY)
         yield proxy
 
 
@@ -114,6 +133,7 @@ def test_missing_bucket_or_prefix(s3_url, s3_server: S3Server, url, fast_retry):
         s3_source(url, s3_server.url, fast_retry)
 
 
+@pytest.mark.usefixtures("s3_url")  # its client warmed
 def test_object_cut_short_or_deleted_after_listing(s3_server: S3Server, checkpoint, fast_retry):
     url = s3_server.upload_dir(checkpoint, BUCKET, "changing")
     src = s3_source(url, s3_server.url, fast_retry)
@@ -134,6 +154,7 @@ def test_object_cut_short_or_deleted_after_listing(s3_server: S3Server, checkpoi
         read_bytes(src, FIRST, 0, 8)
 
 
+@pytest.mark.usefixtures("s3_url")
 def test_a_truncated_shard_is_a_typed_error(s3_server: S3Server, checkpoint, tmp_path, fast_retry):
     cut = tmp_path / "cut"
     shutil.copytree(checkpoint, cut)
@@ -165,7 +186,9 @@ def test_unreachable_endpoint_fails_quickly(fast_retry):
 
 def test_server_gone_after_opening(checkpoint, fast_retry):
     with S3Server() as server:
-        src = s3_source(server.upload_dir(checkpoint, "gone", "m"), server.url, fast_retry)
+        url = server.upload_dir(checkpoint, "gone", "m")
+        warm(url, server.url, fast_retry)
+        src = s3_source(url, server.url, fast_retry)
     start = time.monotonic()
     with pytest.raises(SourceUnavailableError, match=f"s3://gone/m: {SHARD}"):
         read_bytes(src, SHARD, 0, 100)
@@ -175,9 +198,9 @@ def test_server_gone_after_opening(checkpoint, fast_retry):
 S3_ROWS = [
     Row("drip-forever", knobs(drip_next=ALWAYS, drip_interval_s=DRIP_S), SourceTimeoutError),
     Row("stall-forever", knobs(stall_next=ALWAYS), SourceTimeoutError),
-    Row("stall-once-then-retried", knobs(stall_next=1), None),
-    Row("5xx-burst-shorter-than-retries", knobs(fail_next=2, fail_status=503), None),
-    Row("5xx-forever", knobs(fail_next=ALWAYS, fail_status=503), SourceUnavailableError),
+    Row("stall-once-then-retried", knobs(stall_next=1), None, retry=RETRYING),
+    Row("5xx-burst-shorter-than-retries", knobs(fail_next=2, fail_status=503), None, retry=RETRYING),
+    Row("5xx-forever", knobs(fail_next=ALWAYS, fail_status=503), SourceUnavailableError, retry=RETRYING),
     Row("shifted-content-range", knobs(shift_range_next=ALWAYS), SourceProtocolError),
     Row("200-with-whole-object", knobs(drop_range_next=ALWAYS), None),
 ]
@@ -185,14 +208,14 @@ S3_ROWS = [
 
 @pytest.mark.parametrize("row", S3_ROWS, ids=lambda r: r.name)
 def test_s3_range_reads_through_fault_proxy(row: Row, s3_url, proxy: FaultProxy, checkpoint):
-    src = s3_source(s3_url, proxy.url, TIGHT)
+    src = s3_source(s3_url, proxy.url, row.retry)
     proxy.reset()
     want = (checkpoint / SHARD).read_bytes()[OFFSET : OFFSET + LENGTH]
     check_row(row, src, proxy.faults, want, s3_url)
     gets = [r for r in proxy.requests(f"/{BUCKET}/") if r.method == "GET"]
     assert any(r.fault for r in gets)  # the fault really was served
     if row.name == "5xx-forever":  # one request per attempt of the policy: s3fs and botocore do not retry inside
-        assert len(gets) == TIGHT.attempts
+        assert len(gets) == RETRYING.attempts
     if row.error is SourceProtocolError:
         assert len(gets) == 1  # never retried: the answer is wrong, not late
 
@@ -236,6 +259,7 @@ def test_load_equals_local_and_the_report_counts_what_the_server_sent(
     assert report.bytes_planned <= report.bytes_read <= 1.1 * report.bytes_planned
 
 
+@pytest.mark.usefixtures("s3_url")
 def test_from_pretrained_through_a_shard_cache_in_an_s3_prefix(
     s3_server: S3Server, llama, mesh_2x4, fast_retry, closing
 ):
