@@ -12,7 +12,8 @@ import numpy as np
 ROUTING_BIAS = "DeepSeekMoeBlock_0.MoeBlock_0.gate.bias"
 
 
-def _kernel(w: np.ndarray, *split: int) -> np.ndarray:
+def kernel(w: np.ndarray, *split: int) -> np.ndarray:
+    """An HF ``[out, in]`` weight as MaxText's ``[in, out]`` kernel, reshaped to ``split``."""
     return w.T.reshape(*split) if split else w.T
 
 
@@ -23,14 +24,14 @@ def _mla(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarray]:
            "post_self_attention_layer_norm.scale": hf[f"model.layers.{i}.post_attention_layernorm.weight"],
            "self_attention.wkv_a.kernel": hf[f"{a}.kv_a_proj_with_mqa.weight"].T,
            "self_attention.kv_norm.scale": hf[f"{a}.kv_a_layernorm.weight"],
-           "self_attention.wkv_b.kernel": _kernel(hf[f"{a}.kv_b_proj.weight"], cfg["kv_lora_rank"], heads, nope_v),
-           "self_attention.out.kernel": _kernel(hf[f"{a}.o_proj.weight"], heads, cfg["v_head_dim"], h)}
+           "self_attention.wkv_b.kernel": kernel(hf[f"{a}.kv_b_proj.weight"], cfg["kv_lora_rank"], heads, nope_v),
+           "self_attention.out.kernel": kernel(hf[f"{a}.o_proj.weight"], heads, cfg["v_head_dim"], h)}
     if cfg.get("q_lora_rank"):
         out["self_attention.wq_a.kernel"] = hf[f"{a}.q_a_proj.weight"].T
         out["self_attention.q_norm.scale"] = hf[f"{a}.q_a_layernorm.weight"]
-        out["self_attention.wq_b.kernel"] = _kernel(hf[f"{a}.q_b_proj.weight"], cfg["q_lora_rank"], heads, qk)
+        out["self_attention.wq_b.kernel"] = kernel(hf[f"{a}.q_b_proj.weight"], cfg["q_lora_rank"], heads, qk)
     else:
-        out["self_attention.query.kernel"] = _kernel(hf[f"{a}.q_proj.weight"], h, heads, qk)
+        out["self_attention.query.kernel"] = kernel(hf[f"{a}.q_proj.weight"], h, heads, qk)
     return out
 
 
@@ -59,7 +60,7 @@ def _gpt_oss(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarr
     a, x, h, hd = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp.experts", cfg["emb_dim"], cfg["head_dim"]
     out = {"pre_self_attention_layer_norm.scale": hf[f"model.layers.{i}.input_layernorm.weight"],
            "post_self_attention_layer_norm.scale": hf[f"model.layers.{i}.post_attention_layernorm.weight"],
-           "GptOssAttention.out.kernel": _kernel(hf[f"{a}.o_proj.weight"], cfg["num_query_heads"], hd, h),
+           "GptOssAttention.out.kernel": kernel(hf[f"{a}.o_proj.weight"], cfg["num_query_heads"], hd, h),
            "GptOssAttention.out.bias": hf[f"{a}.o_proj.bias"],
            "GptOssAttention.sinks": hf[f"{a}.sinks"],
            "GptOssMlp.gate.kernel": hf[f"model.layers.{i}.mlp.router.weight"].T,
@@ -70,7 +71,7 @@ def _gpt_oss(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarr
            "GptOssMlp.wo": hf[f"{x}.down_proj"], "GptOssMlp.wo_bias": hf[f"{x}.down_proj_bias"]}
     for name, proj, heads in (("query", "q_proj", "num_query_heads"), ("key", "k_proj", "num_kv_heads"),
                               ("value", "v_proj", "num_kv_heads")):
-        out[f"GptOssAttention.{name}.kernel"] = _kernel(hf[f"{a}.{proj}.weight"], h, cfg[heads], hd)
+        out[f"GptOssAttention.{name}.kernel"] = kernel(hf[f"{a}.{proj}.weight"], h, cfg[heads], hd)
         out[f"GptOssAttention.{name}.bias"] = hf[f"{a}.{proj}.bias"].reshape(cfg[heads], hd)
     return out
 

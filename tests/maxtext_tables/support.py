@@ -10,6 +10,7 @@ import numpy as np
 
 from tests.helpers import register_hf_model
 from tests.maxtext_tables.grouped import grouped_layers
+from tests.maxtext_tables.grouped import kernel as _kernel
 
 DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16, max_position_embeddings=128)
@@ -109,10 +110,6 @@ def maxtext_config(kind: str, scan_layers: bool, param_scan_axis: int, **over) -
     if kind.startswith("mt_gpt_oss"):
         cfg.update(num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2)
     return {**cfg, **over}
-
-
-def _kernel(w: np.ndarray, *split: int) -> np.ndarray:
-    return w.T.reshape(*split) if split else w.T
 
 
 def _interleave(x: np.ndarray) -> np.ndarray:
