@@ -157,6 +157,32 @@ def test_peft_lora_merges_like_peft(tiny_checkpoints, mesh_2x4, tmp_path, scan_l
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
 
 
+def test_eval_scores_padded_batches_like_transformers(tiny_checkpoints, mesh_2x4, tmp_path):
+    """``otfload.evaluate`` (``otfload eval``) on texts of different lengths batched with padding:
+    each text's summed NLL and token count equal transformers' loss on the text alone."""
+    from tests.eval_support import TEXTS, reference_nll, with_tokenizer
+    from tests.test_evaluate import MAX_LEN, assert_matches
+
+    src, torch_model = tiny_checkpoints("nemotron_h")
+    path = with_tokenizer(src, tmp_path / "ckpt")
+    result = otfload.evaluate(path, TEXTS, max_len=MAX_LEN, batch_size=3, mesh=mesh_2x4, progress=False)
+    assert_matches(result, reference_nll(torch_model, path / "tokenizer.json", TEXTS, MAX_LEN))
+
+
+def test_rows_packing_several_sequences_are_refused(tiny_checkpoints, mesh_2x4):
+    """A row of several sequences (lm-eval's packed ``segments``) would run the Mamba-2 state from one
+    into the next: refused by name, never silently wrong."""
+    from otfload.errors import UnsupportedModelError
+    from otfload.models.attention import make_context
+
+    path, _ = tiny_checkpoints("nemotron_h")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    ids = jnp.asarray(token_ids(seq=6))
+    ctx = make_context(ids, None, None, None, segments=(np.array([[1, 1, 1, 2, 2, 2]] * 2),) * 2)
+    with pytest.raises(UnsupportedModelError, match="segments"):
+        model.forward(ids, ctx, None)
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("layers_block_type", [M, A, "sliding_attention", M, D]),
     ("hybrid_override_pattern", "M*EX-"),

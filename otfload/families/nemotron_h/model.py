@@ -8,7 +8,8 @@ groups: DeepSeek's router, :mod:`otfload.models.deepseek_moe`) plus a shared ung
 Each block kind is a group of its own shapes (``mamba_layers``, ``attention_layers``, ``mlp_layers``,
 ``moe_layers``), run in HF layer order by :func:`otfload.models.groups.run_groups`. The cache holds
 the attention layers' keys and values and, per Mamba-2 layer, the convolution's last inputs and the
-float32 state.
+float32 state. Rows packing several sequences (``segments``, lm-eval's shared contexts) are refused:
+the state would run from one sequence into the next.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from otfload.errors import UnsupportedModelError
 from otfload.families.nemotron_h.config import ATTENTION, GROUP_OF, MAMBA, MLP, NemotronHConfig
 from otfload.models.attention import Context, token_mask
 from otfload.models.base import Cache, CacheLayout, CausalLM, GroupCache, GroupCaches
@@ -142,6 +144,9 @@ class NemotronHForCausalLM(CausalLM):
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
     ) -> tuple[jax.Array, GroupCaches | None]:
         cfg = self.cfg
+        if ctx.segments is not None and cfg.mamba_layers:
+            raise UnsupportedModelError("nemotron_h: rows packing several sequences (segments) are not supported: "
+                                        "a Mamba-2 layer's state runs along the whole row")
         groups: dict[str, Any] = {group: getattr(self, group) for group in self._groups()}
 
         def layer(group: str, p: Params, h: jax.Array, c: GroupCache | None) -> tuple[jax.Array, GroupCache | None]:
