@@ -7,11 +7,12 @@ Convention for code blocks (checked here for every page in ``PAGES`` and README.
   with fresh globals, in a scratch working directory); the page's ```bash blocks then run in one
   bash shell each (``-euo pipefail``) with the ``otfload`` script on PATH.
 - A block that needs a checkpoint reads its location from the environment variable
-  ``OTFLOAD_EXAMPLE_CKPT`` (here a tiny local float32 Llama in several shard files, from the
-  ``tiny_checkpoints`` fixture, with a tiny ``tokenizer.json`` and a chat template; for a reader, a
-  Hub id fallback), one that needs a PEFT LoRA adapter of it from ``OTFLOAD_EXAMPLE_ADAPTER`` (one
-  PEFT saved here, naming the Llama as its base), and one that needs a quantized checkpoint from
-  ``OTFLOAD_EXAMPLE_QUANTIZED`` (that Llama with every linear layer in compressed-tensors FP8).
+  ``OTFLOAD_EXAMPLE_CKPT`` (for a reader, a Hub id fallback), one that needs a PEFT LoRA adapter of
+  it from ``OTFLOAD_EXAMPLE_ADAPTER``, and one that needs a quantized checkpoint from
+  ``OTFLOAD_EXAMPLE_QUANTIZED``. Here, as for a newcomer, they come from the example-checkpoint
+  command alone (``otfload example DIR``, whose export lines set them: a tiny float32 Llama in
+  several shard files with its tokenizer and chat template, a LoRA adapter naming it as its base,
+  that Llama with every linear layer in compressed-tensors FP8).
 - Shell commands run in a bash block only when they are fast on that tiny checkpoint (``otfload
   inspect``, ``load``, ``eval``, ...). Sample output goes in ```text blocks, and commands that are not
   run here (long measurements, commands that need the network or a real model) in ```console
@@ -34,9 +35,6 @@ from pathlib import Path
 
 import otfload.errors
 from otfload.families.registry import supported_model_types
-from tests.adapters.support import make_adapter
-from tests.eval_support import with_tokenizer
-from tests.index.quant import layouts
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -46,9 +44,6 @@ PAGES = ["index.md", "quickstart.md", "concepts.md", "architecture.md", "familie
          "checkpoints.md", "reliability.md", "robustness.md", "training.md", "formats.md", "maxtext.md"]
 EXEMPT = {"benchmarks.md", "benchmarks_log.md", "benchmarks_export.md", "benchmarks_remote.md", "benchmarks_reshard.md"}
 FENCES = {"python", "bash", "text", "console"}
-# The example checkpoint's chat template, as an instruction-tuned checkpoint has one.
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 RUNNER = r"""
 import contextlib, re, subprocess, sys, traceback
@@ -74,17 +69,18 @@ def fence_languages(text: str) -> list[str]:
     return re.findall(r"^```(\S*)[ \t]*$", text, re.M)[::2]
 
 
-def test_every_code_block_runs(tiny_checkpoints, tmp_path):
-    llama, torch_model = tiny_checkpoints("llama")
-    checkpoint = with_tokenizer(llama, tmp_path / "tiny-llama")
-    (checkpoint / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # evaluation.md's --apply-chat-template job
-    adapter = make_adapter(torch_model, tmp_path / "tiny-lora", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                           base_model_name_or_path=str(checkpoint))
-    quantized = tmp_path / "tiny-fp8"
-    layouts.quantize_checkpoint(llama, quantized, layouts.is_linear, layouts.compressed_tensors("fp8_channel"),
-                                layouts.ct_config("fp8_channel"))
-    env = {**os.environ, "OTFLOAD_EXAMPLE_CKPT": str(checkpoint), "OTFLOAD_EXAMPLE_ADAPTER": str(adapter),
-           "OTFLOAD_EXAMPLE_QUANTIZED": str(quantized),
+def example_variables(directory: Path) -> dict[str, str]:
+    """The variables ``otfload example DIR`` tells a reader to set (its ``export NAME=VALUE`` lines)."""
+    out = subprocess.run([str(Path(sys.executable).with_name("otfload")), "example", str(directory)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines()
+                if line.startswith("export "))
+
+
+def test_every_code_block_runs(tmp_path):
+    variables = example_variables(tmp_path / "examples")
+    assert sorted(variables) == ["OTFLOAD_EXAMPLE_ADAPTER", "OTFLOAD_EXAMPLE_CKPT", "OTFLOAD_EXAMPLE_QUANTIZED"]
+    env = {**os.environ, **variables,
            "TQDM_DISABLE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     pages = [str(DOCS / p) for p in PAGES] + [str(README)]
