@@ -11,7 +11,11 @@ own shapes, whose HF layers are the config lists ``mamba_layers``, ``attention_l
 ``mamba_d_conv``, ``mamba_dt_min``, ``mamba_conv_bias``, ``mamba_chunk_size``) are read as
 transformers reads them. Attention has no positional encoding (transformers' ``NemotronHAttention``
 applies none: ``rope_theta`` and ``partial_rotary_factor`` are unused), and the output projection is
-never tied to the embedding (transformers' model ties none).
+never tied to the embedding (transformers' model ties none). Like transformers' model, the Mamba
+projections' bias follows ``use_bias`` (``mamba_proj_bias`` is unused), the shared expert is one MLP
+of ``moe_shared_expert_intermediate_size`` whatever ``n_shared_experts`` says, residuals stay in the
+activation dtype (``residual_in_fp32`` is unused) and the time step is clamped at ``time_step_min``
+only (``time_step_limit`` is unused).
 
 Refused by name: an unknown block kind or pattern letter, another Mamba activation than SiLU
 (``mamba_hidden_act``), another MLP activation than ``relu2`` (``mlp_hidden_act``), a state dtype
