@@ -4,11 +4,13 @@ SRC is an HF checkpoint (loaded with from_pretrained and written back through th
 table, see otfload.export.export_checkpoint) or a native (Orbax) checkpoint directory (exported
 leaf by leaf with its recorded family, config and scan_layers, see otfload.export.export_native).
 The output can be cast (``--dtype``) and re-split into files of at most ``--max-shard-size``.
+--json prints one object instead of the line: {"source", "out", "files" (the names written)}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from otfload.cli import options
@@ -28,6 +30,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--dtype", type=options.dtype_arg, help="dtype written, e.g. bf16 (default: keep)")
     p.add_argument("--max-shard-size", type=options.size_arg, default="5GB", help="largest output file (default: 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--json", action="store_true", help="print what was written as one JSON object")
     p.set_defaults(run=run)
 
 
@@ -50,5 +53,8 @@ def run(args: argparse.Namespace) -> int:
         out = export_native(args.source, args.out, step=args.step, scan_layers=args.scan_layers, **written)
     else:  # the load's flags (--dtype, the one written, is the load's too: a cast either way)
         out = export_checkpoint(args.source, args.out, options=options.load_options(args), **written)
+    if args.json:
+        print(json.dumps({"source": given, "out": str(out), "files": sorted(p.name for p in out.iterdir())}))
+        return 0
     print(f"exported {given} to {out}")
     return 0

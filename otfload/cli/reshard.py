@@ -1,8 +1,12 @@
-"""``otfload reshard``: re-save a native checkpoint in the layout of a target mesh."""
+"""``otfload reshard``: re-save a native checkpoint in the layout of a target mesh.
+
+--json prints one object instead of the line: {"source", "destination", "step", "mesh"}.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from otfload.cli import options
@@ -19,6 +23,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--step", type=int, help="step to reshard (default: the latest)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="layer layout expected in SRC (default: from its metadata)")
+    p.add_argument("--json", action="store_true", help="print what was written as one JSON object")
     p.set_defaults(run=run)
 
 
@@ -32,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
         if made and os.path.isdir(args.dst) and not os.listdir(args.dst):
             os.rmdir(args.dst)  # a failed reshard leaves no empty DST behind
         raise
+    if args.json:
+        print(json.dumps({"source": args.src, "destination": args.dst, "step": step, "mesh": args.mesh}))
+        return 0
     axes = ", ".join(f"{k}={v}" for k, v in args.mesh.items())
     print(f"resharded step {step} of {args.src} into {args.dst} for mesh {axes}")
     return 0

@@ -231,6 +231,9 @@ def test_reshard_rewrites_for_the_target_mesh(tmp_path, capsys):
         manager.save(7, state, metadata=meta, wait=True)
     assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--mesh", "fsdp=8"]) == 0
     assert "resharded step 7" in capsys.readouterr().out
+    assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst2"), "--mesh", "fsdp=8", "--json"]) == 0
+    written = {"source": str(tmp_path / "src"), "destination": str(tmp_path / "dst2"), "step": 7, "mesh": {"fsdp": 8}}
+    assert json.loads(capsys.readouterr().out) == written
     with OrbaxCheckpointManager(CheckpointConfig(tmp_path / "dst")) as manager:
         assert manager.metadata(7).mesh_axes == {"fsdp": 8}
         target = make_mesh({"fsdp": 8})

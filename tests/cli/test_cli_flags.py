@@ -1,7 +1,8 @@
 """CLI habits (issue 44 points 5 and 8): every subcommand that loads or plans a model takes the same
 load flags, built once (``--adapter``, ``--merge-adapter``, ``--quantized``, ``--reshard``), export
 included, each a ``LoadOptions`` field with the values it allows; ``--debug`` after the subcommand;
-``inspect --json`` with every HF key and shardings as spec lists; ``load --json``, ``bench --json``;
+``inspect --json`` with every HF key and shardings as spec lists; ``load``, ``bench`` and ``export``
+``--json`` (``reshard --json``: tests/cli/test_cli.py);
 ``--help`` and ``--version`` without numpy, JAX or the pipeline."""
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def test_bench_json_gives_each_run_and_the_report(llama, capsys):
     assert [sorted(run) for run in out["runs"]] == [["bytes_read", "gbps", "seconds"]] * 2
     assert out["best_gbps"] == max(run["gbps"] for run in out["runs"]) > 0
     assert out["report"]["leaves"] == 12 and out["report"]["bytes_read"] == out["runs"][-1]["bytes_read"]
+
+
+def test_export_json_lists_what_it_wrote(llama, tmp_path, capsys):
+    assert main(["export", str(llama), str(tmp_path / "out"), "--max-shard-size", "200KB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"] == str(llama) and out["out"] == str(tmp_path / "out")
+    assert out["files"] == sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "config.json" in out["files"] and "model.safetensors.index.json" in out["files"]
 
 
 @pytest.mark.parametrize("flag", [["--quantized", "keep"], ["--no-merge-adapter"]])
