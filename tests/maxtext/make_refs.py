@@ -7,12 +7,15 @@ Run by the main venv (it has torch and transformers; the MaxText venv has no tor
 ``logits.npy`` (transformers' float32 logits for them). A family with ``mxfp4`` also gets
 ``DIR/<family>_mxfp4/``: its experts in MXFP4 as GPT-OSS publishes them; ``DIR/<family>/`` then holds
 their dequantised values (what MaxText's loader, which reads no MXFP4, is given), and the logits are
-those of that dequantised model. The sizes are the ones ``tests/maxtext/models.py``
-gives MaxText, so MaxText's tree and the checkpoint describe the same model.
+those of that dequantised model. A ``multimodal`` family's ``DIR/<family>/`` has transformers' module
+names (what MaxText's converter reads), ``DIR/<family>_hub/`` the keys as saved (as the Hub has
+them). The sizes are the ones ``tests/maxtext/models.py`` gives MaxText, so MaxText's tree and the
+checkpoint describe the same model.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.helpers import randomize_, token_ids, torch_logits  # noqa: E402
+from tests.helpers import module_name, randomize_, rename_tensors, token_ids, torch_logits  # noqa: E402
 from tests.maxtext.models import FAMILIES, SEQ, Family  # noqa: E402
 
 
@@ -60,6 +63,13 @@ def _mxfp4(model, root: Path, family: Family) -> None:
             model.get_parameter(key).copy_(torch.from_numpy(value))
 
 
+def _module_names(out: Path, hub: Path) -> None:
+    """Keep the checkpoint as saved (the Hub's layout) in ``hub``; rename ``out``'s tensors to
+    transformers' module names, the keys MaxText's converter reads (``model.language_model.*``)."""
+    shutil.copytree(out, hub)
+    rename_tensors(out, module_name)
+
+
 def write(root: Path, family: Family) -> None:
     import torch
 
@@ -73,6 +83,8 @@ def write(root: Path, family: Family) -> None:
     if family.mxfp4:
         _mxfp4(model, root, family)
     model.save_pretrained(out, max_shard_size="60KB")
+    if family.multimodal:
+        _module_names(out, root / f"{family.name}_hub")
     ids = token_ids(batch=2, seq=SEQ, vocab=family.vocab)
     np.save(out / "ids.npy", ids)
     np.save(out / "logits.npy", torch_logits(model, ids))

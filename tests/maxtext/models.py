@@ -43,6 +43,13 @@ class Family:
     # written a second time with its experts in MXFP4 (make_refs: ``<name>_mxfp4``), the float
     # checkpoint holding the dequantised values
     mxfp4: bool = False
+    # the MaxText layouts this family is loaded in (None: all of them)
+    layouts: tuple[tuple[bool, int], ...] | None = None
+    # a multimodal checkpoint: the outer config's own fields (the text model's config is its ``text_config``);
+    # make_refs writes its tensors under transformers' module names, the layout MaxText's converter reads
+    multimodal: dict[str, Any] | None = None
+    # leaves (path suffixes) MaxText's own loader fills with other values than the checkpoint means
+    maxtext_differs: tuple[str, ...] = ()
 
     @property
     def checkpoint(self) -> str:
@@ -54,7 +61,8 @@ class Family:
         base = dict(vocab_size=self.vocab, hidden_size=EMBED, intermediate_size=MLP, num_hidden_layers=LAYERS,
                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                     max_position_embeddings=128, tie_word_embeddings=self.tied)
-        return {**base, **self.hf_extra}
+        text = {**base, **self.hf_extra}
+        return {"text_config": text, **self.multimodal} if self.multimodal else text
 
     def maxtext_kwargs(self, scan_layers: bool, param_scan_axis: int) -> dict[str, Any]:
         """The ``pyconfig.initialize`` overrides that make MaxText build the same model."""
@@ -112,6 +120,30 @@ _GPT_OSS_HF = dict(num_hidden_layers=GPT_OSS_LAYERS, intermediate_size=MOE_MLP, 
                                     "rope_theta": 150_000.0})
 _GPT_OSS_MT = dict(base_num_decoder_layers=GPT_OSS_LAYERS, sliding_window_size=WINDOW)
 
+# Gemma: hidden 48 (sqrt(48) is no bfloat16, so Gemma 3's bf16 embedding scale and Gemma 2's float32 one
+# differ), a sliding window of 8 under the 12 tokens; query_pre_attn_scalar = head_dim, as gemma2-2b and
+# gemma3-4b have it. Gemma 2's MaxText layer is a (sliding, global) pair of HF layers: 4 HF layers are 2;
+# Gemma 3's 13 layers are two scanned blocks of six and one left over (gemma3-4b.yml's RoPE: 1e6 with
+# linear scaling 8 globally, 1e4 locally). Soft-caps: Gemma2Config's defaults are gemma2-2b.yml's 50 / 30.
+GEMMA_EMBED, GEMMA_MLP, GEMMA_WINDOW, GEMMA2_LAYERS, GEMMA3_LAYERS = 48, 96, 8, 4, 13
+_GEMMA_HF = dict(hidden_size=GEMMA_EMBED, intermediate_size=GEMMA_MLP, sliding_window=GEMMA_WINDOW,
+                 query_pre_attn_scalar=HEAD_DIM, rms_norm_eps=1e-6)
+_GEMMA_MT = dict(base_emb_dim=GEMMA_EMBED, base_mlp_dim=GEMMA_MLP, sliding_window_size=GEMMA_WINDOW)
+_GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+_GEMMA3_VISION = dict(vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14), mm_tokens_per_image=4)
+
+# OLMo 3: olmo3-7b.yml's YaRN (factor 8 over 8192 positions, theta 5e5, attention scaled by 0.1 ln 8 + 1) on
+# every layer, as MaxText applies it (transformers per layer type: the same for both); 8 layers are two
+# scanned blocks of MaxText's (3 sliding, 1 global) cycle; a window of 8.
+OLMO3_LAYERS = 8
+_OLMO3_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "beta_fast": 32.0,
+               "beta_slow": 1.0, "rope_theta": 500_000.0}
+_OLMO3_HF = dict(num_hidden_layers=OLMO3_LAYERS, sliding_window=GEMMA_WINDOW, rms_norm_eps=1e-6,
+                 max_position_embeddings=65536,
+                 rope_parameters={"full_attention": _OLMO3_YARN, "sliding_attention": _OLMO3_YARN})
+
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("llama", "llama3.1-8b", "LlamaConfig", "LlamaForCausalLM",
            hf_extra=dict(rope_parameters=LLAMA31_ROPE, rms_norm_eps=1e-5, max_position_embeddings=131072)),
@@ -132,7 +164,26 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            maxtext_extra=_V2_MT),
     Family("gpt_oss", "gpt-oss-20b", "GptOssConfig", "GptOssForCausalLM", moe=True, hf_extra=_GPT_OSS_HF,
            maxtext_extra=_GPT_OSS_MT, mxfp4=True),
+    Family("gemma2", "gemma2-2b", "Gemma2Config", "Gemma2ForCausalLM", tied=True,
+           hf_extra=dict(_GEMMA_HF, num_hidden_layers=GEMMA2_LAYERS),
+           maxtext_extra=dict(_GEMMA_MT, base_num_decoder_layers=GEMMA2_LAYERS // 2)),
+    Family("gemma3", "gemma3-4b", "Gemma3Config", "Gemma3ForConditionalGeneration", tied=True,
+           hf_extra=dict(_GEMMA_HF, num_hidden_layers=GEMMA3_LAYERS, rope_parameters=_GEMMA3_ROPE),
+           maxtext_extra=dict(_GEMMA_MT, base_num_decoder_layers=GEMMA3_LAYERS), multimodal=_GEMMA3_VISION),
+    # query_pre_attn_scalar 24, not head_dim 16 (as gemma-2-9b's 224 beside 256): MaxText's converter scales
+    # the query by 1/sqrt(head_dim) all the same
+    Family("gemma2_qpas", "gemma2-9b", "Gemma2Config", "Gemma2ForCausalLM", tied=True,
+           hf_extra=dict(_GEMMA_HF, num_hidden_layers=GEMMA2_LAYERS, query_pre_attn_scalar=24),
+           maxtext_extra=dict(_GEMMA_MT, base_num_decoder_layers=GEMMA2_LAYERS // 2), layouts=((False, 1),),
+           maxtext_differs=("self_attention_local.query.kernel", "self_attention_global.query.kernel")),
+    Family("olmo3", "olmo3-7b", "Olmo3Config", "Olmo3ForCausalLM", hf_extra=_OLMO3_HF,
+           maxtext_extra=dict(base_num_decoder_layers=OLMO3_LAYERS, sliding_window_size=GEMMA_WINDOW)),
 ]}
 
 # (scan_layers, param_scan_axis): every layout MaxText has.
 LAYOUTS = [(True, 1), (True, 0), (False, 1)]
+
+
+def layouts(family: Family) -> list[tuple[bool, int]]:
+    """The layouts ``family`` is loaded in."""
+    return list(family.layouts or LAYOUTS)

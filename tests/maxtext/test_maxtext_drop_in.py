@@ -1,7 +1,7 @@
 """``otfload.maxtext.load_state`` against the real MaxText (maxtext 0.2.5, in its own venv).
 
 For each tiny family (Llama 3.1, Qwen3 tied and with MaxText's vocabulary padding, Qwen3-MoE,
-Mixtral, DeepSeek-V3 and V2-Lite, GPT-OSS) and each layout MaxText has (``scan_layers`` with
+Mixtral, DeepSeek-V3 and V2-Lite, GPT-OSS, Gemma 2 and 3, OLMo 3) and each layout MaxText has (``scan_layers`` with
 ``param_scan_axis`` 1 and 0, unscanned), MaxText builds its abstract NNX model on a 2x4 mesh of the 8
 simulated CPU devices and loads the multi-shard float32 checkpoint with its own
 ``load_safetensors_dynamic_state``; the drop-in, given the same arguments (the weights MaxText's
@@ -24,7 +24,11 @@ Then MaxText's forward pass on otfload's tree gives transformers' float32 logits
 main venv: ``make_refs.py``) within 1e-4 x max|logits|, once per family, each family in another
 layout (the MoE one MaxText cannot load among them). Qwen3 with tied embeddings is looser: MaxText's
 ``attend_on_embedding`` casts the embedding to bfloat16 for the logits whatever ``dtype`` says
-(measured 2.2e-3 with MaxText's own loader), so that case allows 5e-3.
+(measured 2.2e-3 with MaxText's own loader), so that case allows 5e-3, as do the Gemmas (tied too;
+Gemma 3's embedding is scaled by ``bfloat16(sqrt(48))`` where transformers' float32 forward uses
+``sqrt(48)``: 1.4e-3 and 3.1e-3 measured). Gemma 3 is written for MaxText's converter under transformers'
+module names; ``test_maxtext_gemma.py`` has the Hub's layout, and Gemma 2's query where MaxText's
+converter is wrong.
 
 Run: ``PYTHONPATH=. .venv-maxtext/bin/python -m pytest -q tests/maxtext`` (the venv:
 ``scripts/make_maxtext_venv.sh``); the main venv skips this module.
@@ -33,7 +37,6 @@ Run: ``PYTHONPATH=. .venv-maxtext/bin/python -m pytest -q tests/maxtext`` (the v
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -45,30 +48,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 from tests.helpers import max_rel_diff  # noqa: E402
 from tests.maxtext import reference  # noqa: E402
-from tests.maxtext.models import FAMILIES, LAYOUTS, Family  # noqa: E402
+from tests.maxtext.models import FAMILIES, Family, layouts  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 EXPERT_LEAVES = ("wi_0", "wi_1", "wo")
 # family -> the layout its forward pass runs in; tolerance x max|logits|
 FORWARD = {"llama": ((True, 1), 1e-4), "qwen3": ((False, 1), 5e-3), "qwen3_moe": ((True, 0), 1e-4),
            "mixtral": ((True, 1), 1e-4), "deepseek3": ((True, 1), 1e-4), "deepseek2": ((True, 0), 1e-4),
-           "gpt_oss": ((False, 1), 1e-4)}
+           "gpt_oss": ((False, 1), 1e-4), "gemma2": ((False, 1), 5e-3), "gemma3": ((True, 1), 5e-3),
+           "gemma2_qpas": ((False, 1), 5e-3), "olmo3": ((False, 1), 1e-4)}
 # families MaxText's dynamic loader cannot load: the reference is its offline converter's steps
 CONVERTED = {"gpt_oss"}
 ROUTING_BIAS = "MoeBlock_0.gate.bias"
 
 needs_drop_in = pytest.mark.skipif(importlib.util.find_spec("otfload.maxtext") is None,
                                    reason="otfload.maxtext (the drop-in) does not exist yet")
-
-
-@pytest.fixture(scope="session")
-def refs(tmp_path_factory) -> Path:
-    """The tiny checkpoints and transformers' logits, written by the main venv (torch lives there)."""
-    root = tmp_path_factory.mktemp("maxtext_refs")
-    subprocess.run([str(MAIN_PYTHON), str(ROOT / "tests" / "maxtext" / "make_refs.py"), str(root)], check=True,
-                   cwd=ROOT, capture_output=True)
-    return root
 
 
 _BUILT: dict[tuple[str, bool, int], reference.Built] = {}
@@ -122,7 +115,7 @@ def bits(x) -> np.ndarray:
 PADDED_LAYOUT = (False, 1)
 CASES = [pytest.param(FAMILIES[name], layout, id=f"{name}-{'scan' if layout[0] else 'unscanned'}"
                       + (f"-axis{layout[1]}" if layout[0] else ""))
-         for name in FAMILIES for layout in LAYOUTS
+         for name in FAMILIES for layout in layouts(FAMILIES[name])
          if FAMILIES[name].maxtext_vocab is None or layout == PADDED_LAYOUT]
 
 
@@ -162,6 +155,8 @@ def test_drop_in_equals_maxtext_loader(family, layout, refs):
         leaf = ours[name]
         assert (leaf.shape, leaf.dtype) == (target.shape, target.dtype), name
         assert leaf.sharding.is_equivalent_to(target.sharding, leaf.ndim), name
+        if name.endswith(family.maxtext_differs):  # MaxText's converter is wrong there (test_maxtext_gemma.py)
+            continue
         expected = np.swapaxes(np.asarray(theirs[name]), 0, 1) if misstacked(family, layout, name) else theirs[name]
         np.testing.assert_array_equal(bits(leaf), bits(expected), err_msg=name)
 
