@@ -50,6 +50,12 @@ def test_the_load_flags_are_the_options_fields_with_their_allowed_values():
             assert set(actions[name].choices) == values, (command, name)
 
 
+def test_every_command_that_works_takes_json():
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    lacking = {name for name, sub in subcommands.items() if "--json" not in sub._option_string_actions}
+    assert lacking == {"example"}  # it prints the shell lines to eval
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoints):
     return tiny_checkpoints("llama")[0]

@@ -120,6 +120,23 @@ def test_troubleshooting_covers_every_typed_error():
     assert headings == errors
 
 
+def test_the_pages_name_only_flags_their_commands_take():
+    """Every ``otfload COMMAND ... --flag`` a page or README.md shows is a flag COMMAND takes, and the
+    quickstart's table and index.md name every command."""
+    from otfload.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices  # argparse lists them nowhere public
+    takes = {name: {f for a in sub._actions for f in a.option_strings} for name, sub in commands.items()}
+    names = "|".join(map(re.escape, commands))
+    shown = re.compile(rf"otfload ({names})\b([^`\n|]*)")
+    for page in [*DOCS.glob("*.md"), README]:
+        for command, rest in shown.findall(page.read_text()):
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+                assert flag in takes[command], (page.name, command, flag)
+    for page in ("quickstart.md", "index.md"):
+        assert {c for c, _ in shown.findall((DOCS / page).read_text())} == set(commands), page
+
+
 def test_links_between_pages_resolve():
     index_links = set(re.findall(r"\]\(([\w.]+\.md)", (DOCS / "index.md").read_text()))
     others = {"checkpoints.md", "export.md", "sources.md", "benchmarks.md", "reliability.md"}
