@@ -51,6 +51,9 @@ def leaf_layouts(selection: Selection) -> dict[str, tuple[tuple[int, ...], tuple
         for prefix in prefixes if layers else ():
             for leaf in group.leaves:
                 out[f"{prefix}.{leaf.path}"] = _stacked(table.find(f"{prefix}.{leaf.path}"), leaf, config, layers)
+    for extra in selection.table.extras:
+        for leaf, path in zip(extra.leaves, extra.paths(), strict=True) if selection.fields[extra.field] else ():
+            out[path] = _stacked(table.find(path), leaf, config, 1)
     return out
 
 

@@ -9,16 +9,24 @@ are ``decoder.dense_layers`` (a dense MLP), the rest ``decoder.moe_layers`` (uns
 V3 has a q LoRA (``wq_a``, ``q_norm``, ``wq_b``) and the router's ``e_score_correction_bias`` as
 ``MoeBlock_0.gate.bias``, a ``MoEBiasVar`` (not an ``nnx.Param``), which MaxText scans with the
 layer axis first whatever ``param_scan_axis`` says; V2-Lite (``q_lora_rank: 0``) has ``query`` and
-no bias. The multi-token-prediction layer of V3 checkpoints (HF layer ``num_hidden_layers``) is
-not mapped, as MaxText's converter does not map it (a tree with ``mtp_num_layers`` > 0 has
-``mtp_block`` leaves, refused as leaves this table does not map).
+no bias.
+
+V3's multi-token-prediction layer (HF layer ``num_hidden_layers``: ``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm`` and a MoE layer) is MaxText's ``mtp_block.mtp_layer_1`` when ``mtp_num_layers``
+is 1 (MaxText's converter maps none of it): ``mtp_1_embedding_norm`` / ``mtp_1_hidden_state_norm``
+the two norms, ``mtp_1_projection`` ``eh_proj`` as ``[in, out]`` (MaxText concatenates ``[embedding,
+hidden]`` as DeepSeek does), ``mtp_1_final_norm`` the shared head's norm (the head itself is the
+model's own output kernel, as in MaxText), ``mtp_1_transformer_layer`` the MoE layer's leaves.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from otfload.maxtext.tables import (
     ATTN,
     HF_LAYER,
+    ExtraLayer,
     LayerGroup,
     Leaf,
     ModelTable,
@@ -63,6 +71,19 @@ def _mla(q_lora: bool) -> tuple[Leaf, ...]:
                    ("tensor", None, "fsdp")))
 
 
+def _mtp(moe: tuple[Leaf, ...]) -> ExtraLayer:
+    """V3's multi-token-prediction layer (HF layer ``num_hidden_layers``) as MaxText's ``mtp_layer_1``."""
+    mt, hf = "mtp_block.mtp_layer_{mtp}.mtp_1", "model.layers.{mtp}"
+    layer = tuple(dataclasses.replace(leaf, path=f"{mt}_transformer_layer.{leaf.path}",
+                                      source=leaf.source.replace(HF_LAYER, hf)) for leaf in moe)
+    return ExtraLayer("mtp_num_layers", (
+        norm(f"{mt}_embedding_norm.scale", f"{hf}.enorm.weight"),
+        norm(f"{mt}_hidden_state_norm.scale", f"{hf}.hnorm.weight"),
+        kernel(f"{mt}_projection.kernel", f"{hf}.eh_proj.weight", ("2 * mt_emb_dim", "mt_emb_dim"), ("fsdp", None)),
+        norm(f"{mt}_final_norm.scale", f"{hf}.shared_head.norm.weight"),
+        *layer), "mt_num_decoder_layers")
+
+
 def _table(name: str, model_type: str, v3: bool) -> ModelTable:
     mlp = f"{HF_LAYER}.mlp"
     bias = (Leaf(f"{_MOE}.MoeBlock_0.gate.bias", f"{mlp}.gate.e_score_correction_bias", (), ("mt_num_experts",),
@@ -74,7 +95,7 @@ def _table(name: str, model_type: str, v3: bool) -> ModelTable:
               LayerGroup("decoder.moe_layers", "decoder.moe_layers_{layer}", moe, f"mt_num_decoder_layers - {_DENSE}",
                          offsets={"layer": _DENSE}))
     return ModelTable(name=name, model_types=frozenset({model_type}), top=top_leaves(), groups=groups,
-                      fields=(*MLA_FIELDS, "q_lora_rank") if v3 else MLA_FIELDS)
+                      fields=(*MLA_FIELDS, "q_lora_rank") if v3 else MLA_FIELDS, extras=(_mtp(moe),) if v3 else ())
 
 
 DEEPSEEK3 = _table("deepseek3", "deepseek_v3", v3=True)

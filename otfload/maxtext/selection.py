@@ -112,9 +112,17 @@ def select(config: Any) -> Selection:
         if fields[name] != value:
             raise ConfigError(name, fields[name], f"otfload.maxtext table {table.name!r} is written for {value}",
                               SOURCE)
-    tied = bool(config.get("logits_via_embedding", False) if isinstance(config, Mapping)
-                else getattr(config, "logits_via_embedding", False))
+    for extra in table.extras:  # absent from a config: none (MaxText's default)
+        count = _optional(config, extra.field, 0)
+        if count not in (0, 1):
+            raise ConfigError(extra.field, count, f"otfload.maxtext table {table.name!r} maps 0 or 1", SOURCE)
+        fields[extra.field] = count
+    tied = bool(_optional(config, "logits_via_embedding", False))
     return Selection(key, table, scan, axis, fields, tied)
+
+
+def _optional(config: Any, name: str, default: Any) -> Any:
+    return config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
 
 
 def check_checkpoint(selection: Selection, hf_config: Mapping[str, Any], location: str) -> dict[str, int | float]:
@@ -213,6 +221,9 @@ def _expected(selection: Selection, hook_config: Mapping[str, Any]) -> set[str]:
         if group.layers(hook_config) > 0:
             prefix = group.prefix(selection.scan_layers).replace("{layer}", "0")
             top |= {f"{prefix}.{leaf.path}" for leaf in group.leaves}
+    for extra in selection.table.extras:
+        if selection.fields[extra.field]:
+            top |= set(extra.paths())
     return top
 
 

@@ -103,6 +103,25 @@ def block_groups(leaves: tuple[Leaf, ...], blocks: int, period: int | str) -> tu
 
 
 @dataclass(frozen=True)
+class ExtraLayer:
+    """A layer beside the decoder stack that a tree has when the MaxText field ``field`` is 1
+    (DeepSeek-V3's multi-token-prediction layer: ``mtp_num_layers``): its leaves unstacked in every
+    layout, ``{mtp}`` the path's 1-based index, reading HF layer ``first`` (an expression) for index 1."""
+
+    field: str
+    leaves: tuple[Leaf, ...]
+    first: str
+
+    def rules(self) -> list[Rule]:
+        return [Rule(leaf.path, leaf.source, leaf.hooks, indices={"mtp": Stride(1, f"{self.first} - 1")})
+                for leaf in self.leaves]
+
+    def paths(self) -> list[str]:
+        """The leaf paths of the one layer (index 1)."""
+        return [leaf.path.replace("{mtp}", "1") for leaf in self.leaves]
+
+
+@dataclass(frozen=True)
 class ModelTable:
     """A MaxText model's table: the leaves outside the layers, the layer groups of the scanned and
     of the unscanned tree (``unscanned`` ``None``: the same groups), the MaxText fields its shapes
@@ -119,6 +138,7 @@ class ModelTable:
     fixed: Mapping[str, int] = field(default_factory=dict)
     # checkpoint config fields its hooks read, as ``hf_<field>`` (from ``text_config`` where there is one)
     hf_fields: tuple[str, ...] = ()
+    extras: tuple[ExtraLayer, ...] = ()
 
     def layer_groups(self, scan_layers: bool) -> tuple[LayerGroup, ...]:
         return self.groups if scan_layers or self.unscanned is None else self.unscanned
@@ -133,6 +153,8 @@ class ModelTable:
         rules = [Rule(leaf.path, leaf.source, leaf.hooks) for leaf in self.top]
         for group in self.layer_groups(scan_layers):
             rules += group.rules(scan_layers)
+        for extra in self.extras:
+            rules += extra.rules()
         return MappingTable(tuple(rules), ignore=(r".*rotary_emb\.inv_freq",))
 
 

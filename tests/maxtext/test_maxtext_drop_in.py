@@ -186,3 +186,36 @@ def test_padded_vocabulary_is_zero_rows(refs):
     np.testing.assert_array_equal(embedding[:rows], stored["model.embed_tokens.weight"])
     assert embedding.shape[0] == family.maxtext_vocab and not embedding[rows:].any()
 
+
+
+def test_deepseek3_mtp_layer(refs, tmp_path):
+    """``mtp_num_layers: 1``: MaxText's tree has ``mtp_block.mtp_layer_1`` (the checkpoint's layer
+    ``num_hidden_layers``, as the Hub's V3 stores it; here ``grouped.add_mtp_layer``'s random tensors).
+    MaxText's loader maps none of it (it stays unmaterialised, so MaxText's own weight check refuses
+    the load); the drop-in fills it as the numpy reference says, and every other leaf as MaxText's."""
+    import dataclasses
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from otfload.maxtext import load_state
+    from tests.maxtext.models import LAYERS
+    from tests.maxtext_tables.grouped import add_mtp_layer, mtp_leaves
+
+    base = FAMILIES["deepseek3"]
+    family = dataclasses.replace(base, maxtext_extra={**base.maxtext_extra, "mtp_num_layers": 1})
+    path = tmp_path / "mtp"
+    shutil.copytree(refs / base.checkpoint, path)
+    add_mtp_layer(path, LAYERS)
+    b = reference.build(family, False, 1)
+    ours = reference.flat(load_state(str(path), b.params, b.config)[1]["params"])
+    theirs = reference.flat(reference.maxtext_load(b, path)["params"])
+    hf = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    fields = ("num_decoder_layers", "emb_dim", "num_query_heads", "kv_lora_rank", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "num_experts")
+    mtp = mtp_leaves(hf, {name: getattr(b.config, name) for name in fields})
+    assert set(ours) == set(reference.flat(b.params)) and set(mtp) <= set(ours)
+    for name, leaf in ours.items():
+        if name in mtp:
+            assert not hasattr(theirs[name], "addressable_shards"), f"{name}: MaxText now loads it"
+        np.testing.assert_array_equal(bits(leaf), bits(mtp.get(name, theirs[name])), err_msg=name)

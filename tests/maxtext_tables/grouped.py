@@ -3,7 +3,10 @@ then ``moe_layers``) and GPT-OSS (scanned as ``layers.layers_0`` / ``layers_1``,
 — written from MaxText's converter (``param_mapping.DEEPSEEK_*`` / ``GPT_OSS_*``): kernels ``[in,
 out]`` with heads split, nothing else changed; GPT-OSS's fused ``gate_up_proj`` split into its even
 (gate, ``wi_0``) and odd (up, ``wi_1``) columns. Scanned leaves stack at ``param_scan_axis``, but
-DeepSeek-V3's routing bias (a ``MoEBiasVar``, which MaxText scans at 0)."""
+DeepSeek-V3's routing bias (a ``MoEBiasVar``, which MaxText scans at 0). DeepSeek-V3's
+multi-token-prediction layer (``mtp_num_layers: 1``; HF layer ``num_hidden_layers``, which
+transformers neither builds nor saves: :func:`add_mtp_layer` writes random tensors for it) is
+``mtp_block.mtp_layer_1``, unstacked, as MaxText's model code names its modules."""
 
 from __future__ import annotations
 
@@ -76,6 +79,41 @@ def _gpt_oss(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarr
     return out
 
 
+MTP = "mtp_block.mtp_layer_1.mtp_1"
+
+
+def add_mtp_layer(path, layers: int) -> None:
+    """Add DeepSeek-V3's multi-token-prediction layer (HF layer ``layers``, as the Hub's V3 has it:
+    ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, its own ``embed_tokens`` and a MoE layer shaped as
+    layer ``layers - 1``) to the checkpoint at ``path``, random values."""
+    from safetensors.numpy import load_file
+
+    from tests.helpers import rename_tensors
+
+    rng = np.random.default_rng(3)
+    tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    last, new = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    like = {new + k[len(last):]: v for k, v in tensors.items() if k.startswith(last)}
+    embed = tensors["model.embed_tokens.weight"]
+    hidden = embed.shape[1]
+    like.update({f"{new}enorm.weight": embed[0], f"{new}hnorm.weight": embed[0],
+                 f"{new}eh_proj.weight": np.zeros((hidden, 2 * hidden), embed.dtype),
+                 f"{new}shared_head.norm.weight": embed[0], f"{new}shared_head.head.weight": embed,
+                 f"{new}embed_tokens.weight": embed})
+    extra = {k: (rng.standard_normal(v.shape) * 0.1).astype(v.dtype) for k, v in like.items()}
+    rename_tensors(path, lambda key: key, extra)
+
+
+def mtp_leaves(hf: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
+    """The multi-token-prediction layer's MaxText leaves (``mtp_num_layers: 1``)."""
+    i = cfg["num_decoder_layers"]
+    out = {f"{MTP}_embedding_norm.scale": hf[f"model.layers.{i}.enorm.weight"],
+           f"{MTP}_hidden_state_norm.scale": hf[f"model.layers.{i}.hnorm.weight"],
+           f"{MTP}_projection.kernel": hf[f"model.layers.{i}.eh_proj.weight"].T,
+           f"{MTP}_final_norm.scale": hf[f"model.layers.{i}.shared_head.norm.weight"]}
+    return {**out, **{f"{MTP}_transformer_layer.{k}": v for k, v in _moe(hf, i, cfg).items()}}
+
+
 def _groups(kind: str, cfg: dict) -> list[tuple[str, str, object, list[int]]]:
     """(scanned prefix, unscanned prefix, per-layer builder, HF layers) of each group."""
     layers = cfg["num_decoder_layers"]
@@ -90,7 +128,7 @@ def _groups(kind: str, cfg: dict) -> list[tuple[str, str, object, list[int]]]:
 
 def grouped_layers(kind: str, hf: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
     """Every layer leaf (dotted path → array) of a grouped tree in the layout ``cfg`` names."""
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, np.ndarray] = mtp_leaves(hf, cfg) if cfg.get("mtp_num_layers") else {}
     for scanned, unscanned, build, hf_layers in _groups(kind, cfg):
         per_layer = [build(hf, i, cfg) for i in hf_layers]
         if not cfg["scan_layers"]:

@@ -132,3 +132,9 @@ def test_gpt_oss_layer_cycle_other_than_the_tables(tiny_checkpoints, mesh):
     with pytest.raises(ConfigError) as info:
         mx.select({**cfg, "inhomogeneous_layer_cycle_interval": 4})
     assert info.value.field == "inhomogeneous_layer_cycle_interval" and "'gpt_oss'" in str(info.value)
+
+
+def test_deepseek3_mtp_layers_beyond_one(tiny_checkpoints, mesh):
+    with pytest.raises(ConfigError) as info:
+        mx.select(maxtext_config("mt_deepseek3", True, 1, mtp_num_layers=2))
+    assert info.value.field == "mtp_num_layers" and "'deepseek3'" in str(info.value)

@@ -91,3 +91,26 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantises_them(tiny_checkp
     abstract = mx.abstract_params(cfg, mesh)
     params = mx.load_state(str(path), abstract, cfg)[1]["params"]
     check(params, expected("mt_gpt_oss", {**hf_tensors(path), **dequantised}, cfg), abstract)
+
+
+@pytest.mark.parametrize(("scan", "axis"), [(True, 1), (False, 1)])
+def test_deepseek3_multi_token_prediction_layer(tiny_checkpoints, mesh, tmp_path, scan, axis):
+    """``mtp_num_layers: 1``: the checkpoint's layer ``num_hidden_layers`` as ``mtp_block.mtp_layer_1``,
+    unstacked in either layout; without it the same checkpoint loads the tree without ``mtp_block``."""
+    import shutil
+
+    from tests.maxtext_tables.grouped import add_mtp_layer
+
+    src, _ = tiny_checkpoints("mt_deepseek3")
+    path = tmp_path / "mtp"
+    shutil.copytree(src, path)
+    add_mtp_layer(path, 3)
+    cfg = maxtext_config("mt_deepseek3", scan, axis, mtp_num_layers=1)
+    abstract = mx.abstract_params(cfg, mesh)
+    assert "mtp_block" in abstract
+    check(mx.load_state(str(path), abstract, cfg)[1]["params"], expected("mt_deepseek3", hf_tensors(path), cfg),
+          abstract)
+    plain = maxtext_config("mt_deepseek3", scan, axis)  # the Hub's V3 always stores the layer; MaxText's default
+    abstract = mx.abstract_params(plain, mesh)
+    check(mx.load_state(str(path), abstract, plain)[1]["params"], expected("mt_deepseek3", hf_tensors(path), plain),
+          abstract)
