@@ -42,6 +42,7 @@ class VersionAction(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="otfload", description="Load HF safetensors checkpoints into sharded JAX.")
     parser.add_argument("--version", action=VersionAction)
+    options.add_debug_arg(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(commands)

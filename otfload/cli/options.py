@@ -31,8 +31,13 @@ def description(doc: str) -> str:
 def common_parser() -> argparse.ArgumentParser:
     """Options every subcommand takes (a parent parser)."""
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    add_debug_arg(parser, default=argparse.SUPPRESS)  # unset here: the main parser's value stays
     return parser
+
+
+def add_debug_arg(parser: argparse.ArgumentParser, default: object = False) -> None:
+    """``--debug``, taken before the subcommand (the main parser's, ``default`` False) or after it."""
+    parser.add_argument("--debug", action="store_true", default=default, help="show the traceback of errors")
 
 
 def dtype_arg(text: str) -> np.dtype | None:

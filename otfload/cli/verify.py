@@ -4,6 +4,7 @@ transformers can load the checkpoint (a local directory), compared like with lik
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -104,6 +105,8 @@ def verify(model: nnx.Module, source: str, vocab_size: int, adapters: list[str] 
         in_float32(model)
         logits = model_logits(model, ids)
     tolerance = TOLERANCE
+    print("verify: loading the reference with transformers" + (" and PEFT" if adapters else "") + " ...",
+          file=sys.stderr, flush=True)  # the longest step of --verify on a real model
     diff = max_rel_diff(logits, transformers_logits(source, ids, adapters, rounded))
     ok = diff <= tolerance
     compared = "float32 forward passes" if rounded is None else \

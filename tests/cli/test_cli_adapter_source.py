@@ -16,8 +16,9 @@ from otfload.cli import main
 
 def test_load_verify_of_an_adapter_compares_with_peft_on_its_base(example_checkpoints, capsys):
     assert main(["load", str(example_checkpoints.adapter), "--verify"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "verify: max relative difference vs transformers" in out and out.rstrip().endswith(": ok"), out
+    assert "verify: loading the reference with transformers and PEFT" in err  # its longest step, announced
 
 
 def test_eval_of_an_adapter_reads_the_bases_tokenizer(example_checkpoints, tmp_path, capsys):

@@ -56,6 +56,12 @@ def test_every_command_that_works_takes_json():
     assert lacking == {"example"}  # it prints the shell lines to eval
 
 
+def test_debug_before_or_after_the_subcommand():
+    parse = build_parser().parse_args
+    assert [parse(argv).debug for argv in (["--debug", "load", "x"], ["load", "x", "--debug"], ["load", "x"])] == \
+        [True, True, False]
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoints):
     return tiny_checkpoints("llama")[0]
