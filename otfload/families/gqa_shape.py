@@ -4,9 +4,11 @@ those fields against the checkpoint's embedding and q/k projections."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from otfload.config import HEAD_DIM, HEADS, HIDDEN, Count, Dim, Fields, require
+from otfload.config import BOOL, EPS, HEAD_DIM, HEADS, HIDDEN, LAYERS, NAME, VOCAB, Count, Dim, Fields, require
 from otfload.models.gqa import HeadShape
 
 
@@ -23,6 +25,37 @@ def attention_shape(f: Fields) -> tuple[int, int, int, int]:
         head_dim = hidden // heads
     require(head_dim % 2 == 0, f.name("head_dim"), head_dim, "must be even: RoPE rotates pairs of dimensions")
     return hidden, heads, kv_heads, head_dim
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The fields every GQA decoder's config has, under ``config.json``'s names (a family's config
+    extends it; :meth:`to_dict` feeds the mapping's hooks)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    @staticmethod
+    def parse(f: Fields, *, eps: float = 1e-6, tied: bool = False) -> dict[str, Any]:
+        """These fields of ``f`` checked (``eps`` and ``tied``: the family's defaults in
+        transformers), as keyword arguments for the family's config."""
+        hidden, heads, kv_heads, head_dim = attention_shape(f)
+        return {"model_type": f.get("model_type", NAME), "vocab_size": f.get("vocab_size", VOCAB),
+                "hidden_size": hidden, "num_hidden_layers": f.get("num_hidden_layers", LAYERS),
+                "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+                "rms_norm_eps": f.get("rms_norm_eps", EPS, eps),
+                "tie_word_embeddings": f.get("tie_word_embeddings", BOOL, tied)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name → value, for the mapping table's hooks."""
+        return dataclasses.asdict(self)
 
 
 class AttentionConfig(HeadShape, Protocol):

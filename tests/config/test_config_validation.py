@@ -20,7 +20,8 @@ from otfload.families.registry import family_for
 from tests.config.support import DELETE, copy_checkpoint, drop_tensors, with_config, write_config
 from tests.helpers import hf_tensors
 
-# Validation reads config.json and headers only; a second is generous on a loaded CI machine.
+# Validation reads config.json and headers only: a second of this process's CPU time is generous
+# (CPU, not wall time: a loaded test machine stretches the wall clock, not the work done).
 FAST_S = 1.0
 DEEP = [[[[[[[[[[[]]]]]]]]]]]
 
@@ -119,10 +120,10 @@ HOSTILE: dict[str, tuple[str, dict, str]] = {
 
 def config_error(path, **kwargs) -> tuple[ConfigError, float]:
     """The ConfigError loading ``path`` raises, and the seconds it took."""
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(ConfigError) as caught:
         otfload.from_pretrained(path, **kwargs)
-    return caught.value, time.perf_counter() - start
+    return caught.value, time.process_time() - start
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -226,11 +227,11 @@ def test_a_stack_of_more_tensors_than_any_checkpoint_holds_fails_before_enumerat
 
     path, _ = tiny_checkpoints("llama")
     abstract = {"layers": {"norm": jax.ShapeDtypeStruct((MAX_STACK_SLICES * 1000, 64), np.float32)}}
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(MappingError, match=str(MAX_STACK_SLICES)):
         otfload.load_params(path, abstract, {"layers.norm": "model.layers.{layer}.input_layernorm.weight"},
                             mesh=mesh_2x4)
-    assert time.perf_counter() - start < FAST_S
+    assert time.process_time() - start < FAST_S
 
 
 # --- item 7: an untied config needs lm_head.weight ---------------------------------------------------

@@ -5,20 +5,15 @@ correction bias and shared experts; the MTP layers after the last layer are neve
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from otfload.config import (
     BOOL,
-    EPS,
     EXPERTS,
     INTERMEDIATE,
-    LAYERS,
-    NAME,
     POSITIVE,
-    VOCAB,
     Choice,
     Fields,
     Int,
@@ -28,7 +23,7 @@ from otfload.config import (
 )
 from otfload.config.fields import MAX_EXPERTS, MAX_LAYERS
 from otfload.config.rope import rotary_dim
-from otfload.families.gqa_shape import attention_shape
+from otfload.families.gqa_shape import DecoderShape
 
 ACTIVATIONS = Choice("silu", "swish")
 # transformers' field names first (``num_local_experts``/``num_mtp_layers`` are its aliases).
@@ -44,29 +39,20 @@ TOPK_METHOD = "noaux_tc"
 
 
 @dataclass(frozen=True)
-class Glm4MoeConfig:
+class Glm4MoeConfig(DecoderShape):
     """A GLM-4.5 ``config.json`` as the model uses it, under the config's names (``to_dict()`` feeds
     the mapping's hooks), except ``num_experts`` (``n_routed_experts``) and ``mtp_layers``
     (``num_nextn_predict_layers``), named as in the other MoE configs. ``sigmoid_routing`` is always
     true (every GLM-4.5 router scores by sigmoid and has ``e_score_correction_bias``)."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int
     moe_intermediate_size: int
-    num_hidden_layers: int
     first_k_dense_replace: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     rotary_dim: int
     qk_norm: bool
     qkv_bias: bool
-    rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
     num_experts: int
     num_experts_per_tok: int
     n_shared_experts: int
@@ -89,9 +75,10 @@ class Glm4MoeConfig:
     def from_hf(cls, hf: Mapping[str, Any]) -> Glm4MoeConfig:
         """Parse and check ``config.json`` (absent fields take transformers' GLM-4.5 defaults)."""
         f = Fields(hf)
-        hidden, heads, kv_heads, head_dim = attention_shape(f)
+        shape = DecoderShape.parse(f, eps=1e-5)
+        head_dim = shape["head_dim"]
         f.get("hidden_act", ACTIVATIONS, "silu")
-        layers = f.get("num_hidden_layers", LAYERS)
+        layers = shape["num_hidden_layers"]
         experts_field, experts = f.first(EXPERT_FIELDS, EXPERTS, 128)
         top_k = f.get("num_experts_per_tok", EXPERTS, 8)
         require(top_k <= experts, "num_experts_per_tok", top_k, f"must be at most {experts_field} ({experts})")
@@ -101,25 +88,17 @@ class Glm4MoeConfig:
         topk_group = f.get("topk_group", EXPERTS, 1)
         require(topk_group <= n_group, "topk_group", topk_group, f"must be at most n_group ({n_group})")
         theta, scaling = rope_params(f)
-        vocab = f.get("vocab_size", VOCAB)
+        vocab = shape["vocab_size"]
         return cls(
-            model_type=f.get("model_type", NAME),
-            vocab_size=vocab,
-            hidden_size=hidden,
+            **shape,
             intermediate_size=f.get("intermediate_size", INTERMEDIATE),
             moe_intermediate_size=f.get("moe_intermediate_size", INTERMEDIATE),
-            num_hidden_layers=layers,
             first_k_dense_replace=min(f.get("first_k_dense_replace", DENSE_LAYERS, 1), layers),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
             rotary_dim=rotary_dim(f, head_dim, DEFAULT_PARTIAL_ROTARY),
             qk_norm=f.get("use_qk_norm", BOOL, False),
             qkv_bias=f.get("attention_bias", BOOL, False),
-            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-5),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
             num_experts=experts,
             num_experts_per_tok=top_k,
             n_shared_experts=f.get("n_shared_experts", COUNT, 1),
@@ -131,6 +110,3 @@ class Glm4MoeConfig:
             pad_token_id=padding_idx(f, vocab),
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """Field name → value, for the mapping table's hooks and offsets."""
-        return dataclasses.asdict(self)

@@ -10,19 +10,14 @@ accepted only at the value that model implements (``use_qk_norm`` true, ``qk_nor
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from otfload.config import (
     BOOL,
-    EPS,
     EXPERTS,
     INTERMEDIATE,
-    LAYERS,
-    NAME,
-    VOCAB,
     Choice,
     Fields,
     Int,
@@ -33,7 +28,7 @@ from otfload.config import (
 )
 from otfload.config.fields import Spec
 from otfload.config.rope import rotary_dim
-from otfload.families.gqa_shape import attention_shape
+from otfload.families.gqa_shape import DecoderShape
 
 ACTIVATIONS = Choice("silu", "swish")
 # Fields of MiniMax's remote code, each accepted at the one value transformers' model implements.
@@ -44,23 +39,14 @@ FIXED: dict[str, tuple[Spec, object]] = {
 
 
 @dataclass(frozen=True)
-class MiniMaxM2Config:
+class MiniMaxM2Config(DecoderShape):
     """A MiniMax-M2 ``config.json`` as the model uses it, under the config's names (``to_dict()``
     feeds the mapping's hooks), except ``num_experts`` (``num_local_experts``). The routing fields
     of the grouped router (one group, no scaling, top-k weights renormalised) are constants."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     rotary_dim: int
-    rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int  # the experts' width: ``intermediate_size`` in the config
@@ -80,7 +66,8 @@ class MiniMaxM2Config:
     def from_hf(cls, hf: Mapping[str, Any]) -> MiniMaxM2Config:
         """Parse and check ``config.json`` (absent fields take transformers' MiniMax-M2 defaults)."""
         f = Fields(hf)
-        hidden, heads, kv_heads, head_dim = attention_shape(f)
+        shape = DecoderShape.parse(f)
+        head_dim = shape["head_dim"]
         f.get("hidden_act", ACTIVATIONS, "silu")
         for name, (spec, value) in FIXED.items():
             found = f.get(name, spec, value)
@@ -90,26 +77,15 @@ class MiniMaxM2Config:
         require(top_k <= experts, "num_experts_per_tok", top_k, f"must be at most num_local_experts ({experts})")
         require(experts >= 2, "num_local_experts", experts, "must be at least 2")
         theta, scaling = rope_params(f)
-        vocab = f.get("vocab_size", VOCAB)
+        vocab = shape["vocab_size"]
         return cls(
-            model_type=f.get("model_type", NAME),
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_hidden_layers=f.get("num_hidden_layers", LAYERS),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
+            **shape,
             rotary_dim=rotary_dim(f, head_dim),
-            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
             num_experts=experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=f.get("intermediate_size", INTERMEDIATE),
             pad_token_id=padding_idx(f, vocab),
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """Field name → value, for the mapping table's hooks."""
-        return dataclasses.asdict(self)

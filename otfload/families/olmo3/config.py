@@ -4,18 +4,13 @@ layers by ``layer_types`` with a RoPE per layer type)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from otfload.config import (
     BOOL,
-    EPS,
     INTERMEDIATE,
-    LAYERS,
-    NAME,
-    VOCAB,
     WINDOW,
     Choice,
     Fields,
@@ -25,7 +20,7 @@ from otfload.config import (
 )
 from otfload.config.layer_types import FULL, SLIDING, layer_types
 from otfload.config.rope import THETA
-from otfload.families.gqa_shape import attention_shape
+from otfload.families.gqa_shape import DecoderShape
 
 ACTIVATIONS = Choice("silu", "swish")
 # transformers' Olmo3Config defaults.
@@ -58,20 +53,11 @@ def layer_ropes(f: Fields) -> tuple[RopeSpec, RopeSpec]:
 
 
 @dataclass(frozen=True)
-class Olmo3Config:
+class Olmo3Config(DecoderShape):
     """An OLMo 3 ``config.json`` as the model uses it, under the config's names (``to_dict()`` feeds
     the mapping's hooks). ``attention_bias`` gives q/k/v and o biases."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
     sliding_window: int | None
     layer_types: tuple[str, ...]
     rope_full: RopeSpec
@@ -86,36 +72,23 @@ class Olmo3Config:
     def from_hf(cls, hf: Mapping[str, Any]) -> Olmo3Config:
         """Parse and check ``config.json`` (absent fields take transformers' OLMo 3 defaults)."""
         f = Fields(hf)
-        hidden, heads, kv_heads, head_dim = attention_shape(f)
+        shape = DecoderShape.parse(f, eps=1e-5)
         f.get("hidden_act", ACTIVATIONS, "silu")
-        layers = f.get("num_hidden_layers", LAYERS)
+        layers = shape["num_hidden_layers"]
         bias = f.get("attention_bias", BOOL, False)
         full, sliding = layer_ropes(f)
 
         def pattern() -> list[str]:
             return [SLIDING if (i + 1) % FULL_EVERY else FULL for i in range(layers)]
 
-        vocab = f.get("vocab_size", VOCAB)
         return cls(
-            model_type=f.get("model_type", NAME),
-            vocab_size=vocab,
-            hidden_size=hidden,
+            **shape,
             intermediate_size=f.get("intermediate_size", INTERMEDIATE),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-5),
-            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
             sliding_window=f.nullable("sliding_window", WINDOW, 4096),
             layer_types=layer_types(f, layers, pattern),
             rope_full=full,
             rope_sliding=sliding,
             qkv_bias=bias,
             o_bias=bias,
-            pad_token_id=padding_idx(f, vocab, OLMO3_PAD_ID),
+            pad_token_id=padding_idx(f, shape["vocab_size"], OLMO3_PAD_ID),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Field name → value, for the mapping table's hooks."""
-        return dataclasses.asdict(self)
