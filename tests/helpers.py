@@ -3,6 +3,7 @@ logits parity against transformers' PyTorch forward pass (the independent refere
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -101,12 +102,19 @@ def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-def jax_logits(model, ids: np.ndarray) -> np.ndarray:
-    """otfload's logits under ``jax.jit``."""
+@functools.cache
+def _jitted_forward():
     import jax
+
+    return jax.jit(lambda m, x: m(x))
+
+
+def jax_logits(model, ids: np.ndarray) -> np.ndarray:
+    """otfload's logits under ``jax.jit``: one jitted function for the session, so that a model of the same
+    structure, shapes and shardings (a kind another test loaded already) reuses its compiled program."""
     import jax.numpy as jnp
 
-    return np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+    return np.asarray(_jitted_forward()(model, jnp.asarray(ids)))
 
 
 def hf_tensors(path: Path) -> dict[str, np.ndarray]:
