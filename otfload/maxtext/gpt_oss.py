@@ -19,20 +19,16 @@ from otfload.maxtext.tables import (
     ATTN,
     HF_LAYER,
     Leaf,
-    ModelTable,
     attention,
     attention_biases,
-    block_groups,
-    decoder_layers,
+    cycle_table,
     kernel,
     layer_norms,
-    top_leaves,
 )
 from otfload.plan.hooks import Slice
 
 _ATTN, _MLP = "GptOssAttention", "GptOssMlp"
 _X = f"{HF_LAYER}.mlp.experts"
-CYCLE = "mt_inhomogeneous_layer_cycle_interval"
 LAYERS_PER_BLOCK = 2  # gpt-oss-20b.yml / 120b.yml; the table is written for two groups
 _EXPERT_IN = ("mt_num_experts", "mt_emb_dim", "mt_mlp_dim")
 
@@ -58,11 +54,4 @@ _LEAVES = (
     Leaf(f"{_MLP}.wo_bias", f"{_X}.down_proj_bias", (), ("mt_num_experts", "mt_emb_dim"), (None, "tensor")),
 )
 
-GPT_OSS = ModelTable(
-    name="gpt_oss",
-    model_types=frozenset({"gpt_oss"}),
-    top=top_leaves(),
-    groups=block_groups(_LEAVES, LAYERS_PER_BLOCK, CYCLE),
-    unscanned=decoder_layers(*_LEAVES),
-    fixed={"inhomogeneous_layer_cycle_interval": LAYERS_PER_BLOCK},
-)
+GPT_OSS = cycle_table("gpt_oss", "gpt_oss", _LEAVES, LAYERS_PER_BLOCK)

@@ -13,16 +13,12 @@ from __future__ import annotations
 from otfload.maxtext.tables import (
     ATTN,
     HF_LAYER,
-    ModelTable,
     attention,
-    block_groups,
-    decoder_layers,
+    cycle_table,
     dense_mlp,
     norm,
-    top_leaves,
 )
 
-CYCLE = "mt_inhomogeneous_layer_cycle_interval"
 LAYERS_PER_BLOCK = 4  # olmo3-7b.yml / 32b.yml; the table is written for four groups
 
 _LEAVES = (
@@ -34,11 +30,4 @@ _LEAVES = (
     *dense_mlp(),
 )
 
-OLMO3 = ModelTable(
-    name="olmo3",
-    model_types=frozenset({"olmo3"}),
-    top=top_leaves(),
-    groups=block_groups(_LEAVES, LAYERS_PER_BLOCK, CYCLE),
-    unscanned=decoder_layers(*_LEAVES),
-    fixed={"inhomogeneous_layer_cycle_interval": LAYERS_PER_BLOCK},
-)
+OLMO3 = cycle_table("olmo3", "olmo3", _LEAVES, LAYERS_PER_BLOCK)

@@ -93,6 +93,17 @@ def decoder_layers(*leaves: Leaf) -> tuple[LayerGroup, ...]:
     return (LayerGroup(SCANNED, UNSCANNED, leaves),)
 
 
+CYCLE = "mt_inhomogeneous_layer_cycle_interval"
+
+
+def cycle_table(name: str, model_type: str, leaves: tuple[Leaf, ...], period: int) -> ModelTable:
+    """A model whose layers MaxText scans in a cycle of ``inhomogeneous_layer_cycle_interval``
+    (``period``, the only value the table is written for) layers: GPT-OSS (2), OLMo 3 (4)."""
+    return ModelTable(name=name, model_types=frozenset({model_type}), top=top_leaves(),
+                      groups=block_groups(leaves, period, CYCLE), unscanned=decoder_layers(*leaves),
+                      fixed={"inhomogeneous_layer_cycle_interval": period})
+
+
 def block_groups(leaves: tuple[Leaf, ...], blocks: int, period: int | str) -> tuple[LayerGroup, ...]:
     """A scanned repeating block of ``blocks`` layers (``period``, a number or a field, as many):
     ``decoder.layers.layers_<j>`` stacks HF layers ``j, j + period, ...``, ``num_decoder_layers //
