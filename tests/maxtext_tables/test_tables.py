@@ -114,3 +114,20 @@ def test_deepseek3_multi_token_prediction_layer(tiny_checkpoints, mesh, tmp_path
     abstract = mx.abstract_params(plain, mesh)
     check(mx.load_state(str(path), abstract, plain)[1]["params"], expected("mt_deepseek3", hf_tensors(path), plain),
           abstract)
+
+
+def test_deepseek3_fp8_checkpoint_loads_as_its_dequantisation(tiny_checkpoints, mesh, tmp_path):
+    """DeepSeek-V3 as published: every projection FP8 e4m3 with block scales (``weight_scale_inv``;
+    16 x 16 blocks here, 128 x 128 there), decoded by otfload's index into MaxText's float32 tree."""
+    from tests.index.quant import layouts
+
+    src, _ = tiny_checkpoints("mt_deepseek3")
+    path = tmp_path / "fp8"
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    dequantised = layouts.quantize_checkpoint(src, path, layouts.is_linear, layouts.fp8_blocks((16, 16)), config)
+    assert any(".experts." in key for key in dequantised) and any("kv_b_proj" in key for key in dequantised)
+    cfg = maxtext_config("mt_deepseek3", True, 1)
+    abstract = mx.abstract_params(cfg, mesh)
+    params = mx.load_state(str(path), abstract, cfg)[1]["params"]
+    # the other tensors are copied as they are (numpy's safetensors reads no FP8: from the source)
+    check(params, expected("mt_deepseek3", {**hf_tensors(src), **dequantised}, cfg), abstract)
