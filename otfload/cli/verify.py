@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,11 +45,13 @@ def transformers_logits(directory: str, ids: np.ndarray, adapters: list[str] | N
                         rounded_to: np.dtype | None = None) -> np.ndarray:
     """transformers' float32 logits for ``ids`` (the independent reference), with ``adapters``
     applied in order by PEFT (each but the last merged); ``rounded_to``: every weight (adapters
-    merged first) rounded to that dtype and back, as the loaded model holds them."""
+    merged first) rounded to that dtype and back, as the loaded model holds them. Quantized weights
+    are decoded to dense float32 when transformers loads them (:func:`dequantized`), so that what is
+    rounded is what otfload rounds (compressed layers would decode with their scales rounded too)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **dequantized(directory))
     reference = loaded.eval()  # type: ignore[no-untyped-call]  # transformers overrides eval() unannotated
     if adapters:
         from peft import PeftModel
@@ -64,6 +66,26 @@ def transformers_logits(directory: str, ids: np.ndarray, adapters: list[str] | N
     with torch.no_grad():
         logits: np.ndarray = reference(torch.as_tensor(ids)).logits.float().numpy()
     return logits
+
+
+def dequantized(directory: str) -> dict[str, Any]:
+    """``from_pretrained``'s ``quantization_config=`` that decodes the checkpoint's quantized weights
+    to dense ones on load, for the quantization methods whose config has ``dequantize``
+    (compressed-tensors, FP8, MXFP4, ...); nothing for a plain checkpoint or another method."""
+    import json
+
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    config = json.loads((Path(directory) / "config.json").read_text()).get("quantization_config")
+    if not isinstance(config, dict):
+        return {}
+    quantization = AutoQuantizationConfig.from_dict(config)
+    if not hasattr(quantization, "dequantize"):
+        return {}
+    quantization.dequantize = True
+    return {"quantization_config": quantization}
+
+
 def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 

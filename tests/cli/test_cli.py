@@ -195,6 +195,16 @@ def test_verify_of_a_bf16_load_compares_like_with_like(llama):
     assert diff <= 1e-4
 
 
+def test_verify_of_a_quantized_checkpoint_in_its_default_dtype_passes(example_checkpoints, capsys):
+    """The FP8 example loads in bf16 (quantized weights count as bf16): transformers' reference decodes
+    its weights to dense float32 before they are rounded (its compressed layers would decode with
+    bf16 scales: 2.2e-3, a failure of a correct load)."""
+    assert main(["load", str(example_checkpoints.quantized), "--verify"]) == 0
+    out = capsys.readouterr().out
+    diff = float(re.search(r"max relative difference vs transformers (\S+)", out).group(1))
+    assert "loaded in bfloat16" in out and diff <= 1e-4, out
+
+
 def test_bench_prints_each_run(llama, capsys):
     assert main(["bench", str(llama), "--repeats", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
