@@ -11,6 +11,10 @@ MaxText's forward on the drop-in's tree; here are the two places MaxText's loade
   ``1/sqrt(head_dim)``, the checkpoint means ``1/sqrt(query_pre_attn_scalar)``. The drop-in's query is
   MaxText's times ``sqrt(head_dim / query_pre_attn_scalar)``, its logits match transformers (the
   forward test there), MaxText's loader's do not.
+* A bfloat16 checkpoint (Gemma's are published so) into MaxText's float32 weights: MaxText's loader
+  casts only the leaves it stacks; the embedding, the final norm and every unstacked layer (Gemma 3's
+  remainder) keep the checkpoint's bfloat16 in a float32 tree. The drop-in gives every leaf the tree's
+  dtype, with MaxText's values (its ``+ 1`` and embedding scale rounded once to bfloat16, as MaxText's).
 """
 
 from __future__ import annotations
@@ -45,6 +49,31 @@ def test_drop_in_reads_gemma3_as_published(refs):
     assert set(ours) == set(theirs)
     for name, leaf in ours.items():
         np.testing.assert_array_equal(bits(leaf), bits(theirs[name]), err_msg=name)
+
+
+def test_bf16_checkpoint_into_the_float32_tree(refs, tmp_path):
+    import shutil
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from otfload.maxtext import load_state
+
+    path = tmp_path / "bf16"
+    shutil.copytree(refs / GEMMA3.checkpoint, path)
+    for shard in path.glob("*.safetensors"):
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(shard).items()}
+        save_file(tensors, shard, metadata={"format": "pt"})
+    b = built(GEMMA3, GEMMA3_LAYOUT)
+    want = reference.flat(b.params)
+    ours = reference.flat(load_state(str(path), b.params, b.config)[1]["params"])
+    theirs = reference.flat(reference.maxtext_load(b, path)["params"])
+    kept = sorted(name for name, leaf in theirs.items() if leaf.dtype != want[name].dtype)
+    assert "token_embedder.embedding" in kept and "decoder.decoder_norm.scale" in kept
+    assert all(theirs[name].dtype == ml_dtypes.bfloat16 for name in kept)
+    for name, target in want.items():
+        assert ours[name].dtype == target.dtype == np.float32, name
+        np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(theirs[name], np.float32), err_msg=name)
 
 
 def test_gemma2_query_is_the_checkpoints_where_maxtexts_converter_is_not(refs):
