@@ -7,7 +7,8 @@ Run by the main venv (it has torch and transformers; the MaxText venv has no tor
 ``logits.npy`` (transformers' float32 logits for them). A family with ``mxfp4`` also gets
 ``DIR/<family>_mxfp4/``: its experts in MXFP4 as GPT-OSS publishes them; ``DIR/<family>/`` then holds
 their dequantised values (what MaxText's loader, which reads no MXFP4, is given), and the logits are
-those of that dequantised model. A ``multimodal`` family's ``DIR/<family>/`` has transformers' module
+those of that dequantised model. A family with ``fp8`` also gets ``DIR/<family>_fp8/``: its
+projections in FP8 e4m3 with block scales. A ``multimodal`` family's ``DIR/<family>/`` has transformers' module
 names (what MaxText's converter reads), ``DIR/<family>_hub/`` the keys as saved (as the Hub has
 them). The sizes are the ones ``tests/maxtext/models.py`` gives MaxText, so MaxText's tree and the
 checkpoint describe the same model.
@@ -85,6 +86,12 @@ def write(root: Path, family: Family) -> None:
     model.save_pretrained(out, max_shard_size="60KB")
     if family.multimodal:
         _module_names(out, root / f"{family.name}_hub")
+    if family.fp8:
+        from tests.index.quant import layouts
+
+        config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+        layouts.quantize_checkpoint(out, root / f"{family.name}_fp8", layouts.is_linear, layouts.fp8_blocks((16, 16)),
+                                    config)
     ids = token_ids(batch=2, seq=SEQ, vocab=family.vocab)
     np.save(out / "ids.npy", ids)
     np.save(out / "logits.npy", torch_logits(model, ids))

@@ -43,6 +43,9 @@ class Family:
     # written a second time with its experts in MXFP4 (make_refs: ``<name>_mxfp4``), the float
     # checkpoint holding the dequantised values
     mxfp4: bool = False
+    # also written with its projections in FP8 e4m3, 16 x 16 block scales (make_refs: ``<name>_fp8``), as
+    # DeepSeek publishes its checkpoints (128 x 128)
+    fp8: bool = False
     # the MaxText layouts this family is loaded in (None: all of them)
     layouts: tuple[tuple[bool, int], ...] | None = None
     # a multimodal checkpoint: the outer config's own fields (the text model's config is its ``text_config``);
@@ -159,7 +162,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                          rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
     Family("deepseek3", "deepseek3-671b", "DeepseekV3Config", "DeepseekV3ForCausalLM", moe=True, hf_extra=_V3_HF,
-           maxtext_extra=_V3_MT, random_buffers=("e_score_correction_bias",)),
+           maxtext_extra=_V3_MT, random_buffers=("e_score_correction_bias",), fp8=True),
     Family("deepseek2", "deepseek2-16b", "DeepseekV2Config", "DeepseekV2ForCausalLM", moe=True, hf_extra=_V2_HF,
            maxtext_extra=_V2_MT),
     Family("gpt_oss", "gpt-oss-20b", "GptOssConfig", "GptOssForCausalLM", moe=True, hf_extra=_GPT_OSS_HF,
