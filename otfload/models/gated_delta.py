@@ -42,6 +42,8 @@ from otfload.models.layers import Dense, Norm, ParamOptions, Params, dense, make
 CHUNK = 64
 # transformers' l2norm epsilon (inside the square root).
 L2_EPS = 1e-6
+# The most values of the per-channel decay factors [c, c, dk] made at once (16 MiB of float32).
+FACTOR_ELEMENTS = 1 << 22
 
 
 class GatedDeltaShape(Protocol):
@@ -118,8 +120,10 @@ def _decayed_products(cum: jax.Array) -> Callable[[jax.Array, jax.Array, bool], 
     i`` (``j < i`` when ``strict``), else 0, for the chunk-wise log decays ``cum [..., c, 1 or dk]``
     summed from the chunk's start, ``[n, ...]`` over ``n`` chunks. The exponent is masked before ``exp``
     (no overflow above the diagonal), and taken per pair, never split into ``exp(cum_i) exp(-cum_j)``
-    (which overflows); per channel the ``[c, c, dk]`` factors are made one chunk at a time, so they
-    never exist for the whole sequence at once."""
+    (which overflows); per channel the ``[c, c, dk]`` factors are made a few (chunk, row, head) at a
+    time, at most :data:`FACTOR_ELEMENTS` values together, so they never exist for the whole sequence
+    (made whole, the factor of one 256-token chunk of 8 heads of 64, 2**25 values, gave wrong products
+    under XLA:CPU 0.10)."""
     c = cum.shape[-2]
     lower = jnp.tril(jnp.ones((c, c), bool))
     off = 1 - jnp.eye(c, dtype=jnp.float32)
@@ -131,13 +135,15 @@ def _decayed_products(cum: jax.Array) -> Callable[[jax.Array, jax.Array, bool], 
 
         return per_head
 
-    def one_chunk(xs: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    def one_block(xs: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:  # one (chunk, row, head)
         a, b, g = xs
-        decay = jnp.exp(jnp.where(lower[..., None], g[..., :, None, :] - g[..., None, :, :], -jnp.inf))
-        return jnp.einsum("...id,...jd,...ijd->...ij", a, b, decay)
+        decay = jnp.exp(jnp.where(lower[..., None], g[:, None, :] - g[None, :, :], -jnp.inf))
+        return jnp.einsum("id,jd,ijd->ij", a, b, decay)
 
     def per_channel(a: jax.Array, b: jax.Array, strict: bool) -> jax.Array:
-        out: jax.Array = jax.lax.map(one_chunk, (a, b, cum))
+        blocks = tuple(x.reshape(-1, *x.shape[-2:]) for x in (a, b, cum))
+        batch = max(1, min(len(blocks[0]), FACTOR_ELEMENTS // (c * c * cum.shape[-1])))
+        out: jax.Array = jax.lax.map(one_block, blocks, batch_size=batch).reshape(*a.shape[:-1], c)
         return out * off if strict else out
 
     return per_channel
