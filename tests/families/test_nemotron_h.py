@@ -128,6 +128,37 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
     np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW, eos_token_id=None))
 
 
+def test_time_step_clamp_as_transformers_applies_it():
+    """Time steps below ``time_step_min``, no skip term to hide the state's part: the mixer's output
+    over a prompt and then one token through the cache equals transformers' mixer's (its prefill
+    clamps the time step, its one-token step does not, as mamba_ssm's kernels do)."""
+    import torch
+    from transformers import DynamicCache
+
+    from tests.helpers import randomize_
+
+    torch.manual_seed(0)
+    torch_model = _nemotron_h()
+    randomize_(torch_model)
+    mixer = torch_model.model.layers[0].mixer
+    with torch.no_grad():
+        mixer.dt_bias.copy_(torch.linspace(-12.0, -8.0, 8))
+        mixer.D.zero_()
+        h = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(0))
+        cache = DynamicCache(config=torch_model.config)
+        ref = [mixer(h[:, :-1], cache=cache).numpy(), mixer(h[:, -1:], cache=cache).numpy()]
+    weights = {name: jnp.asarray(t.detach().numpy()) for name, t in mixer.named_parameters()}
+    p = {"in_proj": {"kernel": weights["in_proj.weight"]}, "conv": weights["conv1d.weight"],
+         "conv_bias": weights["conv1d.bias"], "norm": {"scale": weights["norm.weight"]},
+         "out_proj": {"kernel": weights["out_proj.weight"]}, **{k: weights[k] for k in ("dt_bias", "A_log", "D")}}
+    cfg = NemotronHConfig.from_hf({**TINY, "model_type": "nemotron_h"})
+    ours = mamba2.mamba2_forward(p, jnp.asarray(h[:, :-1].numpy()), cfg, None,
+                                 {"conv": jnp.zeros((2, 128, 4)), "state": jnp.zeros((2, 8, 8, 16))})
+    step = mamba2.mamba2_forward(p, jnp.asarray(h[:, -1:].numpy()), cfg, None, ours[1])
+    for got, want in zip((ours[0], step[0]), ref, strict=True):
+        assert max_rel_diff(got, want) <= 1e-4, max_rel_diff(got, want)
+
+
 @pytest.mark.parametrize(("kind", "scan_layers"), [("nemotron_h", True), ("nemotron_h", False),
                                                    ("nemotron_h_bias", True)])
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
