@@ -1,21 +1,25 @@
-"""Forward time of a Gated DeltaNet layer (Qwen3.5's linear-attention mixer) or a Mamba-2 layer
-(Nemotron-H's) over 2k-16k tokens: the chunked recurrence otfload runs, against the same layer token
-by token and in the quadratic form, in one run.
+"""Forward time of a Gated DeltaNet layer (Qwen3.5's linear-attention mixer), a Mamba-2 layer
+(Nemotron-H's) or a Kimi Delta Attention layer (Kimi-Linear's) over 2k-16k tokens: the chunked
+recurrence otfload runs, against the same layer token by token and in the quadratic form, in one run.
 
     python -m benchmarks.bench_hybrid                          # 2k, 4k, 8k, 16k tokens
     python -m benchmarks.bench_hybrid --lengths 2048 4096 --repeat 5 --json out.json
     python -m benchmarks.bench_hybrid --layer mamba2
+    python -m benchmarks.bench_hybrid --layer kda --quadratic-max 512
 
 The layer is :func:`otfload.models.gated_delta.gated_delta_forward` with random float32 weights
 (hidden 1024, 8 key heads and 16 value heads of 64 dims, a 4-tap conv), or with ``--layer mamba2``
 :func:`otfload.models.mamba2.mamba2_forward` (hidden 1024, 32 heads of 32 dims in 4 groups, a state
-of 64, a 4-tap conv), one row, on the default device. ``chunked`` is the model's form (chunks of 64
-tokens, Mamba-2's of 128, the state carried across them); ``token`` the same layer with the
-recurrence one token per ``lax.scan`` step; ``quadratic`` the chunked code with one chunk as long as
-the sequence (an ``[s, s]`` system: the Gated DeltaNet's solve is cubic, Mamba-2's product quadratic,
-so it runs up to ``--quadratic-max`` tokens). Each form is compiled once, then the median of
-``--repeat`` calls; ``growth`` is a length's time over the previous length's (linear: 2.0 per
-doubling). Every form's output is checked against the chunked one's.
+of 64, a 4-tap conv), or with ``--layer kda`` :func:`otfload.models.kimi_delta.kda_forward` (hidden
+1024, 8 heads of 64 dims, a 4-tap conv; its per-channel decays make the quadratic form build an
+``[s, s, 64]`` factor per head, hence ``--quadratic-max 512``), one row, on the default device.
+``chunked`` is the model's form (chunks of 64 tokens, Mamba-2's of 128, the state carried across
+them); ``token`` the same layer with the recurrence one token per ``lax.scan`` step; ``quadratic``
+the chunked code with one chunk as long as the sequence (an ``[s, s]`` system: the Gated DeltaNet's
+solve is cubic, Mamba-2's product quadratic, so it runs up to ``--quadratic-max`` tokens). Each form
+is compiled once, then the median of ``--repeat`` calls; ``growth`` is a length's time over the
+previous length's (linear: 2.0 per doubling). Every form's output is checked against the chunked
+one's.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from otfload.models import gated_delta, mamba2
+from otfload.models import gated_delta, kimi_delta, mamba2
 from otfload.models.gated_delta import gated_delta_forward
 
 
@@ -103,10 +107,34 @@ def mamba2_params(cfg: Mamba2Shape, seed: int = 0) -> dict[str, Any]:
             "norm": {"scale": 1 + w(inner)}, "out_proj": {"kernel": w(h, inner)}}
 
 
+
+@dataclass(frozen=True)
+class KdaShape:
+    """A Kimi-Linear-like KDA layer, scaled down to fit one CPU."""
+
+    hidden_size: int = 1024
+    linear_num_heads: int = 8
+    linear_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-5
+
+
+def kda_params(cfg: KdaShape, seed: int = 0) -> dict[str, Any]:
+    w = weights(seed)
+    h, n, d, k = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    return {**{x: {"kernel": w(n * d, h)} for x in ("q", "k", "v")},
+            **{f"{x}_conv": w(n * d, 1, k) * 10 for x in ("q", "k", "v")},
+            "f_a": {"kernel": w(d, h)}, "f_b": {"kernel": w(n * d, d)}, "dt_bias": w(n * d),
+            "A_log": jnp.log(jnp.linspace(1.0, 8.0, n)).reshape(1, 1, n, 1), "b": {"kernel": w(n, h)},
+            "g_a": {"kernel": w(d, h)}, "g_b": {"kernel": w(n * d, d)}, "norm": {"scale": 1 + w(d)},
+            "o": {"kernel": w(h, n * d)}}
+
+
 # --layer -> (its shape, its random parameters, its forms)
 LAYERS: dict[str, tuple[Any, Callable[..., dict[str, Any]], Callable[..., dict[str, Any]]]] = {
     "gated_delta": (Shape, params, forms),
-    "mamba2": (Mamba2Shape, mamba2_params, lambda cfg: forms(cfg, mamba2.mamba2_forward, cfg.chunk_size))}
+    "mamba2": (Mamba2Shape, mamba2_params, lambda cfg: forms(cfg, mamba2.mamba2_forward, cfg.chunk_size)),
+    "kda": (KdaShape, kda_params, lambda cfg: forms(cfg, kimi_delta.kda_forward))}
 
 
 def median_seconds(fn: Callable[..., jax.Array], args: tuple[Any, ...], repeat: int) -> float:
