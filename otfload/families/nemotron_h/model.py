@@ -14,6 +14,7 @@ the state would run from one sequence into the next.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,11 +26,11 @@ from jax.typing import DTypeLike
 from otfload.errors import UnsupportedModelError
 from otfload.families.nemotron_h.config import ATTENTION, GROUP_OF, MAMBA, MLP, NemotronHConfig
 from otfload.models.attention import Context, token_mask
-from otfload.models.base import Cache, CacheLayout, CausalLM, GroupCache, GroupCaches
+from otfload.models.base import Cache, CacheLayout, CausalLM, GroupCache, GroupCaches, layer_stack
 from otfload.models.deepseek_moe import FfnDims, Router, deepseek_moe_forward
 from otfload.models.gqa import Attention, attention_block
 from otfload.models.groups import run_groups
-from otfload.models.layers import Dense, Embed, ExpertDense, Norm, ParamOptions, Params, rms_norm_scaled_f32
+from otfload.models.layers import Embed, ExpertDense, Norm, ParamOptions, Params, rms_norm_scaled_f32
 from otfload.models.mamba2 import Mamba2, conv_dim, mamba2_forward
 from otfload.models.mlp import UpDownMlp, relu2, relu2_mlp
 
@@ -110,13 +111,9 @@ class NemotronHForCausalLM(CausalLM):
         self.scan_layers = scan_layers
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         for group in self._groups():
-            kind, n = KIND_OF[group], len(getattr(cfg, group))
-            if scan_layers:
-                setattr(self, group, NemotronHBlock(cfg, kind, dtype=dtype, rngs=rngs, stack=n))
-            else:
-                setattr(self, group, nnx.List([NemotronHBlock(cfg, kind, dtype=dtype, rngs=rngs) for _ in range(n)]))
-        self.final_norm = Norm(cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
+            block = functools.partial(NemotronHBlock, cfg, KIND_OF[group], dtype=dtype, rngs=rngs)
+            setattr(self, group, layer_stack(block, len(getattr(cfg, group)), scan_layers))
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
 
     def _groups(self) -> list[str]:
         """The groups that have layers."""
