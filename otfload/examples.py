@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,8 +65,8 @@ FP8_CONFIG = {
     "ignore": ["lm_head"],
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-VARIABLES = {"OTFLOAD_EXAMPLE_CKPT": "tiny-llama", "OTFLOAD_EXAMPLE_ADAPTER": "tiny-lora",
-             "OTFLOAD_EXAMPLE_QUANTIZED": "tiny-fp8"}
+# The variables the docs pages read, in the order of :class:`Examples`' fields.
+VARIABLES = ("OTFLOAD_EXAMPLE_CKPT", "OTFLOAD_EXAMPLE_ADAPTER", "OTFLOAD_EXAMPLE_QUANTIZED")
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ class Examples:
 
     def exports(self) -> str:
         """The shell lines that point the docs pages' variables at these checkpoints."""
-        paths = {"tiny-llama": self.llama, "tiny-lora": self.adapter, "tiny-fp8": self.quantized}
-        lines = [f"export {name}={paths[kind]}" for name, kind in VARIABLES.items()]
+        paths = (self.llama, self.adapter, self.quantized)
+        lines = [f"export {name}={shlex.quote(str(path))}" for name, path in zip(VARIABLES, paths, strict=True)]
         return "\n".join(["# otfload's example checkpoints (eval this output to use them)", *lines])
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -73,8 +74,7 @@ def example_variables(directory: Path) -> dict[str, str]:
     """The variables ``otfload example DIR`` tells a reader to set (its ``export NAME=VALUE`` lines)."""
     out = subprocess.run([str(Path(sys.executable).with_name("otfload")), "example", str(directory)],
                          capture_output=True, text=True, timeout=300, check=True)
-    return dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines()
-                if line.startswith("export "))
+    return dict(shlex.split(line)[1].split("=", 1) for line in out.stdout.splitlines() if line.startswith("export "))
 
 
 def test_every_code_block_runs(tmp_path):
