@@ -3,7 +3,6 @@ including Gemma 3's per-layer-type RoPE and the sliding/global layer pattern."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from otfload.config.fields import MAX_FACTOR
 from otfload.config.layer_types import FULL, SLIDING, layer_types
 from otfload.config.rope import THETA
 from otfload.errors import ConfigError
+from otfload.families.gqa_shape import DecoderShape
 
 # transformers' activation name -> whether GELU uses the tanh approximation.
 _GELU_APPROXIMATE = {"gelu_pytorch_tanh": True, "gelu_new": True, "gelu_fast": True, "gelu": False}
@@ -72,21 +72,12 @@ def _pattern_types(f: Fields, model_type: str, num_hidden_layers: int) -> list[s
 
 
 @dataclass(frozen=True)
-class GemmaConfig:
-    """Gemma 2 / Gemma 3 text config. Field names shared with
-    :class:`~otfload.families.llama.config.LlamaConfig` let the Llama
-    attention and MLP parameter modules (and mapping rules) serve Gemma unchanged."""
+class GemmaConfig(DecoderShape):
+    """Gemma 2 / Gemma 3 text config. Its fields' names, shared with every decoder config, let the
+    shared attention and MLP parameter modules (and mapping rules) serve Gemma unchanged; Gemma
+    checks its attention shape its own way (``head_dim`` defaults to 256, not ``hidden / heads``)."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
     query_pre_attn_scalar: float
     sliding_window: int | None
     layer_types: tuple[str, ...]
@@ -148,7 +139,3 @@ class GemmaConfig:
             o_bias=bias,
             pad_token_id=padding_idx(f, f.get("vocab_size", VOCAB), GEMMA_PAD_ID),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Field name → value, for the mapping table's hooks."""
-        return dataclasses.asdict(self)

@@ -11,20 +11,15 @@ attention kind is a per-layer flag (``use_rope``, ``chunked``), so it needs no g
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from otfload.config import (
     BOOL,
-    EPS,
     EXPERTS,
     INTERMEDIATE,
-    LAYERS,
-    NAME,
     POSITIVE,
-    VOCAB,
     WINDOW,
     Choice,
     Fields,
@@ -36,7 +31,7 @@ from otfload.config import (
 )
 from otfload.config.fields import MAX_CONTEXT, MAX_LAYERS
 from otfload.errors import ConfigError
-from otfload.families.gqa_shape import attention_shape
+from otfload.families.gqa_shape import DecoderShape
 
 ACTIVATIONS = Choice("silu", "swish")
 CHUNKED, FULL = "chunked_attention", "full_attention"
@@ -80,26 +75,17 @@ def _chunked(f: Fields, use_rope: tuple[bool, ...], chunk: int | None) -> tuple[
 
 
 @dataclass(frozen=True)
-class Llama4Config:
+class Llama4Config(DecoderShape):
     """A Llama 4 text config as the model uses it, under the config's names (``to_dict()`` feeds the
     mapping's hooks and indices), except ``num_experts`` (``num_local_experts``); ``use_qk_norm`` is a
     weightless RMS norm of q and k on RoPE layers (``qk_norm``, learned norms, is always false). ``use_rope[i]`` and
     ``chunked[i]`` are layer ``i``'s attention kind; ``dense_layers``/``moe_layers`` the HF layers of
     each group."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
     intermediate_size: int
     intermediate_size_mlp: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
     num_experts: int
     num_experts_per_tok: int
     use_qk_norm: bool
@@ -121,9 +107,9 @@ class Llama4Config:
     def from_hf(cls, hf: Mapping[str, Any]) -> Llama4Config:
         """Parse and check ``config.json`` (absent fields take transformers' Llama 4 defaults)."""
         f = Fields(hf)
-        hidden, heads, kv_heads, head_dim = attention_shape(f)
+        shape = DecoderShape.parse(f, eps=1e-5)
         f.get("hidden_act", ACTIVATIONS, "silu")
-        n = f.get("num_hidden_layers", LAYERS)
+        n = shape["num_hidden_layers"]
         experts = f.get("num_local_experts", EXPERTS, 16)
         top_k = f.get("num_experts_per_tok", Int(1, experts), 1)
         theta, scaling = rope_params(f)
@@ -133,21 +119,13 @@ class Llama4Config:
         use_rope = _use_rope(f, n)
         moe = _moe_layers(f, n)
         bias = f.get("attention_bias", BOOL, False)
-        vocab = f.get("vocab_size", VOCAB)
+        vocab = shape["vocab_size"]
         return cls(
-            model_type=f.get("model_type", NAME),
-            vocab_size=vocab,
-            hidden_size=hidden,
+            **shape,
             intermediate_size=f.get("intermediate_size", INTERMEDIATE),
             intermediate_size_mlp=f.get("intermediate_size_mlp", INTERMEDIATE, 16384),
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=f.get("rms_norm_eps", EPS, 1e-5),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=f.get("tie_word_embeddings", BOOL, False),
             num_experts=experts,
             num_experts_per_tok=top_k,
             use_qk_norm=f.get("use_qk_norm", BOOL, True),
@@ -164,6 +142,3 @@ class Llama4Config:
             pad_token_id=padding_idx(f, vocab),
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        """Field name → value, for the mapping table's hooks and indices."""
-        return dataclasses.asdict(self)
