@@ -17,6 +17,7 @@ Each directory appears whole or not at all (:mod:`otfload.atomic`). The command 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -24,13 +25,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
-import numpy as np
+from otfload.atomic import atomic_dir
+from otfload.errors import OtfloadError, OutputExistsError
 
-from otfload.atomic import atomic_dir, output_dir
-from otfload.export.writer import TensorSpec, plan_shards, write_index, write_safetensors
+if TYPE_CHECKING:
+    import numpy as np
+# numpy, ml_dtypes and the export writer are imported where used: the command line imports this
+# module for its arguments, and its --help must stay fast.
 
 CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
@@ -100,16 +103,26 @@ def llama_shapes(config: Mapping[str, Any] = CONFIG) -> dict[str, tuple[int, ...
 
 
 def random_tensors(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     return {key: (rng.standard_normal(shape) * WEIGHT_STD).astype(np.float32) for key, shape in shapes.items()}
 
 
+def write_file(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """``tensors`` as one safetensors file."""
+    from otfload.export.writer import TensorSpec, write_safetensors
+
+    write_safetensors(path, [TensorSpec(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)
+
+
 def write_tensors(out: Path, tensors: Mapping[str, np.ndarray], max_shard_bytes: int) -> None:
     """``tensors`` as safetensors shard files of at most ``max_shard_bytes`` in ``out``, with their index."""
-    specs = [TensorSpec(key, value.shape, value.dtype) for key, value in tensors.items()]
-    files = plan_shards(specs, max_shard_bytes)
+    from otfload.export.writer import TensorSpec, plan_shards, write_index
+
+    files = plan_shards([TensorSpec(k, v.shape, v.dtype) for k, v in tensors.items()], max_shard_bytes)
     for name, shard in files.items():
-        write_safetensors(out / name, shard, tensors.__getitem__)
+        write_file(out / name, {spec.key: tensors[spec.key] for spec in shard})
     write_index(out, files)
 
 
@@ -147,6 +160,9 @@ def write_tokenizer_files(out: Path) -> None:
 def fp8_channel(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, scale)`` of compressed-tensors' FP8 channel strategy: ``weight ≈ codes * scale``
     with one scale per row (output channel), ``[rows, 1]``, so that each row's largest value is e4m3's."""
+    import ml_dtypes
+    import numpy as np
+
     scale = (np.abs(weight).max(axis=1, keepdims=True) / FP8_MAX).astype(np.float32)
     return (weight / scale).astype(ml_dtypes.float8_e4m3fn), scale
 
@@ -170,17 +186,16 @@ def write_examples(directory: str | os.PathLike[str], overwrite: bool = False) -
     root = Path(directory).absolute()
     root.mkdir(parents=True, exist_ok=True)
     examples = Examples(root / "tiny-llama", root / "tiny-lora", root / "tiny-fp8")
-    for path in (examples.llama, examples.adapter, examples.quantized):
-        output_dir(path, overwrite)  # all three checked before any is written
+    for path in (examples.llama, examples.adapter, examples.quantized):  # all three checked before any is written
+        if path.exists() and not overwrite:
+            raise OutputExistsError(f"{path} exists; pass --overwrite (overwrite=True in Python) to replace it")
     weights = random_tensors(llama_shapes(), seed=0)
     with atomic_dir(examples.llama, overwrite) as out:
         write_tensors(out, weights, SHARD_BYTES)
         write_json(out / "config.json", CONFIG)
         write_tokenizer_files(out)
     with atomic_dir(examples.adapter, overwrite) as out:
-        factors = lora_tensors(CONFIG, seed=1)
-        write_safetensors(out / "adapter_model.safetensors",
-                          [TensorSpec(k, v.shape, v.dtype) for k, v in factors.items()], factors.__getitem__)
+        write_file(out / "adapter_model.safetensors", lora_tensors(CONFIG, seed=1))
         write_json(out / "adapter_config.json", {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(examples.llama),
             "bias": "none", "fan_in_fan_out": False, "lora_dropout": 0.0, "inference_mode": True, "r": LORA_RANK,
@@ -199,11 +214,25 @@ def write_examples(directory: str | os.PathLike[str], overwrite: bool = False) -
     return examples
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m otfload.examples DIR``: the ``otfload example`` subcommand."""
-    from otfload.cli import main as cli_main
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``DIR`` and ``--overwrite``: the arguments of ``otfload example`` and ``python -m otfload.examples``."""
+    parser.add_argument("directory", metavar="DIR",
+                        help="where to write tiny-llama, tiny-lora and tiny-fp8 (made if missing)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the example checkpoints if they exist")
 
-    return cli_main(["example", *(sys.argv[1:] if argv is None else argv)])
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m otfload.examples DIR``: what ``otfload example DIR`` does (an error is one line, exit 1)."""
+    parser = argparse.ArgumentParser(prog="python -m otfload.examples", description="Write the docs' example "
+                                     "checkpoints and print the lines that point OTFLOAD_EXAMPLE_* at them.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        print(write_examples(args.directory, overwrite=args.overwrite).exports())
+    except OtfloadError as e:
+        print(f"otfload: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("api", "replicated"),  # from_pretrained, load_params, plan_model; leaves a mesh divides nowhere
     # native checkpoints, decoding, training start-up, compiled programs kept across jobs and where
     ("checkpoint", "generate", "tokenizer", "training", "programs", "compile_cache"),
-    # back to HF safetensors; eval jobs; the lm-evaluation-harness backend; MaxText's trees (load_params, export)
-    ("export", "evaluate", "lm_eval", "maxtext"),
+    # back to HF safetensors; eval jobs; the lm-evaluation-harness backend; MaxText's trees (load_params, export);
+    # the docs' example checkpoints (written with export's writer)
+    ("export", "evaluate", "lm_eval", "maxtext", "examples"),
     ("cli",),  # the command line
     ("__init__",),  # the package's public names
 )

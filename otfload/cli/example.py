@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 
 from otfload.cli import options
+from otfload.examples import add_arguments
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("example", help="write the docs' example checkpoints (tiny Llama, LoRA, FP8)",
                             description=options.description(__doc__), parents=[options.common_parser()])
-    p.add_argument("directory", metavar="DIR",
-                   help="where to write tiny-llama, tiny-lora and tiny-fp8 (made if missing)")
-    p.add_argument("--overwrite", action="store_true", help="replace the example checkpoints if they exist")
+    add_arguments(p)
     p.set_defaults(run=run)
 
 
