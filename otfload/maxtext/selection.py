@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otfload.errors import ConfigError
-from otfload.maxtext.deepseek import DEEPSEEK2, DEEPSEEK3
+from otfload.maxtext.deepseek import DEEPSEEK2, DEEPSEEK3, DEEPSEEK32
 from otfload.maxtext.gemma import GEMMA2, GEMMA3
 from otfload.maxtext.gpt_oss import GPT_OSS
 from otfload.maxtext.llama import LLAMA31
@@ -39,6 +39,7 @@ TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("mixtral-8x7b", "mixtral-8x22b"), MIXTRAL),
     "deepseek2-16b": DEEPSEEK2,
     "deepseek3-671b": DEEPSEEK3,
+    "deepseek3.2-671b": DEEPSEEK32,
     **dict.fromkeys(("gpt-oss-20b", "gpt-oss-120b"), GPT_OSS),
     **dict.fromkeys(("gemma2-2b", "gemma2-9b", "gemma2-27b"), GEMMA2),
     **dict.fromkeys(("gemma3-4b", "gemma3-12b", "gemma3-27b"), GEMMA3),

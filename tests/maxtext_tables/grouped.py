@@ -1,12 +1,13 @@
 """numpy references of the MaxText trees whose layers come in groups — DeepSeek (``dense_layers``,
-then ``moe_layers``) and GPT-OSS (scanned as ``layers.layers_0`` / ``layers_1``, every other HF layer)
-— written from MaxText's converter (``param_mapping.DEEPSEEK_*`` / ``GPT_OSS_*``): kernels ``[in,
-out]`` with heads split, nothing else changed; GPT-OSS's fused ``gate_up_proj`` split into its even
-(gate, ``wi_0``) and odd (up, ``wi_1``) columns. Scanned leaves stack at ``param_scan_axis``, but
-DeepSeek-V3's routing bias (a ``MoEBiasVar``, which MaxText scans at 0). DeepSeek-V3's
-multi-token-prediction layer (``mtp_num_layers: 1``; HF layer ``num_hidden_layers``, which
-transformers neither builds nor saves: :func:`add_mtp_layer` writes random tensors for it) is
-``mtp_block.mtp_layer_1``, unstacked, as MaxText's model code names its modules."""
+then ``moe_layers``; V3.2's indexer in each layer's ``self_attention``) and GPT-OSS (scanned as
+``layers.layers_0`` / ``layers_1``, every other HF layer) — written from MaxText's converter
+(``param_mapping.DEEPSEEK_*`` / ``GPT_OSS_*``): kernels ``[in, out]`` with heads split, nothing else
+changed; GPT-OSS's fused ``gate_up_proj`` split into its even (gate, ``wi_0``) and odd (up, ``wi_1``)
+columns. Scanned leaves stack at ``param_scan_axis``, but DeepSeek-V3's routing bias (a
+``MoEBiasVar``, which MaxText scans at 0). DeepSeek-V3's multi-token-prediction layer
+(``mtp_num_layers: 1``; HF layer ``num_hidden_layers``, which transformers neither builds nor saves:
+:func:`add_mtp_layer` writes random tensors for it) is ``mtp_block.mtp_layer_1``, unstacked, as
+MaxText's model code names its modules."""
 
 from __future__ import annotations
 
@@ -35,7 +36,18 @@ def _mla(hf: dict[str, np.ndarray], i: int, cfg: dict) -> dict[str, np.ndarray]:
         out["self_attention.wq_b.kernel"] = kernel(hf[f"{a}.q_b_proj.weight"], cfg["q_lora_rank"], heads, qk)
     else:
         out["self_attention.query.kernel"] = kernel(hf[f"{a}.q_proj.weight"], h, heads, qk)
+    if f"{a}.indexer.wk.weight" in hf:  # V3.2's lightning indexer
+        out.update(_indexer(hf, f"{a}.indexer", cfg))
     return out
+
+
+def _indexer(hf: dict[str, np.ndarray], x: str, cfg: dict) -> dict[str, np.ndarray]:
+    heads, dim = cfg["indexer_n_heads"], cfg["indexer_head_dim"]
+    return {"self_attention.indexer.wq_b.kernel": kernel(hf[f"{x}.wq_b.weight"], cfg["q_lora_rank"], heads, dim),
+            "self_attention.indexer.wk.kernel": hf[f"{x}.wk.weight"].T,
+            "self_attention.indexer.k_norm.scale": hf[f"{x}.k_norm.weight"],
+            "self_attention.indexer.k_norm.bias": hf[f"{x}.k_norm.bias"],
+            "self_attention.indexer.weights_proj.kernel": hf[f"{x}.weights_proj.weight"].T}
 
 
 def _mlp(hf: dict[str, np.ndarray], module: str, source: str) -> dict[str, np.ndarray]:

@@ -55,14 +55,21 @@ MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nop
            moe_intermediate_size=32)
 
 
-def _deepseek(v3: bool, **kw):
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+# DeepSeek-V3.2's indexer: 4 heads of 16 (8 of them rotated, the MLA's qk_rope_head_dim)
+INDEXER = dict(index_n_heads=4, index_head_dim=16, index_topk=4)
 
-    if not v3:
-        return DeepseekV2ForCausalLM(DeepseekV2Config(**{**DIMS, **MLA, "q_lora_rank": None, **kw}))
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**DIMS, **MLA, "q_lora_rank": 32, "n_group": 2,
-                                                      "topk_group": 1, **kw}))
+
+def _deepseek(version: int, **kw):
+    import torch
+    import transformers
+
+    if version == 2:
+        return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**{**DIMS, **MLA, "q_lora_rank": None,
+                                                                                   **kw}))
+    name, extra = ("DeepseekV32", INDEXER) if version == 32 else ("DeepseekV3", {})
+    config = getattr(transformers, f"{name}Config")(**{**DIMS, **MLA, "q_lora_rank": 32, "n_group": 2,
+                                                       "topk_group": 1, **extra, **kw})
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():  # a stored buffer randomize_ leaves at zeros
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -84,15 +91,16 @@ register_hf_model("mt_qwen2", _qwen2)
 register_hf_model("mt_qwen3", _qwen3, {"tie_word_embeddings": True})
 register_hf_model("mt_qwen3_moe", _qwen3_moe)
 register_hf_model("mt_mixtral", _mixtral)
-register_hf_model("mt_deepseek3", lambda **kw: _deepseek(True, **kw))
-register_hf_model("mt_deepseek2", lambda **kw: _deepseek(False, **kw))
+register_hf_model("mt_deepseek3", lambda **kw: _deepseek(3, **kw))
+register_hf_model("mt_deepseek32", lambda **kw: _deepseek(32, **kw))
+register_hf_model("mt_deepseek2", lambda **kw: _deepseek(2, **kw))
 register_hf_model("mt_gpt_oss", _gpt_oss)
 
 # checkpoint kind -> MaxText model_name
 MODELS = {"mt_llama": "llama3.1-8b", "mt_qwen2": "qwen2.5-7b", "mt_qwen3": "qwen3-0.6b",
           "mt_qwen3_moe": "qwen3-30b-a3b", "mt_mixtral": "mixtral-8x7b", "mt_deepseek3": "deepseek3-671b",
-          "mt_deepseek2": "deepseek2-16b", "mt_gpt_oss": "gpt-oss-20b"}
-GROUPED = ("mt_deepseek3", "mt_deepseek2", "mt_gpt_oss")
+          "mt_deepseek32": "deepseek3.2-671b", "mt_deepseek2": "deepseek2-16b", "mt_gpt_oss": "gpt-oss-20b"}
+GROUPED = ("mt_deepseek3", "mt_deepseek32", "mt_deepseek2", "mt_gpt_oss")
 LAYOUTS = [(True, 1), (True, 0), (False, 1)]  # (scan_layers, param_scan_axis)
 
 
@@ -106,7 +114,9 @@ def maxtext_config(kind: str, scan_layers: bool, param_scan_axis: int, **over) -
     if kind.startswith("mt_deepseek"):  # MaxText's MLA fields, the checkpoint's sizes
         cfg.update(num_query_heads=4, num_kv_heads=4, head_dim=24, num_experts=4, kv_lora_rank=16,
                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_num_dense_layers=1,
-                   shared_experts=1, q_lora_rank=32 if kind == "mt_deepseek3" else 0)
+                   shared_experts=1, q_lora_rank=0 if kind == "mt_deepseek2" else 32)
+    if kind == "mt_deepseek32":
+        cfg.update(indexer_n_heads=INDEXER["index_n_heads"], indexer_head_dim=INDEXER["index_head_dim"])
     if kind.startswith("mt_gpt_oss"):
         cfg.update(num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2)
     return {**cfg, **over}
