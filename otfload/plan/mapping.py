@@ -78,7 +78,9 @@ class Rule:
     ``i`` of ``{layer}`` (in the leaf path or on a stack axis) read HF layer ``config["moe_layers"][i]``;
     the values may be names: ``{"part": ("k", "v")}`` with source ``…self_attn.{part}_proj.weight``
     stacks the k and v projections on the leaf's leading axis (a fused ``[2, heads, …]`` weight);
-    ``{"layer": Stride(6, 5)}`` reads HF layers 5, 11, 17, … (one kind of layer in a repeating block).
+    ``{"layer": Stride(6, 5)}`` reads HF layers 5, 11, 17, … (one kind of layer in a repeating block);
+    ``{"layer": Composed(("block", "local"), "block * 4 + local")}`` makes ``{layer}`` no stack axis
+    but the value of two (a leaf stacking layers twice, ``[blocks, position in block]``).
     ``cast=True`` says an integer, boolean or unscaled FP8 tensor is meant to become a float leaf;
     without it such a cast is an :class:`~otfload.errors.UnfaithfulCastError`. ``stack_at`` gives
     the leaf dimension a stack axis lands at (an int, config field or expression); an axis it does
@@ -92,7 +94,7 @@ class Rule:
     fallbacks: tuple[str, ...] = ()
     stack_order: tuple[str, ...] | None = None
     offsets: MappingABC[str, int | str] = field(default_factory=dict)
-    indices: MappingABC[str, Sequence[int | str] | str | Stride] = field(default_factory=dict)
+    indices: MappingABC[str, Sequence[int | str] | str | Stride | Composed] = field(default_factory=dict)
     cast: bool = False
     stack_at: MappingABC[str, int | str] = field(default_factory=dict)
 
@@ -100,6 +102,9 @@ class Rule:
         missing = set(placeholders(self.target)) - set(placeholders(self.source))
         if missing:
             raise MappingError(f"rule {self.target!r}: placeholders {sorted(missing)} not in {self.source!r}")
+        named = [k for k, v in self.indices.items() if isinstance(v, Composed) and k in placeholders(self.target)]
+        if named:
+            raise MappingError(f"rule {self.target!r}: {named} composed of stack axes cannot be in the target path")
 
     @property
     def regex(self) -> re.Pattern[str]:
@@ -113,6 +118,7 @@ class Rule:
         fixed = {k: int(v) for k, v in m.groupdict().items() if v is not None}
         stacked = [k for k in placeholders(self.target) if k not in fixed]
         stacked += [k for k in placeholders(self.source) if k not in fixed and k not in stacked]
+        stacked = [axis for k in stacked for axis in _composed_axes(k, self.indices) if axis not in fixed]
         if self.stack_order is not None:
             if sorted(self.stack_order) != sorted(stacked):
                 return None
@@ -192,6 +198,24 @@ class Stride:
         return range(start, start + period * MAX_STACK_SLICES, period)
 
 
+@dataclass(frozen=True)
+class Composed:
+    """An HF value computed from the positions of several stack axes (``Rule.indices``): a leaf that
+    stacks layers twice, ``[blocks, position in block]`` (MaxText's scanned Qwen3-Next), reads HF
+    layer ``block * period + local`` with ``Composed(("block", "local"), "block * period + local")``.
+    ``axes`` become the leaf's stack axes in place of the placeholder, in that order; ``value`` is an
+    expression over their positions (from 0) and config fields."""
+
+    axes: tuple[str, ...]
+    value: str
+
+
+def _composed_axes(name: str, indices: MappingABC[str, object]) -> tuple[str, ...]:
+    """The stack axes placeholder ``name`` stands for: its :class:`Composed` axes, or itself."""
+    value = indices.get(name)
+    return value.axes if isinstance(value, Composed) else (name,)
+
+
 def _resolve_indices(
     value: Sequence[int | str] | str | Stride, config: MappingABC[str, Any]
 ) -> Sequence[int | str]:
@@ -232,17 +256,31 @@ def slice_values(
             f"rule {rule.target!r}: the leaf stacks {count} tensors (shape {tuple(stack_shape)}), more than the "
             f"{MAX_STACK_SLICES} any checkpoint holds"
         )
-    offsets, indices = _resolved(rule, config)
+    resolved = _resolved(rule, config)
     for combo in itertools.product(*(range(n) for n in stack_shape)):
-        values = {**fixed, **dict(zip(stack_axes, combo, strict=True))}
-        yield combo, {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
+        yield combo, _values(rule, resolved, {**fixed, **dict(zip(stack_axes, combo, strict=True))}, config)
 
 
 def _resolved(
     rule: Rule, config: MappingABC[str, Any]
 ) -> tuple[dict[str, int], dict[str, Sequence[int | str]]]:
     offsets = {k: _resolve_offset(v, config) for k, v in rule.offsets.items()}
-    return offsets, {k: _resolve_indices(v, config) for k, v in rule.indices.items()}
+    return offsets, {k: _resolve_indices(v, config) for k, v in rule.indices.items() if not isinstance(v, Composed)}
+
+
+def _values(
+    rule: Rule, resolved: tuple[dict[str, int], dict[str, Sequence[int | str]]], positions: MappingABC[str, int],
+    config: MappingABC[str, Any],
+) -> dict[str, int | str]:
+    """The HF placeholder values for the leaf ``positions`` (path values and stack indices), the
+    :class:`Composed` ones computed from their axes' positions."""
+    offsets, indices = resolved
+    values = {k: _hf_value(k, v, offsets, indices) for k, v in positions.items()}
+    for name, spec in rule.indices.items():
+        if isinstance(spec, Composed):
+            scope = {**config, **{axis: positions[axis] for axis in spec.axes}}
+            values[name] = integer(spec.value, scope, f"rule {rule.target!r}: {{{name}}}")
+    return values
 
 
 def hf_values(
@@ -250,9 +288,7 @@ def hf_values(
     config: MappingABC[str, Any],
 ) -> dict[str, int | str]:
     """The HF placeholder values of the stack slice at ``position`` (one of :func:`slice_values`)."""
-    offsets, indices = _resolved(rule, config)
-    values = {**fixed, **dict(zip(stack_axes, position, strict=True))}
-    return {k: _hf_value(k, v, offsets, indices) for k, v in values.items()}
+    return _values(rule, _resolved(rule, config), {**fixed, **dict(zip(stack_axes, position, strict=True))}, config)
 
 
 def stack_dims(rule: Rule, stack_axes: Sequence[str], ndim: int, config: MappingABC[str, Any]) -> tuple[int, ...]:
