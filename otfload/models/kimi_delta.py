@@ -87,13 +87,11 @@ def kda_forward(
     p: Params, h: jax.Array, cfg: KimiDeltaShape, mask: jax.Array | None, cache: GroupCache | None,
     chunk: int = CHUNK,
 ) -> tuple[jax.Array, GroupCache | None]:
-    """The mixer on the normed input ``h [b, s, hidden]`` (``mask [b, s]``: 1 = token, None: all are)
-    from a layer's ``cache`` (``{"conv", "state"}``, None: no cache): ``(output, updated cache)``.
-    ``chunk`` is the recurrence's chunk length; 0 runs it token by token."""
+    """The KDA mixer, called as :func:`~otfload.models.gated_delta.gated_delta_forward` is: ``(output,
+    updated cache)`` of the normed input, its pads (``mask`` 0) zeroed first."""
     b, s, _ = h.shape
     n, d = cfg.linear_num_heads, cfg.linear_head_dim
-    if mask is not None:
-        h = h * mask[..., None].astype(h.dtype)
+    h = h if mask is None else h * mask[..., None].astype(h.dtype)
     mixed = jnp.concatenate([dense(p[x], h, "bsh,ch->bsc") for x in ("q", "k", "v")], axis=-1)
     weight = jnp.concatenate([p[f"{x}_conv"][:, 0] for x in ("q", "k", "v")])
     mixed, conv_state = causal_conv1d(mixed, weight, None if cache is None else cache["conv"])

@@ -5,8 +5,9 @@ gated delta rule against the recurrence in numpy, and the config fields otfload 
 refused by name.
 
 The tiny models mix KDA and MLA layers out of the default order, dense and MoE feed-forwards out of
-the default order too (all four layer groups), with 13- to 70-token inputs (more than one 64-token
-chunk); the second kind has a low-rank query (``q_lora_rank``) and its dense MLA layer first.
+the default order too (all four layer groups), with 5- to 70-token inputs (more than one 64-token
+chunk); the second kind has a low-rank query (``q_lora_rank``) and its dense MLA layer first. The
+full-size model (transformers' defaults: Kimi-Linear-48B-A3B's sizes) is planned at 256 devices.
 """
 
 import json
@@ -22,10 +23,10 @@ from otfload.families.kimi_linear.config import KimiLinearConfig
 from otfload.models.gated_delta import gated_delta_rule, recurrent_gated_delta_rule
 from otfload.plan.sharding import make_mesh
 from tests.export.test_export import assert_bit_exact, read_tensors
-from tests.families.test_qwen3_5 import NEW, assert_padded_rows_alone
+from tests.families.checks import assert_greedy_matches
+from tests.families.test_qwen3_5 import assert_padded_rows_alone
 from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
-from tests.models.kinds import padded_batch, torch_greedy
 
 LIN, FULL = "linear_attention", "full_attention"
 KIMI = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=5,
@@ -46,18 +47,9 @@ def _kimi_linear(**kw):
 
 register_hf_model("kimi_linear", _kimi_linear)
 register_hf_model("kimi_linear_q_lora", _kimi_linear, Q_LORA)
-KINDS = ["kimi_linear", "kimi_linear_q_lora"]
 GROUPS = {"kimi_linear": ("kda_dense_layers", "kda_moe_layers", "mla_dense_layers", "mla_moe_layers"),
           "kimi_linear_q_lora": ("kda_moe_layers", "mla_dense_layers", "mla_moe_layers")}
-# transformers' logits by (kind, sequence length): its reference KDA kernel loops in Python.
-REFERENCE: dict[tuple[str, int], np.ndarray] = {}
-
-
-def _reference(torch_model, kind: str, seq: int) -> tuple[np.ndarray, np.ndarray]:
-    ids = token_ids(seq=seq)
-    if (kind, seq) not in REFERENCE:
-        REFERENCE[kind, seq] = torch_logits(torch_model, ids)
-    return ids, REFERENCE[kind, seq]
+IDS = token_ids(seq=70)
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +57,22 @@ def mesh():
     return make_mesh({"fsdp": 2, "tp": 4})
 
 
-@pytest.mark.parametrize(("kind", "scan_layers", "lengths"), [
-    ("kimi_linear", True, (13, 70)),  # one chunk, and two with a ragged last one
-    ("kimi_linear", False, (70,)),
-    ("kimi_linear_q_lora", True, (70,)),
-])
-def test_f32_logits_match_transformers(tiny_checkpoints, mesh, kind, scan_layers, lengths):
+@pytest.mark.parametrize(("kind", "scan_layers"), [("kimi_linear", True), ("kimi_linear_q_lora", False)])
+def test_f32_logits_match_transformers(tiny_checkpoints, mesh, kind, scan_layers):
+    """70 tokens: two chunks, the last one ragged (the padded and decoding tests run inputs shorter
+    than a chunk)."""
     path, torch_model = tiny_checkpoints(kind)
     assert len(list(path.glob("*.safetensors"))) > 1
     model, report = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, return_report=True)
     assert report.unused_tensors == []
     assert tuple(g for g in GROUPS[kind] if hasattr(model, g)) == GROUPS[kind]
-    if scan_layers and kind == "kimi_linear":  # one stack per (mixer, feed-forward) kind
+    if scan_layers:  # one stack per (mixer, feed-forward) kind
         assert model.kda_moe_layers.kda.q_conv[...].shape == (2, 32, 1, 4)
         assert model.kda_moe_layers.kda.A_log[...].shape == (2, 1, 1, 4, 1)
         assert model.mla_moe_layers.moe.experts.gate.kernel[...].shape == (1, 8, 32, 64)
     with jax.set_mesh(mesh):
-        for seq in lengths:
-            ids, ref = _reference(torch_model, kind, seq)
-            diff = max_rel_diff(logits(model, ids), ref)
-            assert diff <= 1e-4, (seq, diff)
+        diff = max_rel_diff(logits(model, IDS), torch_logits(torch_model, IDS))
+    assert diff <= 1e-4, diff
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -103,13 +91,10 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
     assert cache["layers"]["kda_moe_layers"]["state"].shape[1:] == (3, 4, 8, 8)
     assert cache["layers"]["kda_moe_layers"]["conv"].shape[1:] == (3, 3 * 32, 4)
     assert cache["layers"]["mla_moe_layers"]["k"].shape[1:] == (3, 8, 1, 16 + 8)
-    ids, mask, _ = padded_batch("left")
-    with jax.set_mesh(mesh):
-        ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW))
+    assert_greedy_matches(model, torch_model, mesh=mesh)
 
 
-def _as_released(key: str) -> str:
+def as_released(key: str) -> str:
     """transformers' save_pretrained names a dense MLP ``block_sparse_moe.*_proj``; the releases (and
     otfload's export) ``mlp.*_proj``."""
     for n in ("gate", "up", "down"):
@@ -125,7 +110,7 @@ def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh, tmp_path, kind, 
     src, torch_model = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=mesh, scan_layers=scan_layers)
     out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    assert_bit_exact(read_tensors(out), {_as_released(k): v for k, v in read_tensors(src).items()})
+    assert_bit_exact(read_tensors(out), {as_released(k): v for k, v in read_tensors(src).items()})
     ids = token_ids(seq=9)
     assert np.array_equal(torch_logits(KimiLinearForCausalLM.from_pretrained(out), ids), torch_logits(torch_model, ids))
 
@@ -200,3 +185,72 @@ def test_release_layer_lists_that_miss_a_layer_are_refused():
     with pytest.raises(ConfigError) as err:
         KimiLinearConfig.from_hf(config)
     assert err.value.field == "linear_attn_config.kda_layers"
+
+
+def _full_size_headers(path):
+    """A header-only checkpoint at transformers' KimiLinearConfig defaults (Kimi-Linear-48B-A3B's
+    sizes: 27 layers, 6 MLA, 256 experts of 1024 on 26 layers), bf16 with the float32 router, as the
+    release names its tensors; one file per layer."""
+    from transformers import KimiLinearConfig as HFConfig
+
+    from tests.realsize import write_header_checkpoint
+
+    config = HFConfig().to_dict()
+    cfg = KimiLinearConfig.from_hf(config)
+    h, n, d, m = cfg.hidden_size, cfg.num_attention_heads, cfg.linear_dim, cfg.moe_intermediate_size
+    bf16 = lambda *shape: ("BF16", shape)  # noqa: E731
+
+    def swiglu(key: str, names: tuple[str, str, str], f: int) -> dict:
+        return {key.format(names[0]): bf16(f, h), key.format(names[1]): bf16(f, h), key.format(names[2]): bf16(h, f)}
+
+    shards = {}
+    for i in range(cfg.num_hidden_layers):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        t = {f"{p}.input_layernorm.weight": bf16(h), f"{p}.post_attention_layernorm.weight": bf16(h)}
+        if cfg.layer_types[i] == LIN:
+            r, k = cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+            t |= {f"{a}.{x}_proj.weight": bf16(d, h) for x in "qkv"} | {f"{a}.{x}_conv1d.weight": bf16(d, 1, k)
+                                                                          for x in "qkv"}
+            t |= {f"{a}.A_log": ("F32", (1, 1, cfg.linear_num_heads, 1)), f"{a}.dt_bias": ("F32", (d,)),
+                  f"{a}.b_proj.weight": bf16(cfg.linear_num_heads, h), f"{a}.o_norm.weight": bf16(r),
+                  f"{a}.o_proj.weight": bf16(h, d)}
+            t |= {f"{a}.{x}_a_proj.weight": bf16(r, h) for x in "fg"} | {f"{a}.{x}_b_proj.weight": bf16(d, r)
+                                                                           for x in "fg"}
+        else:
+            t |= {f"{a}.q_proj.weight": bf16(n * cfg.qk_head_dim, h),
+                  f"{a}.kv_a_proj_with_mqa.weight": bf16(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+                  f"{a}.kv_a_layernorm.weight": bf16(cfg.kv_lora_rank),
+                  f"{a}.kv_b_proj.weight": bf16(n * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                  f"{a}.o_proj.weight": bf16(h, n * cfg.v_head_dim)}
+        if cfg.mlp_layer_types[i] == "dense":
+            t |= swiglu(f"{p}.mlp.{{}}_proj.weight", ("gate", "up", "down"), cfg.intermediate_size)
+        else:
+            moe = f"{p}.block_sparse_moe"
+            t |= {f"{moe}.gate.weight": ("F32", (cfg.num_experts, h)),
+                  f"{moe}.gate.e_score_correction_bias": ("F32", (cfg.num_experts,))}
+            t |= swiglu(f"{moe}.shared_experts.{{}}_proj.weight", ("gate", "up", "down"), m * cfg.n_shared_experts)
+            for e in range(cfg.num_experts):
+                t |= swiglu(f"{moe}.experts.{e}.{{}}.weight", ("w1", "w3", "w2"), m)
+        shards[f"model-{i + 1:05d}-of-{cfg.num_hidden_layers + 1:05d}.safetensors"] = t
+    shards["model-last.safetensors"] = {"model.embed_tokens.weight": bf16(cfg.vocab_size, h),
+                                        "model.norm.weight": bf16(h), "lm_head.weight": bf16(cfg.vocab_size, h)}
+    return write_header_checkpoint(path, shards, config)
+
+
+def test_full_size_plans_at_256_devices(tmp_path):
+    """``otfload inspect --devices 256`` of the full-size model (transformers' defaults: Kimi-Linear
+    48B-A3B's sizes): every leaf planned, experts on ``ep``, within 10 s of CPU and 1 GiB, and one
+    process's bytes within 1.1 x its devices' share of the checkpoint."""
+    from tests.realsize import inspect_at_scale
+
+    cpu, peak, info = inspect_at_scale(_full_size_headers(tmp_path / "kimi_linear"), "fsdp=16,ep=16")
+    assert cpu <= 10 and peak <= 2**30, (cpu, peak)
+    assert info["model_type"] == "kimi_linear" and info["unused"] == []
+    leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
+    experts = leaves["kda_moe_layers.moe.experts.gate.kernel"]
+    assert experts["shape"] == [20, 256, 1024, 2304] and "'ep'" in experts["sharding"], experts
+    assert leaves["mla_moe_layers.attn.kv_a.kernel"]["shape"] == [6, 512, 2304]
+    totals = info["totals"]
+    assert 90e9 < totals["source_bytes"] < 105e9
+    share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
+    assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)
