@@ -10,7 +10,8 @@ returns ``(logits, cache)`` with this call's keys and values written after the c
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,51 @@ class CausalLM(nnx.Module):
             if v_dim:
                 layers[group]["v"] = jnp.zeros((n, batch, slots, kv_heads, v_dim), dtype)
         return {"index": jnp.zeros((), jnp.int32), "mask": jnp.zeros((batch, slots), bool), "layers": layers}
+
+
+class DecoderConfig(ModelConfig, Protocol):
+    """What :class:`StackedDecoderLM` reads of a config (the fields every decoder config has)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+class StackedDecoderLM(CausalLM):
+    """A causal LM of ``num_hidden_layers`` layers of one kind (:attr:`layer_class`, made with
+    :attr:`layer_options`): the embedding, the layers (stacked to scan, or a list), the final norm
+    and, untied, ``lm_head``; one key/value cache group ``"layers"``. Subclasses write
+    :meth:`~CausalLM.forward` (and may override :meth:`init_layers`)."""
+
+    layer_class: ClassVar[Callable[..., nnx.Module]]
+    layer_options: ClassVar[Mapping[str, Any]] = {}
+    cfg: DecoderConfig
+    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
+
+    def __init__(
+        self, cfg: DecoderConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
+    ) -> None:
+        self.cfg = cfg
+        self.scan_layers = scan_layers
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.init_layers(dtype, rngs)
+        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
+
+    def init_layers(self, dtype: DTypeLike, rngs: nnx.Rngs | None) -> None:
+        """Create ``self.layers``: :attr:`layer_class` stacked (scanned) or a list of them."""
+        make = partial(type(self).layer_class, self.cfg, dtype=dtype, rngs=rngs, **self.layer_options)
+        self.layers = layer_stack(make, self.cfg.num_hidden_layers, self.scan_layers)
+
+    def cache_layout(self) -> dict[str, CacheLayout]:
+        cfg = self.cfg
+        return {"layers": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)}
 
 
 def layer_stack(make: Callable[..., nnx.Module], count: int, scan_layers: bool) -> nnx.Module:

@@ -10,7 +10,6 @@ shape); the per-layer attention type is scanned over as data beside them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +20,9 @@ from jax.typing import DTypeLike
 from otfload.config.layer_types import SLIDING
 from otfload.families.gemma.config import GemmaConfig
 from otfload.models.attention import Context, Window, self_attention
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache, layer_stack
+from otfload.models.base import GroupCache, GroupCaches, StackedDecoderLM, group_cache
 from otfload.models.gqa import Attention
 from otfload.models.layers import (
-    Embed,
     Norm,
     ParamOptions,
     Params,
@@ -87,25 +85,11 @@ def layer_forward(
     return x + gemma_norm(out, p["post_ffw_norm"]["scale"], eps), cache
 
 
-class GemmaForCausalLM(CausalLM):
+class GemmaForCausalLM(StackedDecoderLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for Gemma 2 and Gemma 3 text."""
 
     cfg: GemmaConfig
-    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
-
-    def __init__(
-        self, cfg: GemmaConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
-    ) -> None:
-        self.cfg = cfg
-        self.scan_layers = scan_layers
-        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = layer_stack(partial(GemmaDecoderLayer, cfg, dtype=dtype, rngs=rngs), cfg.num_hidden_layers,
-                                  scan_layers)
-        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-
-    def cache_layout(self) -> dict[str, CacheLayout]:
-        cfg = self.cfg
-        return {"layers": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)}
+    layer_class = GemmaDecoderLayer
 
     def forward(
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None

@@ -8,20 +8,16 @@ orientation (output dims first), so loading copies and reshapes only.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.typing import DTypeLike
 
 from otfload.families.llama.config import LlamaConfig
 from otfload.models.attention import Context
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache, layer_stack
+from otfload.models.base import GroupCache, GroupCaches, StackedDecoderLM, group_cache
 from otfload.models.decoder import DecoderLayer, layer_forward
 from otfload.models.gqa import Rope
 from otfload.models.layers import (
-    Embed,
     pure,
     rms_norm,
     rope_attention_factor,
@@ -31,7 +27,7 @@ from otfload.models.layers import (
 )
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(StackedDecoderLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` (masks, positions and a KV
     cache as :class:`~otfload.models.base.CausalLM` describes).
 
@@ -39,22 +35,7 @@ class LlamaForCausalLM(CausalLM):
     """
 
     cfg: LlamaConfig
-    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
-
-    def __init__(
-        self, cfg: LlamaConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
-    ) -> None:
-        self.cfg = cfg
-        self.scan_layers = scan_layers
-        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.init_layers(dtype, rngs)
-        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-
-    def init_layers(self, dtype: DTypeLike, rngs: nnx.Rngs | None) -> None:
-        """Create ``self.layers``: one stacked :class:`DecoderLayer` (scanned) or a list of them."""
-        cfg = self.cfg
-        self.layers = layer_stack(partial(DecoderLayer, cfg, dtype=dtype, rngs=rngs), cfg.num_hidden_layers,
-                                  self.scan_layers)
+    layer_class = DecoderLayer
 
     def rope(self, positions: jax.Array) -> Rope:
         """RoPE ``(cos, sin)`` tables for ``positions`` (YaRN's attention factor folded in)."""
@@ -73,10 +54,6 @@ class LlamaForCausalLM(CausalLM):
         x, cache = run_layers(params, x, lambda p, h, c: layer_forward(p, h, cfg, rope, ctx, c, cfg.sliding_window),
                               group_cache(caches, "layers"))
         return x, None if caches is None else {"layers": cache}
-
-    def cache_layout(self) -> dict[str, CacheLayout]:
-        cfg = self.cfg
-        return {"layers": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)}
 
     def forward(
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None

@@ -8,42 +8,25 @@ router with one group, :mod:`otfload.models.deepseek_moe`), the top-k weights re
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.typing import DTypeLike
 
 from otfload.families.minimax_m2.config import MiniMaxM2Config
 from otfload.models.attention import Context
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache, layer_stack
+from otfload.models.base import GroupCache, GroupCaches, StackedDecoderLM, group_cache
 from otfload.models.decoder import GroupRoutedLayer, layer_forward
 from otfload.models.deepseek_moe import deepseek_moe_forward
 from otfload.models.gqa import WHOLE, gqa_rope
-from otfload.models.layers import Embed, Params, pure, rms_norm, run_layers
+from otfload.models.layers import Params, pure, rms_norm, run_layers
 
 
-class MiniMaxM2ForCausalLM(CausalLM):
+class MiniMaxM2ForCausalLM(StackedDecoderLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for MiniMax-M2."""
 
     cfg: MiniMaxM2Config
-    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
-
-    def __init__(
-        self, cfg: MiniMaxM2Config, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32,
-        rngs: nnx.Rngs | None,
-    ) -> None:
-        self.cfg = cfg
-        self.scan_layers = scan_layers
-        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = layer_stack(partial(GroupRoutedLayer, cfg, dtype=dtype, rngs=rngs, qk_norm_over=WHOLE),
-                                  cfg.num_hidden_layers, scan_layers)
-        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-
-    def cache_layout(self) -> dict[str, CacheLayout]:
-        cfg = self.cfg
-        return {"layers": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)}
+    layer_class = GroupRoutedLayer
+    layer_options = {"qk_norm_over": WHOLE}
 
     def forward(
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None

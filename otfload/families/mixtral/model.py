@@ -11,6 +11,7 @@ group is one stack, run in HF layer order one homogeneous run at a time.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax.typing import DTypeLike
 from otfload.families.llama.model import LlamaForCausalLM
 from otfload.families.mixtral.config import MoeConfig
 from otfload.models.attention import Context, Window
-from otfload.models.base import CacheLayout, GroupCache, GroupCaches
+from otfload.models.base import CacheLayout, GroupCache, GroupCaches, layer_stack
 from otfload.models.decoder import DecoderLayer, layer_forward
 from otfload.models.layers import Params, pure, run_layers
 from otfload.models.moe import MoeDecoderLayer, moe_forward
@@ -56,9 +57,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _group(
         self, layer_cls: type[MoeDecoderLayer] | type[DecoderLayer], n: int, dtype: DTypeLike, rngs: nnx.Rngs | None
     ) -> nnx.Module:
-        if self.scan_layers:
-            return layer_cls(self.cfg, dtype=dtype, rngs=rngs, stack=n)
-        return nnx.List([layer_cls(self.cfg, dtype=dtype, rngs=rngs) for _ in range(n)])
+        return layer_stack(partial(layer_cls, self.cfg, dtype=dtype, rngs=rngs), n, self.scan_layers)
 
     def _params(self, group: str, start: int, stop: int) -> Params | list[Params]:
         layers = self.layers if group == "layers" else self.dense_layers

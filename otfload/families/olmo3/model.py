@@ -10,7 +10,6 @@ type is scanned over as data beside it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +20,9 @@ from jax.typing import DTypeLike
 from otfload.config.layer_types import SLIDING
 from otfload.families.olmo3.config import Olmo3Config
 from otfload.models.attention import Context, Window
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches, group_cache, layer_stack
+from otfload.models.base import GroupCache, GroupCaches, StackedDecoderLM, group_cache
 from otfload.models.gqa import WHOLE, Attention, Rope, attention_block, gqa_rope
 from otfload.models.layers import (
-    Embed,
     Norm,
     ParamOptions,
     Params,
@@ -55,25 +53,11 @@ def layer_forward(
     return x + rms_norm_scaled_f32(swiglu(p["mlp"], x), p["post_ffw_norm"]["scale"], cfg.rms_norm_eps), cache
 
 
-class Olmo3ForCausalLM(CausalLM):
+class Olmo3ForCausalLM(StackedDecoderLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for OLMo 3."""
 
     cfg: Olmo3Config
-    layers: nnx.Module  # one stacked decoder layer (``scan_layers``) or an ``nnx.List`` of layers
-
-    def __init__(
-        self, cfg: Olmo3Config, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None
-    ) -> None:
-        self.cfg = cfg
-        self.scan_layers = scan_layers
-        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = layer_stack(partial(Olmo3DecoderLayer, cfg, dtype=dtype, rngs=rngs), cfg.num_hidden_layers,
-                                  scan_layers)
-        self.init_output(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-
-    def cache_layout(self) -> dict[str, CacheLayout]:
-        cfg = self.cfg
-        return {"layers": (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)}
+    layer_class = Olmo3DecoderLayer
 
     def forward(
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
