@@ -7,7 +7,7 @@ K2.5, DeepSeek-V3 models, are :mod:`otfload.families.deepseek`'s.)
 """
 
 from otfload.families.kimi_linear.config import KimiLinearConfig
-from otfload.families.kimi_linear.mapping import kimi_linear_checks, kimi_linear_table
+from otfload.families.kimi_linear.mapping import KIMI_LINEAR_LORA, kimi_linear_checks, kimi_linear_table
 from otfload.families.kimi_linear.model import KimiLinearForCausalLM
 from otfload.families.registry import Family, register
 
@@ -19,6 +19,7 @@ KIMI_LINEAR = register(
         build=KimiLinearForCausalLM,
         mapping=kimi_linear_table,
         checks=kimi_linear_checks,
+        lora_layout=KIMI_LINEAR_LORA,
     )
 )
 

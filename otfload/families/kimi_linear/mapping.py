@@ -10,7 +10,8 @@ rules (:func:`otfload.families.mla.layer_rules`). MoE layers read ``block_sparse
 router (``gate.weight``, ``gate.e_score_correction_bias``), the experts per expert (``w1`` gate,
 ``w3`` up, ``w2`` down) and the shared experts. Dense MLPs are ``mlp.{gate,up,down}_proj`` in the
 releases (written so by export) and ``block_sparse_moe.{gate,up,down}_proj`` as transformers'
-``save_pretrained`` renames them (a fallback). Tied configs build no ``lm_head`` leaf.
+``save_pretrained`` renames them (a fallback). Tied configs build no ``lm_head`` leaf. PEFT LoRA
+adapters, which name transformers' runtime modules, are mapped by :data:`KIMI_LINEAR_LORA`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.kimi_linear.config import GROUPS, KimiLinearConfig
+from otfload.families.lora import ExpertLayout
 from otfload.families.mla import layer_rules
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -67,6 +69,11 @@ def _group_rules(group: str, kda: bool, moe: bool) -> list[Rule]:
               for n, w in EXPERT_WEIGHTS.items()),
             *(rule(f"moe.shared.{n}.kernel", f"{MOE}.shared_experts.{n}_proj.weight") for n in FFN)]
 
+
+# PEFT adapters name transformers' runtime modules: the decay's projections under ``forget_gate.``, the
+# feed-forwards under ``mlp.`` and the experts fused (``gate_up_proj`` of w1 and w3, ``down_proj`` of w2).
+KIMI_LINEAR_LORA = ExpertLayout(renames=((".mlp.", ".block_sparse_moe."), (".self_attn.forget_gate.", ".self_attn.")),
+                                fused=(("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))))
 
 KIMI_LINEAR_TABLE = MappingTable(
     rules=(
