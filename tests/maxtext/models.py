@@ -110,6 +110,11 @@ def _mla(q_lora: int, mscale: float, v3: bool) -> tuple[dict[str, Any], dict[str
 
 _V3_HF, _V3_MT = _mla(Q_LORA, 1.0, v3=True)
 _V2_HF, _V2_MT = _mla(0, 0.707, v3=False)
+# DeepSeek-V3.2: V3 plus the DSA indexer, 16 heads of 16 (8 rotated), top 4 of the 12 tokens (so the
+# sparse mask matters); 16 heads make an exact tie of two keys' scores too rare to meet
+INDEX_HEADS, INDEX_DIM, INDEX_TOPK = 16, 16, 4
+_V32_HF = dict(_V3_HF, index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, index_topk=INDEX_TOPK)
+_V32_MT = dict(_V3_MT, indexer_n_heads=INDEX_HEADS, indexer_head_dim=INDEX_DIM, indexer_topk=INDEX_TOPK)
 
 # gpt-oss-20b.yml's YaRN (factor 32 over 4096 positions, rotate-half, no truncation), its clamped
 # SwiGLU (limit 7) and sliding window (here 8, under the 12 tokens, so the window matters); 4 layers:
@@ -163,6 +168,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
     Family("deepseek3", "deepseek3-671b", "DeepseekV3Config", "DeepseekV3ForCausalLM", moe=True, hf_extra=_V3_HF,
            maxtext_extra=_V3_MT, random_buffers=("e_score_correction_bias",), fp8=True),
+    Family("deepseek32", "deepseek3.2-671b", "DeepseekV32Config", "DeepseekV32ForCausalLM", moe=True,
+           hf_extra=_V32_HF, maxtext_extra=_V32_MT, random_buffers=("e_score_correction_bias",),
+           layouts=((False, 1),)),  # MaxText's loader cannot load it scanned: test_maxtext_deepseek32.py
     Family("deepseek2", "deepseek2-16b", "DeepseekV2Config", "DeepseekV2ForCausalLM", moe=True, hf_extra=_V2_HF,
            maxtext_extra=_V2_MT),
     Family("gpt_oss", "gpt-oss-20b", "GptOssConfig", "GptOssForCausalLM", moe=True, hf_extra=_GPT_OSS_HF,

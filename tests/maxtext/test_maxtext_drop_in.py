@@ -1,10 +1,11 @@
 """``otfload.maxtext.load_state`` against the real MaxText (maxtext 0.2.5, in its own venv).
 
 For each tiny family (Llama 3.1, Qwen3 tied and with MaxText's vocabulary padding, Qwen3-MoE,
-Mixtral, DeepSeek-V3 and V2-Lite, GPT-OSS, Gemma 2 and 3, OLMo 3) and each layout MaxText has (``scan_layers`` with
-``param_scan_axis`` 1 and 0, unscanned), MaxText builds its abstract NNX model on a 2x4 mesh of the 8
-simulated CPU devices and loads the multi-shard float32 checkpoint with its own
-``load_safetensors_dynamic_state``; the drop-in, given the same arguments (the weights MaxText's
+Mixtral, DeepSeek-V3, V3.2 and V2-Lite, GPT-OSS, Gemma 2 and 3, OLMo 3) and each layout MaxText has
+(``scan_layers`` with ``param_scan_axis`` 1 and 0, unscanned; DeepSeek-V3.2 unscanned only, the one
+layout MaxText's loader loads it in: ``test_maxtext_deepseek32.py``), MaxText builds its abstract
+NNX model on a 2x4 mesh of the 8 simulated CPU devices and loads the multi-shard float32 checkpoint
+with its own ``load_safetensors_dynamic_state``; the drop-in, given the same arguments (the weights MaxText's
 checkpointing hands its loader: every variable but RNG state, so DeepSeek-V3's ``MoEBiasVar`` routing
 bias too), must give every leaf bitwise equal, with the tree's dtype and sharding.
 
@@ -53,9 +54,9 @@ from tests.maxtext.models import FAMILIES, Family, layouts  # noqa: E402
 EXPERT_LEAVES = ("wi_0", "wi_1", "wo")
 # family -> the layout its forward pass runs in; tolerance x max|logits|
 FORWARD = {"llama": ((True, 1), 1e-4), "qwen3": ((False, 1), 5e-3), "qwen3_moe": ((True, 0), 1e-4),
-           "mixtral": ((True, 1), 1e-4), "deepseek3": ((True, 1), 1e-4), "deepseek2": ((True, 0), 1e-4),
-           "gpt_oss": ((False, 1), 1e-4), "gemma2": ((False, 1), 5e-3), "gemma3": ((True, 1), 5e-3),
-           "gemma2_qpas": ((False, 1), 5e-3), "olmo3": ((False, 1), 1e-4)}
+           "mixtral": ((True, 1), 1e-4), "deepseek3": ((True, 1), 1e-4), "deepseek32": ((True, 1), 1e-4),
+           "deepseek2": ((True, 0), 1e-4), "gpt_oss": ((False, 1), 1e-4), "gemma2": ((False, 1), 5e-3),
+           "gemma3": ((True, 1), 5e-3), "gemma2_qpas": ((False, 1), 5e-3), "olmo3": ((False, 1), 1e-4)}
 # families MaxText's dynamic loader cannot load: the reference is its offline converter's steps
 CONVERTED = {"gpt_oss"}
 ROUTING_BIAS = "MoeBlock_0.gate.bias"
