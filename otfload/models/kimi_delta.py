@@ -55,7 +55,7 @@ def kda_conv_dim(cfg: KimiDeltaShape) -> int:
 class KimiDeltaAttention(nnx.Module):
     """``q``/``k``/``v (H d, hidden)``, their convolutions ``q_conv``/``k_conv``/``v_conv (H d, 1, K)`` (as
     HF's depthwise ``conv1d`` stores them), the decay's ``f_a (d, hidden)``, ``f_b (H d, d)``,
-    ``dt_bias (H d,)`` and ``A_log (1, 1, H, 1)`` (as stored), ``b (H, hidden)``, the output gate's
+    ``dt_bias (H d,)`` (always float32) and ``A_log (1, 1, H, 1)`` (as stored), ``b (H, hidden)``, the output gate's
     ``g_a (d, hidden)`` and ``g_b (H d, d)``, the gated ``norm (d,)`` and ``o (hidden, H d)``."""
 
     def __init__(
@@ -69,7 +69,7 @@ class KimiDeltaAttention(nnx.Module):
                     make_param(rngs, (n * d, 1, cfg.linear_conv_kernel_dim), ("mlp", None, None), dtype, stack))
         self.f_a = Dense((d, h), (None, "embed"), **kw)
         self.f_b = Dense((n * d, d), ("mlp", None), **kw)
-        self.dt_bias = make_param(rngs, (n * d,), ("mlp",), dtype, stack)
+        self.dt_bias = make_param(rngs, (n * d,), ("mlp",), jnp.float32, stack)  # float32, as transformers keeps it
         self.A_log = make_param(rngs, (1, 1, n, 1), (None, None, "heads", None), dtype, stack)
         self.b = Dense((n, h), ("heads", "embed"), **kw)
         self.g_a = Dense((d, h), (None, "embed"), **kw)
