@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1] / "otfload"  # read as text: nothing 
 STAGES: tuple[tuple[str, ...], ...] = (
     ("errors", "atomic", "pages", "held", "gcpause"),  # errors, atomic dirs, madvise, held settings, GC pause
     ("fetch",),  # byte accounting: which gaps and pages a fetch reads, request sizes, counting what moved
-    ("sources", "cache"),  # bytes by range: local / Hub / fsspec, and the shard cache in front of one
+    # bytes by range: local / Hub / fsspec; the shard cache in front of one; the processes of a job and their store
+    ("sources", "cache", "coordination"),
     ("index",),  # safetensors headers, config.json, quantized formats
     ("quantized",),  # the device-side array of a weight kept packed (index.quant's codes)
     ("plan",),  # target leaf <- HF keys, hooks, boxes, sharding: from headers alone

@@ -1,7 +1,7 @@
 """The distributed shard cache: each checkpoint file fetched from the source once, cluster-wide.
 
 Constructing a :class:`ShardCache` is collective: every process of the job does it, in the same
-order. The files are split among the processes by :func:`~otfload.cache.assign.assign_files`; each
+order. The files are split among the processes by :func:`~otfload.coordination.assign_files`; each
 process makes sure its files are committed in the cache (reusing copies whose record still matches,
 see :mod:`otfload.cache.integrity`; else fetching them whole from the source, hashed as they stream),
 publishes each file's status, and then waits until every other file is committed. From then on the
@@ -27,8 +27,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from otfload.cache.assign import assign_files
-from otfload.cache.coordination import Coordinator, current_coordinator
 from otfload.cache.integrity import (
     VERIFY_FULL,
     VERIFY_MODES,
@@ -39,6 +37,7 @@ from otfload.cache.integrity import (
     published_digests,
 )
 from otfload.cache.store import EntryStat, Store, check_cache_name, open_store
+from otfload.coordination import Coordinator, assign_files, current_coordinator
 from otfload.errors import (
     CacheError,
     CacheFillError,

@@ -1,7 +1,7 @@
 """Writing an export from every process of a ``jax.distributed`` job into one shared directory.
 
 The shard files (split as ``save_pretrained`` splits them) are assigned to processes, balanced
-by bytes (:func:`otfload.cache.assign_files`: the same answer everywhere, without talking). Every
+by bytes (:func:`otfload.coordination.assign_files`: the same answer everywhere, without talking). Every
 process then walks every tensor of every file in the same order. A leaf slice that the owner of
 its file holds completely on its own devices is copied by the owner alone; any other slice is
 gathered with :func:`jax.experimental.multihost_utils.process_allgather`, which every process
@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from otfload.atomic import commit, output_dir, temp_path
-from otfload.cache import assign_files
+from otfload.coordination import assign_files
 from otfload.export import writer
 from otfload.export.companions import write_companions
 from otfload.export.gather import Position, contains, device_slice, gather_slice

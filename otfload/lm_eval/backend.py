@@ -14,7 +14,8 @@ as lm_eval's ``hf`` backend answers them, so the numbers compare:
 * ``loglikelihood`` (lm_eval's ``TemplateLM`` splits context and continuation, trailing spaces
   moving to the continuation) and ``loglikelihood_rolling`` (lm_eval's disjoint rolling windows of
   ``max_length``, summed) are scored by :mod:`otfload.lm_eval.scoring`, the continuations of one
-  context (a multiple-choice question's choices) scored in one pass over it;
+  context (a multiple-choice question's choices) scored in one pass over it (one request a row for
+  a model with a recurrent layer: ``packs_sequences``);
 * ``generate_until`` by :mod:`otfload.lm_eval.generation`: greedy, stop strings, ``max_gen_toks``;
 * ``apply_chat_template`` (lm_eval's ``--apply_chat_template``) renders the checkpoint's chat
   template as transformers does (:mod:`otfload.lm_eval.chat`).
@@ -53,8 +54,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
-from otfload.cache.coordination import LocalCoordinator
 from otfload.compile_cache import enable_compile_cache
+from otfload.coordination import LocalCoordinator
 from otfload.errors import InvalidOptionError
 from otfload.lm_eval.chat import render_chat, select_template
 from otfload.lm_eval.generation import Generator, generation_options, options_key
@@ -127,7 +128,8 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._loaded: CausalLM | None = None
-        self.scorer = Scorer(self._batch_size, self._max_length, self.mesh, self._load.abstract, self.timings)
+        self.scorer = Scorer(self._batch_size, self._max_length, self.mesh, self._load.abstract, self.timings,
+                             self._load.packs_sequences)
         self.generator = Generator(self.tokenizer, self._batch_size, self.timings)
 
     @classmethod
@@ -220,7 +222,7 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
     def _loglikelihood_tokens(self, requests: list[TokenRequest], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
         groups = make_groups([(context, continuation) for _, context, continuation in requests], self.max_length,
-                             self._load.sliding_window)
+                             self._load.sliding_window, packs=self.scorer.packs)
         with self._bar(len(requests), "loglikelihood", disable_tqdm) as bar:
             answers = self.scorer.score(groups, lambda: self.model, bar.update)
         for (strings, _, _), answer in zip(requests, answers, strict=True):

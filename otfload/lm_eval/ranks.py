@@ -5,7 +5,7 @@ each task, pads the request lists to one length (it all-gathers their counts), r
 barrier after each request type and gathers the per-document metrics (and logged samples) to rank 0,
 which alone aggregates them and gets the results. Its ``hf`` backend does this with ``accelerate``;
 here the ranks are ``jax.distributed``'s processes and the exchanges go through the job's key-value
-store (its coordination service, :mod:`otfload.cache.coordination`), so no device and no torch
+store (its coordination service, :mod:`otfload.coordination`), so no device and no torch
 process group takes part: each process scores its share on its own devices.
 
 Every process makes the same exchanges in the same order (lm_eval's protocol does), so the n-th
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from otfload.cache.coordination import Coordinator, current_coordinator
+from otfload.coordination import Coordinator, current_coordinator
 from otfload.errors import CollectiveError, CollectiveTimeoutError, InvalidOptionError
 from otfload.options.environment import environment
 from otfload.place.agree import TIMEOUT_ENV

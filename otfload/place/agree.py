@@ -10,7 +10,7 @@ remembers from earlier loads enters a choice; the reshard programs are compiled 
 bytes are read, so their compile is no input either.
 
 A load agrees in two exchanges over the job's key-value store (``jax.distributed``'s coordination
-service, :mod:`otfload.cache.coordination`), each one small record per process:
+service, :mod:`otfload.coordination`), each one small record per process:
 
 1. **facts**, before anything is read: each process publishes a digest of its plan, its policy, its
    source kind and the fraction of its files resident (a sampled ``mincore``). Different plans or
@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from jax.sharding import Mesh
 
-from otfload.cache.coordination import Coordinator, current_coordinator
+from otfload.coordination import Coordinator, current_coordinator
 from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from otfload.place.collective_route import cold_processes, plan_mesh, process_devices
 from otfload.plan.planner import LeafPlan

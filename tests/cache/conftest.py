@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from otfload.cache import LocalCoordinator, ShardCache
+from otfload.cache import ShardCache
+from otfload.coordination import LocalCoordinator
 from otfload.sources.fsspec_source import FsspecSource
 from otfload.sources.hub import HubSource
 from otfload.sources.retry import RetryPolicy

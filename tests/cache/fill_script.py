@@ -19,7 +19,8 @@ from pathlib import Path
 
 
 def run(source_url: str, cache_dir: str, verify: str) -> dict:
-    from otfload.cache import LocalCoordinator, ShardCache
+    from otfload.cache import ShardCache
+    from otfload.coordination import LocalCoordinator
     from otfload.sources import open_source
 
     outcome: dict = {"error": None, "fetched": [], "reused": []}

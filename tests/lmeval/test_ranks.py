@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from otfload.cache.coordination import LocalCoordinator
+from otfload.coordination import LocalCoordinator
 from otfload.errors import CollectiveError, CollectiveTimeoutError, InvalidOptionError
 from otfload.lm_eval import ranks
 from otfload.lm_eval.ranks import Ranks

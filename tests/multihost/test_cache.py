@@ -1,4 +1,4 @@
-"""The shard cache in one process: assignment, fill, reuse, verification, atomic commits, faults."""
+"""The shard cache in one process: fill (split by assign_files), reuse, verification, atomic commits, faults."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from otfload.cache import LocalCoordinator, ShardCache, assign_files, cache_key, wrap_with_cache
+from otfload.cache import ShardCache, cache_key, wrap_with_cache
+from otfload.coordination import LocalCoordinator, assign_files
 from otfload.errors import CacheTimeoutError, ChecksumMismatchError, SourceUnavailableError
 from otfload.sources import open_source
 from otfload.sources.base import read_bytes
@@ -39,21 +40,6 @@ def assert_complete(folder: Path, files: dict[str, bytes]) -> None:
     """Every visible checkpoint file in ``folder`` is whole; none is missing."""
     visible = {k: v for k, v in visible_files(folder).items() if not k.endswith(".sha256")}
     assert visible == files
-
-
-# --- assignment ------------------------------------------------------------------------------------
-
-
-def test_assignment_is_deterministic_complete_and_size_balanced():
-    sizes = {f"f{i}": s for i, s in enumerate([90, 10, 40, 40, 30, 30, 5, 5, 1])}
-    owners = assign_files(sizes, 3)
-    assert owners == assign_files(dict(reversed(sizes.items())), 3)  # independent of listing order
-    assert set(owners) == set(sizes) and set(owners.values()) == {0, 1, 2}
-    loads = [sum(sizes[f] for f, p in owners.items() if p == proc) for proc in range(3)]
-    assert max(loads) - min(loads) <= max(sizes.values())  # greedy largest-first bound
-    assert set(assign_files(sizes, 1).values()) == {0}
-    with pytest.raises(ValueError):
-        assign_files(sizes, 0)
 
 
 # --- fill and reuse --------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from otfload.cache.coordination import LocalCoordinator
+from otfload.coordination import LocalCoordinator
 from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from otfload.place.agree import Agreement, Facts, run_bounded
 from otfload.place.collective_route import cold_processes

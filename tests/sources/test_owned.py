@@ -14,9 +14,9 @@ import jax
 import pytest
 
 import otfload
-from otfload.cache.coordination import LocalCoordinator
 from otfload.cache.shard_cache import ShardCache
 from otfload.cli.inspect import inspect_source
+from otfload.coordination import LocalCoordinator
 from otfload.errors import CheckpointMismatchError
 from otfload.export.api import export_checkpoint, export_hf
 from otfload.mappings.pytree_llama import TABLE, abstract_params

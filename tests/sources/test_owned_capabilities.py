@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from otfload.cache.coordination import LocalCoordinator
 from otfload.cache.integrity import published_digests
 from otfload.cache.shard_cache import ShardCache
+from otfload.coordination import LocalCoordinator
 from otfload.sources.base import (
     DigestSource,
     DownloadableSource,
