@@ -55,6 +55,7 @@ class BackgroundLoad:
                 self.config: dict[str, Any] = plan.config
                 self.tokenizer: CheckpointTokenizer = checkpoint_tokenizer(self.source, plan.config)
             self.sliding_window = _sliding_window(abstract)
+            self.packs_sequences = bool(getattr(abstract, "packs_sequences", True))  # one sequence a row when False
             same_leaves = load_options.quantized != "keep" and load_options.merge_adapter
             self.abstract: CausalLM | None = _with_shardings(abstract, plan) if same_leaves else None
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="otfload-load")

@@ -17,6 +17,12 @@ first id. A group holds at most ``max_length`` slots, and no more than the model
 request's); a request that is cut, or does not fit, is a group of its own. On a task of four
 choices of ~6 tokens after a ~8-token question this reads about half the tokens.
 
+A model whose rows hold one sequence only (``packs_sequences`` False: a recurrent layer's state and
+convolution window run along the whole row, whatever the masks say) is scored one request a row,
+as padded rows of its own, without ``segments``: ``make_groups(packs=False)`` and
+``Scorer(packs=False)``; a packing scorer given such a model raises
+:class:`~otfload.errors.UnsupportedModelError`.
+
 Groups are packed into rows of one width (the longest group's, rounded up to ``ALIGN``), longest
 first, each into the row with the most room left (worst-fit decreasing), each group a sequence of
 its own there (its segments and prefix apart from the other groups'). Rows are dealt evenly to the
@@ -56,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from otfload.errors import EvalRequestError
+from otfload.errors import EvalRequestError, UnsupportedModelError
 from otfload.lm_eval.buckets import ALIGN
 from otfload.models.attention import make_context
 from otfload.models.base import CausalLM
@@ -115,18 +121,19 @@ class Group:
 
 
 def make_groups(requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
-                pack_width: int | None = None) -> list[Group]:
+                pack_width: int | None = None, *, packs: bool = True) -> list[Group]:
     """The groups answering ``requests`` (``(context ids, continuation ids)``): the continuations
     of one context packed after it in groups of at most ``pack_width`` slots (default
     ``max_length``; a model with a sliding window passes its window), each request alone when it
-    is cut to ``max_length`` (lm_eval's rule, see the module docstring) or does not fit a pack."""
+    is cut to ``max_length`` (lm_eval's rule, see the module docstring), does not fit a pack, or
+    ``packs`` is False (a model that packs no sequences)."""
     pack_width = max_length if pack_width is None else min(pack_width, max_length)
     groups: list[Group] = []
     by_context: dict[tuple[int, ...], list[int]] = {}
     for i, (context, continuation) in enumerate(requests):
         _check(context, continuation, max_length)
-        if len(context) + len(continuation) > max_length + 1:
-            groups.append(_cut(i, context, continuation, max_length))
+        if not packs or len(context) + len(continuation) > max_length + 1:
+            groups.append(_alone(i, context, continuation, max_length))
         else:
             by_context.setdefault(tuple(context), []).append(i)
     for context, members in by_context.items():
@@ -151,8 +158,9 @@ def _check(context: Sequence[int], continuation: Sequence[int], max_length: int)
                                f"{max_length} (max_length)")
 
 
-def _cut(request: int, context: Sequence[int], continuation: Sequence[int], max_length: int) -> Group:
-    """One request alone, its input ``(context + continuation)[-(max_length + 1):][:-1]``."""
+def _alone(request: int, context: Sequence[int], continuation: Sequence[int], max_length: int) -> Group:
+    """One request alone, its input ``(context + continuation)[-(max_length + 1):][:-1]`` (cut to
+    ``max_length`` ids when longer)."""
     seq = np.asarray([*context, *continuation], np.int32)[-(max_length + 1):]
     n, c = len(seq) - 1, len(continuation)
     return Group(seq[:-1], np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.arange(n - c, n, dtype=np.int32),
@@ -179,14 +187,16 @@ def _packed(context: Sequence[int], branches: Sequence[tuple[int, Sequence[int]]
                  tuple(len(c) for _, c in branches))
 
 
-def _loglik_of_batch(model: CausalLM, ids: jax.Array, mask: jax.Array, positions: jax.Array, segments: jax.Array,
-                     prefixes: jax.Array, at: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _loglik_of_batch(model: CausalLM, ids: jax.Array, mask: jax.Array, positions: jax.Array,
+                     segments: tuple[jax.Array, jax.Array] | None, at: jax.Array,
+                     targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The log-probability of each scored target and whether it is the argmax (``[n]`` each).
 
-    ``at [n]`` are the scored slots of the whole batch (flat indices into ``[b * width]``; padding
-    entries are read and ignored), ``targets [n]`` their next ids: only their hidden states go
-    through the output projection and the softmax."""
-    ctx = make_context(ids, mask, positions, None, model.attention_impl, model.moe_impl, (segments, prefixes))
+    ``segments`` are the rows' ``(segment, prefix)`` ids (None: one sequence a row). ``at [n]`` are
+    the scored slots of the whole batch (flat indices into ``[b * width]``; padding entries are read
+    and ignored), ``targets [n]`` their next ids: only their hidden states go through the output
+    projection and the softmax."""
+    ctx = make_context(ids, mask, positions, None, model.attention_impl, model.moe_impl, segments)
     hidden, _ = model.forward(ids, ctx, None)
     picked_hidden = hidden.reshape(-1, hidden.shape[-1])[at]
     logits = model.head(picked_hidden[None])[0].astype(jnp.float32)
@@ -206,13 +216,16 @@ class Scorer:
     ``abstract`` is the model with ``jax.ShapeDtypeStruct`` leaves (shardings included) to compile
     against before the weights are loaded; ``None`` compiles against the real model when it is
     given. ``mesh`` is the model's mesh (rows go on its batch axes), None for single-device arrays.
+    ``packs``: rows hold several groups (segments apart); False: one single-request group a row,
+    without segments (a model whose ``packs_sequences`` is False).
     """
 
     def __init__(self, batch_size: int, max_length: int, mesh: Mesh | None, abstract: CausalLM | None,
-                 timings: Timings) -> None:
+                 timings: Timings, packs: bool = True) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}")
         self.batch_size, self.max_length, self.mesh, self.abstract = batch_size, max_length, mesh, abstract
+        self.packs = packs
         self.timings = timings
         self._compiled: dict[Shape, Any] = {}
         # The scored positions (in) and their two numbers (out) are replicated: every process reads
@@ -231,13 +244,16 @@ class Scorer:
         ``ALIGN``). Groups are placed longest first, each in the row with the most
         room left that holds it, else a new row (worst-fit decreasing: rows fill evenly); rows are
         dealt to the batches most-scored first, back and forth, so that every batch scores about
-        as many tokens (the scored count is padded to the most)."""
+        as many tokens (the scored count is padded to the most). Without ``packs`` every group
+        is a row of its own."""
+        if not self.packs and any(len(g.requests) > 1 for g in groups):
+            raise ValueError("a group of several requests for a scorer of one request a row: make_groups(packs=False)")
         width = _round_up(max((len(g.ids) for g in groups), default=1))
         rows: list[list[int]] = []
         room: list[tuple[int, int]] = []  # heap of (-free slots, row)
         for i in sorted(range(len(groups)), key=lambda i: -len(groups[i].ids)):
             n = len(groups[i].ids)
-            if room and -room[0][0] >= n:
+            if self.packs and room and -room[0][0] >= n:
                 free, r = heapq.heappop(room)
                 rows[r].append(i)
                 heapq.heappush(room, (free + n, r))
@@ -268,13 +284,16 @@ class Scorer:
             self.timings.compile_seconds += program.seconds
             self.timings.lower_seconds += program.lower_seconds
 
-    def _arguments(self, shape: Shape) -> list[jax.ShapeDtypeStruct]:
-        """The step's arguments after the model, abstract: ids, mask, positions, segments, prefixes
-        ``[batch, width]`` (rows on the batch axes), scored slots and targets ``[scored]`` (replicated)."""
+    def _arguments(self, shape: Shape) -> list[Any]:
+        """The step's arguments after the model, abstract: ids, mask, positions ``[batch, width]``
+        (rows on the batch axes), segments (``(segment, prefix)`` like them, None without ``packs``),
+        scored slots and targets ``[scored]`` (replicated)."""
         rows, flat = (shape.rows, shape.width), (shape.scored,)
-        return [jax.ShapeDtypeStruct(dims, dtype, sharding=self._sharding(dims))  # type: ignore[no-untyped-call]
-                for dims, dtype in ((rows, jnp.int32), (rows, jnp.bool_), (rows, jnp.int32), (rows, jnp.int32),
-                                    (rows, jnp.int32), (flat, jnp.int32), (flat, jnp.int32))]
+        ids, mask, positions, segment, prefix, at, targets = (
+            jax.ShapeDtypeStruct(dims, dtype, sharding=self._sharding(dims))  # type: ignore[no-untyped-call]
+            for dims, dtype in ((rows, jnp.int32), (rows, jnp.bool_), (rows, jnp.int32), (rows, jnp.int32),
+                                (rows, jnp.int32), (flat, jnp.int32), (flat, jnp.int32)))
+        return [ids, mask, positions, (segment, prefix) if self.packs else None, at, targets]
 
     def score(self, groups: Sequence[Group], model: Callable[[], CausalLM],
               progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
@@ -284,8 +303,10 @@ class Scorer:
         batches = self.plan(groups)
         shapes = sorted({shape for _, shape in batches})
         if self.abstract is not None:
+            self._check_packing(self.abstract)
             self.compile(shapes)
         loaded = model()
+        self._check_packing(loaded)
         self.compile(shapes, loaded)
         out: list[tuple[float, bool]] = [(0.0, False)] * sum(len(g.requests) for g in groups)
         start = time.perf_counter()
@@ -307,6 +328,12 @@ class Scorer:
         self.timings.score_seconds += time.perf_counter() - start
         return out
 
+    def _check_packing(self, model: CausalLM) -> None:
+        if self.packs and not model.packs_sequences:
+            raise UnsupportedModelError(f"{type(model).__name__} packs no sequences in a row (a recurrent layer's "
+                                        "state runs along it): score it with Scorer(packs=False) and "
+                                        "make_groups(packs=False)")
+
     def _run(self, model: CausalLM, rows: list[list[Group]], shape: Shape) -> tuple[jax.Array, jax.Array]:
         ids = np.zeros((shape.rows, shape.width), np.int32)
         mask = np.zeros(ids.shape, bool)
@@ -323,8 +350,10 @@ class Scorer:
                 at[done : done + c], targets[done : done + c] = r * shape.width + slot + g.at, g.targets
                 slot, segment, done = slot + n, segment + int(g.branches.max()) + 1, done + c
         mask[len(rows):, 0] = True  # filler rows: one token, nothing scored
-        args = [self._put(a) for a in (ids, mask, positions, segments, prefixes, at, targets)]
-        result: tuple[jax.Array, jax.Array] = self._compiled[shape](model, *args)
+        placed = [self._put(a) for a in (ids, mask, positions)]
+        packed = (self._put(segments), self._put(prefixes)) if self.packs else None
+        result: tuple[jax.Array, jax.Array] = self._compiled[shape](model, *placed, packed, self._put(at),
+                                                                    self._put(targets))
         return result
 
     def _put(self, host: np.ndarray) -> jax.Array:

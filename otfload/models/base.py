@@ -55,8 +55,14 @@ class CausalLM(nnx.Module):
     like any other. The models have no dropout: every published config of the bundled families sets
     ``attention_dropout`` (and Mixtral's ``router_jitter_noise``) to 0, and a config that does not
     is trained without them.
+
+    ``packs_sequences`` (class-level, True here) says whether one row may hold several sequences
+    (``make_context``'s ``segments``: lm-eval's packed scoring rows). Attention keeps them apart by
+    its masks; a model with a recurrent layer (Gated DeltaNet, KDA, Mamba-2) sets it False, since its
+    state and convolution window run along the whole row: such a model is scored one sequence a row.
     """
 
+    packs_sequences: ClassVar[bool] = True
     attention_impl: str | None = None
     moe_impl: str | None = None
     freeze_pad_row: bool = True

@@ -76,6 +76,7 @@ class KimiLinearForCausalLM(CausalLM):
     per layer group (a stacked :class:`KimiLinearLayer` with ``scan_layers``, else an ``nnx.List``)."""
 
     cfg: KimiLinearConfig
+    packs_sequences = False  # KDA layers: a recurrent state along the row
 
     def __init__(
         self, cfg: KimiLinearConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32,

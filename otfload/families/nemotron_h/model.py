@@ -8,8 +8,8 @@ groups: DeepSeek's router, :mod:`otfload.models.deepseek_moe`) plus a shared ung
 Each block kind is a group of its own shapes (``mamba_layers``, ``attention_layers``, ``mlp_layers``,
 ``moe_layers``), run in HF layer order by :func:`otfload.models.groups.run_groups`. The cache holds
 the attention layers' keys and values and, per Mamba-2 layer, the convolution's last inputs and the
-float32 state. Rows packing several sequences (``segments``, lm-eval's shared contexts) are refused:
-the state would run from one sequence into the next.
+float32 state. The model packs no sequences (``packs_sequences``: lm-eval's backend scores one request
+a row); a row given several (``segments``) is refused: the state would run from one into the next.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ class NemotronHForCausalLM(CausalLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for Nemotron-H."""
 
     cfg: NemotronHConfig
+    packs_sequences = False  # Mamba-2 layers: a recurrent state along the row
 
     def __init__(
         self, cfg: NemotronHConfig, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32,
