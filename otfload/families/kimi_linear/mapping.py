@@ -21,15 +21,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
+from otfload.families.decoder_rules import decoder_table, mlp_rules, norm_rules
 from otfload.families.kimi_linear.config import GROUPS, KimiLinearConfig
 from otfload.families.lora import ExpertLayout
 from otfload.families.mla import layer_rules
+from otfload.plan.hooks import Hook
 from otfload.plan.mapping import MappingTable, Rule
 
 L = "model.layers.{layer}"
 ATTN = f"{L}.self_attn"
 MOE = f"{L}.block_sparse_moe"
-FFN = ("gate", "up", "down")
 EXPERT_WEIGHTS = {"gate": "w1", "up": "w3", "down": "w2"}
 
 # leaf under a KDA layer's ``kda`` <- HF key under ``self_attn``
@@ -54,20 +55,22 @@ def _mla_rules(group: str) -> list[Rule]:
 def _group_rules(group: str, kda: bool, moe: bool) -> list[Rule]:
     g = f"{group}.{{layer}}"
 
-    def rule(leaf: str, key: str, fallback: str | None = None) -> Rule:
-        return Rule(f"{g}.{leaf}", key, fallbacks=() if fallback is None else (fallback,), indices={"layer": group})
+    def rule(target: str, source: str, *hooks: Hook, fallbacks: tuple[str, ...] = ()) -> Rule:
+        return Rule(target, source, hooks, fallbacks=fallbacks, indices={"layer": group})
 
-    rules = [rule("input_norm.scale", f"{L}.input_layernorm.weight"),
-             rule("post_attn_norm.scale", f"{L}.post_attention_layernorm.weight")]
-    rules += [rule(f"kda.{leaf}", f"{ATTN}.{key}") for leaf, key in KDA.items()] if kda else _mla_rules(group)
+    def dense(target: str, source: str) -> Rule:  # the releases' mlp., else save_pretrained's block_sparse_moe.
+        return rule(target, source, fallbacks=(source.replace(".mlp.", ".block_sparse_moe."),))
+
+    rules = norm_rules(g, L, rule)
+    rules += [rule(f"{g}.kda.{leaf}", f"{ATTN}.{key}") for leaf, key in KDA.items()] if kda else _mla_rules(group)
     if not moe:
-        return rules + [rule(f"mlp.{n}.kernel", f"{L}.mlp.{n}_proj.weight", f"{MOE}.{n}_proj.weight") for n in FFN]
+        return rules + mlp_rules(f"{g}.mlp", f"{L}.mlp", dense)
     return [*rules,
-            rule("moe.router.kernel", f"{MOE}.gate.weight"),
-            rule("moe.router.bias", f"{MOE}.gate.e_score_correction_bias"),
-            *(rule(f"moe.experts.{n}.kernel", f"{MOE}.experts.{{expert}}.{w}.weight")
+            rule(f"{g}.moe.router.kernel", f"{MOE}.gate.weight"),
+            rule(f"{g}.moe.router.bias", f"{MOE}.gate.e_score_correction_bias"),
+            *(rule(f"{g}.moe.experts.{n}.kernel", f"{MOE}.experts.{{expert}}.{w}.weight")
               for n, w in EXPERT_WEIGHTS.items()),
-            *(rule(f"moe.shared.{n}.kernel", f"{MOE}.shared_experts.{n}_proj.weight") for n in FFN)]
+            *mlp_rules(f"{g}.moe.shared", f"{MOE}.shared_experts", rule)]
 
 
 # PEFT adapters name transformers' runtime modules: the decay's projections under ``forget_gate.``, the
@@ -75,14 +78,7 @@ def _group_rules(group: str, kda: bool, moe: bool) -> list[Rule]:
 KIMI_LINEAR_LORA = ExpertLayout(renames=((".mlp.", ".block_sparse_moe."), (".self_attn.forget_gate.", ".self_attn.")),
                                 fused=(("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))))
 
-KIMI_LINEAR_TABLE = MappingTable(
-    rules=(
-        Rule("embed.embedding", "model.embed_tokens.weight"),
-        Rule("final_norm.scale", "model.norm.weight"),
-        Rule("lm_head.kernel", "lm_head.weight"),
-        *(r for group in GROUPS for r in _group_rules(*group)),
-    ),
-)
+KIMI_LINEAR_TABLE = decoder_table(*(r for group in GROUPS for r in _group_rules(*group)))
 
 
 def kimi_linear_table(cfg: KimiLinearConfig) -> MappingTable:
