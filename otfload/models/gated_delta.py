@@ -21,6 +21,11 @@ by token. All of it runs in float32
 whatever the weights' dtype. Padding (``mask`` 0) never enters a convolution window or the state:
 a pad token's input is zeroed, its decay is 1 and its write strength 0.
 
+Qwen3.5 stores the projections apart (``in_proj_qkv`` fused by kind: every query head, then every
+key head, then every value head); Qwen3-Next fuses them per key head (``in_proj_qkvz``: each key
+head's query, key, value and ``z`` rows together; ``in_proj_ba`` its ``b`` then ``a`` rows), which
+``per_key_head`` keeps as the layer's ``q``, ``k``, ``v``, ``z``, ``b`` and ``a`` by key head.
+
 The cache of a layer (decoding): ``conv [b, conv_dim, K]``, the last ``K`` conv inputs (in the
 activation dtype, as transformers keeps them), and ``state [b, hv, dk, dv]`` in float32.
 """
@@ -74,19 +79,32 @@ def conv_dim(cfg: GatedDeltaShape) -> int:
 class GatedDeltaNet(nnx.Module):
     """``qkv (conv_dim, hidden)``, ``conv (conv_dim, 1, K)`` (as HF's depthwise ``conv1d`` stores it),
     ``z (hv, dv, hidden)``, ``a``/``b (hv, hidden)``, ``dt_bias``/``A_log (hv,)``, the gated ``norm
-    (dv,)`` and ``out (hidden, hv, dv)``."""
+    (dv,)`` and ``out (hidden, hv, dv)``. ``per_key_head`` (Qwen3-Next) replaces ``qkv``, ``z``, ``a``
+    and ``b`` by ``q``/``k (hk, dk, hidden)``, ``v``/``z (hk, r * dv, hidden)`` and ``b``/``a (hk, r,
+    hidden)``, ``r = hv / hk`` value heads per key head."""
 
     def __init__(
-        self, cfg: GatedDeltaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
+        self, cfg: GatedDeltaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None,
+        per_key_head: bool = False,
     ) -> None:
         h, hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         c = conv_dim(cfg)
-        self.qkv = Dense((c, h), ("mlp", "embed"), **kw)
+        if per_key_head:
+            hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+            r, axes = hv // hk, ("heads", "head_dim", "embed")
+            self.q = Dense((hk, dk, h), axes, **kw)
+            self.k = Dense((hk, dk, h), axes, **kw)
+            self.v = Dense((hk, r * dv, h), axes, **kw)
+            self.z = Dense((hk, r * dv, h), axes, **kw)
+            self.b = Dense((hk, r, h), axes, **kw)
+            self.a = Dense((hk, r, h), axes, **kw)
+        else:
+            self.qkv = Dense((c, h), ("mlp", "embed"), **kw)
+            self.z = Dense((hv, dv, h), ("heads", "head_dim", "embed"), **kw)
+            self.a = Dense((hv, h), ("heads", "embed"), **kw)
+            self.b = Dense((hv, h), ("heads", "embed"), **kw)
         self.conv = make_param(rngs, (c, 1, cfg.linear_conv_kernel_dim), ("mlp", None, None), dtype, stack)
-        self.z = Dense((hv, dv, h), ("heads", "head_dim", "embed"), **kw)
-        self.a = Dense((hv, h), ("heads", "embed"), **kw)
-        self.b = Dense((hv, h), ("heads", "embed"), **kw)
         self.dt_bias = make_param(rngs, (hv,), ("heads",), dtype, stack)
         self.A_log = make_param(rngs, (hv,), ("heads",), dtype, stack)
         self.norm = Norm(dv, **kw)
@@ -243,6 +261,12 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, eps: float, 
     return (scale.astype(dtype) * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
 
 
+def by_heads(p: Params, h: jax.Array, heads: tuple[int, ...]) -> jax.Array:
+    """A projection of ``h [b, s, hidden]`` whatever its kernel's head layout (``[..., hidden]``),
+    reshaped to ``[b, s, *heads]``."""
+    return dense(p, h, "bsh,...h->bs...").reshape(*h.shape[:2], *heads)
+
+
 def gated_delta_forward(
     p: Params, h: jax.Array, cfg: GatedDeltaShape, mask: jax.Array | None, cache: GroupCache | None,
     chunk: int = CHUNK,
@@ -255,17 +279,20 @@ def gated_delta_forward(
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if mask is not None:
         h = h * mask[..., None].astype(h.dtype)
-    mixed, conv_state = causal_conv1d(dense(p["qkv"], h, "bsh,ch->bsc"), p["conv"][:, 0],
-                                      None if cache is None else cache["conv"])
+    if "qkv" in p:
+        qkv = dense(p["qkv"], h, "bsh,ch->bsc")
+    else:  # by key head: each kind's heads flattened in the order of the fused layout's channels
+        qkv = jnp.concatenate([by_heads(p[name], h, (-1,)) for name in ("q", "k", "v")], axis=-1)
+    mixed, conv_state = causal_conv1d(qkv, p["conv"][:, 0], None if cache is None else cache["conv"])
     q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
     q, k = (l2_normalize(x.reshape(b, s, hk, dk).astype(jnp.float32)) for x in (q, k))
     q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q * dk**-0.5, k))
-    a = dense(p["a"], h, "bsh,nh->bsn").astype(jnp.float32)
+    a = by_heads(p["a"], h, (hv,)).astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
-    beta = jax.nn.sigmoid(dense(p["b"], h, "bsh,nh->bsn").astype(jnp.float32))
+    beta = jax.nn.sigmoid(by_heads(p["b"], h, (hv,)).astype(jnp.float32))
     out, state = masked_delta_rule(q, k, v.reshape(b, s, hv, dv), g, beta, mask,
                                    None if cache is None else cache["state"], chunk)
-    z = dense(p["z"], h, "bsh,ndh->bsnd")
+    z = by_heads(p["z"], h, (hv, dv))
     out = gated_rms_norm(out, z, p["norm"]["scale"], cfg.rms_norm_eps, h.dtype)
     new = None if cache is None else {"conv": conv_state.astype(cache["conv"].dtype), "state": state}
     return dense(p["out"], out, "bsnd,hnd->bsh"), new
