@@ -45,27 +45,28 @@ def leaf_layouts(selection: Selection) -> dict[str, tuple[tuple[int, ...], tuple
     table = selection.mapping
     for group in selection.groups:
         template = group.prefix(selection.scan_layers)
-        layers = group.layers(config)
+        layers, sizes = group.path_layers(config), group.stack_sizes(config)
         # a group of single layers in a scanned tree too: Gemma 3's decoder.layers_remainder.layers_<r>
-        prefixes = [template.format(layer=i) for i in range(layers)] if "{layer}" in template else [template]
+        prefixes = [template.format(layer=i) for i in layers] if "{layer}" in template else [template]
         for prefix in prefixes if layers else ():
             for leaf in group.leaves:
-                out[f"{prefix}.{leaf.path}"] = _stacked(table.find(f"{prefix}.{leaf.path}"), leaf, config, layers)
+                out[f"{prefix}.{leaf.path}"] = _stacked(table.find(f"{prefix}.{leaf.path}"), leaf, config, sizes)
     for extra in selection.table.extras:
         for leaf, path in zip(extra.leaves, extra.paths(), strict=True) if selection.fields[extra.field] else ():
-            out[path] = _stacked(table.find(path), leaf, config, 1)
+            out[path] = _stacked(table.find(path), leaf, config, {"layer": 1})
     return out
 
 
 def _stacked(found: Any, leaf: Leaf, config: Mapping[str, Any],
-             layers: int) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+             sizes: Mapping[str, int]) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
     rule, _, axes = found
     shape: list[int] = list(slice_shape(leaf, config))
     names: list[str | None] = list(leaf.axes)
     ndim = len(shape) + len(axes)
     placed = dict(zip(stack_dims(rule, axes, ndim, config), axes, strict=True))
     for dim in sorted(placed):
-        shape.insert(dim, layers if placed[dim] == "layer" else int(config[EXPERTS]))
+        name = placed[dim]
+        shape.insert(dim, sizes[name] if name in sizes else int(config[EXPERTS]))
         names.insert(dim, None)
     return tuple(shape), tuple(names)
 

@@ -24,6 +24,7 @@ from otfload.maxtext.mixtral import MIXTRAL
 from otfload.maxtext.olmo3 import OLMO3
 from otfload.maxtext.qwen2 import QWEN2
 from otfload.maxtext.qwen3 import QWEN3, QWEN3_MOE
+from otfload.maxtext.qwen3_next import QWEN3_NEXT
 from otfload.maxtext.tables import EXPERTS, LOGITS, LayerGroup, ModelTable
 from otfload.plan import expressions
 from otfload.plan.mapping import MappingTable, stack_dims
@@ -44,6 +45,7 @@ TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("gemma2-2b", "gemma2-9b", "gemma2-27b"), GEMMA2),
     **dict.fromkeys(("gemma3-4b", "gemma3-12b", "gemma3-27b"), GEMMA3),
     **dict.fromkeys(("olmo3-7b", "olmo3-7b-pt", "olmo3-32b"), OLMO3),
+    "qwen3-next-80b-a3b": QWEN3_NEXT,
 }
 # The MaxText fields the tables' hooks and shapes use (as ``mt_<field>``); the MoE ones only for MoE tables.
 DIMENSIONS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers", "vocab_size")
@@ -203,13 +205,14 @@ def _count_field(group: LayerGroup) -> str:
 
 def _check_layer_counts(selection: Selection, leaves: Mapping[str, tuple[int, ...]],
                         hook_config: Mapping[str, Any]) -> None:
-    """Each group of an unscanned tree has the layers ``0 .. count-1`` its config says."""
+    """Each group of an unscanned tree has the layers its config says (``0 .. count-1``, or those of its ``at``)."""
     for group in selection.groups:
-        regex, layers = _unscanned_regex(group), group.layers(hook_config)
-        indices = {int(m.group(1)) for p in leaves if (m := regex.match(p))}
-        if indices != set(range(layers)):
+        regex, layers = _unscanned_regex(group), group.path_layers(hook_config)
+        paths = {leaf.path for leaf in group.leaves}
+        indices = {int(m.group(1)) for p in leaves if (m := regex.match(p)) and p[m.end():] in paths}
+        if indices != set(layers):
             raise ConfigError(_count_field(group), selection.fields.get(_count_field(group)),
-                              f"{group.unscanned} should be {layers} layers; the abstract tree has "
+                              f"{group.unscanned} should be {len(layers)} layers; the abstract tree has "
                               f"{sorted(indices)[:3]}..{max(indices, default=-1)}; {selection.describe()}", SOURCE)
 
 
@@ -220,7 +223,7 @@ def _expected(selection: Selection, hook_config: Mapping[str, Any]) -> set[str]:
         top.discard(LOGITS)
     for group in selection.groups:
         if group.layers(hook_config) > 0:
-            prefix = group.prefix(selection.scan_layers).replace("{layer}", "0")
+            prefix = group.prefix(selection.scan_layers).replace("{layer}", str(group.path_layers(hook_config)[0]))
             top |= {f"{prefix}.{leaf.path}" for leaf in group.leaves}
     for extra in selection.table.extras:
         if selection.fields[extra.field]:
@@ -232,6 +235,7 @@ def _check_layer_axis(selection: Selection, leaves: Mapping[str, tuple[int, ...]
                       hook_config: Mapping[str, Any]) -> None:
     for group in selection.groups:
         rules = {rule.target: rule for rule in group.rules(scan_layers=True)}
+        sizes = group.stack_sizes(hook_config)
         for path, shape in sorted(leaves.items()):
             rule = rules.get(path)
             found = None if rule is None else rule.match(path)
@@ -242,10 +246,10 @@ def _check_layer_axis(selection: Selection, leaves: Mapping[str, tuple[int, ...]
                 raise ConfigError("param_scan_axis", selection.param_scan_axis,
                                   f"leaf {path!r} {shape} has no such dimension; {selection.describe()}", SOURCE)
             for name, dim in zip(axes, stack_dims(rule, axes, len(shape), hook_config), strict=True):
-                size = group.layers(hook_config) if name == "layer" else hook_config[EXPERTS]
+                size = sizes[name] if name in sizes else hook_config[EXPERTS]
                 if shape[dim] != size:
-                    blame = "param_scan_axis" if name == "layer" else "num_experts"
-                    value = selection.param_scan_axis if name == "layer" else size
+                    blame = "param_scan_axis" if name in sizes else "num_experts"
+                    value = selection.param_scan_axis if name in sizes else size
                     raise ConfigError(blame, value,
                                       f"leaf {path!r} {shape}: its {name} axis at dimension {dim} has {shape[dim]}, "
                                       f"not {size}; {selection.describe()}", SOURCE)

@@ -34,7 +34,7 @@ from typing import Any
 
 from otfload.plan.expressions import integer
 from otfload.plan.hooks import Hook, Pad, Reshape, Scale, Transpose
-from otfload.plan.mapping import MappingTable, Rule, Stride
+from otfload.plan.mapping import Composed, MappingTable, Rule, Stride
 
 SCANNED = "decoder.layers"
 UNSCANNED = "decoder.layers_{layer}"
@@ -42,6 +42,8 @@ HF_LAYER = "model.layers.{layer}"
 LOGITS = "decoder.logits_dense.kernel"
 # The size of an expert stack axis (a layer axis has its group's count).
 EXPERTS = "mt_num_experts"
+# the two stack axes of a group stacked twice (LayerGroup.local)
+BLOCK, LOCAL = "block", "local"
 T = Transpose()
 
 
@@ -73,19 +75,50 @@ class LayerGroup:
     leaves: tuple[Leaf, ...]
     count: str = "mt_num_decoder_layers"
     offsets: Mapping[str, int | str] = field(default_factory=dict)
-    indices: Mapping[str, Stride] = field(default_factory=dict)
+    indices: Mapping[str, Stride | Composed] = field(default_factory=dict)
+    # a group stacked twice (MaxText's scanned Qwen3-Next): ``local`` layers (an expression) in each of
+    # ``count`` blocks, the leaf ``[blocks, local]`` at ``param_scan_axis`` and the next dimension
+    local: str | None = None
+    # unscanned layers of several kinds: the HF layers (= path indices) that hold this group's leaves,
+    # the first ``count`` of these strides' values together; none: ``0 .. count-1``
+    at: tuple[Stride, ...] = ()
 
     def prefix(self, scan_layers: bool) -> str:
         return self.scanned if scan_layers else self.unscanned
 
     def layers(self, config: Mapping[str, Any]) -> int:
-        """How many layers the group has for the hook config ``config``."""
+        """How many layers (blocks, for a group stacked twice) the group has for the hook config ``config``."""
         return integer(self.count, config, f"layer count of {self.scanned}")
+
+    def path_layers(self, config: Mapping[str, Any]) -> list[int]:
+        """The values ``{layer}`` takes in this group's paths (``decoder.layers_<i>``)."""
+        count = self.layers(config)
+        if not self.at:
+            return list(range(count))
+        return sorted({v for stride in self.at for v in stride.values(config)[:count]})[:count]
+
+    def stack_sizes(self, config: Mapping[str, Any]) -> dict[str, int]:
+        """The size of each layer stack axis of the group's scanned leaves."""
+        if self.local is None:
+            return {"layer": self.layers(config)}
+        return {BLOCK: self.layers(config), LOCAL: integer(self.local, config, f"local layers of {self.scanned}")}
 
     def rules(self, scan_layers: bool) -> list[Rule]:
         prefix = self.prefix(scan_layers)
         return [Rule(f"{prefix}.{leaf.path}", leaf.source, leaf.hooks, offsets=self.offsets, indices=self.indices,
-                     stack_at={"layer": leaf.layer_at}) for leaf in self.leaves]
+                     stack_at=self._stack_at(leaf)) for leaf in self.leaves]
+
+    def _stack_at(self, leaf: Leaf) -> dict[str, int | str]:
+        if self.local is None:
+            return {"layer": leaf.layer_at}
+        return {BLOCK: leaf.layer_at, LOCAL: f"{leaf.layer_at} + 1"}
+
+
+def nested_blocks(scanned: str, leaves: tuple[Leaf, ...], period: int, local: int) -> LayerGroup:
+    """A group MaxText stacks twice: ``scanned`` leaves ``[blocks, local]``, block ``b``'s position
+    ``l`` the HF layer ``b * period + l`` (``local`` < ``period`` positions of each block)."""
+    return LayerGroup(scanned, scanned, leaves, f"mt_num_decoder_layers // {period}",
+                      indices={"layer": Composed((BLOCK, LOCAL), f"{BLOCK} * {period} + {LOCAL}")}, local=str(local))
 
 
 def decoder_layers(*leaves: Leaf) -> tuple[LayerGroup, ...]:
