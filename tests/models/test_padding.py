@@ -13,10 +13,12 @@ import otfload
 from tests.helpers import max_rel_diff, torch_logits
 from tests.models.kinds import KINDS, REAL, padded_batch, torch_masked_logits
 
+# One jitted function for the module: left and right padding (the same input types) share one program.
+_MASKED_FORWARD = jax.jit(lambda m, i, a, p: m(i, attention_mask=a, positions=p))
+
 
 def _masked_logits(model, ids, mask, positions=None) -> np.ndarray:
-    fn = jax.jit(lambda m, i, a, p: m(i, attention_mask=a, positions=p))
-    return np.asarray(fn(model, ids, mask, positions))
+    return np.asarray(_MASKED_FORWARD(model, ids, mask, positions))
 
 
 # Unscanned layers take other code paths where a family has per-layer attention types (static
