@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from jax.sharding import Mesh, NamedSharding
 
 from otfload.plan.abstract import AbstractLeaf
+from otfload.plan.leaf_bytes import shard_bytes
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, logical_to_spec
 
 SHOWN = 3  # leaves named in the warning; the rest are counted
@@ -67,7 +68,7 @@ def replicated_by_mesh(leaf: AbstractLeaf, rules: LogicalRules = DEFAULT_RULES) 
 def replicated_leaves(leaves: Mapping[str, AbstractLeaf], rules: LogicalRules | None = None) -> Replicated:
     """The leaves of ``leaves`` (path -> leaf) that :func:`replicated_by_mesh` finds."""
     found = [leaf for leaf in leaves.values() if replicated_by_mesh(leaf, DEFAULT_RULES if rules is None else rules)]
-    nbytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in found)
+    nbytes = sum(shard_bytes(leaf) for leaf in found)  # each whole on every device
     return Replicated(tuple(leaf.path for leaf in found), nbytes)
 
 

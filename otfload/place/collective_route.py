@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from otfload.errors import InvalidOptionError
 from otfload.place.report import leaf_planned
 from otfload.plan.abstract import AbstractLeaf
+from otfload.plan.leaf_bytes import held_bytes
 from otfload.plan.planner import LeafPlan, LeafSignature, leaf_signature
 from otfload.read.reader import TensorReader
 
@@ -236,7 +237,7 @@ def choose_leaf(
     best = Choice(None, direct[0], direct[0], t_direct, t_direct)
     if len(groups) < 2 or policy == "never" or not plan.sources or plan.layout is not None:
         return best  # a leaf whose stack dims do not lead is read box by box, into the tree's layout
-    moved = max(leaf_moved_bytes(plan, groups[p]) for p in sample)
+    moved = max(held_bytes(plan.leaf, groups[p]) for p in sample)  # what a reshard delivers to them at most
     over = byte_target is not None and _over_target(plan, groups, reader, sample, byte_target)
     by_bytes = policy == "always" or over
     byte_cap = max(direct[0], FETCH_TARGET * max(plan.ideal_bytes(groups[p]) for p in sample))
@@ -253,14 +254,6 @@ def choose_leaf(
     if by_bytes and policy == "auto" and best.sharding is None:  # no band fetches fewer bytes: by time
         return choose_leaf(plan, reader, groups, model, policy, None)
     return best
-
-
-def leaf_moved_bytes(plan: LeafPlan, devices: Iterable[jax.Device]) -> int:
-    """Target-dtype bytes of the shards ``devices`` hold: what a reshard delivers to them at most."""
-    from otfload.plan.boxes import box_size
-
-    itemsize = plan.leaf.dtype.itemsize
-    return sum(box_size(b) for b in plan.device_boxes(devices)) * itemsize
 
 
 def choose_read_shardings(

@@ -13,7 +13,9 @@ chooser, ``otfload inspect``, the benchmarks and the bytes-per-process tests ali
   ``gate_up_proj`` needs every other row, and counts every other row);
 * :func:`leaf_ideal` — the source bytes of the elements the devices hold, each distinct shard once:
   what no reader can go below;
-* :func:`shard_bytes` / :func:`placed_per_device` — the device memory a leaf takes.
+* :func:`device_bytes` — the device memory a leaf takes, per device (:func:`shard_bytes`, its
+  largest; :func:`placed_per_device`, summed over leaves; the replicated-leaves warning), and
+  :func:`held_bytes`, its distinct shards on a set of devices (what a reshard delivers to them).
 
 What a *reader* fetches for those bytes (pages, merged gaps, requests) depends on the source and
 lives with the reader (:meth:`~otfload.read.reader.TensorReader.planned`). The one reading decision
@@ -291,16 +293,28 @@ def _indices_map(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Map
     return sharding.devices_indices_map(shape)
 
 
+def device_bytes(leaf: AbstractLeaf) -> dict[jax.Device, int]:
+    """Bytes of ``leaf`` each device of its sharding holds, in its dtype (a replicated leaf: all of
+    it on each) — the one count of a leaf's device memory."""
+    return {device: box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
+            for device, index in _indices_map(tuple(leaf.shape), leaf.sharding).items()}
+
+
+def held_bytes(leaf: AbstractLeaf, devices: Devices | None = None) -> int:
+    """Bytes of the distinct shards of ``leaf`` that ``devices`` (default: this process's) hold, each
+    once, in its dtype."""
+    return sum(box_nbytes(box, leaf.dtype.itemsize) for box in device_boxes(leaf, None, devices))
+
+
 def shard_bytes(leaf: AbstractLeaf) -> int:
     """Bytes of ``leaf``'s largest device shard, in its dtype (what one device holds of it)."""
-    return max(box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
-               for index in _indices_map(tuple(leaf.shape), leaf.sharding).values())
+    return max(device_bytes(leaf).values())
 
 
 def placed_per_device(leaves: Iterable[AbstractLeaf]) -> dict[int, int]:
     """Bytes each device (by id) holds once every one of ``leaves`` is placed."""
     out: dict[int, int] = {}
     for leaf in leaves:
-        for device, index in _indices_map(tuple(leaf.shape), leaf.sharding).items():
-            out[device.id] = out.get(device.id, 0) + box_nbytes(box_from_index(index, leaf.shape), leaf.dtype.itemsize)
+        for device, nbytes in device_bytes(leaf).items():
+            out[device.id] = out.get(device.id, 0) + nbytes
     return dict(sorted(out.items()))

@@ -9,11 +9,14 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import otfload
+from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.boxes import box_from_index, box_to_slices
 from otfload.plan.hooks import run_forward
-from otfload.plan.leaf_bytes import bounding_box, placed_per_device
+from otfload.plan.leaf_bytes import bounding_box, device_bytes, held_bytes, placed_per_device
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,19 @@ def test_shard_bytes_and_placed_bytes_match_the_shards_jax_makes(llama_plan):
         for device, nbytes in sizes.items():
             want[device] = want.get(device, 0) + nbytes
     assert placed_per_device(p.leaf for p in llama_plan.leaves.values()) == dict(sorted(want.items()))
+
+
+@pytest.mark.parametrize("spec", [P("fsdp", "tp"), P(None, ("fsdp", "tp")), P("tp"), P()])
+def test_device_bytes_are_the_bytes_of_each_shard_jax_places(mesh_2x4, spec):
+    """Per device, the bytes of the shard JAX's own placement of a real array puts there (a
+    replicated dimension: the whole of it on each device); on a set of devices, its distinct shards."""
+    leaf = AbstractLeaf("w", (8, 24), np.dtype(np.float32), NamedSharding(mesh_2x4, spec))
+    placed = jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+    assert device_bytes(leaf) == {shard.device: shard.data.nbytes for shard in placed.addressable_shards}
+    for devices in (jax.devices(), jax.devices()[:1], jax.devices()[2:7]):  # held_bytes: each distinct shard once
+        distinct = {tuple((s.start, s.stop) for s in shard.index): shard.data.nbytes
+                    for shard in placed.addressable_shards if shard.device in devices}
+        assert held_bytes(leaf, devices) == sum(distinct.values()), devices
 
 
 def test_device_boxes_are_distinct_and_follow_the_read_sharding(llama_plan, mesh_2x4):
