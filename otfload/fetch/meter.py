@@ -2,12 +2,14 @@
 
 Sources record their own fetches with :func:`fetching` (an HTTP request, a ``preadv``, a prefetched
 page range); a reader wraps what it asks of a source in :func:`expected_fetch`, which counts the
-read as asked when the source records nothing. Counts go to the :class:`FetchMeter` this thread
-works for (:func:`metering`), and from a child meter to its parent too.
+read as asked when the source records nothing. Counts go to the :class:`FetchMeter` of the load
+the code works for (:func:`metering`: a context variable, which the load's pool threads see through
+``otfload.sources.load_context.submit``), and from a child meter to its parent too.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,23 +36,28 @@ class FetchMeter:
             self.parent.add(nbytes, requests)
 
 
-_metering = threading.local()  # .meter: this thread's FetchMeter; .inside: within a recorded fetch
+# The meter of the load the running code works for: one value per context (see current_meter).
+_METER: contextvars.ContextVar[FetchMeter | None] = contextvars.ContextVar("otfload_fetch_meter", default=None)
+# .inside: this thread is within a recorded fetch -- a fact of the thread's own call stack, not of
+# its load, so work it hands to other threads starts outside one.
+_fetching = threading.local()
 
 
 def current_meter() -> FetchMeter | None:
-    """The meter of the load this thread works for, if any."""
-    return getattr(_metering, "meter", None)
+    """The meter of the load this code works for, if any."""
+    return _METER.get()
 
 
 @contextmanager
 def metering(meter: FetchMeter | None) -> Iterator[FetchMeter | None]:
-    """Make ``meter`` this thread's :func:`current_meter` for the duration of the block."""
-    previous, inside = current_meter(), getattr(_metering, "inside", False)
-    _metering.meter, _metering.inside = meter, False
+    """Make ``meter`` the :func:`current_meter` of this context for the duration of the block."""
+    previous, inside = _METER.set(meter), getattr(_fetching, "inside", False)
+    _fetching.inside = False
     try:
         yield meter
     finally:
-        _metering.meter, _metering.inside = previous, inside
+        _METER.reset(previous)
+        _fetching.inside = inside
 
 
 @contextmanager
@@ -60,15 +67,15 @@ def fetching(nbytes: int, requests: int = 1) -> Iterator[None]:
     Fetches made inside it (a remote source reading its own local copy) are not counted again.
     """
     meter = current_meter()
-    if meter is None or getattr(_metering, "inside", False):
+    if meter is None or getattr(_fetching, "inside", False):
         yield
         return
     meter.add(nbytes, requests)
-    _metering.inside = True
+    _fetching.inside = True
     try:
         yield
     finally:
-        _metering.inside = False
+        _fetching.inside = False
 
 
 @contextmanager
@@ -76,14 +83,14 @@ def expected_fetch(nbytes: int, requests: int = 1) -> Iterator[None]:
     """A read about to be asked of a source: counted as ``nbytes`` in ``requests`` requests unless
     the source records its own fetches (then those count: coalesced runs, retries' requests)."""
     meter = current_meter()
-    if meter is None or getattr(_metering, "inside", False):
+    if meter is None or getattr(_fetching, "inside", False):
         yield
         return
     child = FetchMeter(parent=meter)
-    _metering.meter = child
+    previous = _METER.set(child)
     try:
         yield
     finally:
-        _metering.meter = meter
+        _METER.reset(previous)
     if child.requests == 0:
         meter.add(nbytes, requests)

@@ -44,6 +44,7 @@ from otfload.read.pinned import DmaRegistry
 from otfload.read.readahead import local_residency, start_read_ahead
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
+from otfload.sources.load_context import submit
 from otfload.sources.retry import CancelToken, cancel_scope
 
 # Two builders keep one core reading while the other copies; more only adds scratch memory on a
@@ -126,17 +127,16 @@ def execute_plan(
         if ahead is not None:
             ahead.started(path)
         try:
-            with cancel_scope(token), metering(meter):
-                if not hasattr(local, "arena"):
-                    local.arena, local.staging = Arena(), Arena(registry)
-                    stagings.append(local.staging)
-                if registry.available:  # the builder's share of the host ring, registered once and kept;
-                    local.staging.trim(ring_share)  # a buffer an oversized shard grew goes back
-                    local.staging.reserve(ring_share, takes=0)
-                leaf_plan = plan.leaves[path]
-                if path in bands:
-                    leaf_plan = with_sharding(leaf_plan, bands[path])
-                array = build_leaf(leaf_plan, reader, local.arena, budget, local.staging, device_hooks)
+            if not hasattr(local, "arena"):
+                local.arena, local.staging = Arena(), Arena(registry)
+                stagings.append(local.staging)
+            if registry.available:  # the builder's share of the host ring, registered once and kept;
+                local.staging.trim(ring_share)  # a buffer an oversized shard grew goes back
+                local.staging.reserve(ring_share, takes=0)
+            leaf_plan = plan.leaves[path]
+            if path in bands:
+                leaf_plan = with_sharding(leaf_plan, bands[path])
+            array = build_leaf(leaf_plan, reader, local.arena, budget, local.staging, device_hooks)
         except BaseException:
             token.cancel()  # at once, before this worker picks up a queued leaf
             raise
@@ -146,7 +146,8 @@ def execute_plan(
 
     pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="otfload-build")
     try:
-        futures = {path: pool.submit(build, path) for path in build_order(plan, reader)}
+        with cancel_scope(token), metering(meter):  # the load's context, which every builder runs in
+            futures = {path: submit(pool, build, path) for path in build_order(plan, reader)}
         wait(futures.values(), return_when=FIRST_EXCEPTION)
         if first_failure(futures.values()):
             pool.shutdown(wait=False, cancel_futures=True)  # leaves not started never start

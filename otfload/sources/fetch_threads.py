@@ -16,9 +16,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from otfload.errors import LoadCancelled
 from otfload.fetch.gaps import GapPolicy
-from otfload.fetch.meter import current_meter, fetching, metering
+from otfload.fetch.meter import fetching
 from otfload.fetch.requests import remote_chunk_bytes
 from otfload.sources.base import RangeRead
+from otfload.sources.load_context import submit
 from otfload.sources.retry import CancelToken, cancel_scope, current_token
 from otfload.sources.runs import Run, coalesce
 
@@ -92,16 +93,14 @@ def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX
         for run in runs:
             _fetch_run(run, fetch_into)
         return
-    token = CancelToken(current_token())
-    meter = current_meter()  # the fetch threads count for the caller's load
+    token = CancelToken(current_token())  # the batch's: cancelled with the load, or by its first failure
 
     def fetch(run: Run) -> None:
         _IN_FETCH_THREAD.active = True
         try:
             if token.cancelled:  # a sibling failed while this one waited its turn
                 raise LoadCancelled(f"{run.file}: cancelled, another read of this batch failed")
-            with cancel_scope(token), metering(meter):
-                _fetch_run(run, fetch_into)
+            _fetch_run(run, fetch_into)
         except BaseException:
             token.cancel()  # at once, before another run of the batch starts
             raise
@@ -114,7 +113,8 @@ def read_runs(runs: Sequence[Run], fetch_into: FetchInto, max_workers: int = MAX
     try:
         while queued or running:
             while queued and len(running) < max_workers and not failed:
-                running.add(pool.submit(fetch, queued.pop()))
+                with cancel_scope(token):  # each run in the caller's context (its meter), under the batch's token
+                    running.add(submit(pool, fetch, queued.pop()))
             done, running = wait(running, return_when=FIRST_COMPLETED)
             failed += [e for f in done if (e := f.exception()) is not None]
             if failed:

@@ -18,14 +18,16 @@ Three clocks bound every network read:
 - **total** (:class:`Deadline`, the ``timeout=`` of a load or ``OTFLOAD_TIMEOUT``): no request starts
   or continues past it, and the error names the URL and the bytes received.
 
-A load also carries a :class:`CancelToken` (set per thread with :func:`cancel_scope`): once one part
-of a load fails for good, the rest stop between attempts, in their backoff sleep, or mid-request.
+A load also carries a :class:`CancelToken` (set in its context with :func:`cancel_scope`, seen by the
+threads working for it through :func:`~otfload.sources.load_context.submit`): once one part of a load
+fails for good, the rest stop between attempts, in their backoff sleep, or mid-request.
 :class:`RequestSlots` bounds the requests a source has in flight across all its threads; waiting for a
 slot ends as soon as the load is cancelled.
 """
 
 from __future__ import annotations
 
+import contextvars
 import heapq
 import itertools
 import math
@@ -151,23 +153,24 @@ class CancelToken:
         return lambda: None
 
 
-_scope = threading.local()
+# The cancel token of the load the running code works for: one value per context, carried into the
+# load's pool threads by otfload.sources.load_context.submit.
+_TOKEN: contextvars.ContextVar[CancelToken | None] = contextvars.ContextVar("otfload_cancel_token", default=None)
 
 
 def current_token() -> CancelToken | None:
-    """The cancel token of the load this thread works for, if any."""
-    return getattr(_scope, "token", None)
+    """The cancel token of the load this code works for, if any."""
+    return _TOKEN.get()
 
 
 @contextmanager
 def cancel_scope(token: CancelToken | None) -> Iterator[CancelToken | None]:
-    """Make ``token`` this thread's :func:`current_token` for the duration of the block."""
-    previous = current_token()
-    _scope.token = token
+    """Make ``token`` the :func:`current_token` of this context for the duration of the block."""
+    previous = _TOKEN.set(token)
     try:
         yield token
     finally:
-        _scope.token = previous
+        _TOKEN.reset(previous)
 
 
 class RequestSlots:
