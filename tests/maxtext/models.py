@@ -152,6 +152,17 @@ _OLMO3_HF = dict(num_hidden_layers=OLMO3_LAYERS, sliding_window=GEMMA_WINDOW, rm
                  max_position_embeddings=65536,
                  rope_parameters={"full_attention": _OLMO3_YARN, "sliding_attention": _OLMO3_YARN})
 
+# Qwen3-Next: 8 layers are two scanned blocks of MaxText's (3 linear, 1 full) cycle; Gated DeltaNet of 2 key
+# heads and 4 value heads of 8; qwen3-next-80b-a3b.yml's RoPE (1e7 on a quarter of each head), one shared expert.
+_GDN = dict(linear_num_key_heads=2, linear_key_head_dim=8, linear_num_value_heads=4, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4)
+_QWEN3_NEXT_HF = dict(_MOE_HF, num_hidden_layers=OLMO3_LAYERS, shared_expert_intermediate_size=MOE_MLP,
+                      norm_topk_prob=True, rms_norm_eps=1e-6, **_GDN,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                       "partial_rotary_factor": 0.25})
+_QWEN3_NEXT_MT = dict(base_num_decoder_layers=OLMO3_LAYERS, gdn_num_key_heads=2, gdn_key_head_dim=8,
+                      gdn_num_value_heads=4, gdn_value_head_dim=8, gdn_conv_kernel_dim=4)
+
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("llama", "llama3.1-8b", "LlamaConfig", "LlamaForCausalLM",
            hf_extra=dict(rope_parameters=LLAMA31_ROPE, rms_norm_eps=1e-5, max_position_embeddings=131072)),
@@ -189,6 +200,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            maxtext_differs=("self_attention_local.query.kernel", "self_attention_global.query.kernel")),
     Family("olmo3", "olmo3-7b", "Olmo3Config", "Olmo3ForCausalLM", hf_extra=_OLMO3_HF,
            maxtext_extra=dict(base_num_decoder_layers=OLMO3_LAYERS, sliding_window_size=GEMMA_WINDOW)),
+    # scanned, MaxText's dynamic loader cannot load it (test_maxtext_qwen3_next.py): unscanned only there
+    Family("qwen3_next", "qwen3-next-80b-a3b", "Qwen3NextConfig", "Qwen3NextForCausalLM", moe=True,
+           hf_extra=_QWEN3_NEXT_HF, maxtext_extra=_QWEN3_NEXT_MT, layouts=((False, 1),)),
 ]}
 
 # (scan_layers, param_scan_axis): every layout MaxText has.
