@@ -138,7 +138,7 @@ def planned_rows(repo: str, endpoint: str, mesh: dict, mesh_name: str, work: Pat
     from jax.sharding import Mesh
 
     import otfload
-    from otfload.place.report import leaf_planned
+    from otfload.read.planned import leaf_planned
     from otfload.read.reader import TensorReader
     from otfload.sources import open_source
 

@@ -81,9 +81,10 @@ def process_leaves(
     policy: str, platform: str | None = None,
 ) -> tuple[dict[str, Info], Info]:
     """Per leaf of ``plan``: what one process fetches for it (and in how many requests, in which
-    layout); and the fetch totals (:mod:`otfload.place.report`'s)."""
+    layout); and the fetch totals (:mod:`otfload.read.planned`'s)."""
     from otfload.place.collective_route import choose_read_shardings
-    from otfload.place.report import fetch_totals, planned_fetches
+    from otfload.plan.process_bytes import fetch_totals
+    from otfload.read.planned import planned_fetches
 
     choices = choose_read_shardings(plan.leaves, reader, policy, process_of=process_of, platform=platform)
     bands = {path: choice.sharding for path, choice in choices.items() if choice is not None}
@@ -169,11 +170,11 @@ def describe_plan(
 ) -> Info:
     """A plan as the JSON-able dict ``otfload inspect`` prints; with ``reader`` (of the plan's
     source), what one process (``process``: index and count, see :func:`process_devices`) fetches.
-    Every byte count and total is :mod:`otfload.place.report`'s."""
+    Every byte count and total is :mod:`otfload.plan.process_bytes`'s."""
     import jax
 
-    from otfload.place.report import process_counts, process_totals
     from otfload.plan.leaf_bytes import placed_per_device
+    from otfload.plan.process_bytes import process_counts, process_totals
     from otfload.replicated import replicated_by_mesh
 
     first = next(iter(plan.leaves.values())).leaf.sharding if plan.leaves else None

@@ -45,10 +45,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from otfload.errors import InvalidOptionError
-from otfload.place.report import leaf_planned
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.leaf_bytes import held_bytes
 from otfload.plan.planner import LeafPlan, LeafSignature, leaf_signature
+from otfload.read.planned import leaf_planned
 from otfload.read.reader import TensorReader
 
 # --- the time model's constants ---------------------------------------------------------------------

@@ -37,10 +37,12 @@ from otfload.place.collective_route import (
     with_sharding,
 )
 from otfload.place.device_hooks import compile_ahead
-from otfload.place.report import LoadReport, current_rss, ideal_bytes, peak_rss, planned_bytes
+from otfload.place.report import LoadReport, current_rss, peak_rss
 from otfload.plan.planner import LoadPlan
+from otfload.plan.process_bytes import ideal_bytes
 from otfload.read.arena import Arena
 from otfload.read.pinned import DmaRegistry
+from otfload.read.planned import planned_bytes
 from otfload.read.readahead import local_residency, start_read_ahead
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source

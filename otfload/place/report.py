@@ -1,40 +1,20 @@
-"""The load report: what a load fetched, placed and skipped, and how fast — and the byte counts
-it is judged against, computed from the plan alone.
+"""The load report: what a load fetched, placed and skipped, and how fast.
 
-The per-leaf byte counts (device boxes, needed and ideal bytes) are the plan's
-(:mod:`otfload.plan.leaf_bytes`); what a reader fetches for them is the reader's
-(:meth:`~otfload.read.reader.TensorReader.planned`, by :mod:`otfload.fetch`'s rule). Three byte
-counts per process, summed over a plan here and only here (the loader's report and ``otfload
-inspect`` alike; :func:`process_counts` gives a plan's per leaf with the device memory each takes,
-:func:`process_totals` and :func:`fetch_totals` sum them), from the most to the least fundamental:
-
-* **ideal** (:func:`ideal_bytes`): the source bytes of the elements this process's devices hold,
-  each distinct shard once — what no reader can go below;
-* **planned** (:func:`planned_fetches`, :func:`planned_bytes`): what the reader will ask the source
-  for, from the plan (the boxes it reads, the gaps it merges, whole pages of mapped files) —
-  computed without reading;
-* **read** (:attr:`LoadReport.bytes_read`): what the source really fetched, counted by the sources
-  themselves (:class:`~otfload.fetch.meter.FetchMeter`): HTTP requests sent, gaps they merged
-  included; ``preadv`` calls; page ranges a mapped file prefetched.
+Its byte counts are judged against the plan's, computed from the plan alone: the ideal and needed
+bytes of this process (:mod:`otfload.plan.process_bytes`) and what the reader will fetch
+(``bytes_planned``: :mod:`otfload.read.planned`). What the source really fetched
+(:attr:`LoadReport.bytes_read`) is counted by the sources themselves
+(:class:`~otfload.fetch.meter.FetchMeter`): HTTP requests sent, gaps they merged included;
+``preadv`` calls; page ranges a mapped file prefetched.
 """
 
 from __future__ import annotations
 
 import resource
-from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
 
-import jax
 import numpy as np
 import psutil
-from jax.sharding import Sharding
-
-from otfload.fetch.gaps import PAGE_BYTES
-from otfload.plan.boxes import Box
-from otfload.plan.leaf_bytes import leaf_reads, leaf_sibling_selection
-from otfload.plan.planner import LeafPlan, LeafSignature, LoadPlan, leaf_signature
-from otfload.read.reader import TensorReader
 
 
 def current_rss() -> int:
@@ -110,110 +90,3 @@ class LoadReport:
             f"ideal {self.bytes_ideal / 1e9:.3f} GB, over-read {self.over_read:.2f}x, "
             f"peak RSS {self.peak_rss / 2**30:.2f} GiB{unused}"
         )
-
-
-class FetchCount(NamedTuple):
-    """Bytes a reader asks its source for, and in how many requests."""
-
-    nbytes: int
-    requests: int
-
-
-class ProcessBytes(NamedTuple):
-    """What one process's devices take of a leaf (or, summed by :func:`process_totals`, of a plan):
-    ``needed``, the stored source bytes their boxes need, each HF tensor once
-    (:meth:`~otfload.plan.planner.LeafPlan.process_bytes`); ``ideal``, the source bytes of the
-    elements they hold, each distinct shard once; ``device``, the leaf's largest device shard in its
-    target dtype (device memory)."""
-
-    needed: int
-    ideal: int
-    device: int
-
-
-Counts = TypeVar("Counts", FetchCount, ProcessBytes)
-
-
-def _column_sums(counts: Iterable[Counts], zero: Counts) -> Counts:
-    return type(zero)._make(sum(column) for column in zip(zero, *counts, strict=True))
-
-
-def fetch_totals(counts: Iterable[FetchCount]) -> FetchCount:
-    """The sum of ``counts``."""
-    return _column_sums(counts, FetchCount(0, 0))
-
-
-def process_totals(counts: Iterable[ProcessBytes]) -> ProcessBytes:
-    """The sum of ``counts`` (a plan's, from :func:`process_counts`)."""
-    return _column_sums(counts, ProcessBytes(0, 0, 0))
-
-
-def process_counts(plan: LoadPlan, devices: Iterable[jax.Device] | None = None) -> dict[str, ProcessBytes]:
-    """:class:`ProcessBytes` of each leaf of ``plan`` (by path) on ``devices`` (default: this
-    process's); leaves that read alike (equal :func:`~otfload.plan.planner.leaf_signature`: the
-    layers of an unscanned tree) are counted once."""
-    devices = None if devices is None else list(devices)
-    seen: dict[LeafSignature, ProcessBytes] = {}
-    out = {}
-    for path, p in plan.leaves.items():
-        key = leaf_signature(p)
-        if key not in seen:
-            seen[key] = ProcessBytes(p.process_bytes(devices), p.ideal_bytes(devices), p.shard_bytes())
-        out[path] = seen[key]
-    return out
-
-
-def leaf_planned(
-    plan: LeafPlan, boxes: list[Box], reader: TensorReader,
-    seen: dict[Hashable, dict[Hashable, FetchCount]] | None = None,
-) -> FetchCount:
-    """What ``reader`` asks its source for to build ``boxes`` of ``plan``'s leaf.
-    ``seen`` (shared by the leaves of one plan) keeps the cost of each kind of read: the same leaf of
-    every layer of an unscanned tree costs the same."""
-    if not boxes or not plan.sources:
-        return FetchCount(0, 0)
-    union, selection, indices = leaf_reads(plan, boxes)
-    seen = {} if seen is None else seen
-    paged = reader.maps or reader.pages
-    shared = leaf_sibling_selection(plan, boxes)  # siblings' pages are theirs; remotely, spans read them
-    # Reads of one kind, shape, page offset (local files fetch whole pages) and region cost the
-    # same: a leaf's stacked tensors, and the same leaf in every layer of an unscanned tree. The
-    # region is hashed once per call, not once per stacked tensor (thousands of experts).
-    same_region = seen.setdefault((union, selection, shared), {})
-    needed = 0, 0
-    for i in indices:
-        info = plan.sources[i]
-        page_offset = info.offset % PAGE_BYTES if paged and hasattr(info, "offset") else 0
-        kind = (type(info), info.dtype, info.shape, page_offset)
-        count = same_region.get(kind)
-        if count is None:
-            count = same_region[kind] = FetchCount(*reader.planned(info, union, selection, shared=shared))
-        needed = needed[0] + count[0], needed[1] + count[1]
-    return FetchCount(*needed)
-
-
-def planned_fetches(
-    plan: LoadPlan, reader: TensorReader, shardings: Mapping[str, Sharding | None] | None = None,
-    devices: Iterable[jax.Device] | None = None,
-) -> dict[str, FetchCount]:
-    """What ``reader`` will fetch for each leaf of ``plan`` (by path) on ``devices`` (default: this
-    process's), each leaf read under ``shardings[path]`` (default: its own sharding)."""
-    shardings = shardings or {}
-    devices = None if devices is None else list(devices)
-    seen: dict[Hashable, dict[Hashable, FetchCount]] = {}
-    return {path: leaf_planned(p, p.device_boxes(devices, shardings.get(path)), reader, seen)
-            for path, p in plan.leaves.items()}
-
-
-def planned_bytes(
-    plan: LoadPlan, reader: TensorReader, shardings: Mapping[str, Sharding | None] | None = None,
-    devices: Iterable[jax.Device] | None = None,
-) -> int:
-    """Bytes ``reader`` will fetch for every leaf of ``plan``: :func:`planned_fetches`, summed."""
-    return fetch_totals(planned_fetches(plan, reader, shardings, devices).values()).nbytes
-
-
-def ideal_bytes(plan: LoadPlan, devices: Iterable[jax.Device] | None = None) -> int:
-    """:meth:`~otfload.plan.planner.LeafPlan.ideal_bytes` summed over the leaves of ``plan``."""
-    devices = None if devices is None else list(devices)
-    return sum(p.ideal_bytes(devices) for p in plan.leaves.values())

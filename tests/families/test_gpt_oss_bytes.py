@@ -24,10 +24,10 @@ from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.quant.codes import MX_BLOCK, MX_BLOCK_BYTES
 from otfload.place.builder import build_boxes
 from otfload.place.collective_route import band_shardings
-from otfload.place.report import leaf_planned
 from otfload.plan.leaf_bytes import leaf_needed
 from otfload.plan.sharding import make_mesh
 from otfload.read.arena import Arena
+from otfload.read.planned import leaf_planned
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource
 from tests.helpers import evict, hf_tensors, memory_copy, register_hf_model

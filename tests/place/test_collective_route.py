@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import otfload
 from benchmarks.make_checkpoint import Dims, write_checkpoint
 from otfload.place.collective_route import TimeModel, choose_leaf, choose_read_shardings, process_devices
-from otfload.place.report import leaf_planned
+from otfload.read.planned import leaf_planned
 from otfload.read.reader import TensorReader
 
 # 4 KV heads of 128 do not split over tp=8: k and v are replicated on every process (their embed dim

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import otfload
 from otfload.cli.inspect import inspect_source, summarize_names
 from otfload.place.collective_route import TimeModel, choose_leaf, choose_read_shardings, process_devices
-from otfload.place.report import leaf_planned
+from otfload.read.planned import leaf_planned
 from otfload.read.reader import TensorReader
 from otfload.sources import LocalSource
 

@@ -20,7 +20,6 @@ import otfload
 from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.checkpoint import open_index
 from otfload.place.loader import execute_plan
-from otfload.place.report import FetchCount, ProcessBytes, fetch_totals, ideal_bytes, process_counts, process_totals
 from otfload.plan.boxes import box_to_slices
 from otfload.plan.sharding import make_mesh
 from otfload.read.arena import Arena
@@ -80,23 +79,6 @@ def test_one_process_fetches_what_was_planned_and_each_byte_once(tiny_checkpoint
     assert report.bytes_read == once or kind.startswith("deepseek")
     assert report.bytes_ideal == once  # one process holds every element
     assert report.over_read == 1.0 or kind.startswith("deepseek")
-
-
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
-def test_process_counts_are_each_leafs_own_and_sum_to_the_plan_totals(tiny_checkpoints, kind):
-    # Unscanned layers read alike and are counted once: every leaf must still get its own counts.
-    path, _ = tiny_checkpoints(kind)
-    mesh = make_mesh(KINDS[kind])
-    _, plan, src = otfload.plan_model(path, mesh=mesh, scan_layers=False)
-    src.close()
-    half = list(mesh.devices.flat)[:4]  # the first of two processes
-    counts = process_counts(plan, half)
-    assert counts == {path: ProcessBytes(p.process_bytes(half), p.ideal_bytes(half), p.shard_bytes())
-                      for path, p in plan.leaves.items()}
-    totals = process_totals(counts.values())
-    assert totals.ideal == ideal_bytes(plan, half) > 0 and totals.needed >= totals.ideal
-    assert totals.device == sum(p.shard_bytes() for p in plan.leaves.values())
-    assert process_totals([]) == (0, 0, 0) and fetch_totals([FetchCount(1, 2), FetchCount(3, 4)]) == (4, 6)
 
 
 def test_deepseek_fused_tensors_are_counted_once(tiny_checkpoints):

@@ -229,7 +229,7 @@ def _leaves(model) -> list[np.ndarray]:
 
 
 def test_leaf_ranges_are_what_the_builder_fetches(tiny_checkpoints, mesh_2x4, closing):
-    from otfload.place.report import planned_bytes
+    from otfload.read.planned import planned_bytes
 
     directory, _ = tiny_checkpoints("llama")
     _, plan, planned_from = otfload.plan_model(directory, mesh=mesh_2x4)
