@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import otfload.maxtext as mx
+from otfload.errors import ConfigError
 from otfload.plan.sharding import make_mesh
 from tests.helpers import hf_tensors, register_hf_model
 from tests.maxtext_tables.support import DIMS, LAYOUTS, _kernel
+from tests.maxtext_tables.test_export import round_trip
 from tests.maxtext_tables.test_tables import check
 
 LAYERS, PERIOD, EXPERTS = 8, 4, 4
@@ -94,10 +96,25 @@ def test_every_leaf_is_maxtexts_layout_and_exports_back(tiny_checkpoints, mesh, 
     path, _ = tiny_checkpoints("mt_qwen3_next")
     cfg = maxtext_config(scan, axis)
     abstract = mx.abstract_params(cfg, mesh)
-    params = mx.load_state(str(path), abstract, cfg)[1]["params"]
-    check(params, expected(hf_tensors(path), cfg), abstract)
-    mx.export(params, tmp_path / "out", cfg, reference=path)
-    written, original = hf_tensors(tmp_path / "out"), hf_tensors(path)
+    check(mx.load_state(str(path), abstract, cfg)[1]["params"], expected(hf_tensors(path), cfg), abstract)
+    written, original = round_trip(path, cfg, mesh, tmp_path / "out"), hf_tensors(path)
     assert sorted(written) == sorted(original)
     for key, value in original.items():
         np.testing.assert_array_equal(written[key], value, err_msg=key)
+
+
+def test_another_layer_cycle_is_refused():
+    with pytest.raises(ConfigError) as info:
+        mx.select(maxtext_config(True, 1, inhomogeneous_layer_cycle_interval=2))
+    assert info.value.field == "inhomogeneous_layer_cycle_interval" and "'qwen3_next'" in str(info.value)
+
+
+def test_an_unscanned_tree_without_a_full_attention_layer_is_refused(tiny_checkpoints, mesh):
+    """Layer 7's attention leaves missing (a tree of another layer pattern): refused before a read."""
+    path, _ = tiny_checkpoints("mt_qwen3_next")
+    cfg = maxtext_config(False, 1)
+    abstract = mx.abstract_params(cfg, mesh)
+    del abstract["decoder"]["layers_7"]["attention"]
+    with pytest.raises(ConfigError) as info:
+        mx.load_state(str(path), abstract, cfg)
+    assert info.value.field == "num_decoder_layers" and "'qwen3_next'" in str(info.value)
