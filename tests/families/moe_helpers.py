@@ -7,19 +7,17 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 import otfload
 from otfload.errors import ShapeMismatchError
-from otfload.plan.sharding import make_mesh
-from tests.helpers import BASE, max_rel_diff, token_ids, torch_logits
-from tests.helpers import jax_logits as logits
+from tests.families.checks import MESHES as MESHES  # re-exported: other MoE tests read the meshes here
+from tests.families.checks import expert_parallel_diff, load_sharded
+from tests.helpers import BASE
 
 # 4 experts, top 2, 3 layers, hidden 64 (BASE); 12-token inputs.
 MOE_BASE = {**BASE, "num_experts_per_tok": 2}
-MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
 
 
 def parity_cases(kind: str, variant: str) -> list[tuple[str, bool, str]]:
@@ -37,20 +35,10 @@ def expert_kernel(model, scan_layers: bool):
 
 
 def check_parity(tiny_checkpoints, kind: str, mesh_name: str, scan_layers: bool) -> float:
-    """Load ``kind`` on the named mesh, assert experts sit on ``ep`` when the mesh has it, and return
-    the max relative logits difference to transformers."""
-    path, torch_model = tiny_checkpoints(kind)
-    assert len(list(path.glob("*.safetensors"))) > 1
-    mesh = make_mesh(MESHES[mesh_name])
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
-    spec = expert_kernel(model, scan_layers).sharding.spec
-    experts_dim = 1 if scan_layers else 0
-    assert (spec[experts_dim] == "ep") == ("ep" in MESHES[mesh_name]), spec
-    ids = token_ids(seq=12)
-    with jax.set_mesh(mesh):  # the sparse experts run expert-parallel (shard_map over "ep") when it has one
-        jaxpr = str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))
-        assert ("shard_map" in jaxpr) == ("ep" in MESHES[mesh_name])
-        return max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    """Load ``kind`` on the named mesh and return the max relative logits difference to transformers,
+    the experts checked expert-parallel where the mesh has ``ep`` (:func:`expert_parallel_diff`)."""
+    model, torch_model, mesh = load_sharded(tiny_checkpoints, kind, mesh_name, scan_layers)
+    return expert_parallel_diff(model, torch_model, mesh, expert_kernel(model, scan_layers), scan_layers)
 
 
 def replace_tensor(src: Path, dst: Path, key: str, value: np.ndarray) -> None:

@@ -10,14 +10,13 @@ attention of these small random weights, so RoPE details show in the logits).
 import json
 import shutil
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 import otfload
 from otfload.errors import ShapeMismatchError
-from otfload.plan.sharding import make_mesh
+from tests.families.checks import expert_parallel_diff, load_sharded
 from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
 
@@ -67,7 +66,6 @@ register_hf_model("deepseek_v3_plain", _deepseek_v3, {"rope_interleave": False, 
                                                       "rope_parameters": {"rope_type": "default",
                                                                           "rope_theta": 10000.0}})
 
-MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
 
 
 
@@ -85,23 +83,15 @@ def _hf_tensors(path) -> dict[str, np.ndarray]:
     ("deepseek_v3", True, "fsdp2_ep4"), ("deepseek_v3", False, "fsdp2_tp4"),
 ])  # fmt: skip
 def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
-    path, torch_model = tiny_checkpoints(kind)
-    assert len(list(path.glob("*.safetensors"))) > 1
-    mesh = make_mesh(MESHES[mesh_name])
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
+    model, torch_model, mesh = load_sharded(tiny_checkpoints, kind, mesh_name, scan_layers)
     dense = model.dense_layers if scan_layers else model.dense_layers[0]
     moe = model.moe_layers if scan_layers else model.moe_layers[1]
     experts = moe.moe.experts.gate.kernel[...]
     # (layers, experts, moe_inter, hidden) scanned, (experts, ...) unscanned; experts on "ep" when present.
     assert experts.shape == ((2,) if scan_layers else ()) + (4, 32, 64)
-    spec = experts.sharding.spec
-    assert spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
     assert dense.mlp.up.kernel[...].shape == ((1,) if scan_layers else ()) + (128, 64)
     assert hasattr(moe.attn, "q_a") == (kind == "deepseek_v3")
-    ids = token_ids(seq=12)
-    with jax.set_mesh(mesh):  # experts run expert-parallel (shard_map over "ep") on the ep mesh
-        assert ("shard_map" in str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))) == ("ep" in MESHES[mesh_name])
-        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    diff = expert_parallel_diff(model, torch_model, mesh, experts, scan_layers)
     assert diff <= 1e-4, diff
 
 

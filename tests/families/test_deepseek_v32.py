@@ -25,14 +25,12 @@ import pytest
 
 import otfload
 from otfload.errors import ConfigError
-from otfload.export import export_hf
 from otfload.families.deepseek_v32.config import dsa_config
 from otfload.plan.sharding import make_mesh
-from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
-from tests.families.test_deepseek import DEEPSEEK_BASE, MESHES, YARN, _randomize_router_bias
+from tests.families.checks import MESHES, assert_export_round_trip, assert_greedy_matches
+from tests.families.test_deepseek import DEEPSEEK_BASE, YARN, _randomize_router_bias
 from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
-from tests.models.kinds import padded_batch, torch_greedy
 
 TOPK = 4
 DSA_BASE = {**DEEPSEEK_BASE, "q_lora_rank": 24, "rope_parameters": YARN, "routed_scaling_factor": 2.5,
@@ -124,20 +122,14 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
     """Left-padded prompts of up to 8 tokens and 6 new ones: the indexer's keys come from the cache,
     and the later steps choose 4 of more keys."""
     path, torch_model = tiny_checkpoints(kind)
-    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
-    ids, mask, _ = padded_batch("left")
-    ids, mask = ids[:, 4:], mask[:, 4:]
-    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=6, attention_mask=mask))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, 6))
+    assert_greedy_matches(otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers), torch_model)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, scan_layers):
     src, _ = tiny_checkpoints("deepseek_v32")
     model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
-    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    assert_bit_exact(read_tensors(out), read_tensors(src))
-    assert weight_map_keys(out) == weight_map_keys(src)
+    assert_export_round_trip(model, src, tmp_path / "out")
 
 
 # --- configs ------------------------------------------------------------------------------------
@@ -262,30 +254,11 @@ def _torch_grads(torch_model, ids: np.ndarray, out: Path) -> tuple[float, dict[s
 def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_layers):
     """One AdamW step on the ep mesh: the loss and every gradient as PyTorch's (the indexer's none:
     its top-k choice is not differentiable, and transformers runs it without gradients)."""
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
+    from tests.training.test_gradients import GRAD_TOL, adamw_step, exported_grads
 
-    from tests.training.test_gradients import (
-        GRAD_TOL,
-        LEARNING_RATE,
-        batch,
-        exported_grads,
-        next_token_loss,
-        train_step,
-        with_pad_id,
-    )
-
-    src, torch_model = tiny_checkpoints(kind)
-    path = with_pad_id(src, tmp_path / "ckpt")
     mesh = make_mesh(MESHES["fsdp2_ep4"])
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, dtype=jnp.float32)
-    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
-    ids = batch()
-    with jax.set_mesh(mesh):
-        loss, grads = train_step(model, optimizer, jnp.asarray(ids))
-        after = nnx.jit(next_token_loss)(model, jnp.asarray(ids))
-    ref_loss, ref = _torch_grads(torch_model, ids, tmp_path / "torch_grads")
+    _, path, ids, loss, grads, after = adamw_step(tiny_checkpoints, tmp_path, kind, mesh, scan_layers)
+    ref_loss, ref = _torch_grads(tiny_checkpoints(kind)[1], ids, tmp_path / "torch_grads")
     assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
     ours = exported_grads(grads, path, tmp_path / "grads")
     assert set(ours) == set(ref)

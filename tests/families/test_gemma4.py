@@ -21,13 +21,12 @@ import pytest
 
 import otfload
 from otfload.errors import ConfigError
-from otfload.export import export_hf
 from otfload.families.gemma4.config import Gemma4Config
 from otfload.plan.sharding import make_mesh
-from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.checks import NEW, assert_export_round_trip, assert_greedy_matches, write_replica
 from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
-from tests.models.kinds import padded_batch, torch_greedy
+from tests.models.kinds import padded_batch
 
 S, F = "sliding_attention", "full_attention"
 REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
@@ -42,7 +41,6 @@ PLE = {"attention_k_eq_v": False, "hidden_size_per_layer_input": 8, "vocab_size_
        "num_kv_shared_layers": 3, "use_double_wide_mlp": True, "layer_types": [S, F, S, S, S, F]}
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=2, head_dim=16, global_head_dim=16, patch_size=4, position_embedding_size=16)
-NEW = 6  # new tokens: enough to cross the window (4) while decoding
 
 
 def _random_layer_scalars(model) -> None:
@@ -134,11 +132,8 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, k
     if kind == "gemma4_ple":  # the shared layers keep no cache of their own
         assert set(model.cache_layout()) == {"sliding_layers", "full_layers"}
         assert model.cache_layout()["full_layers"][0] == 1
-    ids, mask, _ = padded_batch("left")
-    ids, mask = ids[:, 4:], mask[:, 4:]
-    with jax.set_mesh(mesh):
-        ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW))
+    assert NEW > 4  # enough new tokens to cross the window while decoding
+    assert_greedy_matches(model, torch_model, mesh=mesh)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -146,10 +141,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, k
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, tmp_path, kind, scan_layers):
     src, _ = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=_mesh(kind), scan_layers=scan_layers)
-    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    text = {k: v for k, v in read_tensors(src).items() if "vision" not in k}
-    assert_bit_exact(read_tensors(out), text)
-    assert weight_map_keys(out) == [k for k in weight_map_keys(src) if "vision" not in k]
+    assert_export_round_trip(model, src, tmp_path / "out", kept=lambda key: "vision" not in key)
 
 
 def test_per_layer_config_of_resaved_configs_is_read(tiny_checkpoints):
@@ -225,19 +217,9 @@ def test_the_published_26b_a4b_config_plans_at_256_devices(tmp_path):
     holes for the data; scripts/make_replica.py's shard writer) plans on 256 devices (experts on
     ``ep``) from headers alone in under 10 s and 1 GiB, and process 0 of 32 reads no more than its
     devices' share of the bytes."""
-    from tests.place.test_plan_scale import replica_module
-
     real = _real_config()
     tensors = _replica_tensors(real["text_config"])
-    make = replica_module()
-    half = len(tensors) // 2
-    weight_map = {}
-    for k, part in enumerate((tensors[:half], tensors[half:])):
-        file = f"model-{k + 1:05d}-of-00002.safetensors"
-        make.write_shard(tmp_path / file, part)
-        weight_map.update(dict.fromkeys((t[0] for t in part), file))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps(real))
+    write_replica(tmp_path, tensors, real)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-c", PLAN_256, str(tmp_path)], capture_output=True, text=True,
                          timeout=300, env={**env, "TQDM_DISABLE": "1"})
@@ -295,30 +277,11 @@ def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_l
     in transformers, gets none on either side."""
     import copy
 
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
+    from tests.training.test_gradients import GRAD_TOL, PAD, adamw_step, exported_grads, torch_loss_and_grads
 
-    from tests.training.test_gradients import (
-        GRAD_TOL,
-        LEARNING_RATE,
-        PAD,
-        batch,
-        exported_grads,
-        torch_loss_and_grads,
-        train_step,
-        with_pad_id,
-    )
-
-    src, torch_model = tiny_checkpoints(kind)
-    path = with_pad_id(src, tmp_path / "ckpt")
-    mesh = _mesh(kind)
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, dtype=jnp.float32)
-    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
-    ids = batch()
-    with jax.set_mesh(mesh):
-        loss, grads = train_step(model, optimizer, jnp.asarray(ids))
-    torch_model = copy.deepcopy(torch_model)
+    _, path, ids, loss, grads, _ = adamw_step(tiny_checkpoints, tmp_path, kind, _mesh(kind), scan_layers,
+                                              loss_after=False)  # fmt: skip
+    torch_model = copy.deepcopy(tiny_checkpoints(kind)[1])
     if kind == "gemma4_ple":
         torch_model.model.embed_tokens_per_layer.padding_idx = PAD
     ref_loss, ref = torch_loss_and_grads(torch_model, ids, PAD, tmp_path / "torch_grads")

@@ -9,25 +9,27 @@ the variant has no norms or biases, tied embeddings, every layer MoE and a third
 import json
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
 import otfload
 from otfload.errors import ConfigError
-from otfload.export import export_hf
 from otfload.families.glm4_moe.config import Glm4MoeConfig
 from otfload.plan.sharding import make_mesh
-from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
-from tests.families.test_deepseek import MESHES, _randomize_router_bias
+from tests.families.checks import (
+    MESHES,
+    assert_export_round_trip,
+    assert_greedy_matches,
+    expert_parallel_diff,
+    load_sharded,
+)
+from tests.families.test_deepseek import _randomize_router_bias
 from tests.helpers import BASE, max_rel_diff, register_hf_model, rename_tensors, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
-from tests.models.kinds import padded_batch, torch_greedy
 
 GLM_BASE = {**BASE, "head_dim": 32, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_routed_experts": 8,
             "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
             "routed_scaling_factor": 2.5, "use_qk_norm": True, "attention_bias": True}
-NEW = 6
 
 
 def _glm4_moe(**kw):
@@ -51,18 +53,10 @@ register_hf_model("glm4_moe_plain", _glm4_moe, {
     ("glm4_moe_plain", False, "fsdp2_tp4"),
 ])  # fmt: skip
 def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
-    path, torch_model = tiny_checkpoints(kind)
-    assert len(list(path.glob("*.safetensors"))) > 1
-    mesh = make_mesh(MESHES[mesh_name])
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
+    model, torch_model, mesh = load_sharded(tiny_checkpoints, kind, mesh_name, scan_layers)
     moe = model.moe_layers if scan_layers else model.moe_layers[0]
-    experts = moe.moe.experts.gate.kernel[...]
-    assert experts.sharding.spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
     assert (model.dense_layers is None) == (kind == "glm4_moe_plain")
-    ids = token_ids(seq=12)
-    with jax.set_mesh(mesh):  # experts run expert-parallel (shard_map over "ep") on the ep mesh
-        assert ("shard_map" in str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))) == ("ep" in MESHES[mesh_name])
-        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    diff = expert_parallel_diff(model, torch_model, mesh, moe.moe.experts.gate.kernel[...], scan_layers)
     assert diff <= 1e-4, diff
 
 
@@ -111,11 +105,7 @@ def test_router_picks_transformers_experts_and_weights(tiny_checkpoints, mesh_2x
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
     path, torch_model = tiny_checkpoints("glm4_moe")
-    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
-    ids, mask, _ = padded_batch("left")
-    ids, mask = ids[:, 4:], mask[:, 4:]
-    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW))
+    assert_greedy_matches(otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers), torch_model)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -123,9 +113,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
     src, _ = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
-    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    assert_bit_exact(read_tensors(out), read_tensors(src))
-    assert weight_map_keys(out) == weight_map_keys(src)
+    assert_export_round_trip(model, src, tmp_path / "out")
 
 
 def test_mtp_layer_is_listed_unused_and_never_read(tiny_checkpoints, mesh_2x4, tmp_path):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import otfload
-from tests.families.moe_helpers import MOE_BASE, check_parity, logits, parity_cases, wrong_shape_error
+from tests.families.moe_helpers import MOE_BASE, check_parity, parity_cases, wrong_shape_error
 from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.helpers import jax_logits as logits
 
 
 def _gpt_oss(**kw):

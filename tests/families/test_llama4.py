@@ -14,19 +14,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
 import otfload
 from otfload.errors import ConfigError
-from otfload.export import export_hf
 from otfload.families.llama4.config import Llama4Config
 from otfload.plan.sharding import make_mesh
-from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.checks import (
+    MESHES,
+    assert_export_round_trip,
+    assert_greedy_matches,
+    expert_parallel_diff,
+    load_sharded,
+    write_replica,
+)
 from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
-from tests.models.kinds import padded_batch, torch_greedy
 
 REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
 SCOUT = REALCONFIGS / "meta-llama__Llama-4-Scout-17B-16E-Instruct.json"
@@ -39,8 +42,6 @@ PLAIN = {"interleave_moe_layer_step": 1, "num_experts_per_tok": 1, "use_qk_norm"
          "no_rope_layers": [1, 0, 1, 0]}
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
-MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
-NEW = 6
 
 
 def _llama4(**kw):
@@ -67,27 +68,20 @@ register_hf_model("llama4_multimodal", _llama4_multimodal)
     ("llama4_multimodal", True, "fsdp2_ep4"), ("llama4_multimodal", False, "fsdp2_tp4"),
 ])  # fmt: skip
 def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
-    path, torch_model = tiny_checkpoints(kind)
-    assert len(list(path.glob("*.safetensors"))) > 1
-    mesh = make_mesh(MESHES[mesh_name])
-    model, report = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, return_report=True)
+    loaded, torch_model, mesh = load_sharded(tiny_checkpoints, kind, mesh_name, scan_layers, return_report=True)
+    model, report = loaded
     if kind == "llama4_multimodal":  # the vision tower and projector: listed, never read
         assert report.unused_tensors and all(k.startswith(("vision_model.", "multi_modal_projector."))
                                              for k in report.unused_tensors)
     else:
         assert report.unused_tensors == []
     moe = model.moe_layers if scan_layers else model.moe_layers[0]
-    spec = moe.moe.gate.kernel[...].sharding.spec
-    assert spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
     if scan_layers and kind != "llama4_plain":  # dense and MoE layers: two stacks
         assert model.dense_layers.mlp.gate.kernel[...].shape == (2, 128, 64)
         assert model.moe_layers.moe.gate.kernel[...].shape == (2, 8, 64, 32)
     if kind == "llama4_multimodal":  # transformers 5.24's wrapper forward fails on text alone: its text model
         torch_model = torch_model.language_model
-    ids = token_ids(seq=12)
-    with jax.set_mesh(mesh):
-        assert ("shard_map" in str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))) == ("ep" in MESHES[mesh_name])
-        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    diff = expert_parallel_diff(model, torch_model, mesh, moe.moe.gate.kernel[...], scan_layers)
     assert diff <= 1e-4, diff
 
 
@@ -125,11 +119,7 @@ def test_long_inputs_match_transformers(tiny_checkpoints, mesh_2x4):
 def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
     """Left-padded prompts decoded past chunk boundaries (chunks of 4 slots)."""
     path, torch_model = tiny_checkpoints("llama4")
-    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
-    ids, mask, _ = padded_batch("left")
-    ids, mask = ids[:, 4:], mask[:, 4:]
-    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW))
+    assert_greedy_matches(otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers), torch_model)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -137,9 +127,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
     src, _ = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
-    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    assert_bit_exact(read_tensors(out), read_tensors(src))
-    assert weight_map_keys(out) == weight_map_keys(src)
+    assert_export_round_trip(model, src, tmp_path / "out")
 
 
 def _fbgemm_fp8(key: str, w):
@@ -235,19 +223,9 @@ def test_the_published_scout_config_plans_at_256_devices(tmp_path):
     """A sparse replica of Llama-4-Scout-17B-16E from its published config (real names, dtypes and
     shapes, holes for the data) plans on 256 devices (``otfload inspect --devices 256``, experts on
     ``ep``) from headers alone in under 10 s."""
-    from tests.place.test_plan_scale import replica_module
-
     real = _real_config()
     tensors = _replica_tensors(real["text_config"])
-    make = replica_module()
-    half = len(tensors) // 2
-    weight_map = {}
-    for k, part in enumerate((tensors[:half], tensors[half:])):
-        file = f"model-{k + 1:05d}-of-00002.safetensors"
-        make.write_shard(tmp_path / file, part)
-        weight_map.update(dict.fromkeys((t[0] for t in part), file))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps(real))
+    write_replica(tmp_path, tensors, real)
     otfload_bin = Path(sys.executable).parent / "otfload"
     out = subprocess.run([str(otfload_bin), "inspect", str(tmp_path), "--devices", "256", "--mesh",
                           "fsdp=16,ep=16", "--json"], capture_output=True, text=True, timeout=300)

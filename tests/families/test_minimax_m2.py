@@ -10,26 +10,28 @@ import json
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
 import otfload
 from otfload.errors import ConfigError
-from otfload.export import export_hf
 from otfload.families.minimax_m2.config import MiniMaxM2Config
 from otfload.plan.sharding import make_mesh
-from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
-from tests.families.test_deepseek import MESHES, _randomize_router_bias
+from tests.families.checks import (
+    MESHES,
+    assert_export_round_trip,
+    assert_greedy_matches,
+    expert_parallel_diff,
+    load_sharded,
+)
+from tests.families.test_deepseek import _randomize_router_bias
 from tests.helpers import BASE, max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
 from tests.index.quant import layouts
-from tests.models.kinds import padded_batch, torch_greedy
 
 REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
 MINIMAX_M25 = REALCONFIGS / "MiniMaxAI__MiniMax-M2.5.json"
 MINIMAX_BASE = {**BASE, "head_dim": 32, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "rotary_dim": 16}
-NEW = 6
 
 
 def _minimax_m2(**kw):
@@ -50,18 +52,10 @@ register_hf_model("minimax_m2_tied", _minimax_m2, {"tie_word_embeddings": True, 
     ("minimax_m2", False, "fsdp2_ep4"), ("minimax_m2", True, "fsdp2_tp4"), ("minimax_m2_tied", True, "fsdp2_ep4"),
 ])  # fmt: skip
 def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
-    path, torch_model = tiny_checkpoints(kind)
-    assert len(list(path.glob("*.safetensors"))) > 1
-    mesh = make_mesh(MESHES[mesh_name])
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
+    model, torch_model, mesh = load_sharded(tiny_checkpoints, kind, mesh_name, scan_layers)
     layer = model.layers if scan_layers else model.layers[0]
     assert layer.attn.q_norm.scale[...].shape == ((3,) if scan_layers else ()) + (4, 32)  # over every head
-    experts = layer.moe.experts.gate.kernel[...]
-    assert experts.sharding.spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
-    ids = token_ids(seq=12)
-    with jax.set_mesh(mesh):  # experts run expert-parallel (shard_map over "ep") on the ep mesh
-        assert ("shard_map" in str(jax.make_jaxpr(lambda m, x: m(x))(model, ids))) == ("ep" in MESHES[mesh_name])
-        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    diff = expert_parallel_diff(model, torch_model, mesh, layer.moe.experts.gate.kernel[...], scan_layers)
     assert diff <= 1e-4, diff
 
 
@@ -89,10 +83,7 @@ def test_partial_rotary_and_correction_bias_matter(tiny_checkpoints, mesh_2x4):
 def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
     path, torch_model = tiny_checkpoints("minimax_m2")
     model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
-    ids, mask, _ = padded_batch("left")
-    ids, mask = ids[:, 4:], mask[:, 4:]
-    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[]))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW, eos_token_id=None))
+    assert_greedy_matches(model, torch_model, no_eos=True)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -100,9 +91,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
     src, _ = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
-    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    assert_bit_exact(read_tensors(out), read_tensors(src))
-    assert weight_map_keys(out) == weight_map_keys(src)
+    assert_export_round_trip(model, src, tmp_path / "out")
 
 
 @pytest.mark.parametrize(("field", "value"), [("use_qk_norm", False), ("qk_norm_type", "per_head"),

@@ -6,17 +6,14 @@ with its own RoPE (YaRN on the full layers), and the q/k norms span the whole pr
 
 import json
 
-import numpy as np
 import pytest
 
 import otfload
 from otfload.errors import ConfigError
-from otfload.export import export_hf
 from otfload.families.olmo3.config import Olmo3Config
-from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.checks import NEW, assert_export_round_trip, assert_greedy_matches
 from tests.helpers import BASE, max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
-from tests.models.kinds import padded_batch, torch_greedy
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5e5}
@@ -36,7 +33,6 @@ register_hf_model("olmo3", _olmo3)
 register_hf_model("olmo3_tied_bias", _olmo3, {"tie_word_embeddings": True, "attention_bias": True,
                                               "num_key_value_heads": 4})
 KINDS = ["olmo3", "olmo3_tied_bias"]
-NEW = 6  # new tokens: enough to cross the window (4) while decoding
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -71,11 +67,8 @@ def test_window_rope_per_type_and_whole_projection_norm_matter(tiny_checkpoints,
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
     path, torch_model = tiny_checkpoints("olmo3")
-    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
-    ids, mask, _ = padded_batch("left")
-    ids, mask = ids[:, 4:], mask[:, 4:]
-    ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW))
+    assert NEW > 4  # enough new tokens to cross the window while decoding
+    assert_greedy_matches(otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers), torch_model)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -83,9 +76,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
     src, _ = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
-    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    assert_bit_exact(read_tensors(out), read_tensors(src))
-    assert weight_map_keys(out) == weight_map_keys(src)
+    assert_export_round_trip(model, src, tmp_path / "out")
 
 
 def test_default_layer_pattern_and_flat_rope_follow_transformers():

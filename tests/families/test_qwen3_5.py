@@ -19,13 +19,12 @@ import pytest
 
 import otfload
 from otfload.errors import ConfigError
-from otfload.export import export_hf
 from otfload.families.qwen3_5.config import Qwen35Config
 from otfload.plan.sharding import make_mesh
-from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.checks import assert_export_round_trip, assert_greedy_matches, write_replica
 from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
-from tests.models.kinds import padded_batch, torch_greedy, torch_masked_logits
+from tests.models.kinds import padded_batch, torch_masked_logits
 
 LIN, FULL = "linear_attention", "full_attention"
 REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
@@ -41,7 +40,6 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 # The MoE kind runs on fsdp x tp: on an ep=4 mesh its jitted forward sometimes never returns on XLA:CPU
 # (every thread waiting; parity 3.1e-6 when it does), not yet understood.
 MESHES: dict[str, dict[str, int]] = {}
-NEW = 6
 
 
 def _qwen3_5(**kw):
@@ -125,10 +123,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, k
     cache = model.init_cache(3, 8)
     assert cache["layers"]["linear_layers"]["state"].shape == (3, 3, 4, 8, 8)
     assert cache["layers"]["linear_layers"]["conv"].shape == (3, 3, 64, 4)
-    ids, mask, _ = padded_batch("left")
-    with jax.set_mesh(mesh):
-        ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW))
+    assert_greedy_matches(model, torch_model, mesh=mesh, crop=0)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -136,10 +131,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, k
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, tmp_path, kind, scan_layers):
     src, _ = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=_mesh(kind), scan_layers=scan_layers)
-    out = export_hf(model, tmp_path / "out", reference=src, max_shard_size="60KB")
-    text = {k: v for k, v in read_tensors(src).items() if ".visual." not in k}
-    assert_bit_exact(read_tensors(out), text)
-    assert set(weight_map_keys(out)) == {k for k in weight_map_keys(src) if ".visual." not in k}
+    assert_export_round_trip(model, src, tmp_path / "out", kept=lambda key: ".visual." not in key, ordered=False)
 
 
 def _replica_tensors(text: dict) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -182,19 +174,9 @@ def _replica_tensors(text: dict) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def _plan_published(path: Path, tmp_path: Path, mesh: str) -> dict:
-    from tests.place.test_plan_scale import replica_module
-
     real = json.loads(path.read_text())
     tensors = _replica_tensors(real["text_config"])
-    make = replica_module()
-    half = len(tensors) // 2
-    weight_map = {}
-    for k, part in enumerate((tensors[:half], tensors[half:])):
-        file = f"model-{k + 1:05d}-of-00002.safetensors"
-        make.write_shard(tmp_path / file, part)
-        weight_map.update(dict.fromkeys((t[0] for t in part), file))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp_path / "config.json").write_text(json.dumps(real))
+    write_replica(tmp_path, tensors, real)
     otfload_bin = Path(sys.executable).parent / "otfload"
     out = subprocess.run([str(otfload_bin), "inspect", str(tmp_path), "--devices", "256", "--mesh", mesh, "--json"],
                          capture_output=True, text=True, timeout=300)

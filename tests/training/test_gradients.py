@@ -93,6 +93,22 @@ def exported_grads(grads, reference, out) -> dict[str, np.ndarray]:
     return hf_tensors(out)
 
 
+def adamw_step(tiny_checkpoints, tmp_path, kind: str, mesh, scan_layers: bool, loss_after: bool = True):
+    """``kind``'s checkpoint with :data:`PAD` as its pad id, loaded in float32 on ``mesh``, and one AdamW
+    step on :func:`batch`: ``(model, checkpoint, ids, loss, grads, loss after the step)``. The loss after
+    (None unless ``loss_after``) is one forward pass: a second step would compile the whole step again,
+    as the step returns the norm scales sharded (``P(None, 'fsdp')``) where the load placed them replicated."""
+    src, _ = tiny_checkpoints(kind)
+    path = with_pad_id(src, tmp_path / "ckpt")
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, dtype=jnp.float32)
+    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
+    ids = batch()
+    with jax.set_mesh(mesh):
+        loss, grads = train_step(model, optimizer, jnp.asarray(ids))
+        after = nnx.jit(next_token_loss)(model, jnp.asarray(ids)) if loss_after else None
+    return model, path, ids, loss, grads, after
+
+
 def assert_grads_match(ours: dict, ref: dict) -> None:
     """The same tensors, each gradient within :data:`GRAD_TOL`; one torch keeps as a buffer
     (DeepSeek-V3's ``e_score_correction_bias``: it only picks experts) gets none here either."""
@@ -106,26 +122,25 @@ def assert_grads_match(ours: dict, ref: dict) -> None:
         assert diff <= GRAD_TOL, (key, diff)
 
 
-@pytest.mark.parametrize(("kind", "scan_layers"), CASES)
-def test_gradients_equal_torch_autograd_and_a_step_lowers_the_loss(tiny_checkpoints, tmp_path, kind, scan_layers):
-    src, torch_model = tiny_checkpoints(kind)
-    path = with_pad_id(src, tmp_path / "ckpt")
-    mesh = make_mesh(MOE_MESH if kind in MOE else DENSE_MESH)
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, dtype=jnp.float32)
-    optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE), wrt=nnx.Param)
-    ids = batch()
-    with jax.set_mesh(mesh):
-        loss, grads = train_step(model, optimizer, jnp.asarray(ids))
-        # The loss after the step: a forward pass compiles in a fraction of a second training step's time.
-        after = nnx.jit(next_token_loss)(model, jnp.asarray(ids))
-    ref_loss, ref_grads = torch_loss_and_grads(torch_model, ids, PAD, tmp_path / "torch_grads")
+def check_step(tiny_checkpoints, tmp_path, kind: str, mesh, scan_layers: bool, match=assert_grads_match,
+               pad_row: bool = True) -> None:
+    """One AdamW step (:func:`adamw_step`): its loss and, by ``match``, every gradient equal
+    transformers'; where the embedding is untied (and ``pad_row``) the pad id's row gets none, as its
+    only use is the lookup; the step lowers the loss."""
+    model, path, ids, loss, grads, after = adamw_step(tiny_checkpoints, tmp_path, kind, mesh, scan_layers)
+    ref_loss, ref_grads = torch_loss_and_grads(tiny_checkpoints(kind)[1], ids, PAD, tmp_path / "torch_grads")
     assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
     ours = exported_grads(grads, path, tmp_path / "grads")
-    assert_grads_match(ours, ref_grads)
+    match(ours, ref_grads)
     embed = "model.embed_tokens.weight"
-    if not model.cfg.tie_word_embeddings:  # the pad row's only use is the lookup: no gradient
+    if pad_row and not model.cfg.tie_word_embeddings:
         assert not np.any(ours[embed][PAD]) and np.any(ours[embed][ids[0, 0]])
     assert float(after) < float(loss)
+
+
+@pytest.mark.parametrize(("kind", "scan_layers"), CASES)
+def test_gradients_equal_torch_autograd_and_a_step_lowers_the_loss(tiny_checkpoints, tmp_path, kind, scan_layers):
+    check_step(tiny_checkpoints, tmp_path, kind, make_mesh(MOE_MESH if kind in MOE else DENSE_MESH), scan_layers)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "gpt_oss"])
