@@ -173,6 +173,7 @@ def test_the_published_configs_parse_as_transformers_reads_them(kind):
     assert (cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.mtp_layers) == (256, ref.n_group, ref.topk_group, 1)
 
 
+# Plans each (checkpoint, scan_layers) pair of its arguments in turn, timing each one alone: one JSON line each.
 PLAN_CHILD = """
 import json, sys, time
 import jax
@@ -180,12 +181,13 @@ jax.devices()
 import otfload
 from otfload.plan.sharding import make_mesh
 mesh = make_mesh({"fsdp": 32, "ep": 8})
-start, cpu = time.perf_counter(), time.process_time()
-_, plan, src = otfload.plan_model(sys.argv[1], mesh=mesh, scan_layers=sys.argv[2] == "1")
-wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-src.close()
-storage = {k: v.storage for k, v in plan.leaves.items() if k.startswith("moe_layers")}
-print(json.dumps({"wall": wall, "cpu": cpu, "unused": plan.unused, "bytes": plan.source_bytes, "storage": storage}))
+for path, scan in zip(sys.argv[1::2], sys.argv[2::2]):
+    start, cpu = time.perf_counter(), time.process_time()
+    _, plan, src = otfload.plan_model(path, mesh=mesh, scan_layers=scan == "1")
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    src.close()
+    storage = {k: v.storage for k, v in plan.leaves.items() if k.startswith("moe_layers")}
+    print(json.dumps({"wall": wall, "cpu": cpu, "unused": plan.unused, "bytes": plan.source_bytes, "storage": storage}))
 """
 
 
@@ -200,17 +202,28 @@ def replicas(tmp_path_factory):
     return made
 
 
+PLAN_CASES = [(kind, scan_layers) for kind in KINDS for scan_layers in (True, False)]
+
+
+@pytest.fixture(scope="module")
+def plans(replicas) -> dict:
+    """Every case of ``PLAN_CASES`` planned in one process with 256 simulated devices (the device count
+    is fixed when JAX starts), each timed alone: ``{(kind, scan_layers): figures}``."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=256", "JAX_PLATFORMS": "cpu"}
+    args = [a for kind, scan in PLAN_CASES for a in (str(replicas[kind]), "1" if scan else "0")]
+    out = subprocess.run([sys.executable, "-c", PLAN_CHILD, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, check=True)  # fmt: skip
+    lines = out.stdout.strip().splitlines()[-len(PLAN_CASES) :]
+    return {case: json.loads(line) for case, line in zip(PLAN_CASES, lines, strict=True)}
+
+
 @NEEDS_REAL
-@pytest.mark.parametrize("scan_layers", [True, False])
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_published_configs_plan_at_256_devices(replicas, kind, scan_layers):
+@pytest.mark.parametrize(("kind", "scan_layers"), PLAN_CASES)
+def test_the_published_configs_plan_at_256_devices(plans, kind, scan_layers):
     """Planned from headers in a process with 256 simulated devices (fsdp=32, ep=8) in at most 10 s
     of the planning process's CPU (its wall time on a shared machine varies with the other jobs):
     DeepSeek-V3.2's FP8 weights with 128x128 scales, GLM-5 in BF16, each MTP layer unused."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=256", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", PLAN_CHILD, str(replicas[kind]), "1" if scan_layers else "0"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = plans[kind, scan_layers]
     print(f"{kind} scan_layers={scan_layers}: plan {r['wall']:.2f} s wall, {r['cpu']:.2f} s CPU")
     assert r["cpu"] <= 10, r["cpu"]
     layers = 61 if kind == "deepseek_v32" else 78
