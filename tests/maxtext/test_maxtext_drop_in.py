@@ -1,10 +1,11 @@
 """``otfload.maxtext.load_state`` against the real MaxText (maxtext 0.2.5, in its own venv).
 
 For each tiny family (Llama 3.1, Qwen3 tied and with MaxText's vocabulary padding, Qwen3-MoE,
-Mixtral, DeepSeek-V3, V3.2 and V2-Lite, GPT-OSS, Gemma 2 and 3, OLMo 3) and each layout MaxText has
-(``scan_layers`` with ``param_scan_axis`` 1 and 0, unscanned; DeepSeek-V3.2 unscanned only, the one
-layout MaxText's loader loads it in: ``test_maxtext_deepseek32.py``), MaxText builds its abstract
-NNX model on a 2x4 mesh of the 8 simulated CPU devices and loads the multi-shard float32 checkpoint
+Mixtral, DeepSeek-V3, V3.2 and V2-Lite, GPT-OSS, Gemma 2 and 3, OLMo 3, Qwen3-Next) and each layout
+MaxText has (``scan_layers`` with ``param_scan_axis`` 1 and 0, unscanned; DeepSeek-V3.2 and Qwen3-Next
+unscanned only, the one layout MaxText's loader loads them in: ``test_maxtext_deepseek32.py``,
+``test_maxtext_qwen3_next.py``), MaxText builds its abstract NNX model on a 2x4 mesh of the 8 simulated
+CPU devices and loads the multi-shard float32 checkpoint
 with its own ``load_safetensors_dynamic_state``; the drop-in, given the same arguments (the weights MaxText's
 checkpointing hands its loader: every variable but RNG state, so DeepSeek-V3's ``MoEBiasVar`` routing
 bias too), must give every leaf bitwise equal, with the tree's dtype and sharding.
