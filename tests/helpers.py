@@ -103,7 +103,8 @@ def max_rel_diff(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 @functools.cache
-def _jitted_forward():
+def jitted_forward():
+    """``jax.jit(lambda m, x: m(x))``, one for the session (see :func:`jax_logits`)."""
     import jax
 
     return jax.jit(lambda m, x: m(x))
@@ -114,7 +115,7 @@ def jax_logits(model, ids: np.ndarray) -> np.ndarray:
     structure, shapes and shardings (a kind another test loaded already) reuses its compiled program."""
     import jax.numpy as jnp
 
-    return np.asarray(_jitted_forward()(model, jnp.asarray(ids)))
+    return np.asarray(jitted_forward()(model, jnp.asarray(ids)))
 
 
 def hf_tensors(path: Path) -> dict[str, np.ndarray]:
