@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from otfload.adapters.factored import prepare_factored, require_merged
 from otfload.adapters.merge import check_adapted_are_mapped
+from otfload.coordination.agreement import DEFAULT_TIMEOUT_S
 from otfload.errors import CheckpointMismatchError, mismatch_error
 from otfload.families.registry import family_for
 from otfload.index.checkpoint import CheckpointIndex, read_values
@@ -27,7 +28,6 @@ from otfload.index.dtypes import to_numpy_dtype
 from otfload.models.origin import remember_origin
 from otfload.opening import Opened, default_workers, open_checkpoint, storage_dtype
 from otfload.options import MODEL_FIELDS, LoadKeywords, LoadOptions, ParamsKeywords, resolve_options
-from otfload.place.agree import DEFAULT_TIMEOUT_S
 from otfload.place.collective_route import resolve_policy
 from otfload.place.loader import execute_plan
 from otfload.place.report import LoadReport

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 
 from otfload.coordination import Coordinator, current_coordinator
+from otfload.coordination.agreement import TIMEOUT_ENV
 from otfload.errors import CollectiveError, CollectiveTimeoutError, InvalidOptionError
 from otfload.options.environment import environment
-from otfload.place.agree import TIMEOUT_ENV
 
 KEY_PREFIX = "otfload/lm_eval"
 # An evaluation's processes meet at a barrier after each request type: the fastest waits for the

@@ -28,9 +28,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from otfload.coordination.agreement import TIMEOUT_ENV as COLLECTIVE_TIMEOUT_ENV
 from otfload.errors import InvalidOptionError
 from otfload.options import checks
-from otfload.place.agree import TIMEOUT_ENV as COLLECTIVE_TIMEOUT_ENV
 from otfload.place.collective_route import POLICIES as RESHARD_POLICIES
 from otfload.place.collective_route import RESHARD_ENV
 from otfload.place.device_hooks import DEVICE_HOOKS_ENV

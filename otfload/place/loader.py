@@ -24,9 +24,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import jax
 from tqdm.auto import tqdm
 
+from otfload.coordination.agreement import DEFAULT_TIMEOUT_S
 from otfload.errors import LoadCancelled
 from otfload.fetch.meter import FetchMeter, metering
-from otfload.place.agree import DEFAULT_TIMEOUT_S, agree_load
+from otfload.place.agree import agree_load, is_cold
 from otfload.place.builder import ByteBudget, build_leaf
 from otfload.place.collective_route import (
     ReshardPrograms,
@@ -103,7 +104,7 @@ def execute_plan(
     agreement, agreed = agree_load(plan.leaves, policy, files, None if residency is None else residency.resident,
                                    collective_timeout)
     # The same choices on every process: a pure function of the plan, the policy and the agreed facts.
-    chosen = choose_read_shardings(plan.leaves, reader, policy, cold=agreed.cold)
+    chosen = choose_read_shardings(plan.leaves, reader, policy, cold=is_cold(agreed))
     bands = {path: c.sharding for path, c in chosen.items() if c.sharding is not None}
     report.route = route(policy, files, agreed.resident, chosen)
     programs = ReshardPrograms(plan.leaves, bands)  # compiled while the builders read

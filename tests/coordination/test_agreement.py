@@ -1,4 +1,4 @@
-"""The agreement of a multi-process load (otfload/place/agree.py), with the processes simulated by
+"""The agreement of a multi-process load (otfload/coordination/agreement.py), with the processes simulated by
 threads sharing one key-value store: every process ends with the same facts, or with the same typed
 error within the bound — a mismatch, a failure elsewhere, a process that never arrives, a collective
 that never completes. The real 4-process loads are in tests/multihost/test_agree.py."""
@@ -12,8 +12,9 @@ from collections.abc import Callable
 import pytest
 
 from otfload.coordination import LocalCoordinator
+from otfload.coordination.agreement import Agreement, Facts, run_bounded
 from otfload.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
-from otfload.place.agree import Agreement, Facts, run_bounded
+from otfload.place.agree import is_cold
 from otfload.place.collective_route import cold_processes
 
 PROCESSES = 4
@@ -66,9 +67,9 @@ def test_every_process_gets_the_same_facts_and_one_cold_host_makes_the_load_cold
     assert len(out) == PROCESSES and len(set(out.values())) == 1, out
     agreed = out[0]
     assert agreed.resident == (1.0, 0.97, 0.1, 1.0) and agreed.processes == PROCESSES  # type: ignore[attr-defined]
-    assert agreed.cold and cold_processes(agreed.resident) == [2]  # type: ignore[attr-defined]
+    assert is_cold(agreed) and cold_processes(agreed.resident) == [2]  # type: ignore[arg-type,attr-defined]
     warm = run_processes(lambda q, a: a.facts(facts(0.95 if q == 3 else 1.0)))
-    assert not any(o.cold for o in warm.values())  # type: ignore[attr-defined]
+    assert not any(is_cold(o) for o in warm.values())  # type: ignore[arg-type]
 
 
 def test_another_plan_or_policy_on_one_process_ends_the_load_on_every_process():
