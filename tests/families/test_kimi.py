@@ -23,7 +23,7 @@ from otfload.errors import UnsupportedModelError
 from otfload.families.registry import family_for
 from otfload.index.quant.view import quantization_method
 from otfload.plan.sharding import make_mesh
-from tests.families.test_deepseek import MESHES
+from tests.families.checks import MESHES
 from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, rename_tensors, token_ids, torch_logits
 from tests.index.quant import layouts
