@@ -1,0 +1,138 @@
+"""Concatenated tensors: one index entry made of ranges of stored tensors laid end to end on an axis.
+
+MaxText's Qwen3.5 kernels are HF tensors joined: ``in_proj_qkvz`` is, key head by key head, that
+head's rows of ``in_proj_qkv``'s q, k and v blocks then of ``in_proj_z``. A
+:class:`ConcatenatedTensor` stands in the index under such a name, so a rule, its hooks, stacking and
+sharding treat it as one tensor, while a read of a box reads only the box of each stored range it
+overlaps (:meth:`ConcatenatedTensor.part_boxes`) and joins them (:meth:`ConcatenatedTensor.decode`);
+:meth:`ConcatenatedTensor.split` gives each stored tensor back, bit-exact (export).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from otfload.errors import MappingError
+from otfload.index.derived import Box, Parts
+from otfload.index.header import TensorInfo
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``start .. stop`` (on the concatenation axis) of the stored tensor ``info``."""
+
+    info: TensorInfo
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ConcatenatedTensor:
+    """``pieces`` joined on ``axis``, named ``name`` (a :class:`~otfload.index.derived.DerivedTensor`)."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+    axis: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.pieces:
+            raise MappingError(f"{self.name}: no tensors to concatenate")
+        first = self.pieces[0].info
+        for piece in self.pieces:
+            info = piece.info
+            other = [d for d, (n, m) in enumerate(zip(info.shape, first.shape, strict=False))
+                     if d != self.axis and n != m]
+            if (info.dtype != first.dtype or len(info.shape) != len(first.shape) or other
+                    or not 0 <= piece.start < piece.stop <= info.shape[self.axis]):
+                raise MappingError(f"{self.name}: {info.name} {info.dtype}{list(info.shape)} rows "
+                                   f"{piece.start}..{piece.stop} do not join {first.name} {first.dtype}"
+                                   f"{list(first.shape)} on axis {self.axis}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.pieces[0].info.shape)
+        shape[self.axis] = sum(p.length for p in self.pieces)
+        return tuple(shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.pieces[0].info.dtype
+
+    @property
+    def storage(self) -> str:
+        return f"{self.dtype} (concatenated)"
+
+    @property
+    def file(self) -> str:
+        return self.pieces[0].info.file
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.info.nbytes * p.length // p.info.shape[self.axis] for p in self.pieces)
+
+    def _spans(self, lo: int, hi: int) -> list[tuple[int, Piece, int, int]]:
+        """``(index, piece, from, to)``: the stored rows of each piece that rows ``lo .. hi`` cover."""
+        out, at = [], 0
+        for i, piece in enumerate(self.pieces):
+            a, b = max(lo, at), min(hi, at + piece.length)
+            if a < b:
+                out.append((i, piece, piece.start + a - at, piece.start + b - at))
+            at += piece.length
+        return out
+
+    def part_boxes(self, box: Box) -> Parts:
+        """For each piece ``box`` overlaps (role: its position), the box of its stored tensor."""
+        d = self.axis
+        return {str(i): (piece.info, (*box[:d], (a, b), *box[d + 1 :]))
+                for i, piece, a, b in self._spans(*box[d])}
+
+    def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
+        """``box`` of the joined tensor from its pieces' boxes (in piece order)."""
+        parts = [arrays[role] for role in sorted(arrays, key=int)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
+
+    def split(self, value: np.ndarray) -> dict[str, np.ndarray]:
+        """Each stored tensor from the joined ``value`` (export): its pieces' rows put back in place."""
+        out: dict[str, np.ndarray] = {}
+        filled: dict[str, int] = {}
+        rows: dict[str, int] = {}
+        at = 0
+        for piece in self.pieces:
+            info = piece.info
+            whole = out.setdefault(info.name, np.empty(info.shape, value.dtype))
+            index = [slice(None)] * value.ndim
+            index[self.axis] = slice(piece.start, piece.stop)
+            source = list(index)
+            source[self.axis] = slice(at, at + piece.length)
+            whole[tuple(index)] = value[tuple(source)]
+            filled[info.name] = filled.get(info.name, 0) + piece.length
+            rows[info.name] = info.shape[self.axis]
+            at += piece.length
+        short = [n for n, got in filled.items() if got != rows[n]]
+        if short:
+            raise MappingError(f"{self.name}: its pieces cover only part of {short}; it cannot be split back")
+        return out
+
+
+def head_blocks(name: str, sources: Sequence[tuple[TensorInfo, Sequence[int]]], heads: int) -> ConcatenatedTensor:
+    """Rows joined head by head: each source ``(info, block sizes)`` holds, one after the other,
+    blocks of ``heads`` equal runs of rows (``in_proj_qkv``: q, k, v); the result has, for each head
+    ``h``, run ``h`` of every block of every source in order (MaxText's ``in_proj_qkvz``)."""
+    blocks: list[tuple[TensorInfo, int, int]] = []
+    for info, sizes in sources:
+        at = 0
+        for size in sizes:
+            if size % heads:
+                raise MappingError(f"{name}: a block of {size} rows of {info.name} does not split into {heads} heads")
+            blocks.append((info, at, size // heads))
+            at += size
+    return ConcatenatedTensor(name, tuple(Piece(info, start + h * run, start + (h + 1) * run)
+                                          for h in range(heads) for info, start, run in blocks))
+
