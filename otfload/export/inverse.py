@@ -13,6 +13,7 @@ backwards through the hooks (see :func:`otfload.export.shapes.infer_in_shape`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,9 @@ import numpy as np
 from otfload.errors import MappingError
 from otfload.export.gather import Position
 from otfload.export.shapes import infer_in_shape, slice_positions
+from otfload.index.concat import head_runs
 from otfload.plan.hooks import Hook, Shape, Slice, chain_shapes, run_forward
-from otfload.plan.mapping import MappingTable, Rule, format_key, slice_values, stack_dims
+from otfload.plan.mapping import Join, MappingTable, Rule, format_key, slice_values, stack_dims
 
 Fetch = Callable[[str, Position], np.ndarray]
 
@@ -48,6 +50,8 @@ class HFTensor:
     parts: tuple[Part, ...]
     assembled_shape: Shape
     undo: tuple[Hook, ...] = ()
+    # a part of a joined source (``Rule.join``): its rows of the joined tensor, in order
+    rows: tuple[tuple[int, int], ...] = ()
 
     @property
     def sources(self) -> tuple[tuple[str, Position], ...]:
@@ -74,6 +78,8 @@ class HFTensor:
             assert assembled is not None  # a sliced tensor has parts
             x = assembled
         x = run_forward(self.undo, x)
+        if self.rows:
+            x = np.concatenate([x[a:b] for a, b in self.rows])
         if tuple(x.shape) != self.shape:
             raise MappingError(f"{self.key}: inverse hooks produced shape {x.shape}, expected {self.shape}")
         return x
@@ -244,5 +250,31 @@ def plan_export(
     for key, group in groups.items():
         _check_group(group)
         shape = tuple(hf_shapes[key]) if hf_shapes is not None and key in hf_shapes else _infer_hf_shape(group)
-        tensors[key] = _tensor(group, shape)
+        join = group[0].rule.join
+        if join is None:
+            tensors[key] = _tensor(group, shape)
+            continue
+        joined = _tensor(group, shape)
+        for name, part in _split(join, group[0].values, config, joined).items():
+            if hf_shapes is not None and name in hf_shapes and tuple(hf_shapes[name]) != part.shape:
+                raise MappingError(f"{name}: {part.shape} from leaf {group[0].leaf!r}, the reference has "
+                                   f"{tuple(hf_shapes[name])}")
+            tensors[name] = part
     return ExportPlan(tensors)
+
+
+def _split(join: Join, values: Mapping[str, int | str], config: Mapping[str, Any],
+           joined: HFTensor) -> dict[str, HFTensor]:
+    """The HF tensors a joined one is made of, each its rows of ``joined`` (:func:`head_runs`)."""
+    sources = join.sources(values, config)
+    runs = head_runs([sizes for _, sizes in sources], join.head_count(config), joined.key)
+    out = {}
+    at = 0
+    rows: list[list[tuple[int, int, int]]] = [[] for _ in sources]  # (stored start, joined start, stop)
+    for s, a, b in runs:
+        rows[s].append((a, at, at + b - a))
+        at += b - a
+    for (name, sizes), own in zip(sources, rows, strict=True):
+        out[name] = dataclasses.replace(joined, key=name, shape=(sum(sizes), *joined.shape[1:]),
+                                        rows=tuple((lo, hi) for _, lo, hi in sorted(own)))
+    return out

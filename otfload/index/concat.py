@@ -4,8 +4,9 @@ MaxText's Qwen3.5 kernels are HF tensors joined: ``in_proj_qkvz`` is, key head b
 head's rows of ``in_proj_qkv``'s q, k and v blocks then of ``in_proj_z``. A
 :class:`ConcatenatedTensor` stands in the index under such a name, so a rule, its hooks, stacking and
 sharding treat it as one tensor, while a read of a box reads only the box of each stored range it
-overlaps (:meth:`ConcatenatedTensor.part_boxes`) and joins them (:meth:`ConcatenatedTensor.decode`);
-:meth:`ConcatenatedTensor.split` gives each stored tensor back, bit-exact (export).
+overlaps (:meth:`ConcatenatedTensor.part_boxes`) and joins them (:meth:`ConcatenatedTensor.decode`).
+A rule says how with :class:`~otfload.plan.mapping.Join`; export writes each stored tensor back from its
+rows (:func:`head_runs`).
 """
 
 from __future__ import annotations
@@ -98,41 +99,25 @@ class ConcatenatedTensor:
         parts = [arrays[role] for role in sorted(arrays, key=int)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
 
-    def split(self, value: np.ndarray) -> dict[str, np.ndarray]:
-        """Each stored tensor from the joined ``value`` (export): its pieces' rows put back in place."""
-        out: dict[str, np.ndarray] = {}
-        filled: dict[str, int] = {}
-        rows: dict[str, int] = {}
-        at = 0
-        for piece in self.pieces:
-            info = piece.info
-            whole = out.setdefault(info.name, np.empty(info.shape, value.dtype))
-            index = [slice(None)] * value.ndim
-            index[self.axis] = slice(piece.start, piece.stop)
-            source = list(index)
-            source[self.axis] = slice(at, at + piece.length)
-            whole[tuple(index)] = value[tuple(source)]
-            filled[info.name] = filled.get(info.name, 0) + piece.length
-            rows[info.name] = info.shape[self.axis]
-            at += piece.length
-        short = [n for n, got in filled.items() if got != rows[n]]
-        if short:
-            raise MappingError(f"{self.name}: its pieces cover only part of {short}; it cannot be split back")
-        return out
 
-
-def head_blocks(name: str, sources: Sequence[tuple[TensorInfo, Sequence[int]]], heads: int) -> ConcatenatedTensor:
-    """Rows joined head by head: each source ``(info, block sizes)`` holds, one after the other,
-    blocks of ``heads`` equal runs of rows (``in_proj_qkv``: q, k, v); the result has, for each head
-    ``h``, run ``h`` of every block of every source in order (MaxText's ``in_proj_qkvz``)."""
-    blocks: list[tuple[TensorInfo, int, int]] = []
-    for info, sizes in sources:
+def head_runs(sizes: Sequence[Sequence[int]], heads: int, name: str) -> list[tuple[int, int, int]]:
+    """``(source, start, stop)`` rows in joined order: each source (by position) holding blocks of
+    ``sizes`` rows one after the other, each block ``heads`` equal runs; for each head ``h``, run ``h``
+    of every block of every source in order (MaxText's ``in_proj_qkvz``)."""
+    blocks: list[tuple[int, int, int]] = []
+    for s, source_sizes in enumerate(sizes):
         at = 0
-        for size in sizes:
-            if size % heads:
-                raise MappingError(f"{name}: a block of {size} rows of {info.name} does not split into {heads} heads")
-            blocks.append((info, at, size // heads))
+        for size in source_sizes:
+            if heads < 1 or size % heads:
+                raise MappingError(f"{name}: a block of {size} rows of part {s} does not split into {heads} heads")
+            blocks.append((s, at, size // heads))
             at += size
-    return ConcatenatedTensor(name, tuple(Piece(info, start + h * run, start + (h + 1) * run)
-                                          for h in range(heads) for info, start, run in blocks))
+    return [(s, start + h * run, start + (h + 1) * run) for h in range(heads) for s, start, run in blocks]
 
+
+def head_blocks(
+    name: str, sources: Sequence[tuple[TensorInfo, Sequence[int]]], heads: int
+) -> ConcatenatedTensor:
+    """The tensor :func:`head_runs` joins from ``sources`` (each ``(info, block sizes)``), named ``name``."""
+    runs = head_runs([sizes for _, sizes in sources], heads, name)
+    return ConcatenatedTensor(name, tuple(Piece(sources[s][0], a, b) for s, a, b in runs))

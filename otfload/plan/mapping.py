@@ -97,6 +97,8 @@ class Rule:
     indices: MappingABC[str, Sequence[int | str] | str | Stride | Composed] = field(default_factory=dict)
     cast: bool = False
     stack_at: MappingABC[str, int | str] = field(default_factory=dict)
+    # ``source`` names no stored tensor but HF tensors joined on their first axis (:class:`Join`)
+    join: Join | None = None
 
     def __post_init__(self) -> None:
         missing = set(placeholders(self.target)) - set(placeholders(self.source))
@@ -208,6 +210,29 @@ class Composed:
 
     axes: tuple[str, ...]
     value: str
+
+
+@dataclass(frozen=True)
+class Join:
+    """A rule's source made of several HF tensors joined head by head on their first axis
+    (``Rule.join``; MaxText's Qwen3.5 ``in_proj_qkvz``). ``parts`` are HF key templates, each with the
+    row counts of its blocks (expressions: ``in_proj_qkv`` is a q, a k and a v block); every block holds
+    ``heads`` equal runs of rows, and the joined tensor has, head by head, that head's run of every
+    block in order (:func:`otfload.index.concat.head_blocks`). Each HF tensor is read only where a
+    device's box needs it, and export writes each back."""
+
+    parts: tuple[tuple[str, tuple[str, ...]], ...]
+    heads: str
+
+    def sources(
+        self, values: MappingABC[str, int | str], config: MappingABC[str, Any]
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """Each part's HF key for the placeholder ``values`` and its blocks' row counts."""
+        return [(format_key(template, values), tuple(integer(b, config, f"{template}: block") for b in blocks))
+                for template, blocks in self.parts]
+
+    def head_count(self, config: MappingABC[str, Any]) -> int:
+        return integer(self.heads, config, f"join of {[t for t, _ in self.parts]}: heads")
 
 
 def _composed_axes(name: str, indices: MappingABC[str, object]) -> tuple[str, ...]:

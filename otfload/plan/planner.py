@@ -26,6 +26,7 @@ from jax.sharding import Sharding
 
 from otfload.errors import MappingError, TensorProblem, UnfaithfulCastError, mismatch_error
 from otfload.index.checkpoint import CheckpointIndex
+from otfload.index.concat import ConcatenatedTensor, head_blocks
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
 from otfload.plan import leaf_bytes
@@ -169,9 +170,21 @@ class LoadPlan:
 
 
 def _lookup(
-    index: CheckpointIndex, rule: Rule, values: dict[str, int | str]
+    index: CheckpointIndex, rule: Rule, values: dict[str, int | str], config: Mapping[str, Any]
 ) -> tuple[str, TensorInfo | DerivedTensor | None]:
     key = format_key(rule.source, values)
+    if rule.join is not None:  # the HF tensors joined (the first one absent named)
+        sources = rule.join.sources(values, config)
+        absent = [name for name, _ in sources if name not in index]
+        if absent:
+            return absent[0], None
+        stored = [(index[name], sizes) for name, sizes in sources]
+        derived = [info.name for info, _ in stored if is_derived(info)]
+        if derived:
+            raise MappingError(f"rule {rule.target!r}: {derived} are decoded on read (quantized or adapted), "
+                               "which a join does not read")
+        return key, head_blocks(key, [(info, sizes) for info, sizes in stored if not is_derived(info)],
+                                rule.join.head_count(config))
     for candidate in (key, *(format_key(f, values) for f in rule.fallbacks)):
         if candidate in index:
             return candidate, index[candidate]
@@ -207,7 +220,7 @@ def _unfit_stack_axis(
                 values = hf_values(rule, fixed, stack_axes, position, config)
             except MappingError:  # past the end of the rule's indices
                 return False
-            return _lookup(index, rule, values)[1] is not None
+            return _lookup(index, rule, values, config)[1] is not None
 
         if name not in rule.stack_at or size == 0 or not present(0) or present(size - 1):
             continue
@@ -250,7 +263,7 @@ def plan_leaf(
     for combo, values in slice_values(rule, fixed, stack_axes, stack_shape, config):
         for k, name in enumerate(stack_axes):
             along[k].setdefault(combo[k], values[name])
-        key, info = _lookup(index, rule, values)
+        key, info = _lookup(index, rule, values, config)
         if info is None:
             problems.append(TensorProblem("missing", key, leaf.path, expected=slice_shape))
             ok = False
@@ -310,6 +323,8 @@ def build_plan(
             "if the cast is meant): " + "; ".join(casts[:10])
         )
     used = {info.name for plan in plans.values() for info in plan.sources}
+    used |= {p.info.name for plan in plans.values() for info in plan.sources
+             if isinstance(info, ConcatenatedTensor) for p in info.pieces}
     used |= {p.hf_key for p in problems if p.hf_key}
     unused = sorted(k for k in index.tensors if k not in used and not table.ignored(k))
     if strict:

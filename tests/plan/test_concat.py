@@ -1,5 +1,6 @@
 """Concatenated tensors against numpy: MaxText's Qwen3.5 ``in_proj_qkvz`` / ``in_proj_ba`` joins (per key
-head, as its converter builds them) read box by box from the stored tensors' boxes, and split back."""
+head, as its converter builds them) read box by box from the stored tensors' boxes, planned and built
+by a rule's ``Join``, and exported back."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from otfload.errors import MappingError
+from otfload.errors import CheckpointMismatchError, MappingError
+from otfload.export.inverse import plan_export
 from otfload.index.checkpoint import open_index
 from otfload.index.concat import ConcatenatedTensor, Piece, head_blocks
 from otfload.index.derived import is_derived
@@ -19,7 +21,7 @@ from otfload.index.header import TensorInfo
 from otfload.place.builder import ByteBudget, build_leaf
 from otfload.plan.abstract import abstract_from_pytree
 from otfload.plan.hooks import Transpose
-from otfload.plan.mapping import MappingTable, Rule
+from otfload.plan.mapping import Join, MappingTable, Rule
 from otfload.plan.planner import build_plan
 from otfload.read.arena import Arena
 from otfload.read.reader import TensorReader
@@ -42,6 +44,12 @@ def boxes(shape: tuple[int, ...]):
 def read(arrays: dict[str, np.ndarray], tensor: ConcatenatedTensor, box) -> np.ndarray:
     parts = tensor.part_boxes(box)
     return tensor.decode({r: arrays[i.name][tuple(slice(a, b) for a, b in pb)] for r, (i, pb) in parts.items()}, box)
+
+
+CONFIG = {"hk": HK, "dk": DK, "hv": HV, "dv": DV}
+JOINED = MappingTable((Rule("layers.{layer}.qkvz", "l.{layer}.qkvz", (Transpose(),),
+                            join=Join((("l.{layer}.qkv", ("hk * dk", "hk * dk", "hv * dv")),
+                                       ("l.{layer}.z", ("hv * dv",))), "hk")),))
 
 
 def maxtext_qkvz(qkv: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -82,14 +90,6 @@ def test_part_boxes_read_only_what_the_box_covers(qkvz):
     assert part.name == "qkv" and pbox == ((HK * DK + DK, HK * DK + 2 * DK), (0, EMB))
 
 
-def test_split_back_bit_exact(qkvz):
-    tensor, arrays, expected = qkvz
-    back = tensor.split(expected)
-    assert set(back) == {"qkv", "z"}
-    for name, value in arrays.items():
-        assert back[name].tobytes() == value.tobytes()
-
-
 def test_ba_and_axis_one():
     rng = np.random.default_rng(1)
     b, a = (rng.standard_normal((HV, EMB)).astype(np.float32) for _ in range(2))
@@ -103,8 +103,6 @@ def test_ba_and_axis_one():
     for box in boxes(cols.shape):
         got = read({"bt": b.T, "at": a.T}, cols, box)
         np.testing.assert_array_equal(got, whole[tuple(slice(x, y) for x, y in box)])
-    with pytest.raises(MappingError, match="only part"):
-        cols.split(whole)
 
 
 def test_refusals():
@@ -120,26 +118,37 @@ def test_refusals():
 
 @pytest.mark.parametrize("spec", [P(None, "fsdp", "tp"), P(None, None, "tp"), P("fsdp", "tp")])
 def test_a_sharded_stacked_leaf_reads_each_piece_straight(tmp_path, mesh_2x4, closing, spec):
-    """The whole byte plan on a real checkpoint: a scanned ``[layers, in, qkvz]`` leaf from per-layer joins,
-    each device's shard equal to numpy's, each stored tensor's bytes read no more than once per process."""
+    """The whole byte plan on a real checkpoint: a scanned ``[layers, in, qkvz]`` leaf of a ``Rule.join``,
+    each device's shard equal to numpy's, each stored tensor's bytes read no more than once per process
+    (none unexpected under ``strict``), and export giving every stored tensor back."""
     rng = np.random.default_rng(2)
     layers, rows = 2, 2 * HK * DK + HV * DV
     tensors = {f"l.{i}.{n}": rng.standard_normal((r, 2 * EMB - 2), dtype=np.float32)
                for i in range(layers) for n, r in (("qkv", rows), ("z", HV * DV))}
     index = open_index(closing(LocalSource(write_checkpoint(tmp_path / "c", tensors))), require_config=False)
-    for i in range(layers):
-        join = head_blocks(f"l.{i}.qkvz", [(index[f"l.{i}.qkv"], (HK * DK, HK * DK, HV * DV)),
-                                          (index[f"l.{i}.z"], (HV * DV,))], HK)
-        index.tensors[join.name] = join
     want = np.stack([maxtext_qkvz(tensors[f"l.{i}.qkv"], tensors[f"l.{i}.z"]).T for i in range(layers)])
     sharding = NamedSharding(mesh_2x4, spec)
     leaves, _ = abstract_from_pytree({"layers": {"qkvz": jax.ShapeDtypeStruct(want.shape, np.float32,
                                                                               sharding=sharding)}})
-    table = MappingTable((Rule("layers.{layer}.qkvz", "l.{layer}.qkvz", (Transpose(),)),))
-    plan = build_plan(index, leaves, table).leaves["layers.qkvz"]
+    plan = build_plan(index, leaves, JOINED, CONFIG, strict=True).leaves["layers.qkvz"]
     assert plan.storage == "float32 (concatenated)" and plan.source_bytes == sum(t.nbytes for t in tensors.values())
     reader = TensorReader(index.source)
     array = build_leaf(plan, reader, Arena(), ByteBudget(None))
     for shard in array.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
     assert reader.stats.bytes_needed <= plan.source_bytes
+    # export: the leaf back to each stored tensor, bit-exact
+    export = plan_export({"layers.qkvz": want.shape}, JOINED, CONFIG, {k: v.shape for k, v in tensors.items()})
+    assert set(export.tensors) == set(tensors)
+    host = np.asarray(array)
+    for key, tensor in export.tensors.items():
+        assert tensor.materialize(lambda leaf, index: host[index]).tobytes() == tensors[key].tobytes()
+
+
+def test_a_missing_part_is_named(tmp_path, closing, mesh_2x4):
+    tensors = {"l.0.qkv": np.zeros((2 * HK * DK + HV * DV, 4), np.float32)}
+    index = open_index(closing(LocalSource(write_checkpoint(tmp_path / "c", tensors))), require_config=False)
+    leaf = jax.ShapeDtypeStruct((1, 4, 2 * HK * DK + 2 * HV * DV), np.float32, sharding=NamedSharding(mesh_2x4, P()))
+    leaves, _ = abstract_from_pytree({"layers": {"qkvz": leaf}})
+    with pytest.raises(CheckpointMismatchError, match="l.0.z"):
+        build_plan(index, leaves, JOINED, CONFIG)
