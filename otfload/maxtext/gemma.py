@@ -29,6 +29,7 @@ reads), the vision tower never.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from otfload.families.multimodal import LAYOUTS, either_layout
@@ -93,10 +94,13 @@ GEMMA2 = ModelTable(
 @dataclass(frozen=True)
 class MultimodalTable(ModelTable):
     """A table of the text model of a multimodal checkpoint: its tensors under either prefix layout
-    (:data:`otfload.families.multimodal.LAYOUTS`, the Hub's first, which export writes)."""
+    (:data:`otfload.families.multimodal.LAYOUTS`, the Hub's first, which export writes; Gemma 4's
+    Hub layout is transformers' module names)."""
+
+    layouts: tuple[Mapping[str, str], ...] = LAYOUTS
 
     def mapping(self, scan_layers: bool) -> MappingTable:
-        return either_layout(super().mapping(scan_layers), LAYOUTS)
+        return either_layout(super().mapping(scan_layers), self.layouts)
 
 
 _GEMMA3_LAYER = (

@@ -18,12 +18,14 @@ from typing import Any
 from otfload.errors import ConfigError
 from otfload.maxtext.deepseek import DEEPSEEK2, DEEPSEEK3, DEEPSEEK32
 from otfload.maxtext.gemma import GEMMA2, GEMMA3
+from otfload.maxtext.gemma4 import GEMMA4_DENSE, GEMMA4_MOE
 from otfload.maxtext.gpt_oss import GPT_OSS
 from otfload.maxtext.llama import LLAMA31
 from otfload.maxtext.mixtral import MIXTRAL
 from otfload.maxtext.olmo3 import OLMO3
 from otfload.maxtext.qwen2 import QWEN2
 from otfload.maxtext.qwen3 import QWEN3, QWEN3_MOE
+from otfload.maxtext.qwen3_5 import QWEN3_5
 from otfload.maxtext.qwen3_next import QWEN3_NEXT
 from otfload.maxtext.tables import EXPERTS, LOGITS, LayerGroup, ModelTable
 from otfload.plan import expressions
@@ -44,8 +46,11 @@ TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("gpt-oss-20b", "gpt-oss-120b"), GPT_OSS),
     **dict.fromkeys(("gemma2-2b", "gemma2-9b", "gemma2-27b"), GEMMA2),
     **dict.fromkeys(("gemma3-4b", "gemma3-12b", "gemma3-27b"), GEMMA3),
+    "gemma4-26b": GEMMA4_MOE,
+    "gemma4-31b": GEMMA4_DENSE,
     **dict.fromkeys(("olmo3-7b", "olmo3-7b-pt", "olmo3-32b"), OLMO3),
     "qwen3-next-80b-a3b": QWEN3_NEXT,
+    **dict.fromkeys(("qwen3.5-35b-a3b", "qwen3.5-397b-a17b"), QWEN3_5),
 }
 # The MaxText fields the tables' hooks and shapes use (as ``mt_<field>``); the MoE ones only for MoE tables.
 DIMENSIONS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers", "vocab_size")
@@ -108,6 +113,9 @@ def select(config: Any) -> Selection:
     scan = field(config, "scan_layers")
     if not isinstance(scan, bool):
         raise ConfigError("scan_layers", scan, "must be true or false", SOURCE)
+    if not scan and table.unscanned == ():  # no groups for an unscanned tree: it has no table
+        raise ConfigError("scan_layers", scan, f"otfload.maxtext table {table.name!r} maps scanned trees only",
+                          SOURCE)
     axis = _int(config, "param_scan_axis", minimum=0) if scan else 0
     names = DIMENSIONS + (MOE_DIMENSIONS if table.moe else ()) + table.fields + tuple(table.fixed)
     fields = {n: _int(config, n) for n in names}
