@@ -34,7 +34,7 @@ from typing import Any
 
 from otfload.plan.expressions import integer
 from otfload.plan.hooks import Hook, Pad, Reshape, Scale, Transpose
-from otfload.plan.mapping import Composed, MappingTable, Rule, Stride
+from otfload.plan.mapping import Composed, Join, MappingTable, Rule, Stride
 
 SCANNED = "decoder.layers"
 UNSCANNED = "decoder.layers_{layer}"
@@ -61,6 +61,8 @@ class Leaf:
     # where a scanned tree puts the layer axis: MaxText scans nnx.Params at param_scan_axis, its
     # other variables (DeepSeek-V3's MoEBiasVar routing bias) at 0
     layer_at: int | str = "param_scan_axis"
+    # ``source`` is HF tensors joined (MaxText's Qwen3.5 ``in_proj_qkvz``): Rule.join
+    join: Join | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class LayerGroup:
     def rules(self, scan_layers: bool) -> list[Rule]:
         prefix = self.prefix(scan_layers)
         return [Rule(f"{prefix}.{leaf.path}", leaf.source, leaf.hooks, offsets=self.offsets, indices=self.indices,
-                     stack_at=self._stack_at(leaf)) for leaf in self.leaves]
+                     stack_at=self._stack_at(leaf), join=leaf.join) for leaf in self.leaves]
 
     def _stack_at(self, leaf: Leaf) -> dict[str, int | str]:
         if self.local is None:
