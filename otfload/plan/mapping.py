@@ -159,8 +159,13 @@ class MappingTable:
                     return new + key[len(old) :]
             return key
 
+        def joined(join: Join | None) -> Join | None:
+            return None if join is None else dataclasses.replace(
+                join, parts=tuple((rename(template), blocks) for template, blocks in join.parts))
+
         rules = tuple(
-            dataclasses.replace(r, source=rename(r.source), fallbacks=tuple(map(rename, r.fallbacks)))
+            dataclasses.replace(r, source=rename(r.source), fallbacks=tuple(map(rename, r.fallbacks)),
+                                join=joined(r.join))
             for r in self.rules
         )
         return MappingTable(rules, self.ignore)

@@ -152,3 +152,9 @@ def test_a_missing_part_is_named(tmp_path, closing, mesh_2x4):
     leaves, _ = abstract_from_pytree({"layers": {"qkvz": leaf}})
     with pytest.raises(CheckpointMismatchError, match="l.0.z"):
         build_plan(index, leaves, JOINED, CONFIG)
+
+
+def test_source_prefixes_rename_the_parts():
+    (rule,) = JOINED.with_source_prefixes({"l.": "text.l."}).rules
+    assert rule.source == "text.l.{layer}.qkvz" and rule.join is not None
+    assert [t for t, _ in rule.join.parts] == ["text.l.{layer}.qkv", "text.l.{layer}.z"]
