@@ -2,7 +2,7 @@
 MaxText's converter (``param_mapping.QWEN3_5_*``) gives from a multimodal checkpoint's text model —
 ``in_proj_qkvz`` / ``in_proj_ba`` joined per key head from ``in_proj_qkv`` + ``in_proj_z`` and
 ``in_proj_b`` + ``in_proj_a`` (the converter's reshape-and-concatenate, written here in numpy), experts
-stacked; scanned, ``layer_<j>`` stacks every fourth
+stacked (every other leaf as Qwen3-Next's: ``test_qwen3_next.layer``); scanned, ``layer_<j>`` stacks every fourth
 layer at ``param_scan_axis``; export gives every text tensor back, bit-exact."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import pytest
 import otfload.maxtext as mx
 from otfload.plan.sharding import make_mesh
 from tests.helpers import hf_tensors, register_hf_model
-from tests.maxtext_tables.support import DIMS, LAYOUTS, _kernel
+from tests.maxtext_tables.support import DIMS, LAYOUTS
 from tests.maxtext_tables.test_export import round_trip
+from tests.maxtext_tables.test_qwen3_next import EXPERTS, LAYERS, PERIOD, layer
 from tests.maxtext_tables.test_tables import check
 
-LAYERS, PERIOD, EXPERTS, MOE_DIM = 8, 4, 4, 32
+MOE_DIM = 32
 HK, DK, HV, DV = 2, 8, 4, 8
 LIN, FULL = "linear_attention", "full_attention"
 TEXT = dict(DIMS, num_hidden_layers=LAYERS, layer_types=[LIN, LIN, LIN, FULL] * (LAYERS // PERIOD),
@@ -53,40 +54,25 @@ def per_key_head(*parts: np.ndarray) -> np.ndarray:
     return np.concatenate([p.reshape(HK, -1, cols) for p in parts], axis=1).reshape(-1, cols).T
 
 
-def layer(hf: dict, i: int) -> dict:
-    """HF layer ``i``'s MaxText leaves."""
-    p, m, h = f"{M}.layers.{i}", f"{M}.layers.{i}.mlp", DIMS["hidden_size"]
-    out = {"input_layernorm.scale": hf[f"{p}.input_layernorm.weight"],
-           "post_attention_layernorm.scale": hf[f"{p}.post_attention_layernorm.weight"],
-           "mlp.routed_experts.gate.kernel": hf[f"{m}.gate.weight"].T,
-           "mlp.shared_expert_gate.kernel": hf[f"{m}.shared_expert_gate.weight"].T}
-    for leaf, name in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
-        out[f"mlp.shared_expert.{leaf}.kernel"] = hf[f"{m}.shared_expert.{name}.weight"].T
-        out[f"mlp.routed_experts.{leaf}"] = np.stack([hf[f"{m}.experts.{e}.{name}.weight"].T for e in range(EXPERTS)])
-    if (i + 1) % PERIOD:  # Gated DeltaNet
-        a = f"{p}.linear_attn"
-        qkv = hf[f"{a}.in_proj_qkv.weight"]
-        q, k, v = qkv[: HK * DK], qkv[HK * DK : 2 * HK * DK], qkv[2 * HK * DK :]
-        out.update({"attention.in_proj_qkvz.kernel": per_key_head(q, k, v, hf[f"{a}.in_proj_z.weight"]),
-                    "attention.in_proj_ba.kernel": per_key_head(hf[f"{a}.in_proj_b.weight"],
-                                                                hf[f"{a}.in_proj_a.weight"]),
-                    "attention.conv1d.kernel": hf[f"{a}.conv1d.weight"].transpose(2, 1, 0),
-                    "attention.A_log": hf[f"{a}.A_log"], "attention.dt_bias": hf[f"{a}.dt_bias"],
-                    "attention.norm.rms_norm.scale": hf[f"{a}.norm.weight"],
-                    "attention.out_proj.kernel": hf[f"{a}.out_proj.weight"].T})
-    else:
-        a, x = f"{p}.self_attn", "attention.attention"
-        out.update({f"{x}.query.kernel": _kernel(hf[f"{a}.q_proj.weight"], h, 8, 32),
-                    f"{x}.key.kernel": _kernel(hf[f"{a}.k_proj.weight"], h, 4, 16),
-                    f"{x}.value.kernel": _kernel(hf[f"{a}.v_proj.weight"], h, 4, 16),
-                    f"{x}.out.kernel": hf[f"{a}.o_proj.weight"].T,
-                    f"{x}.query_norm.scale": hf[f"{a}.q_norm.weight"], f"{x}.key_norm.scale": hf[f"{a}.k_norm.weight"]})
+def as_qwen3_next(hf: dict) -> dict:
+    """The checkpoint as Qwen3-Next's would hold it: the text model's keys under ``model.``, and each
+    linear layer's ``in_proj_qkvz`` / ``in_proj_ba`` as MaxText's converter joins them (before its transpose)."""
+    out = {k.replace(f"{M}.", "model.", 1): v for k, v in hf.items() if not k.startswith("model.visual.")}
+    for i in range(LAYERS):
+        a = f"model.layers.{i}.linear_attn"
+        if f"{a}.in_proj_qkv.weight" in out:
+            qkv = out.pop(f"{a}.in_proj_qkv.weight")
+            q, k, v = qkv[: HK * DK], qkv[HK * DK : 2 * HK * DK], qkv[2 * HK * DK :]
+            out[f"{a}.in_proj_qkvz.weight"] = per_key_head(q, k, v, out.pop(f"{a}.in_proj_z.weight")).T
+            out[f"{a}.in_proj_ba.weight"] = per_key_head(out.pop(f"{a}.in_proj_b.weight"),
+                                                         out.pop(f"{a}.in_proj_a.weight")).T
     return out
 
 
 def expected(hf: dict, cfg: dict) -> dict:
-    out = {"token_embedder.embedding": hf[f"{M}.embed_tokens.weight"], "decoder.decoder_norm.scale":
-           hf[f"{M}.norm.weight"], "decoder.logits_dense.kernel": hf["lm_head.weight"].T}
+    hf = as_qwen3_next(hf)
+    out = {"token_embedder.embedding": hf["model.embed_tokens.weight"], "decoder.decoder_norm.scale":
+           hf["model.norm.weight"], "decoder.logits_dense.kernel": hf["lm_head.weight"].T}
     layers = [layer(hf, i) for i in range(LAYERS)]
     if not cfg["scan_layers"]:
         return {**out, **{f"decoder.layers_{i}.{k}": v for i, leaves in enumerate(layers) for k, v in leaves.items()}}
