@@ -104,6 +104,16 @@ GROUPED = ("mt_deepseek3", "mt_deepseek32", "mt_deepseek2", "mt_gpt_oss")
 LAYOUTS = [(True, 1), (True, 0), (False, 1)]  # (scan_layers, param_scan_axis)
 
 
+def cycled_layers(layers: list[dict[str, np.ndarray]], cfg: dict, period: int, block: str) -> dict[str, np.ndarray]:
+    """The decoder's layer leaves of a table scanned in a cycle of ``period`` layers: unscanned
+    ``decoder.layers_<i>.*``; scanned ``decoder.layers.<block><j>.*`` stacking HF layers j, j + period, ...
+    at ``param_scan_axis``."""
+    if not cfg["scan_layers"]:
+        return {f"decoder.layers_{i}.{k}": v for i, leaves in enumerate(layers) for k, v in leaves.items()}
+    return {f"decoder.layers.{block}{j}.{k}": np.stack([x[k] for x in layers[j::period]], cfg["param_scan_axis"])
+            for j in range(period) for k in layers[j]}
+
+
 def maxtext_config(kind: str, scan_layers: bool, param_scan_axis: int, **over) -> dict:
     """The MaxText fields of a run on checkpoint ``kind`` (what its pyconfig would hold)."""
     moe = kind in ("mt_qwen3_moe", "mt_mixtral", "mt_gpt_oss")

@@ -13,7 +13,7 @@ import otfload.maxtext as mx
 from otfload.errors import ConfigError
 from otfload.plan.sharding import make_mesh
 from tests.helpers import hf_tensors, register_hf_model
-from tests.maxtext_tables.support import DIMS, LAYOUTS, _kernel
+from tests.maxtext_tables.support import DIMS, LAYOUTS, _kernel, cycled_layers
 from tests.maxtext_tables.test_tables import check
 
 LAYERS, CYCLE = 8, 4
@@ -53,14 +53,7 @@ def layer(hf: dict, i: int) -> dict:
 def expected(hf: dict, cfg: dict) -> dict:
     out = {"token_embedder.embedding": hf["model.embed_tokens.weight"], "decoder.decoder_norm.scale":
            hf["model.norm.weight"], "decoder.logits_dense.kernel": hf["lm_head.weight"].T}
-    layers = [layer(hf, i) for i in range(LAYERS)]
-    if not cfg["scan_layers"]:
-        return {**out, **{f"decoder.layers_{i}.{k}": v for i, leaves in enumerate(layers) for k, v in leaves.items()}}
-    for j in range(CYCLE):
-        block = layers[j::CYCLE]
-        out.update({f"decoder.layers.layers_{j}.{k}": np.stack([x[k] for x in block], axis=cfg["param_scan_axis"])
-                    for k in block[0]})
-    return out
+    return {**out, **cycled_layers([layer(hf, i) for i in range(LAYERS)], cfg, CYCLE, "layers_")}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import otfload.maxtext as mx
 from otfload.plan.sharding import make_mesh
 from tests.helpers import hf_tensors, register_hf_model
-from tests.maxtext_tables.support import DIMS, LAYOUTS
+from tests.maxtext_tables.support import DIMS, LAYOUTS, cycled_layers
 from tests.maxtext_tables.test_export import round_trip
 from tests.maxtext_tables.test_qwen3_next import EXPERTS, LAYERS, PERIOD, layer
 from tests.maxtext_tables.test_tables import check
@@ -73,14 +73,7 @@ def expected(hf: dict, cfg: dict) -> dict:
     hf = as_qwen3_next(hf)
     out = {"token_embedder.embedding": hf["model.embed_tokens.weight"], "decoder.decoder_norm.scale":
            hf["model.norm.weight"], "decoder.logits_dense.kernel": hf["lm_head.weight"].T}
-    layers = [layer(hf, i) for i in range(LAYERS)]
-    if not cfg["scan_layers"]:
-        return {**out, **{f"decoder.layers_{i}.{k}": v for i, leaves in enumerate(layers) for k, v in leaves.items()}}
-    for j in range(PERIOD):
-        stack = layers[j::PERIOD]
-        out.update({f"decoder.layers.layer_{j}.{k}": np.stack([x[k] for x in stack], cfg["param_scan_axis"])
-                    for k in stack[0]})
-    return out
+    return {**out, **cycled_layers([layer(hf, i) for i in range(LAYERS)], cfg, PERIOD, "layer_")}
 
 
 @pytest.fixture(scope="module")
