@@ -106,9 +106,12 @@ class LayerGroup:
         return {BLOCK: self.layers(config), LOCAL: integer(self.local, config, f"local layers of {self.scanned}")}
 
     def rules(self, scan_layers: bool) -> list[Rule]:
+        """The group's rules; unscanned with ``at``, each matching only the layers ``at`` names (kinds
+        of layers at the same leaf paths: Gemma 4's sliding and global attention)."""
         prefix = self.prefix(scan_layers)
+        only = {"layer": self.at} if self.at and not scan_layers else {}
         return [Rule(f"{prefix}.{leaf.path}", leaf.source, leaf.hooks, offsets=self.offsets, indices=self.indices,
-                     stack_at=self._stack_at(leaf), join=leaf.join) for leaf in self.leaves]
+                     stack_at=self._stack_at(leaf), join=leaf.join, only=only) for leaf in self.leaves]
 
     def _stack_at(self, leaf: Leaf) -> dict[str, int | str]:
         if self.local is None:

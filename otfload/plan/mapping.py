@@ -81,6 +81,11 @@ class Rule:
     ``{"layer": Stride(6, 5)}`` reads HF layers 5, 11, 17, … (one kind of layer in a repeating block);
     ``{"layer": Composed(("block", "local"), "block * 4 + local")}`` makes ``{layer}`` no stack axis
     but the value of two (a leaf stacking layers twice, ``[blocks, position in block]``).
+    ``only`` restricts the rule to leaves whose path names a placeholder with one of the listed
+    values, ints or literal :class:`Stride` s: ``{"layer": (Stride(6, 5),)}`` matches
+    ``layers_5.…``, ``layers_11.…`` and no other layer (layers of several kinds at the same leaf
+    paths, with other shapes: Gemma 4's global attention every sixth layer; a table built from a
+    config's ``layer_types`` lists the indices). A leaf that stacks the placeholder is not matched.
     ``cast=True`` says an integer, boolean or unscaled FP8 tensor is meant to become a float leaf;
     without it such a cast is an :class:`~otfload.errors.UnfaithfulCastError`. ``stack_at`` gives
     the leaf dimension a stack axis lands at (an int, config field or expression); an axis it does
@@ -99,11 +104,18 @@ class Rule:
     stack_at: MappingABC[str, int | str] = field(default_factory=dict)
     # ``source`` names no stored tensor but HF tensors joined on their first axis (:class:`Join`)
     join: Join | None = None
+    only: MappingABC[str, tuple[int | Stride, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = set(placeholders(self.target)) - set(placeholders(self.source))
         if missing:
             raise MappingError(f"rule {self.target!r}: placeholders {sorted(missing)} not in {self.source!r}")
+        for name, allowed in self.only.items():
+            if name not in placeholders(self.target):
+                raise MappingError(f"rule {self.target!r}: only={{{name!r}: ...}} names no placeholder of the target")
+            odd = [v for v in allowed if not isinstance(v, int | Stride) or isinstance(v, Stride) and not v.literal]
+            if odd:
+                raise MappingError(f"rule {self.target!r}: only[{name!r}] takes ints and Strides of ints, not {odd}")
         named = [k for k, v in self.indices.items() if isinstance(v, Composed) and k in placeholders(self.target)]
         if named:
             raise MappingError(f"rule {self.target!r}: {named} composed of stack axes cannot be in the target path")
@@ -118,6 +130,8 @@ class Rule:
         if m is None:
             return None
         fixed = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+        if not all(k in fixed and _selected(fixed[k], allowed) for k, allowed in self.only.items()):
+            return None
         stacked = [k for k in placeholders(self.target) if k not in fixed]
         stacked += [k for k in placeholders(self.source) if k not in fixed and k not in stacked]
         stacked = [axis for k in stacked for axis in _composed_axes(k, self.indices) if axis not in fixed]
@@ -197,6 +211,18 @@ class Stride:
     period: int | str
     start: int | str = 0
 
+    @property
+    def literal(self) -> bool:
+        """Whether ``period`` and ``start`` are numbers (a stride known without a config)."""
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in (self.period, self.start))
+
+    def __contains__(self, value: object) -> bool:
+        """Whether the literal stride takes ``value`` (:attr:`Rule.only`)."""
+        if not self.literal:
+            raise MappingError(f"{self}: membership needs a literal period and start")
+        period, start = int(self.period), int(self.start)
+        return isinstance(value, int) and value >= start and (value - start) % period == 0
+
     def values(self, config: MappingABC[str, Any]) -> range:
         period = integer(self.period, config, f"{self}: period")
         start = integer(self.start, config, f"{self}: start")
@@ -238,6 +264,11 @@ class Join:
 
     def head_count(self, config: MappingABC[str, Any]) -> int:
         return integer(self.heads, config, f"join of {[t for t, _ in self.parts]}: heads")
+
+
+def _selected(value: int, allowed: tuple[int | Stride, ...]) -> bool:
+    """Whether a path value is one :attr:`Rule.only` lists (an int equal to it, a stride taking it)."""
+    return any(value in a if isinstance(a, Stride) else value == a for a in allowed)
 
 
 def _composed_axes(name: str, indices: MappingABC[str, object]) -> tuple[str, ...]:
