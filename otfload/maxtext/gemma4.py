@@ -20,10 +20,11 @@ block + 5``), and the layers after the last whole block (all sliding) are
 converter's ``layers_remainder.layers_<r>`` names are not in that tree; transformers makes a
 checkpoint's last layer a full one, so only a multiple of six layers matches MaxText's pattern).
 
-Unscanned trees are refused (``scan_layers``): there ``decoder.layers_<i>.self_attention.query.kernel``
-is ``[embed, heads, head_dim]`` in a sliding layer and ``[embed, heads, global_head_dim]`` in a global
-one (the key's heads differ too), and a mapping rule's ``{layer}`` matches every index: choosing the
-rule by the path's layer index is a plan feature there is not yet. The checkpoints are multimodal
+Unscanned, ``decoder.layers_<i>`` is HF layer ``i``, global where ``i % 6 == 5`` (MaxText's
+``gemma4.get_attention_type``): there ``self_attention.query.kernel`` is ``[embed, heads, head_dim]`` in
+a sliding layer and ``[embed, heads, global_head_dim]`` in a global one at the same path, so the
+attention rules of each kind match only its layers (:attr:`otfload.plan.mapping.Rule.only`, from the
+groups' ``at``); the other leaves are every layer's. The checkpoints are multimodal
 (``model_type`` ``gemma4``): the text model is read under ``model.language_model.`` (where the
 Hub's Gemma 4 and transformers keep it; export writes it there) or ``language_model.model.``, the
 vision tower never.
@@ -40,6 +41,7 @@ from otfload.maxtext.tables import (
     O_SHAPE,
     Q_SHAPE,
     QKV_AXES,
+    UNSCANNED,
     LayerGroup,
     Leaf,
     ModelTable,
@@ -109,7 +111,10 @@ def _table(name: str, mlp: tuple[Leaf, ...]) -> ModelTable:
                            _BLOCKS, indices={"layer": Stride(BLOCK, LOCAL)}),
                 LayerGroup(REMAINDER, REMAINDER, (*shared, *_SLIDING), _REST,
                            indices={"layer": Stride(1, f"{_BLOCKS} * {BLOCK}")})),
-        unscanned=(),  # decoder.layers_<i>: see the module's docstring
+        unscanned=(LayerGroup(SCANNED_BLOCKS, UNSCANNED, shared),
+                   LayerGroup(SCANNED_BLOCKS, UNSCANNED, _SLIDING, f"mt_num_decoder_layers - {_BLOCKS}",
+                              at=tuple(Stride(BLOCK, j) for j in range(LOCAL))),
+                   LayerGroup(SCANNED_BLOCKS, UNSCANNED, _GLOBAL, _BLOCKS, at=(Stride(BLOCK, LOCAL),))),
         fields=("global_head_dim", "global_num_kv_heads"),
         layouts=(MODULE_PREFIXES, LANGUAGE_MODEL_PREFIXES),
     )

@@ -216,8 +216,8 @@ def _check_layer_counts(selection: Selection, leaves: Mapping[str, tuple[int, ..
     """Each group of an unscanned tree has the layers its config says (``0 .. count-1``, or those of its ``at``)."""
     for group in selection.groups:
         regex, layers = _unscanned_regex(group), group.path_layers(hook_config)
-        paths = {leaf.path for leaf in group.leaves}
-        indices = {int(m.group(1)) for p in leaves if (m := regex.match(p)) and p[m.end():] in paths}
+        rules = group.rules(scan_layers=False)  # by rule, not path: kinds of layers may share paths (Gemma 4)
+        indices = {int(m.group(1)) for p in leaves if (m := regex.match(p)) and any(r.match(p) for r in rules)}
         if indices != set(layers):
             raise ConfigError(_count_field(group), selection.fields.get(_count_field(group)),
                               f"{group.unscanned} should be {len(layers)} layers; the abstract tree has "

@@ -4,8 +4,8 @@ both scanned layouts, bitwise what MaxText's converter (``param_mapping.GEMMA4_*
 no value kernel: k = v), norms, ``layer_scalar``, router scales as stored, the fused
 ``gate_up_proj`` halves as ``wi_0`` / ``wi_1``, the embedding times ``float32(sqrt(hidden))``;
 scanned, ``scanned_blocks.local_layers`` ``[blocks, 5]``, ``scanned_blocks.global_layer`` every sixth
-layer (12 layers: two blocks); unscanned trees refused (a plan feature missing:
-:mod:`otfload.maxtext.gemma4`); the text model of a multimodal checkpoint, exported back under
+layer (12 layers: two blocks); unscanned, ``decoder.layers_<i>`` with each kind's attention at the same
+paths (global every sixth: ``Rule.only``); the text model of a multimodal checkpoint, exported back under
 ``model.language_model.`` (exact but for the embedding scale's rounding)."""
 
 from __future__ import annotations
@@ -103,8 +103,11 @@ def mesh():
     return make_mesh({"fsdp": 2, "tensor": 4})
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize(("scan", "axis"), [layout for layout in LAYOUTS if layout[0]])
+# both kinds scanned; unscanned (kinds of layers at the same paths: Rule.only) the MoE one, a superset of leaves
+CASES = [(kind, *layout) for kind in sorted(KINDS) for layout in LAYOUTS if layout[0] or kind == "mt_gemma4_moe"]
+
+
+@pytest.mark.parametrize(("kind", "scan", "axis"), CASES)
 def test_every_leaf_is_maxtexts_layout_and_exports_back(tiny_checkpoints, mesh, tmp_path, kind, scan, axis):
     path, _ = tiny_checkpoints(kind)
     cfg, original = maxtext_config(kind, scan, axis, vocab_size=320), hf_tensors(path)
@@ -132,8 +135,19 @@ def test_a_global_value_kernel_is_refused(tiny_checkpoints, mesh):
     assert "'gemma4'" in str(info.value) and "global_layer.self_attention.value" in str(info.value)
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_an_unscanned_tree_is_refused(kind):
+def test_an_unscanned_layer_of_the_other_kind_is_refused(tiny_checkpoints, mesh):
+    """Layer 5 is global in MaxText's pattern: a value kernel there is a leaf no rule maps, and a
+    tree without layer 11 is a layer short."""
+    path, _ = tiny_checkpoints("mt_gemma4")
+    cfg = maxtext_config("mt_gemma4", False, 1)
+    abstract = mx.abstract_params(cfg, mesh)
+    attention = abstract["decoder"]["layers_5"]["self_attention"]
+    attention["value"] = abstract["decoder"]["layers_4"]["self_attention"]["value"]
     with pytest.raises(ConfigError) as info:
-        mx.select(maxtext_config(kind, False, 1))
-    assert info.value.field == "scan_layers" and "scanned trees only" in str(info.value)
+        mx.load_state(str(path), abstract, cfg)
+    assert "decoder.layers_5.self_attention.value.kernel" in str(info.value)
+    del attention["value"], abstract["decoder"]["layers_11"]
+    with pytest.raises(ConfigError) as info:
+        mx.load_state(str(path), abstract, cfg)
+    assert info.value.field == "num_decoder_layers" and "should be 12 layers" in str(info.value)
+    assert "..10;" in str(info.value)
