@@ -1,6 +1,6 @@
 """Imports run one way: every ``otfload`` module imports only from its own stage or earlier ones.
 
-The stages (docs/architecture.md) are the pipeline — fetch → sources → index → plan → read → place → api
+The stages (docs/architecture.md) are the pipeline — accounting → sources → index → plan → read → place → api
 — with the model-side packages beside it (config, models, families, mappings: what the plan is
 computed *for*) and the consumers after it. Each module's imports are read with ``ast`` (function-
 level and ``TYPE_CHECKING`` imports count too), so a backwards import fails here even when it is
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "otfload"  # read as text: nothing 
 # Earliest first; a module may import from its own stage or any earlier one.
 STAGES: tuple[tuple[str, ...], ...] = (
     ("errors", "atomic", "pages", "held", "gcpause"),  # errors, atomic dirs, madvise, held settings, GC pause
-    ("fetch",),  # byte accounting: which gaps and pages a fetch reads, request sizes, counting what moved
+    ("accounting",),  # byte accounting: which gaps and pages a fetch reads, request sizes, counting what moved
     # bytes by range: local / Hub / fsspec; the shard cache in front of one; the processes of a job and their store
     ("sources", "cache", "coordination"),
     ("index",),  # safetensors headers, config.json, quantized formats

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.accounting.gaps import DEFAULT_GAPS, GapPolicy
 from otfload.sources.base import MappedSource, PageGranularSource, RangeRead, Source, read_many
 
 NAMESPACE = "@adapter{}/"

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
+from otfload.accounting.gaps import DEFAULT_GAPS, GapPolicy
 from otfload.cache.integrity import (
     VERIFY_FULL,
     VERIFY_MODES,
@@ -47,7 +48,6 @@ from otfload.errors import (
     ChecksumMismatchError,
     SourceError,
 )
-from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
 from otfload.sources.base import PinnedSource, RangeRead, Source, read_many
 from otfload.sources.names import checked_listing
 

@@ -24,9 +24,9 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import jax
 from tqdm.auto import tqdm
 
+from otfload.accounting.meter import FetchMeter, metering
 from otfload.coordination.agreement import DEFAULT_TIMEOUT_S
 from otfload.errors import LoadCancelled
-from otfload.fetch.meter import FetchMeter, metering
 from otfload.place.agree import agree_load, is_cold
 from otfload.place.builder import ByteBudget, build_leaf
 from otfload.place.collective_route import (

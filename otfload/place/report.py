@@ -4,7 +4,7 @@ Its byte counts are judged against the plan's, computed from the plan alone: the
 bytes of this process (:mod:`otfload.plan.process_bytes`) and what the reader will fetch
 (``bytes_planned``: :mod:`otfload.read.planned`). What the source really fetched
 (:attr:`LoadReport.bytes_read`) is counted by the sources themselves
-(:class:`~otfload.fetch.meter.FetchMeter`): HTTP requests sent, gaps they merged included;
+(:class:`~otfload.accounting.meter.FetchMeter`): HTTP requests sent, gaps they merged included;
 ``preadv`` calls; page ranges a mapped file prefetched.
 """
 

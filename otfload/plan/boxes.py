@@ -15,7 +15,7 @@ device shard needs. These pure functions answer three questions the loader asks:
   inside it — read exactly, into the layout of its bounding box.
 
 Which ranges a reader fetches for those bytes (whole pages, gaps read through) is
-:mod:`otfload.fetch.gaps`'s.
+:mod:`otfload.accounting.gaps`'s.
 """
 
 from __future__ import annotations

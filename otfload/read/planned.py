@@ -1,6 +1,6 @@
 """What a reader will fetch for a plan, computed without reading: per leaf the bytes and requests
 :meth:`~otfload.read.reader.TensorReader.planned` says it asks its source for (by
-:mod:`otfload.fetch`'s rule: the boxes it reads, the gaps it merges, whole pages of mapped files),
+:mod:`otfload.accounting`'s rule: the boxes it reads, the gaps it merges, whole pages of mapped files),
 for the loader's report (``bytes_planned``), ``otfload inspect`` and the read-layout chooser.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Hashable, Iterable, Mapping
 import jax
 from jax.sharding import Sharding
 
-from otfload.fetch.gaps import PAGE_BYTES
+from otfload.accounting.gaps import PAGE_BYTES
 from otfload.plan.boxes import Box
 from otfload.plan.leaf_bytes import leaf_reads, leaf_sibling_selection
 from otfload.plan.planner import LeafPlan, LoadPlan

@@ -15,7 +15,7 @@ checkpoint): with every file warm no thread starts and no range is computed (com
 ~0.15 s of a 1 s warm load) — then per range: a range ``mincore`` finds resident is skipped.
 
 Accounting stays exact: the thread announces only ranges that builders will fetch and count
-(:class:`~otfload.fetch.meter.FetchMeter`), so the disk reads each byte once and the report
+(:class:`~otfload.accounting.meter.FetchMeter`), so the disk reads each byte once and the report
 counts it once. It is advisory: any failure only loses the head start (the builder's own read then
 fetches and reports the error).
 """

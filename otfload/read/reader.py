@@ -28,8 +28,7 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
-from otfload.errors import TruncatedFileError
-from otfload.fetch.gaps import (
+from otfload.accounting.gaps import (
     BOX_SPAN_GAP_BYTES,
     MAPPED_GAP_BYTES,
     MAX_GAP_FRACTION,
@@ -38,8 +37,9 @@ from otfload.fetch.gaps import (
     merge_run_arrays,
     page_run_arrays,
 )
-from otfload.fetch.meter import expected_fetch, fetching
-from otfload.fetch.requests import remote_fetch
+from otfload.accounting.meter import expected_fetch, fetching
+from otfload.accounting.requests import remote_fetch
+from otfload.errors import TruncatedFileError
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
 from otfload.plan.boxes import (
@@ -310,7 +310,7 @@ class TensorReader:
         self, starts: np.ndarray, lengths: np.ndarray, mode: str, charged: int | None = None
     ) -> tuple[int, int]:
         """``(bytes, requests)`` the source fetches for the ranges the reader asks in ``mode``: a
-        remote source merges the pieces of one ``read_many`` (:func:`~otfload.fetch.requests.remote_fetch`);
+        remote source merges the pieces of one ``read_many`` (:func:`~otfload.accounting.requests.remote_fetch`);
         page reads of a selection with holes count ``charged`` (:func:`charged_page_bytes`)."""
         if charged is not None:
             return charged, len(lengths)

@@ -15,7 +15,7 @@ protocol here, checked with ``isinstance`` (which a type checker follows, unlike
 - :class:`HashedSource` / :class:`DigestSource` — publishes a file's sha256 / other checksums;
 - :class:`PinnedSource` — is pinned to a commit (a Hub revision), part of a shard cache's key;
 - :class:`GapReadingSource` — its ``read_many`` takes the caller's gap rule (``gaps=``, a
-  :class:`~otfload.fetch.gaps.GapPolicy`): every built-in source. A keyword is not a method
+  :class:`~otfload.accounting.gaps.GapPolicy`): every built-in source. A keyword is not a method
   ``isinstance`` can see, so :func:`read_many` checks the signature, and calls a source written to
   the protocol without it (a user's) with ``reads`` alone.
 
@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, TypeGuard, runtime_checkable
 
-from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.accounting.gaps import DEFAULT_GAPS, GapPolicy
 
 # Largest file size believed from a listing or metadata (Hub, fsspec): 16 TiB, far above any
 # safetensors shard; a larger (or a negative) one is a broken server, and planning must not
@@ -169,9 +169,9 @@ class PinnedSource(Protocol):
 
 class GapReadingSource(Protocol):
     """A source whose ``read_many`` takes ``gaps``: how many bytes between the ranges asked it may
-    read to save requests (:func:`~otfload.fetch.gaps.joined_gaps`' budget). The default,
-    :data:`~otfload.fetch.gaps.DEFAULT_GAPS`, is the rule for a batch nobody planned; a reader that
-    planned its pieces passes :data:`~otfload.fetch.gaps.PLANNED_GAPS`, the rule its plan predicted
+    read to save requests (:func:`~otfload.accounting.gaps.joined_gaps`' budget). The default,
+    :data:`~otfload.accounting.gaps.DEFAULT_GAPS`, is the rule for a batch nobody planned; a reader that
+    planned its pieces passes :data:`~otfload.accounting.gaps.PLANNED_GAPS`, the rule its plan predicted
     the requests with. Sources that read no gaps (local files) take it and ignore it; wrappers pass
     it on."""
 

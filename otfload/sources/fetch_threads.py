@@ -2,7 +2,7 @@
 
 :func:`read_runs` fetches :class:`~otfload.sources.runs.Run` s with bounded concurrency and
 scatters the bytes into the callers' buffers; the first failure cancels the rest. Every fetch is
-recorded on the load's :class:`~otfload.fetch.meter.FetchMeter`. :func:`read_chunked` is a remote
+recorded on the load's :class:`~otfload.accounting.meter.FetchMeter`. :func:`read_chunked` is a remote
 source's ``read_many``: the reads coalesced under the gap rule its caller passed (``gaps``, see
 :class:`~otfload.sources.base.GapReadingSource`), then fetched.
 """
@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from otfload.accounting.gaps import GapPolicy
+from otfload.accounting.meter import fetching
+from otfload.accounting.requests import remote_chunk_bytes
 from otfload.errors import LoadCancelled
-from otfload.fetch.gaps import GapPolicy
-from otfload.fetch.meter import fetching
-from otfload.fetch.requests import remote_chunk_bytes
 from otfload.sources.base import RangeRead
 from otfload.sources.load_context import submit
 from otfload.sources.retry import CancelToken, cancel_scope, current_token
@@ -133,7 +133,7 @@ def read_chunked(
     reads: Sequence[RangeRead], fetch_into: FetchInto, largest_chunk: int, max_in_flight: int, gaps: GapPolicy
 ) -> None:
     """Read ``reads`` from a remote source: coalesced under ``gaps`` (the rule the plan predicted
-    the requests with, :func:`~otfload.fetch.requests.remote_fetch`) into runs of at most
+    the requests with, :func:`~otfload.accounting.requests.remote_fetch`) into runs of at most
     ``remote_chunk_bytes(total, largest_chunk)`` bytes (so even one range splits into READ_SPLIT
     requests), at most ``max_in_flight`` of them at once."""
     chunk = remote_chunk_bytes(sum(r.out.nbytes for r in reads), largest_chunk)

@@ -6,7 +6,7 @@ HTTP) every call runs on fsspec's event loop with its own deadline and is cancel
 the load is cancelled); idle timeouts go to gcsfs, botocore and aiohttp. For ``gs://``, ``s3://``
 (:mod:`otfload.sources.s3`) and ``http(s)://`` the range answer itself is checked
 (``Content-Range``, lengths, encoding) before a byte is taken.
-A large range is fetched as concurrent chunks of :data:`~otfload.fetch.requests.REMOTE_CHUNK_BYTES`
+A large range is fetched as concurrent chunks of :data:`~otfload.accounting.requests.REMOTE_CHUNK_BYTES`
 into the caller's buffer, never staged whole; at most
 :data:`~otfload.sources.fetch_threads.MAX_REQUESTS_IN_FLIGHT` requests of a source are in flight at once,
 over all its threads. The first chunk that fails for good cancels its siblings and is raised, typed.
@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
+from otfload.accounting.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.accounting.requests import REMOTE_CHUNK_BYTES
 from otfload.errors import (
     LoadCancelled,
     OtfloadError,
@@ -34,8 +36,6 @@ from otfload.errors import (
     SourceProtocolError,
     TruncatedFileError,
 )
-from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
-from otfload.fetch.requests import REMOTE_CHUNK_BYTES
 from otfload.sources.base import MAX_FILE_BYTES, RangeRead
 from otfload.sources.checkpoint_files import check_safe_format, is_checkpoint_file
 from otfload.sources.fetch_threads import MAX_REQUESTS_IN_FLIGHT, read_chunked
@@ -93,7 +93,7 @@ class FsspecSource(RetriedCalls):
 
     # A range is fetched as concurrent chunks of at most this many bytes (smaller ones in up to
     # READ_SPLIT pieces); at most this many requests are in flight at once (a subclass may choose
-    # others; see otfload/fetch/requests.py).
+    # others; see otfload/accounting/requests.py).
     chunk_bytes: int = REMOTE_CHUNK_BYTES
     max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT
 

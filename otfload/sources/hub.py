@@ -7,7 +7,7 @@ cache for that commit are read from disk; the rest by ``Range`` requests on ``re
 answer checked (``Content-Range``, lengths, encoding) before a byte is taken, and every request
 bounded by the idle, attempt and total time limits of :mod:`otfload.sources.retry`.
 A large range (a 500 MB embedding read whole) is fetched as concurrent chunks of
-:data:`~otfload.fetch.requests.REMOTE_CHUNK_BYTES` straight into the caller's buffer, never staged
+:data:`~otfload.accounting.requests.REMOTE_CHUNK_BYTES` straight into the caller's buffer, never staged
 whole; every request of the source, whichever thread sends it, takes one of
 :data:`~otfload.sources.fetch_threads.MAX_REQUESTS_IN_FLIGHT` slots. The first chunk that fails for good
 cancels its siblings (their requests are cut) and its own typed error is raised.
@@ -49,6 +49,8 @@ from huggingface_hub.utils import (  # type: ignore[attr-defined, unused-ignore]
     hf_raise_for_status,
 )
 
+from otfload.accounting.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.accounting.requests import REMOTE_CHUNK_BYTES
 from otfload.errors import (
     ChecksumMismatchError,
     OtfloadError,
@@ -59,8 +61,6 @@ from otfload.errors import (
     SourceUnavailableError,
     TruncatedFileError,
 )
-from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
-from otfload.fetch.requests import REMOTE_CHUNK_BYTES
 from otfload.sources import http_body
 from otfload.sources.base import MAX_FILE_BYTES, RangeRead
 from otfload.sources.checkpoint_files import CHECKPOINT_SUFFIXES, check_safe_format, is_checkpoint_file
@@ -111,7 +111,7 @@ class HubSource(RetriedCalls):
 
     # A range is fetched as concurrent chunks of at most this many bytes (smaller ones in up to
     # READ_SPLIT pieces); at most this many requests are in flight at once (a subclass may choose
-    # others; see otfload/fetch/requests.py).
+    # others; see otfload/accounting/requests.py).
     chunk_bytes: int = REMOTE_CHUNK_BYTES
     max_requests_in_flight: int = MAX_REQUESTS_IN_FLIGHT
 

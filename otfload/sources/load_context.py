@@ -1,7 +1,7 @@
 """Work for one load on shared threads, run in the context of the code that submitted it.
 
 A load's state -- its cancel token (:func:`~otfload.sources.retry.cancel_scope`) and its fetch meter
-(:func:`~otfload.fetch.meter.metering`) -- rides context variables, set once where the load starts.
+(:func:`~otfload.accounting.meter.metering`) -- rides context variables, set once where the load starts.
 Pool threads serve many loads (the fetch threads serve the whole process): :func:`submit` runs each
 piece of work in a copy of its submitter's context, so it works for the submitting load (two loads
 at once on one pool keep their own tokens and meters) and no thread is re-seeded by hand.

@@ -42,6 +42,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from otfload.accounting.gaps import DEFAULT_GAPS, GapPolicy
+from otfload.accounting.meter import fetching
 from otfload.errors import (
     CorruptFileError,
     SourceError,
@@ -50,8 +52,6 @@ from otfload.errors import (
     SourceUnavailableError,
     TruncatedFileError,
 )
-from otfload.fetch.gaps import DEFAULT_GAPS, GapPolicy
-from otfload.fetch.meter import fetching
 from otfload.pages import MADV_POPULATE_READ, madvise
 from otfload.sources.base import RangeRead
 from otfload.sources.residency import resident_fraction

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from otfload.accounting.gaps import PAGE_BYTES
 from otfload.errors import InvalidOptionError
-from otfload.fetch.gaps import PAGE_BYTES
 
 # A range with at least this fraction of its pages resident counts as warm: the builder's own
 # prefetch (fadvise + populate of exactly its pages) reads the few missing ones; announcing them from

@@ -1,8 +1,8 @@
 """Turning many small range reads into few requests, for remote sources: pure grouping.
 
-:func:`coalesce` merges reads of one file whose gaps :func:`~otfload.fetch.gaps.joined_gaps` reads
+:func:`coalesce` merges reads of one file whose gaps :func:`~otfload.accounting.gaps.joined_gaps` reads
 (the gap is read and thrown away, cheaper than another round trip; the same rule the plan predicts
-with, :func:`~otfload.fetch.requests.remote_fetch`) and splits big reads so that no request exceeds
+with, :func:`~otfload.accounting.requests.remote_fetch`) and splits big reads so that no request exceeds
 ``max_run`` bytes. Each :class:`Run` is one request and says where its bytes go.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from otfload.fetch.gaps import DEFAULT_GAPS, REMOTE_REQUEST_GAP_BYTES, GapPolicy, gap_budget, joined_gaps
+from otfload.accounting.gaps import DEFAULT_GAPS, REMOTE_REQUEST_GAP_BYTES, GapPolicy, gap_budget, joined_gaps
 from otfload.sources.base import RangeRead
 
 # Cap on one request: bounds the temporary buffer of a coalesced run and splits huge tensors into
@@ -54,7 +54,7 @@ def _split(read: RangeRead, max_run: int) -> list[tuple[int, memoryview]]:
 
 def _joined(segments: Sequence[Segment], gap: int, budget: int) -> list[bool]:
     """``joined[k]``: the hole between segment ``k`` and ``k + 1`` (sorted) is read — holes within
-    one file only, chosen by :func:`~otfload.fetch.gaps.joined_gaps` (overlaps count as 0 bytes)."""
+    one file only, chosen by :func:`~otfload.accounting.gaps.joined_gaps` (overlaps count as 0 bytes)."""
     pairs: list[int] = []
     holes: list[int] = []
     end = 0
@@ -78,7 +78,7 @@ def coalesce(
     """Group ``reads`` into runs: same file, holes of at most ``gap`` bytes, at most ``max_run`` bytes each.
 
     Holes are read smallest first, together within the budget ``policy`` gives the batch
-    (:func:`~otfload.fetch.gaps.gap_budget`). Reads longer than ``max_run`` are split first;
+    (:func:`~otfload.accounting.gaps.gap_budget`). Reads longer than ``max_run`` are split first;
     overlapping reads share a run. Empty reads vanish.
     """
     segments = sorted(

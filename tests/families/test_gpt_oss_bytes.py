@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import otfload
+from otfload.accounting.meter import FetchMeter, metering
 from otfload.cli.inspect import process_devices
-from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.quant.codes import MX_BLOCK, MX_BLOCK_BYTES
 from otfload.place.builder import build_boxes
 from otfload.place.collective_route import band_shardings

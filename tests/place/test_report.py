@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import otfload
-from otfload.fetch.meter import FetchMeter, metering
+from otfload.accounting.meter import FetchMeter, metering
 from otfload.index.checkpoint import open_index
 from otfload.place.loader import execute_plan
 from otfload.plan.boxes import box_to_slices

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
+from otfload.accounting.meter import FetchMeter, metering
 from otfload.errors import TruncatedFileError
-from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.checkpoint import open_index
 from otfload.options import resolve_options
 from otfload.plan.boxes import box_to_slices

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
+from otfload.accounting.gaps import DEFAULT_GAPS, PLANNED_GAPS
 from otfload.adapters.source import CombinedSource
-from otfload.fetch.gaps import DEFAULT_GAPS, PLANNED_GAPS
 from otfload.index.checkpoint import open_index
 from otfload.plan.boxes import box_to_slices
 from otfload.read.arena import ALIGNMENT, Arena, aligned_empty

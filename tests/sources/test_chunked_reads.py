@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import otfload
+from otfload.accounting.meter import FetchMeter, metering
+from otfload.accounting.requests import MIN_CHUNK_BYTES, READ_SPLIT, REMOTE_CHUNK_BYTES, remote_chunk_bytes
 from otfload.errors import LoadCancelled, SourceProtocolError
-from otfload.fetch.meter import FetchMeter, metering
-from otfload.fetch.requests import MIN_CHUNK_BYTES, READ_SPLIT, REMOTE_CHUNK_BYTES, remote_chunk_bytes
 from otfload.place.loader import execute_plan
 from otfload.plan.planner import LoadPlan
 from otfload.sources.base import RangeRead, Source

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from otfload.fetch.gaps import DEFAULT_GAPS, PLANNED_GAPS
-from otfload.fetch.requests import REMOTE_CHUNK_BYTES, remote_fetch
+from otfload.accounting.gaps import DEFAULT_GAPS, PLANNED_GAPS
+from otfload.accounting.requests import REMOTE_CHUNK_BYTES, remote_fetch
 from otfload.sources.base import RangeRead
 from otfload.sources.fetch_threads import FETCH_THREADS, read_chunked, read_runs
 from otfload.sources.runs import coalesce

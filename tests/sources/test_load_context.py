@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from otfload.accounting.meter import FetchMeter, metering
 from otfload.errors import LoadCancelled, SourceNotFoundError
-from otfload.fetch.meter import FetchMeter, metering
 from otfload.index.checkpoint import open_index
 from otfload.place.loader import execute_plan
 from otfload.place.report import LoadReport

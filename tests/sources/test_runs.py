@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from otfload.fetch.gaps import MAX_GAP_FRACTION, PLANNED_GAPS
-from otfload.fetch.requests import remote_fetch
+from otfload.accounting.gaps import MAX_GAP_FRACTION, PLANNED_GAPS
+from otfload.accounting.requests import remote_fetch
 from otfload.sources.base import RangeRead
 from otfload.sources.runs import coalesce
 

@@ -1,7 +1,7 @@
 """How many requests a remote read takes: the request size, and the prediction of a batch's fetch.
 
 A remote source (Hub, fsspec) fetches a batch of ranges of one file as runs: the ranges merged
-across the gaps :func:`~otfload.fetch.gaps.joined_gaps` reads, each run cut into requests of
+across the gaps :func:`~otfload.accounting.gaps.joined_gaps` reads, each run cut into requests of
 :func:`remote_chunk_bytes`. :func:`remote_fetch` computes that from the ranges alone, for the plan
 (``otfload inspect``, the load report, the read-layout chooser); the source's
 :func:`~otfload.sources.runs.coalesce` applies the same rule to the real reads.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from otfload.fetch.gaps import DEFAULT_GAPS, REMOTE_REQUEST_GAP_BYTES, GapPolicy, gap_budget, merge_run_arrays
+from otfload.accounting.gaps import DEFAULT_GAPS, REMOTE_REQUEST_GAP_BYTES, GapPolicy, gap_budget, merge_run_arrays
 
 # A large range is fetched as concurrent chunks of this size straight into the caller's buffer
 # (issue 20). At a 50 MB/s stream with a 20 ms round trip a chunk takes ~170 ms, so latency costs

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from otfload.fetch.gaps import (
+from otfload.accounting.gaps import (
     DEFAULT_GAPS,
     GAP_ALLOWANCE_BYTES,
     PLANNED_GAPS,

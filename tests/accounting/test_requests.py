@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from otfload.fetch.gaps import PLANNED_GAPS, REMOTE_REQUEST_GAP_BYTES
-from otfload.fetch.requests import MIN_CHUNK_BYTES, READ_SPLIT, REMOTE_CHUNK_BYTES, remote_chunk_bytes, remote_fetch
+from otfload.accounting.gaps import PLANNED_GAPS, REMOTE_REQUEST_GAP_BYTES
+from otfload.accounting.requests import (
+    MIN_CHUNK_BYTES,
+    READ_SPLIT,
+    REMOTE_CHUNK_BYTES,
+    remote_chunk_bytes,
+    remote_fetch,
+)
 
 KIB, MIB = 1 << 10, 1 << 20
 

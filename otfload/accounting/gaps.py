@@ -17,7 +17,7 @@ asked (:data:`MAX_GAP_FRACTION`), or a fixed allowance per file, whichever is mo
 
 The callers: the local reader's page runs (:func:`page_run_arrays`, then :func:`merge_run_arrays`
 with :data:`MAPPED_GAP_BYTES`), the plan's prediction of a remote source's requests
-(:func:`otfload.fetch.requests.remote_fetch`) and a remote source's real requests
+(:func:`otfload.accounting.requests.remote_fetch`) and a remote source's real requests
 (:func:`otfload.sources.runs.coalesce`) — the last two with :data:`REMOTE_REQUEST_GAP_BYTES`, so
 that what ``otfload inspect`` and the load report plan is what the source fetches.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from otfload.fetch.meter import FetchMeter, current_meter, expected_fetch, fetching, metering
+from otfload.accounting.meter import FetchMeter, current_meter, expected_fetch, fetching, metering
 
 
 def test_nothing_is_counted_without_a_meter():
