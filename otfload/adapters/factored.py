@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -249,27 +248,31 @@ def place_factors(factored: Mapping[str, FactoredLeaf], source: Source) -> tuple
     return placed, sum(info.nbytes for info in infos.values())
 
 
-@dataclass
+# The attribute of a model loaded with ``merge_adapter=False`` holding its FactoredRecord.
+RECORD_ATTRIBUTE = "otfload_lora"
+
+
+@dataclass(eq=False)
 class FactoredRecord:
     """What a model loaded with ``merge_adapter=False`` needs to swap or export its adapter: the
-    plan of the base (headers only), the base's index, and the adapter now in place."""
+    plan of the base (headers only), the base's index, and the adapter now in place.
+
+    The model carries it (a static attribute, :data:`RECORD_ATTRIBUTE`; it travels with
+    ``nnx.split`` / ``nnx.merge``); compared and hashed by identity, as ``nnx.jit`` keys on it."""
 
     plan: LoadPlan
     index: CheckpointIndex
     adapter: AdapterConfig | None
     leaves: dict[str, FactoredLeaf]
 
-
-_RECORDS: weakref.WeakKeyDictionary[Any, FactoredRecord] = weakref.WeakKeyDictionary()
+    def __repr__(self) -> str:
+        return f"FactoredRecord(adapter={self.adapter is not None}, leaves={len(self.leaves)})"
 
 
 def factored_record(model: Any) -> FactoredRecord:
     """The record of a model loaded with ``merge_adapter=False`` (``AdapterError`` for any other)."""
-    try:
-        record = _RECORDS.get(model)
-    except TypeError:
-        record = None
-    if record is None:
+    record = getattr(model, RECORD_ATTRIBUTE, None)
+    if not isinstance(record, FactoredRecord):
         raise AdapterError("this model was not loaded with merge_adapter=False (from_pretrained(..., "
                            "merge_adapter=False)); it has no kept LoRA factors")
     return record
@@ -316,7 +319,7 @@ class FactoredLoad:
     bytes_read: int
 
     def finish(self, model: Any, arrays: dict[str, jax.Array], report: Any) -> dict[str, Any]:
-        """The leaf values of ``model`` (factored leaves wrapped); records ``model`` for
+        """The leaf values of ``model`` (factored leaves wrapped); gives ``model`` its record for
         :func:`load_adapter` and :func:`~otfload.adapters.export.export_adapter` and counts the factor
         bytes in ``report``."""
         origin = origin_of(model)
@@ -325,7 +328,7 @@ class FactoredLoad:
         }
         index = CheckpointIndex(source=None, config=dict(origin.config if origin else {}), tensors=tensors,
                                 headers={})
-        _RECORDS[model] = FactoredRecord(self.plan, index, self.adapter, self.leaves)
+        setattr(model, RECORD_ATTRIBUTE, FactoredRecord(self.plan, index, self.adapter, self.leaves))
         report.bytes_read += self.bytes_read
         return wrap_arrays(arrays, self.leaves, self.placed)
 
