@@ -5,8 +5,9 @@ head's rows of ``in_proj_qkv``'s q, k and v blocks then of ``in_proj_z``. A
 :class:`ConcatenatedTensor` stands in the index under such a name, so a rule, its hooks, stacking and
 sharding treat it as one tensor, while a read of a box reads only the box of each stored range it
 overlaps (:meth:`ConcatenatedTensor.part_boxes`) and joins them (:meth:`ConcatenatedTensor.decode`).
-A rule says how with :class:`~otfload.plan.mapping.Join`; export writes each stored tensor back from its
-rows (:func:`head_runs`).
+A range of a derived tensor (a quantized one: FP8 codes and block scales) reads its parts' boxes for its
+rows and is decoded as it is read, before the join. A rule says how with
+:class:`~otfload.plan.mapping.Join`; export writes each stored tensor back from its rows (:func:`head_runs`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from otfload.errors import MappingError
-from otfload.index.derived import Box, Parts
+from otfload.index.derived import Box, DerivedTensor, Parts, is_derived
 from otfload.index.header import TensorInfo
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``start .. stop`` (on the concatenation axis) of the stored tensor ``info``."""
+    """Rows ``start .. stop`` (on the concatenation axis) of the stored (or derived) tensor ``info``."""
 
-    info: TensorInfo
+    info: TensorInfo | DerivedTensor
     start: int
     stop: int
 
@@ -68,7 +69,8 @@ class ConcatenatedTensor:
 
     @property
     def storage(self) -> str:
-        return f"{self.dtype} (concatenated)"
+        first = self.pieces[0].info
+        return f"{first.storage if is_derived(first) else first.dtype} (concatenated)"
 
     @property
     def file(self) -> str:
@@ -88,16 +90,33 @@ class ConcatenatedTensor:
             at += piece.length
         return out
 
-    def part_boxes(self, box: Box) -> Parts:
-        """For each piece ``box`` overlaps (role: its position), the box of its stored tensor."""
+    def _piece_boxes(self, box: Box) -> list[tuple[int, TensorInfo | DerivedTensor, Box]]:
+        """``(index, piece's tensor, its box)`` of each piece ``box`` overlaps, in joined order."""
         d = self.axis
-        return {str(i): (piece.info, (*box[:d], (a, b), *box[d + 1 :]))
-                for i, piece, a, b in self._spans(*box[d])}
+        return [(i, piece.info, (*box[:d], (a, b), *box[d + 1 :])) for i, piece, a, b in self._spans(*box[d])]
+
+    def part_boxes(self, box: Box) -> Parts:
+        """For each piece ``box`` overlaps, the box of its stored tensor (role: the piece's position), or
+        of each part of its derived tensor (roles ``<position>.<part role>``)."""
+        parts: Parts = {}
+        for i, info, pbox in self._piece_boxes(box):
+            if is_derived(info):
+                parts.update({f"{i}.{role}": part for role, part in info.part_boxes(pbox).items()})
+            else:
+                parts[str(i)] = (info, pbox)
+        return parts
 
     def decode(self, arrays: dict[str, np.ndarray], box: Box) -> np.ndarray:
-        """``box`` of the joined tensor from its pieces' boxes (in piece order)."""
-        parts = [arrays[role] for role in sorted(arrays, key=int)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
+        """``box`` of the joined tensor from its pieces' boxes (a derived piece decoded from its parts')."""
+        values = []
+        for i, info, pbox in self._piece_boxes(box):
+            if is_derived(info):
+                prefix = f"{i}."
+                values.append(info.decode({r[len(prefix):]: a for r, a in arrays.items() if r.startswith(prefix)},
+                                          pbox))
+            else:
+                values.append(arrays[str(i)])
+        return values[0] if len(values) == 1 else np.concatenate(values, axis=self.axis)
 
 
 def head_runs(sizes: Sequence[Sequence[int]], heads: int, name: str) -> list[tuple[int, int, int]]:
@@ -116,7 +135,7 @@ def head_runs(sizes: Sequence[Sequence[int]], heads: int, name: str) -> list[tup
 
 
 def head_blocks(
-    name: str, sources: Sequence[tuple[TensorInfo, Sequence[int]]], heads: int
+    name: str, sources: Sequence[tuple[TensorInfo | DerivedTensor, Sequence[int]]], heads: int
 ) -> ConcatenatedTensor:
     """The tensor :func:`head_runs` joins from ``sources`` (each ``(info, block sizes)``), named ``name``."""
     runs = head_runs([sizes for _, sizes in sources], heads, name)

@@ -25,7 +25,7 @@ from otfload.maxtext.mixtral import MIXTRAL
 from otfload.maxtext.olmo3 import OLMO3
 from otfload.maxtext.qwen2 import QWEN2
 from otfload.maxtext.qwen3 import QWEN3, QWEN3_MOE
-from otfload.maxtext.qwen3_5 import QWEN3_5
+from otfload.maxtext.qwen3_5 import QWEN3_5, QWEN3_5_FP8
 from otfload.maxtext.qwen3_next import QWEN3_NEXT
 from otfload.maxtext.tables import EXPERTS, LOGITS, LayerGroup, ModelTable
 from otfload.plan import expressions
@@ -51,6 +51,7 @@ TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("olmo3-7b", "olmo3-7b-pt", "olmo3-32b"), OLMO3),
     "qwen3-next-80b-a3b": QWEN3_NEXT,
     **dict.fromkeys(("qwen3.5-35b-a3b", "qwen3.5-397b-a17b"), QWEN3_5),
+    **dict.fromkeys(("qwen3.5-35b-a3b-fp8", "qwen3.5-35b-fp8", "qwen3.5-397b-a17b-fp8"), QWEN3_5_FP8),
 }
 # The MaxText fields the tables' hooks and shapes use (as ``mt_<field>``); the MoE ones only for MoE tables.
 DIMENSIONS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "mlp_dim", "num_decoder_layers", "vocab_size")

@@ -178,13 +178,8 @@ def _lookup(
         absent = [name for name, _ in sources if name not in index]
         if absent:
             return absent[0], None
-        stored = [(index[name], sizes) for name, sizes in sources]
-        derived = [info.name for info, _ in stored if is_derived(info)]
-        if derived:
-            raise MappingError(f"rule {rule.target!r}: {derived} are decoded on read (quantized or adapted), "
-                               "which a join does not read")
-        return key, head_blocks(key, [(info, sizes) for info, sizes in stored if not is_derived(info)],
-                                rule.join.head_count(config))
+        # a quantized (or adapted) part is decoded as it is read, before the join
+        return key, head_blocks(key, [(index[name], sizes) for name, sizes in sources], rule.join.head_count(config))
     for candidate in (key, *(format_key(f, values) for f in rule.fallbacks)):
         if candidate in index:
             return candidate, index[candidate]

@@ -66,9 +66,42 @@ def _mxfp4(model, root: Path, family: Family) -> None:
 
 def _module_names(out: Path, hub: Path) -> None:
     """Keep the checkpoint as saved (the Hub's layout) in ``hub``; rename ``out``'s tensors to
-    transformers' module names, the keys MaxText's converter reads (``model.language_model.*``)."""
+    transformers' module names, the keys MaxText's converter reads (``model.language_model.*``; a
+    checkpoint saved under them, Qwen3.5's, keeps its keys)."""
     shutil.copytree(out, hub)
-    rename_tensors(out, module_name)
+    rename_tensors(out, lambda key: key if key.startswith(("model.", "lm_head.")) else module_name(key))
+
+
+def fuse_experts(out: Path) -> None:
+    """Each layer's per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight`` of the checkpoint at
+    ``out`` as the fused ``mlp.experts.gate_up_proj`` ``[E, 2 * moe_mlp, embed]`` (gate rows, then up)
+    and ``mlp.experts.down_proj`` ``[E, embed, moe_mlp]``, in the shard of the layer's first expert."""
+    import json
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    index_file = out / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shards = {f: load_file(out / f) for f in sorted(set(index["weight_map"].values()))}
+    expert = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    found: dict[str, dict[tuple[int, str], tuple[str, str]]] = {}
+    for f, tensors in shards.items():
+        for key in tensors:
+            if m := expert.fullmatch(key):
+                found.setdefault(m[1], {})[int(m[2]), m[3]] = (f, key)
+    for prefix, parts in found.items():
+        def stacked(kind: str, parts=parts) -> np.ndarray:
+            keys = [parts[e, kind] for e in range(len(parts) // 3)]
+            return np.stack([shards[f].pop(k) for f, k in keys])
+
+        home = parts[0, "gate"][0]
+        shards[home][f"{prefix}.gate_up_proj"] = np.concatenate([stacked("gate"), stacked("up")], axis=1)
+        shards[home][f"{prefix}.down_proj"] = stacked("down")
+    for f, tensors in shards.items():
+        save_file(tensors, out / f, metadata={"format": "pt"})
+    index["weight_map"] = {k: f for f, tensors in shards.items() for k in tensors}
+    index_file.write_text(json.dumps(index))
 
 
 def write(root: Path, family: Family) -> None:
@@ -84,6 +117,8 @@ def write(root: Path, family: Family) -> None:
     if family.mxfp4:
         _mxfp4(model, root, family)
     model.save_pretrained(out, max_shard_size="60KB")
+    if family.fused_experts:
+        fuse_experts(out)
     if family.multimodal:
         _module_names(out, root / f"{family.name}_hub")
     if family.fp8:

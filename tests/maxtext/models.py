@@ -46,13 +46,16 @@ class Family:
     # also written with its projections in FP8 e4m3, 16 x 16 block scales (make_refs: ``<name>_fp8``), as
     # DeepSeek publishes its checkpoints (128 x 128)
     fp8: bool = False
-    # the MaxText layouts this family is loaded in (None: all of them)
+    # the MaxText layouts test_maxtext_drop_in.py loads this family in (None: all of them; (): none, a test of its own)
     layouts: tuple[tuple[bool, int], ...] | None = None
     # a multimodal checkpoint: the outer config's own fields (the text model's config is its ``text_config``);
     # make_refs writes its tensors under transformers' module names, the layout MaxText's converter reads
     multimodal: dict[str, Any] | None = None
     # leaves (path suffixes) MaxText's own loader fills with other values than the checkpoint means
     maxtext_differs: tuple[str, ...] = ()
+    # each layer's experts saved fused (make_refs: ``mlp.experts.gate_up_proj`` / ``down_proj``), as the
+    # published Qwen3.5 bfloat16 checkpoints hold them (transformers saves them one tensor per expert)
+    fused_experts: bool = False
 
     @property
     def checkpoint(self) -> str:
@@ -163,6 +166,13 @@ _QWEN3_NEXT_HF = dict(_MOE_HF, num_hidden_layers=OLMO3_LAYERS, shared_expert_int
 _QWEN3_NEXT_MT = dict(base_num_decoder_layers=OLMO3_LAYERS, gdn_num_key_heads=2, gdn_key_head_dim=8,
                       gdn_num_value_heads=4, gdn_value_head_dim=8, gdn_conv_kernel_dim=4)
 
+# Qwen3.5 (qwen3.5-35b-a3b): Qwen3-Next's tiny sizes, as the multimodal checkpoint (a one-layer vision tower
+# never read). Text only, MaxText's M-RoPE is its 1-D RoPE (every section the same position): use_mrope off.
+_QWEN3_5_HF = dict(_QWEN3_NEXT_HF, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                    "partial_rotary_factor": 0.25})
+_QWEN3_5_VISION = dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                          out_hidden_size=EMBED, patch_size=4), tie_word_embeddings=False)
+
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("llama", "llama3.1-8b", "LlamaConfig", "LlamaForCausalLM",
            hf_extra=dict(rope_parameters=LLAMA31_ROPE, rms_norm_eps=1e-5, max_position_embeddings=131072)),
@@ -203,6 +213,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # scanned, MaxText's dynamic loader cannot load it (test_maxtext_qwen3_next.py): unscanned only there
     Family("qwen3_next", "qwen3-next-80b-a3b", "Qwen3NextConfig", "Qwen3NextForCausalLM", moe=True,
            hf_extra=_QWEN3_NEXT_HF, maxtext_extra=_QWEN3_NEXT_MT, layouts=((False, 1),)),
+    # test_maxtext_qwen3_5.py only (every layout there)
+    Family("qwen3_5", "qwen3.5-35b-a3b", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", moe=True,
+           hf_extra=_QWEN3_5_HF, maxtext_extra=dict(_QWEN3_NEXT_MT, use_mrope=False), multimodal=_QWEN3_5_VISION,
+           fused_experts=True, layouts=()),
 ]}
 
 # (scan_layers, param_scan_axis): every layout MaxText has.
@@ -211,4 +225,4 @@ LAYOUTS = [(True, 1), (True, 0), (False, 1)]
 
 def layouts(family: Family) -> list[tuple[bool, int]]:
     """The layouts ``family`` is loaded in."""
-    return list(family.layouts or LAYOUTS)
+    return list(LAYOUTS if family.layouts is None else family.layouts)

@@ -1,11 +1,17 @@
-"""The Qwen3.5 MaxText table against numpy: every leaf of MaxText's tree in every layout, bitwise what
+"""The Qwen3.5 MaxText tables against numpy: every leaf of MaxText's tree in every layout, bitwise what
 MaxText's converter (``param_mapping.QWEN3_5_*``) gives from a multimodal checkpoint's text model —
 ``in_proj_qkvz`` / ``in_proj_ba`` joined per key head from ``in_proj_qkv`` + ``in_proj_z`` and
 ``in_proj_b`` + ``in_proj_a`` (the converter's reshape-and-concatenate, written here in numpy), experts
 stacked (every other leaf as Qwen3-Next's: ``test_qwen3_next.layer``); scanned, ``layer_<j>`` stacks every fourth
-layer at ``param_scan_axis``; export gives every text tensor back, bit-exact."""
+layer at ``param_scan_axis``. The bfloat16 releases' experts are fused (``mlp.experts.gate_up_proj`` /
+``down_proj``: the checkpoint transformers saves, fused as ``make_refs.fuse_experts`` does; the expected
+leaves from the unfused one); export gives every text tensor back, bit-exact. The FP8 releases
+(``qwen3.5-35b-a3b-fp8``) store experts one per tensor and every projection block-scaled FP8, the joins'
+parts too: each is decoded as it is read, equal to numpy's dequantisation of the stored codes."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -13,6 +19,8 @@ import pytest
 import otfload.maxtext as mx
 from otfload.plan.sharding import make_mesh
 from tests.helpers import hf_tensors, register_hf_model
+from tests.index.quant import layouts
+from tests.maxtext.make_refs import fuse_experts
 from tests.maxtext_tables.support import DIMS, LAYOUTS, cycled_layers
 from tests.maxtext_tables.test_export import round_trip
 from tests.maxtext_tables.test_qwen3_next import EXPERTS, LAYERS, PERIOD, layer
@@ -40,8 +48,8 @@ def _qwen3_5_moe(**kw):
 register_hf_model("mt_qwen3_5_moe", _qwen3_5_moe)
 
 
-def maxtext_config(scan_layers: bool, param_scan_axis: int) -> dict:
-    return dict(model_name="qwen3.5-35b-a3b", scan_layers=scan_layers, param_scan_axis=param_scan_axis,
+def maxtext_config(scan_layers: bool, param_scan_axis: int, model_name: str = "qwen3.5-35b-a3b") -> dict:
+    return dict(model_name=model_name, scan_layers=scan_layers, param_scan_axis=param_scan_axis,
                 vocab_size=DIMS["vocab_size"], emb_dim=DIMS["hidden_size"], num_query_heads=8, num_kv_heads=4,
                 head_dim=16, mlp_dim=MOE_DIM, moe_mlp_dim=MOE_DIM, num_experts=EXPERTS, num_decoder_layers=LAYERS,
                 inhomogeneous_layer_cycle_interval=PERIOD, gdn_num_key_heads=HK, gdn_key_head_dim=DK,
@@ -81,14 +89,50 @@ def mesh():
     return make_mesh({"fsdp": 2, "tensor": 4})
 
 
-@pytest.mark.parametrize(("scan", "axis"), LAYOUTS)
-def test_every_leaf_is_maxtexts_layout_and_exports_back(tiny_checkpoints, mesh, tmp_path, scan, axis):
+@pytest.fixture(scope="module")
+def fused(tiny_checkpoints, tmp_path_factory):
+    """The tiny checkpoint as the bfloat16 releases store it (experts fused), and the one saved (per expert)."""
     path, _ = tiny_checkpoints("mt_qwen3_5_moe")
+    out = tmp_path_factory.mktemp("qwen3_5") / "fused"
+    shutil.copytree(path, out)
+    fuse_experts(out)
+    return out, path
+
+
+# the FP8 releases' block-scaled projections (Qwen's quantization_config), 16 x 16 blocks here: a key head's
+# 8 q / k rows are half a block, so the joins read part blocks
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16],
+              "modules_to_not_convert": ["lm_head", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.gate"]}
+
+
+def _fp8_projection(key: str) -> bool:
+    return not key.startswith("model.visual.") and (layouts.is_linear(key) or key.endswith(
+        ("in_proj_qkv.weight", "in_proj_z.weight")))
+
+
+@pytest.mark.parametrize(("scan", "axis"), LAYOUTS)
+def test_every_leaf_is_maxtexts_layout_and_exports_back(fused, mesh, tmp_path, scan, axis):
+    path, saved = fused
     cfg = maxtext_config(scan, axis)
     abstract = mx.abstract_params(cfg, mesh)
-    check(mx.load_state(str(path), abstract, cfg)[1]["params"], expected(hf_tensors(path), cfg), abstract)
+    check(mx.load_state(str(path), abstract, cfg)[1]["params"], expected(hf_tensors(saved), cfg), abstract)
     written, original = round_trip(path, cfg, mesh, tmp_path / "out"), hf_tensors(path)
     text = {k: v for k, v in original.items() if not k.startswith("model.visual.")}
     assert sorted(written) == sorted(text)
     for key, value in text.items():
         np.testing.assert_array_equal(written[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize(("scan", "axis"), [(True, 1), (False, 0)])
+def test_fp8_release_decodes_every_part(tiny_checkpoints, mesh, tmp_path, scan, axis):
+    """``qwen3.5-35b-a3b-fp8``: per-expert experts, FP8 projections (``in_proj_qkvz``'s two parts among
+    them) decoded as they are read; every leaf equal to the table's layout of numpy's dequantised tensors."""
+    path, _ = tiny_checkpoints("mt_qwen3_5_moe")
+    dequantised = layouts.quantize_checkpoint(path, tmp_path / "fp8", _fp8_projection, layouts.fp8_blocks((16, 16)),
+                                              FP8_CONFIG)
+    assert any(k.endswith("in_proj_qkv.weight") for k in dequantised) and any(
+        k.endswith("in_proj_z.weight") for k in dequantised)
+    cfg = maxtext_config(scan, axis, "qwen3.5-35b-a3b-fp8")
+    abstract = mx.abstract_params(cfg, mesh)
+    check(mx.load_state(str(tmp_path / "fp8"), abstract, cfg)[1]["params"],
+          expected({**hf_tensors(path), **dequantised}, cfg), abstract)

@@ -158,3 +158,69 @@ def test_source_prefixes_rename_the_parts():
     (rule,) = JOINED.with_source_prefixes({"l.": "text.l."}).rules
     assert rule.source == "text.l.{layer}.qkvz" and rule.join is not None
     assert [t for t, _ in rule.join.parts] == ["text.l.{layer}.qkv", "text.l.{layer}.z"]
+
+
+FP8_BLOCK = 4  # scale blocks of 4 x 4: a key head's 3 q/k rows and 4 v/z rows run across block edges
+
+
+def fp8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``w`` as FP8 e4m3 codes with one float32 scale per block (Qwen's / DeepSeek's ``weight_scale_inv``)
+    and numpy's dequantisation of them (codes times their block's scale)."""
+    import ml_dtypes
+
+    grid = [-(-n // FP8_BLOCK) for n in w.shape]
+    padded = np.zeros([g * FP8_BLOCK for g in grid], np.float32)
+    padded[: w.shape[0], : w.shape[1]] = w
+    amax = np.abs(padded.reshape(grid[0], FP8_BLOCK, grid[1], FP8_BLOCK)).max(axis=(1, 3))
+    scale = (np.maximum(amax, 1e-12) / np.float32(448)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, FP8_BLOCK, 0), FP8_BLOCK, 1)[: w.shape[0], : w.shape[1]]
+    codes = (w / full).astype(ml_dtypes.float8_e4m3fn)
+    return codes, scale, codes.astype(np.float32) * full
+
+
+FP8_CONFIG = {"model_type": "synthetic", "quantization_config": {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK] * 2}}
+
+
+@pytest.fixture
+def fp8_qkvz(tmp_path, closing):
+    """A layer's ``qkv`` and ``z`` stored block-scaled FP8 , the index
+    over them, and numpy's joined dequantised values."""
+    rng = np.random.default_rng(3)
+    stored, dequantised = {}, {}
+    for name, rows in (("qkv", 2 * HK * DK + HV * DV), ("z", HV * DV)):
+        codes, scale, dequantised[name] = fp8_blocks(rng.standard_normal((rows, EMB)).astype(np.float32))
+        stored |= {f"l.0.{name}.weight": codes, f"l.0.{name}.weight_scale_inv": scale}
+    index = open_index(closing(LocalSource(write_checkpoint(tmp_path / "c", stored, config=FP8_CONFIG))))
+    return index, stored, maxtext_qkvz(dequantised["qkv"], dequantised["z"])
+
+
+def test_quantized_parts_decode_as_they_are_read(fp8_qkvz):
+    """Every box of the join of two FP8 tensors: each part's codes and scales read for its rows alone,
+    decoded, joined; equal to numpy's dequantisation of the parts joined."""
+    index, stored, expected = fp8_qkvz
+    parts = [index["l.0.qkv.weight"], index["l.0.z.weight"]]
+    assert all(is_derived(p) for p in parts)
+    tensor = head_blocks("qkvz", [(parts[0], (HK * DK, HK * DK, HV * DV)), (parts[1], (HV * DV,))], HK)
+    assert tensor.shape == expected.shape and tensor.dtype == np.float32 and "fp8" in tensor.storage
+    for box in boxes(tensor.shape):
+        np.testing.assert_array_equal(read(stored, tensor, box), expected[tuple(slice(a, b) for a, b in box)])
+    # head 1's first q row, column 0 (piece 4: head 0's q, k, v, z come first): one code and one scale alone
+    lo = 2 * DK + 2 * VPK * DV
+    assert {r: (i.name, b) for r, (i, b) in tensor.part_boxes(((lo, lo + 1), (0, 1))).items()} == {
+        "4.codes": ("l.0.qkv.weight", ((DK, DK + 1), (0, 1))),
+        "4.scale": ("l.0.qkv.weight_scale_inv", ((0, 1), (0, 1)))}
+
+
+def test_a_quantized_join_loads_sharded(fp8_qkvz, mesh_2x4):
+    """The whole read path (planner, reader, builder) on a sharded ``[in, qkvz]`` leaf of a joined rule
+    whose parts are FP8: each device's shard equals numpy's dequantised join."""
+    index, _, expected = fp8_qkvz
+    table = MappingTable((Rule("qkvz", "l.0.qkvz", (Transpose(),), join=Join(
+        (("l.0.qkv.weight", ("hk * dk", "hk * dk", "hv * dv")), ("l.0.z.weight", ("hv * dv",))), "hk")),))
+    leaves, _ = abstract_from_pytree({"qkvz": jax.ShapeDtypeStruct(expected.T.shape, np.float32,
+                                                                  sharding=NamedSharding(mesh_2x4, P(None, "tp")))})
+    plan = build_plan(index, leaves, table, CONFIG, strict=True).leaves["qkvz"]
+    array = build_leaf(plan, TensorReader(index.source), Arena(), ByteBudget(None))
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), expected.T[shard.index])
