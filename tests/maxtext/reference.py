@@ -8,7 +8,8 @@ MaxText's loader derives its key map and hooks from
 Where that loader cannot load at all (GPT-OSS: ``transform_hf_state_to_mt_state`` calls
 ``str.replace`` on the converter's composite ``(wi_0, wi_1)`` keys, an ``AttributeError``),
 ``maxtext_convert`` is the reference: the per-leaf steps of MaxText's offline converter
-(``to_maxtext``: the same mapping and hooks, its stacking, composite keys split on the last axis).
+(``to_maxtext``: the same mapping and hooks, its stacking, composite keys split on the last axis;
+the vision encoder's leaves, which a text-only tree has not, skipped: Gemma 4's mapping lists them).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def maxtext_convert(built: Built, path: Path) -> dict[str, Any]:
     tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
     weights: list[Any] = [None] * len(paths)
     for keys, source in mapping.items():
+        if isinstance(keys, str) and keys.startswith("params-vision_encoder-") and keys not in shapes:
+            continue  # the vision encoder of a multimodal checkpoint (Gemma 4's), not in a text-only tree
         index, shape = to_maxtext._get_maxtext_indices_and_shapes(keys, shapes)
         load = to_maxtext._get_hf_loading_function(source, tensors.__getitem__, hooks.get(keys), shape, config, keys)
         to_maxtext._get_maxtext_weight(load, index, shape, keys, weights, "float32", False)
