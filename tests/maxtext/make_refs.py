@@ -37,13 +37,16 @@ def _hf_model(family: Family):
 
 
 def _randomize_buffers(model, family: Family) -> None:
-    """Random values for the stored buffers ``randomize_`` skips (DeepSeek-V3's routing bias)."""
+    """Random values for the stored buffers ``randomize_`` skips (DeepSeek-V3's routing bias, Gemma 4's
+    ``layer_scalar``)."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
     for name, buffer in model.named_buffers():
         if name.endswith(family.random_buffers):
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
+        elif name.endswith(family.scalar_buffers):
+            buffer.copy_(torch.rand(buffer.shape, generator=gen) + 0.5)
 
 
 def _mxfp4(model, root: Path, family: Family) -> None:
@@ -112,7 +115,7 @@ def write(root: Path, family: Family) -> None:
     model = _hf_model(family)
     randomize_(model)
     model = model.float().eval()
-    if family.random_buffers:
+    if family.random_buffers or family.scalar_buffers:
         _randomize_buffers(model, family)
     if family.mxfp4:
         _mxfp4(model, root, family)

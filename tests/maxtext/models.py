@@ -56,6 +56,8 @@ class Family:
     # each layer's experts saved fused (make_refs: ``mlp.experts.gate_up_proj`` / ``down_proj``), as the
     # published Qwen3.5 bfloat16 checkpoints hold them (transformers saves them one tensor per expert)
     fused_experts: bool = False
+    # stored buffers (by name suffix) set uniform in [0.5, 1.5): Gemma 4's layer_scalar, a factor near 1
+    scalar_buffers: tuple[str, ...] = ()
 
     @property
     def checkpoint(self) -> str:
@@ -166,6 +168,26 @@ _QWEN3_NEXT_HF = dict(_MOE_HF, num_hidden_layers=OLMO3_LAYERS, shared_expert_int
 _QWEN3_NEXT_MT = dict(base_num_decoder_layers=OLMO3_LAYERS, gdn_num_key_heads=2, gdn_key_head_dim=8,
                       gdn_num_value_heads=4, gdn_value_head_dim=8, gdn_conv_kernel_dim=4)
 
+# Gemma 4 26B (MoE): 6 layers, one block of MaxText's five sliding and one global layer (transformers makes
+# the last one full too); global layers with head_dim 32, 4 kv heads and k = v (attention_k_eq_v /
+# share_kv_projections); gemma4-26b.yml's RoPE (1e4 locally, 1e6 on a quarter of each global head), its
+# soft-cap 30 and a window of 8; the shared expert mlp_dim wide, 4 routed experts of 32, top 2.
+GEMMA4_LAYERS, GEMMA4_GLOBAL_HEAD_DIM = 6, 32
+_GEMMA4_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * (GEMMA4_LAYERS // 6)
+_GEMMA4_HF = dict(num_hidden_layers=GEMMA4_LAYERS, global_head_dim=GEMMA4_GLOBAL_HEAD_DIM,
+                  num_global_key_value_heads=KV_HEADS, attention_k_eq_v=True, sliding_window=GEMMA_WINDOW,
+                  layer_types=_GEMMA4_TYPES, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                  rms_norm_eps=1e-6, enable_moe_block=True, num_experts=EXPERTS, top_k_experts=TOP_K,
+                  moe_intermediate_size=MOE_MLP, hidden_activation="gelu_pytorch_tanh",
+                  rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 1_000_000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+_GEMMA4_MT = dict(base_num_decoder_layers=GEMMA4_LAYERS, global_head_dim=GEMMA4_GLOBAL_HEAD_DIM,
+                  global_num_kv_heads=KV_HEADS, sliding_window_size=GEMMA_WINDOW, base_mlp_dim=MLP)
+_GEMMA4_VISION = dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+                                         patch_size=4, position_embedding_size=16))
+
 # Qwen3.5 (qwen3.5-35b-a3b): Qwen3-Next's tiny sizes, as the multimodal checkpoint (a one-layer vision tower
 # never read). Text only, MaxText's M-RoPE is its 1-D RoPE (every section the same position): use_mrope off.
 _QWEN3_5_HF = dict(_QWEN3_NEXT_HF, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
@@ -213,6 +235,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # scanned, MaxText's dynamic loader cannot load it (test_maxtext_qwen3_next.py): unscanned only there
     Family("qwen3_next", "qwen3-next-80b-a3b", "Qwen3NextConfig", "Qwen3NextForCausalLM", moe=True,
            hf_extra=_QWEN3_NEXT_HF, maxtext_extra=_QWEN3_NEXT_MT, layouts=((False, 1),)),
+    Family("gemma4", "gemma4-26b", "Gemma4Config", "Gemma4ForConditionalGeneration", tied=True, moe=True,
+           hf_extra=_GEMMA4_HF, maxtext_extra=_GEMMA4_MT, multimodal=_GEMMA4_VISION, scalar_buffers=("layer_scalar",),
+           layouts=()),  # test_maxtext_gemma4.py: MaxText's dynamic loader cannot load it
     # test_maxtext_qwen3_5.py only (every layout there)
     Family("qwen3_5", "qwen3.5-35b-a3b", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", moe=True,
            hf_extra=_QWEN3_5_HF, maxtext_extra=dict(_QWEN3_NEXT_MT, use_mrope=False), multimodal=_QWEN3_5_VISION,
