@@ -26,9 +26,11 @@ from otfload.index.quant.methods.fp8 import legacy_fp8
 from otfload.index.quant.methods.modelopt import HF_QUANT_CONFIG
 
 # Tensors that belong to a quantized weight; one left over after decoding is an error. Gemma 4's
-# router.per_expert_scale is a model parameter, not a scale.
+# router.per_expert_scale and DeepSeek-V4's hyper-connection scales (hc_attn_scale, hc_ffn_scale,
+# hc_head_scale, hc_head.hc_scale) are model parameters, not scales.
 COMPANION = re.compile(
-    r"(_scale_inv|(?<!\.per_expert)_scale|_scale_2|_scales|_zero_point|_blocks|_packed|_shape|_g_idx"
+    r"(_scale_inv|(?<!\.per_expert)(?<!hc_attn)(?<!hc_ffn)(?<!hc_head)(?<!\.hc)_scale"
+    r"|_scale_2|_scales|_zero_point|_blocks|_packed|_shape|_g_idx"
     r"|\.qweight|\.qzeros|\.g_idx|\.SCB|\.absmax|\.quant_map|\.quant_state\..*)$"
 )
 # Scales of activations and the KV cache: reported, never folded into weights.
