@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from otfload.families.multimodal import LAYOUTS, either_layout
 from otfload.maxtext.tables import (
@@ -99,8 +100,8 @@ class MultimodalTable(ModelTable):
 
     layouts: tuple[Mapping[str, str], ...] = LAYOUTS
 
-    def mapping(self, scan_layers: bool) -> MappingTable:
-        return either_layout(super().mapping(scan_layers), self.layouts)
+    def mapping(self, scan_layers: bool, config: Mapping[str, Any] | None = None) -> MappingTable:
+        return either_layout(super().mapping(scan_layers, config), self.layouts)
 
 
 _GEMMA3_LAYER = (

@@ -21,6 +21,7 @@ from otfload.maxtext.gemma import GEMMA2, GEMMA3
 from otfload.maxtext.gemma4 import GEMMA4_DENSE, GEMMA4_MOE
 from otfload.maxtext.gpt_oss import GPT_OSS
 from otfload.maxtext.llama import LLAMA31
+from otfload.maxtext.llama4 import LLAMA4_MAVERICK, LLAMA4_SCOUT
 from otfload.maxtext.mixtral import MIXTRAL
 from otfload.maxtext.olmo3 import OLMO3
 from otfload.maxtext.qwen2 import QWEN2
@@ -34,6 +35,8 @@ from otfload.plan.mapping import MappingTable, stack_dims
 SOURCE = "MaxText config"
 TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("llama3.1-8b", "llama3.1-70b", "llama3.1-405b"), LLAMA31),
+    "llama4-17b-16e": LLAMA4_SCOUT,
+    "llama4-17b-128e": LLAMA4_MAVERICK,
     **dict.fromkeys(("qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b"), QWEN2),
     **dict.fromkeys(("qwen3-0.6b", "qwen3-1.7b", "qwen3-1.7b-base", "qwen3-4b", "qwen3-4b-base",
                      "qwen3-4b-thinking-2507", "qwen3-8b", "qwen3-8b-base", "qwen3-14b", "qwen3-14b-base",
@@ -86,7 +89,7 @@ class Selection:
 
     @property
     def mapping(self) -> MappingTable:
-        return self.table.mapping(self.scan_layers)
+        return self.table.mapping(self.scan_layers, self.hook_config({}))
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
@@ -217,7 +220,7 @@ def _check_layer_counts(selection: Selection, leaves: Mapping[str, tuple[int, ..
     """Each group of an unscanned tree has the layers its config says (``0 .. count-1``, or those of its ``at``)."""
     for group in selection.groups:
         regex, layers = _unscanned_regex(group), group.path_layers(hook_config)
-        rules = group.rules(scan_layers=False)  # by rule, not path: kinds of layers may share paths (Gemma 4)
+        rules = group.rules(False, hook_config)  # by rule, not path: kinds of layers may share paths (Gemma 4)
         indices = {int(m.group(1)) for p in leaves if (m := regex.match(p)) and any(r.match(p) for r in rules)}
         if indices != set(layers):
             raise ConfigError(_count_field(group), selection.fields.get(_count_field(group)),

@@ -105,11 +105,13 @@ class LayerGroup:
             return {"layer": self.layers(config)}
         return {BLOCK: self.layers(config), LOCAL: integer(self.local, config, f"local layers of {self.scanned}")}
 
-    def rules(self, scan_layers: bool) -> list[Rule]:
-        """The group's rules; unscanned with ``at``, each matching only the layers ``at`` names (kinds
-        of layers at the same leaf paths: Gemma 4's sliding and global attention)."""
+    def rules(self, scan_layers: bool, config: Mapping[str, Any] | None = None) -> list[Rule]:
+        """The group's rules; unscanned with ``at``, each matching only the group's layers (kinds of
+        layers at the same leaf paths: Gemma 4's sliding and global attention): :meth:`path_layers` for
+        the hook config ``config``, or without one ``at``'s strides (literal ones only)."""
         prefix = self.prefix(scan_layers)
-        only = {"layer": self.at} if self.at and not scan_layers else {}
+        at = self.at if config is None else tuple(self.path_layers(config))
+        only = {"layer": at} if self.at and not scan_layers else {}
         return [Rule(f"{prefix}.{leaf.path}", leaf.source, leaf.hooks, offsets=self.offsets, indices=self.indices,
                      stack_at=self._stack_at(leaf), join=leaf.join, only=only) for leaf in self.leaves]
 
@@ -197,11 +199,12 @@ class ModelTable:
         """Whether any layer reads experts (the MoE fields are then needed)."""
         return any("expert" in leaf.source for g in (*self.groups, *(self.unscanned or ())) for leaf in g.leaves)
 
-    def mapping(self, scan_layers: bool) -> MappingTable:
-        """The otfload mapping table for the scanned or the unscanned tree."""
+    def mapping(self, scan_layers: bool, config: Mapping[str, Any] | None = None) -> MappingTable:
+        """The otfload mapping table for the scanned or the unscanned tree (its groups' layers resolved
+        against the hook config ``config``: :meth:`LayerGroup.rules`)."""
         rules = [Rule(leaf.path, leaf.source, leaf.hooks) for leaf in self.top]
         for group in self.layer_groups(scan_layers):
-            rules += group.rules(scan_layers)
+            rules += group.rules(scan_layers, config)
         for extra in self.extras:
             rules += extra.rules()
         return MappingTable(tuple(rules), ignore=(r".*rotary_emb\.inv_freq",))
