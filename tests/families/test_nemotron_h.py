@@ -11,6 +11,7 @@ group only) by sigmoid score plus a random correction bias, scaled by 2.5, with 
 variant adds the Mamba projections' and the MLPs' biases."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -31,7 +32,7 @@ from tests.families.test_deepseek import _randomize_router_bias
 from tests.helpers import jax_logits as logits
 from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.models.kinds import padded_batch, torch_greedy
-from tests.realsize import inspect_at_scale, write_header_checkpoint
+from tests.realsize import Spec, inspect_at_scale, write_header_checkpoint
 
 M, A, E, D = "linear_attention", "full_attention", "moe", "mlp"
 REALCONFIGS = Path(__file__).resolve().parents[3] / "shared" / "realconfigs"
@@ -245,10 +246,12 @@ def test_block_pattern_and_legacy_names_follow_transformers():
     assert NemotronHConfig.from_hf({**base, "model_type": "nemotron_h"}).layers_block_type == (M, E, A, D)
 
 
-def nano_headers(path: Path) -> Path:
-    """Nemotron-3-Nano-30B-A3B at full size, headers only: its published config and every tensor its
-    BF16 release stores (the correction bias float32), under ``backbone.``, four layers a file."""
-    raw = json.loads(NANO.read_text())
+def nano_headers(path: Path, store: Callable[[str, Spec], dict[str, Spec]] | None = None,
+                 extra: dict | None = None) -> Path:
+    """Nemotron-3-Nano-30B-A3B at full size, headers only: its published config (updated by ``extra``)
+    and every tensor its BF16 release stores (the correction bias float32), under ``backbone.``, four
+    layers a file; ``store(key, spec)`` gives the tensors a quantized release stores instead."""
+    raw = {**json.loads(NANO.read_text()), **(extra or {})}
     cfg = NemotronHConfig.from_hf(raw)
     h, heads, inner = cfg.hidden_size, cfg.mamba_num_heads, mamba2.inner_dim(cfg)
     conv, e, m = mamba2.conv_dim(cfg), cfg.num_experts, cfg.moe_intermediate_size
@@ -280,6 +283,8 @@ def nano_headers(path: Path) -> Path:
     shards[f"model-{files:05d}-of-{files:05d}.safetensors"] = {
         "backbone.embeddings.weight": ("BF16", (cfg.vocab_size, h)), "backbone.norm_f.weight": ("BF16", (h,)),
         "lm_head.weight": ("BF16", (cfg.vocab_size, h))}
+    if store is not None:
+        shards = {f: {k: v for key, spec in t.items() for k, v in store(key, spec).items()} for f, t in shards.items()}
     return write_header_checkpoint(path, shards, raw)
 
 
