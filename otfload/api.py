@@ -4,10 +4,15 @@ either would do, from the headers alone). Each takes the load's options as one
 :class:`~otfload.options.LoadOptions` (``options=``) and as keyword arguments, merged by
 :func:`~otfload.options.resolve_options`; each opens its checkpoint through the one front door,
 :func:`~otfload.opening.open_checkpoint`. Their docstrings are NumPy-style, each with an example
-that ``tests/docs/test_docstrings.py`` runs."""
+that ``tests/docs/test_docstrings.py`` runs.
+
+Optional features (adapters, ``quantized="keep"``, kept LoRA factors, activation scales) are
+:mod:`otfload.stages`: the entry points choose them from the options and run them in order; a
+plain load runs none."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -18,12 +23,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from otfload.adapters.factored import prepare_factored, require_merged
-from otfload.adapters.merge import check_adapted_are_mapped
 from otfload.coordination.agreement import DEFAULT_TIMEOUT_S
 from otfload.errors import CheckpointMismatchError, mismatch_error
 from otfload.families.registry import family_for
-from otfload.index.checkpoint import CheckpointIndex, read_values
+from otfload.index.checkpoint import CheckpointIndex
 from otfload.index.dtypes import to_numpy_dtype
 from otfload.models.origin import remember_origin
 from otfload.opening import Opened, default_workers, open_checkpoint, storage_dtype
@@ -34,13 +37,13 @@ from otfload.place.report import LoadReport
 from otfload.place.warmup import start_first_transfers
 from otfload.plan.abstract import Target, abstract_from_nnx, abstract_target, dotted, unmapped_problems
 from otfload.plan.eval_shape import abstract_module
-from otfload.plan.keep import LAYER_LEAF, assemble_kept, keep_plan
 from otfload.plan.mapping import MappingTable, Rule, as_table
 from otfload.plan.planner import LoadPlan, build_plan
 from otfload.plan.sharding import DEFAULT_RULES, LogicalRules, make_mesh
 from otfload.replicated import warn_replicated
 from otfload.sources import Source
 from otfload.sources.owned import owned
+from otfload.stages import Loaded, Stage, option_stages, plan_finishers, plan_stages
 
 Location = str | os.PathLike[str] | Source
 TableSpec = MappingTable | Sequence[Rule] | Mapping[str, str]
@@ -80,12 +83,14 @@ def plan_model(
     >>> model.layers.attn.q.kernel.get_value()
     ShapeDtypeStruct(shape=(3, 4, 16, 64), dtype=float32)
     """
-    model, plan, opened = _plan_model(source, resolve_options(options, keywords))
+    model, plan, opened, _ = _plan_model(source, resolve_options(options, keywords))
     return model, plan, opened.source
 
 
-def _plan_model(source: Location, options: LoadOptions) -> tuple[nnx.Module, LoadPlan, Opened]:
-    """``plan_model``, with the opened checkpoint (its base too) in place of its source."""
+def _plan_model(source: Location, options: LoadOptions) -> tuple[nnx.Module, LoadPlan, Opened, tuple[Stage, ...]]:
+    """``plan_model``, with the opened checkpoint (its base too) in place of its source, and the
+    load's stages (the front door's overlay, then the options')."""
+    asked = option_stages(options, bundled=True)
     opened = open_checkpoint(source, options, check_config=family_for)
     with ExitStack() as on_error:  # planning fails: close what this call opened
         on_error.enter_context(owned(opened.source, source))
@@ -98,11 +103,10 @@ def _plan_model(source: Location, options: LoadOptions) -> tuple[nnx.Module, Loa
         remember_origin(model, index.config, family.name)
         leaves = abstract_from_nnx(model, mesh, DEFAULT_RULES if options.rules is None else options.rules)
         plan = build_plan(index, leaves, family.mapping(cfg), cfg.to_dict(), strict=options.strict)
-        check_adapted_are_mapped(plan, index)
-        plan = keep_plan(plan, options.quantized, lambda path: LAYER_LEAF.match(path) is not None)
-        plan.family, plan.config = family.name, index.config
+        stages = (*opened.stages, *asked)
+        plan = plan_stages(stages, dataclasses.replace(plan, family=family.name, config=index.config))
         on_error.pop_all()  # planned: the caller closes the source unless it passed it in
-    return model, plan, opened
+    return model, plan, opened, stages
 
 
 @overload
@@ -195,15 +199,15 @@ class PlannedLoad:
     given: Location
     options: LoadOptions
     policy: str
+    stages: tuple[Stage, ...] = ()
 
     def load(self) -> tuple[nnx.Module, LoadReport]:
         """Read and place every leaf into :attr:`model` (now loaded, and returned) with the report;
         the checkpoint is closed afterwards unless it is the ``Source`` the caller passed in."""
         model, plan, opened, given = self.model, self.plan, self.opened, self.given
-        lora = None if self.options.merge_adapter else prepare_factored(plan, opened.source, given)  # reads the bases
-        arrays, report = run_plan(plan if lora is None else lora.plan, opened, given, self.options, self.policy)
-        arrays = assemble_kept(plan, arrays)
-        arrays = arrays if lora is None else lora.finish(model, arrays, report)
+        for stage in self.stages:  # what a stage reads before the leaves (kept LoRA factors)
+            plan = stage.read(plan, opened.source, given)
+        arrays, report = run_plan(plan, opened, given, self.options, self.policy, self.stages, model)
         state = nnx.state(model, nnx.Param)
         loaded = [(path, var.replace(arrays[dotted(path)])) for path, var in nnx.to_flat_state(state)]
         nnx.update(model, nnx.from_flat_state(loaded))
@@ -215,16 +219,18 @@ def plan_load(source: Location, options: LoadOptions) -> PlannedLoad:
     checkpoint stays open for :meth:`PlannedLoad.load`)."""
     policy = resolve_policy(options.reshard)  # resolve_options took $OTFLOAD_RESHARD, checked
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
-    model, plan, opened = _plan_model(source, options)
+    model, plan, opened, stages = _plan_model(source, options)
     warn_replicated({path: p.leaf for path, p in plan.leaves.items()}, options.rules)  # once per load
-    return PlannedLoad(model, plan, opened, source, options, policy)
+    return PlannedLoad(model, plan, opened, source, options, policy, stages)
 
 
 def run_plan(
-    plan: LoadPlan, opened: Opened, given: object, options: LoadOptions, policy: str
-) -> tuple[dict[str, jax.Array], LoadReport]:
-    """Execute ``plan`` with the reshard ``policy``; the opened source is closed afterwards unless it
-    is ``given``, the caller's own."""
+    plan: LoadPlan, opened: Opened, given: object, options: LoadOptions, policy: str,
+    stages: tuple[Stage, ...] = (), model: Any = None,
+) -> tuple[dict[str, Any], LoadReport]:
+    """Execute ``plan`` with the reshard ``policy``, then the finishers of ``stages`` and of the plan
+    (into ``model``'s leaf values: ``model`` is the bundled model, None for a tree the caller brings);
+    the opened source is closed afterwards unless it is ``given``, the caller's own."""
     with owned(opened.source, given):
         arrays, report = execute_plan(
             plan, opened.source, workers=options.workers or default_workers(opened.base),
@@ -233,9 +239,10 @@ def run_plan(
             read_ahead=options.read_ahead is not False, direct_io=options.direct_io is not False,
             collective_timeout=options.collective_timeout or DEFAULT_TIMEOUT_S,
         )
-        infos = list(plan.activation.values())
-        report.activation_scales = dict(zip(plan.activation, read_values(opened.source, infos), strict=True))
-        return arrays, report
+        loaded = Loaded(plan, opened.source, dict(arrays), report, model)
+        for stage in (*stages, *plan_finishers(plan)):
+            stage.finish(loaded)
+        return loaded.arrays, report
 
 
 @overload
@@ -310,12 +317,11 @@ def load_params(
     """
     options = resolve_options(options, keywords, unused=MODEL_FIELDS)
     policy = resolve_policy(options.reshard)  # resolve_options took $OTFLOAD_RESHARD, checked
-    require_merged(options.merge_adapter)  # kept LoRA factors need the bundled models (from_pretrained)
     start_first_transfers(jax.local_devices())  # an accelerator's one-time set-up, meanwhile
-    target, plan, opened = _plan_params(source, abstract, mapping, config, options)
+    target, plan, opened, stages = _plan_params(source, abstract, mapping, config, options)
     warn_replicated({path: p.leaf for path, p in plan.leaves.items()}, options.rules)  # once per load
-    arrays, report = run_plan(plan, opened, source, options, policy)
-    tree = target.rebuild(assemble_kept(plan, arrays))
+    arrays, report = run_plan(plan, opened, source, options, policy, stages)
+    tree = target.rebuild(arrays)
     return (tree, report) if return_report else tree
 
 
@@ -352,27 +358,28 @@ def plan_params(
     ['Transpose(perm=None)']
     """
     options = resolve_options(options, keywords, unused=MODEL_FIELDS)
-    require_merged(options.merge_adapter)
-    _, plan, opened = _plan_params(source, abstract, mapping, config, options)
+    _, plan, opened, _ = _plan_params(source, abstract, mapping, config, options)
     with owned(opened.source, source):  # nothing is read: closed now unless the caller passed it in
         return plan
 
 
 def _plan_params(
     source: Location, abstract: Any, mapping: TableSpec, config: Mapping[str, Any] | None, options: LoadOptions
-) -> tuple[Target, LoadPlan, Opened]:
-    """The target, plan and opened checkpoint of ``load_params``; on an error the source is closed
-    unless it is ``source``."""
+) -> tuple[Target, LoadPlan, Opened, tuple[Stage, ...]]:
+    """The target, plan, opened checkpoint and stages of ``load_params``; on an error the source is
+    closed unless it is ``source``. Kept LoRA factors are refused before anything is opened: they
+    need a bundled model's forward pass."""
+    asked = option_stages(options, bundled=False)
     opened = open_checkpoint(source, options, require_config=False)
     with ExitStack() as on_error:  # planning fails: close what this call opened
         on_error.enter_context(owned(opened.source, source))
         index = opened.index
         target, plan = plan_target(index, abstract, mapping, index.config if config is None else config,
                                    options.mesh, options.rules, options.strict)
-        plan = keep_plan(plan, options.quantized)
-        plan.config = index.config
+        stages = (*opened.stages, *asked)
+        plan = plan_stages(stages, dataclasses.replace(plan, config=index.config))
         on_error.pop_all()  # run_plan closes it
-    return target, plan, opened
+    return target, plan, opened, stages
 
 
 def plan_target(

@@ -3,7 +3,8 @@
 :func:`open_checkpoint` opens the location (:func:`~otfload.sources.open_source` with the options'
 source options), puts the shard cache in front of it when the options ask
 (:func:`~otfload.cache.wrap_with_cache`) and reads its index (``config.json`` and every safetensors
-header). PEFT LoRA adapters are a layer on that opened base (:mod:`otfload.adapters.load`): each
+header). PEFT LoRA adapters are a layer on that opened base (:mod:`otfload.adapters.load`), a stage run only
+when the options name an adapter or the location holds one (:mod:`otfload.stages.adapters`): each
 adapter location is opened and its header read, and :func:`~otfload.adapters.load.add_adapters`
 gives one source over the base and the adapters and the index with their terms merged in. A
 location holding an adapter and no model stands for the base its config names, opened here the
@@ -26,21 +27,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from otfload.adapters.load import (
-    add_adapters,
-    base_location,
-    base_not_found,
-    named_base,
-    open_adapter_source,
-    read_adapter,
-)
-from otfload.adapters.merge import Adapter
 from otfload.cache import wrap_with_cache
 from otfload.errors import SourceNotFoundError
 from otfload.index.checkpoint import CheckpointIndex, open_index
@@ -50,18 +42,26 @@ from otfload.options.environment import environment
 from otfload.place.loader import ACCELERATOR_WORKERS, DEFAULT_WORKERS, REMOTE_WORKERS
 from otfload.sources import LocalSource, Source, open_source
 from otfload.sources.owned import is_owned, owned
+from otfload.stages import Stage
+from otfload.stages.adapters import AdapterOverlay, holds_adapter
+
+if TYPE_CHECKING:
+    from otfload.adapters.merge import Adapter
 
 
 @dataclass(frozen=True)
 class Opened:
     """A checkpoint opened for a load. ``source`` and ``index`` are what the plan and the reads use
     (the adapter layer included); ``base`` and ``base_index`` are the checkpoint beneath any adapter
-    (its storage dtype, the number of builder threads its kind of source wants)."""
+    (its storage dtype, the number of builder threads its kind of source wants). ``stages`` is the
+    overlay applied here (:class:`~otfload.stages.adapters.AdapterOverlay`; none for a plain
+    checkpoint), whose plan transform the plan runs through."""
 
     source: Source
     index: CheckpointIndex
     base: Source
     base_index: CheckpointIndex
+    stages: tuple[Stage, ...] = ()
 
 
 def open_cached(location: str | os.PathLike[str] | Source, options: LoadOptions,
@@ -91,6 +91,18 @@ def open_checkpoint(
     opened: list[Source] = []  # what this call opened (or wrapped), closed again on an error
     try:
         source = base = _track(open_cached(location, options, source_options), location, opened)
+        if not options.adapters and not holds_adapter(source):  # a plain checkpoint: no adapter code runs
+            index = open_index(base, require_config=require_config, check_config=check_config)
+            return Opened(base, index, base, index)
+        from otfload.adapters.load import (
+            add_adapters,
+            base_location,
+            base_not_found,
+            named_base,
+            open_adapter_source,
+            read_adapter,
+        )
+
         adapters: list[tuple[Source, Adapter]] = []  # (its source, its config and headers), in order
         named = None if options.adapters else named_base(source)
         if named is not None:  # the location is an adapter: the base is the one its config names
@@ -104,10 +116,8 @@ def open_checkpoint(
         for i, spec in enumerate(options.adapters):
             adapter_source = _track(open_adapter_source(spec, **source_options), spec, opened)
             adapters.append((adapter_source, read_adapter(adapter_source, i)))
-        if not adapters:
-            return Opened(base, index, base, index)
         combined, merged = add_adapters(base, index, adapters, owned=opened)
-        return Opened(combined, merged, base, index)
+        return Opened(combined, merged, base, index, (AdapterOverlay(merged),))
     except BaseException:
         for one in reversed(opened):
             with contextlib.suppress(Exception):  # the original error matters more

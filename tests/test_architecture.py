@@ -29,7 +29,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("read",),  # boxes of tensors from a source
     ("place",),  # read -> hooks -> stack -> place, the load report
     ("adapters",),  # LoRA adapters merged into the index and the reads
-    ("options", "opening"),  # LoadOptions; the front door: source, shard cache, index, adapters layered on
+    # LoadOptions; the front door: source, shard cache, index; optional features as stages (adapters, kept ...)
+    ("options", "opening", "stages"),
     ("api", "replicated"),  # from_pretrained, load_params, plan_model; leaves a mesh divides nowhere
     # native checkpoints, decoding, training start-up, compiled programs kept across jobs and where
     ("checkpoint", "generate", "tokenizer", "training", "programs", "compile_cache"),

@@ -39,17 +39,6 @@ HUB_AT_REVISION = re.compile(r"^([\w.-]+/[\w.-]+)@([\w./-]+)$")
 MAX_LOCAL_CONFIG_BYTES = 1 << 20
 
 
-def adapter_specs(adapter: AdapterSpec | Sequence[AdapterSpec] | None) -> list[AdapterSpec]:
-    """``adapter=`` as a list (in the order the adapters apply)."""
-    if adapter is None:
-        return []
-    if isinstance(adapter, (str, os.PathLike, Source)):
-        return [adapter]
-    if isinstance(adapter, Sequence) and all(isinstance(a, (str, os.PathLike, Source)) for a in adapter):
-        return list(adapter)
-    raise TypeError(f"adapter= must be a location, a Source or a list of them, not {adapter!r}")
-
-
 def open_adapter_source(spec: AdapterSpec, **options: Any) -> Source:
     """Open one adapter location; ``revision`` in ``options`` is the base's and is not passed on."""
     options = {k: v for k, v in options.items() if k != "revision"}
@@ -167,5 +156,5 @@ def add_adapters(
     return CombinedSource(base, [source for source, _ in adapters], owned=owned), merged
 
 
-__all__ = ["AdapterSpec", "add_adapters", "adapter_specs", "base_location", "base_not_found", "check_architecture",
+__all__ = ["AdapterSpec", "add_adapters", "base_location", "base_not_found", "check_architecture",
            "is_adapter_source", "named_base", "open_adapter_source", "read_adapter"]

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from otfload.adapters.load import AdapterSpec, adapter_specs
 from otfload.cache import VERIFY_MODES
 from otfload.errors import AdapterError, InvalidOptionError
 from otfload.options import checks
@@ -28,11 +27,13 @@ from otfload.options.environment import VARIABLES, Environment, environment
 from otfload.place.collective_route import POLICIES as RESHARD_POLICIES
 from otfload.place.device_hooks import POLICIES as DEVICE_HOOK_POLICIES
 from otfload.plan.keep import check_quantized_mode
+from otfload.sources import Source
 from otfload.sources.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
+    from otfload.adapters.load import AdapterSpec
     from otfload.plan.sharding import LogicalRules
 
 ShardCacheSpec = str | os.PathLike[str] | bool | None
@@ -208,7 +209,14 @@ class LoadOptions:
     @property
     def adapters(self) -> list[AdapterSpec]:
         """``adapter`` as a list, in the order the adapters apply."""
-        return adapter_specs(self.adapter)
+        adapter = self.adapter
+        if adapter is None:
+            return []
+        if isinstance(adapter, (str, os.PathLike, Source)):
+            return [adapter]
+        if isinstance(adapter, Sequence) and all(isinstance(a, (str, os.PathLike, Source)) for a in adapter):
+            return list(adapter)
+        raise TypeError(f"adapter= must be a location, a Source or a list of them, not {adapter!r}")
 
     def source_options(self) -> dict[str, Any]:
         """The source options set to other than their defaults: ``open_source``'s keyword arguments."""
