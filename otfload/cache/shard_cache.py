@@ -49,6 +49,7 @@ from otfload.errors import (
     SourceError,
 )
 from otfload.sources.base import PinnedSource, RangeRead, Source, read_many
+from otfload.sources.load_context import submit
 from otfload.sources.names import checked_listing
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class ShardCache:
                      ", ".join(self.orphans_removed))  # fmt: skip
         failure: BaseException | None = None
         with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="otfload-cache") as pool:
-            futures = {pool.submit(self._ensure, f): f for f in mine}
+            futures = {submit(pool, self._ensure, f): f for f in mine}  # in the load's context: its token, meter
             for future in as_completed(futures):
                 if future.cancelled():  # after a failure: tell the peers at once rather than let them time out
                     status = f"error: not fetched, after {type(failure).__name__}: {failure}"

@@ -23,6 +23,7 @@ from otfload.index.quant import dequantized_view
 from otfload.index.quant.methods.modelopt import HF_QUANT_CONFIG
 from otfload.sources.base import Source, read_bytes
 from otfload.sources.checkpoint_files import is_checkpoint_file
+from otfload.sources.load_context import map_in_context
 from otfload.sources.names import check_member_name, checked_listing
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -159,7 +160,7 @@ def _open_index(source: Source, require_config: bool,
         check_config(config)
     files, weight_map = _safetensors_files(source, available)
     with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(files))) as pool:
-        headers = dict(zip(files, pool.map(lambda f: read_header(source, f), files), strict=True))
+        headers = dict(zip(files, map_in_context(pool, lambda f: read_header(source, f), files), strict=True))
     hf_quant = read_json(source, HF_QUANT_CONFIG) if HF_QUANT_CONFIG in available else None
     view = dequantized_view(config, _merge(headers, weight_map), lambda infos: read_values(source, infos), hf_quant)
     tensors: dict[str, TensorInfo | DerivedTensor] = dict(view.tensors)  # a QuantizedTensor is derived
@@ -175,7 +176,7 @@ def read_values(source: Source, infos: list[TensorInfo]) -> list[np.ndarray]:
     if not infos:
         return []
     with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(infos))) as pool:
-        return list(pool.map(one, infos))
+        return map_in_context(pool, one, infos)
 
 
 __all__ = ["CheckpointIndex", "open_index", "read_json", "read_values"]

@@ -34,6 +34,7 @@ from otfload.options import LoadOptions, resolve_options
 from otfload.plan.abstract import dotted
 from otfload.plan.planner import LoadPlan
 from otfload.sources.base import Source
+from otfload.sources.load_context import submit
 from otfload.sources.owned import owned, owned_source
 
 
@@ -59,7 +60,7 @@ class BackgroundLoad:
             same_leaves = load_options.quantized != "keep" and load_options.merge_adapter
             self.abstract: CausalLM | None = _with_shardings(abstract, plan) if same_leaves else None
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="otfload-load")
-            self._future: concurrent.futures.Future[Any] = self._pool.submit(self._run, load_options)
+            self._future: concurrent.futures.Future[Any] = submit(self._pool, self._run, load_options)
         except BaseException:
             self._stack.close()
             raise
