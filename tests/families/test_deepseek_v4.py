@@ -1,0 +1,197 @@
+"""DeepSeek-V4 (``deepseek_v4``): a tiny transformers checkpoint → otfload → f32 logits equal
+transformers', scanned and not, on 8 simulated devices (experts on ``ep`` and heads on ``tp``); the
+rules behind them are live; the RoPEs equal transformers' buffers; configs (transformers' defaults,
+the published V4-Flash) parse as transformers reads them, and what otfload does not implement is a
+typed error naming its field.
+
+The tiny model has every layer kind: sliding, CSA (rate 4) and HCA (rate 8) attention; one hash-routed
+and three top-k MoE layers (a random ``tid2eid`` table of distinct experts and a random correction
+bias: transformers initialises both to zeros); two hyper-connection streams; YaRN on the compressed
+RoPE. 5 tokens leave HCA no window and CSA one (below ``index_topk = 2``); 20 tokens give a sliding
+window of 8 tokens to slide, HCA two windows and CSA five, of which the later queries see the indexer's
+top 2. 16 indexer heads make an exact tie of two windows' scores too rare to meet.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import otfload
+from otfload.errors import ConfigError, UnsupportedModelError
+from otfload.export import export_hf
+from otfload.families.deepseek_v4.config import CSA, HCA, SLIDING, deepseek_v4_config
+from otfload.families.deepseek_v4.model import rotary
+from otfload.plan.sharding import make_mesh
+from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.checks import MESHES
+from tests.helpers import jax_logits as logits
+from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
+
+TINY = {
+    "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 16, "index_head_dim": 16,
+    "index_topk": 2, "sliding_window": 8, "layer_types": [SLIDING, CSA, HCA, CSA],
+    "compress_rates": {CSA: 4, HCA: 8}, "num_hash_layers": 1, "hc_mult": 2, "hc_sinkhorn_iters": 3,
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": 32,
+                     "beta_slow": 1},
+    "max_position_embeddings": 256,
+}  # fmt: skip
+REAL = Path(__file__).resolve().parents[3] / "shared" / "realconfigs" / "deepseek-ai__DeepSeek-V4-Flash.json"
+NEEDS_REAL = pytest.mark.skipif(not REAL.is_file(), reason="../shared/realconfigs is not checked out")
+
+
+def _tiny(**kw):
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**{**TINY, **kw}))
+    gen = torch.Generator().manual_seed(1)
+    experts, k = TINY["n_routed_experts"], TINY["num_experts_per_tok"]
+    with torch.no_grad():  # buffers: tests.helpers.randomize_ randomises parameters only
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buf.copy_(torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(buf.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+    return model
+
+
+register_hf_model("deepseek_v4", _tiny)
+
+
+@pytest.mark.parametrize(("scan_layers", "mesh_name"), [(True, "fsdp2_ep4"), (False, "fsdp2_tp4")])
+def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name):
+    path, torch_model = tiny_checkpoints("deepseek_v4")
+    assert len(list(path.glob("*.safetensors"))) > 1
+    mesh = make_mesh(MESHES[mesh_name])
+    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
+    csa = model.csa_moe_layers if scan_layers else model.csa_moe_layers[1]
+    assert csa.attn.indexer.q_b.kernel[...].shape == ((2,) if scan_layers else ()) + (16, 16, 32)
+    spec = csa.moe.experts.gate.kernel[...].sharding.spec
+    assert spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
+    with jax.set_mesh(mesh):
+        for seq in (5, 20):
+            ids = token_ids(seq=seq)
+            diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+            assert diff <= 1e-4, (seq, diff)
+
+
+def test_the_window_and_top_k_rules_are_live(tiny_checkpoints, mesh_2x4):
+    """At 20 tokens, attending to every CSA window instead of the indexer's top 2, or to every earlier
+    token instead of the sliding window's 8, moves the logits well past the bound."""
+    path, torch_model = tiny_checkpoints("deepseek_v4")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    base, ids = model.cfg, token_ids(seq=20)
+    ref = torch_logits(torch_model, ids)
+    for change in ({"index_topk": 64}, {"sliding_window": 64}):
+        model.cfg = dataclasses.replace(base, **change)
+        assert max_rel_diff(logits(model, ids), ref) > 1e-3, change
+
+
+def test_the_ropes_equal_transformers_buffers(tiny_checkpoints):
+    _, torch_model = tiny_checkpoints("deepseek_v4")
+    cfg = deepseek_v4_config(torch_model.config.to_dict())
+    rope = torch_model.model.rotary_emb
+    for name, spec in (("main", cfg.main_rope), ("compress", cfg.compress_rope)):
+        ours = rotary(cfg, spec)
+        np.testing.assert_allclose(ours.inv_freq, getattr(rope, f"{name}_inv_freq").numpy(), rtol=1e-6)
+        assert ours.scale == getattr(rope, f"{name}_attention_scaling")
+
+
+def test_decoding_with_a_cache_is_refused(tiny_checkpoints, mesh_2x4):
+    path, _ = tiny_checkpoints("deepseek_v4")
+    model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    with pytest.raises(UnsupportedModelError, match="KV-cache"):
+        model.init_cache(1, 8)
+
+
+def test_export_round_trip_is_bit_exact_but_the_hash_table_is_int32(tiny_checkpoints, mesh_2x4, tmp_path):
+    """Every tensor written back bit-exact under its key, in file order, except ``tid2eid``: its leaf
+    is int32 (JAX's integers without x64), so the table comes back with the same values as int32."""
+    src, _ = tiny_checkpoints("deepseek_v4")
+    written = export_hf(otfload.from_pretrained(src, mesh=mesh_2x4), tmp_path / "out", reference=src,
+                        max_shard_size="60KB")
+    ours, ref = read_tensors(written), read_tensors(src)
+    table = "model.layers.0.ffn.gate.tid2eid"
+    assert ours[table].dtype == np.int32 and ref[table].dtype == np.int64
+    np.testing.assert_array_equal(ours.pop(table), ref.pop(table))
+    assert_bit_exact(ours, ref)
+    assert weight_map_keys(written) == weight_map_keys(src)
+
+
+# --- configs ------------------------------------------------------------------------------------
+
+
+def _transformers_config(**kw):
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(**kw)
+
+
+def _assert_read_as_transformers(cfg, ref) -> None:
+    assert cfg.layer_types == tuple(ref.layer_types)
+    assert cfg.mlp_layer_types == tuple(ref.mlp_layer_types)
+    assert cfg.compress_rates == ref.compress_rates
+    assert cfg.qk_rope_head_dim == ref.qk_rope_head_dim
+    for name in ("main", "compress"):
+        assert getattr(cfg, f"{name}_rope").theta == ref.rope_parameters[name]["rope_theta"]
+    fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups",
+              "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
+              "sliding_window", "swiglu_limit", "routed_scaling_factor", "num_experts_per_tok", "scoring_func")
+    assert {f: getattr(cfg, f) for f in fields} == {f: getattr(ref, f) for f in fields}
+    assert cfg.num_experts == ref.n_routed_experts
+
+
+def test_transformers_default_config_parses_as_transformers_reads_it():
+    ref = _transformers_config()
+    cfg = deepseek_v4_config(ref.to_dict())
+    _assert_read_as_transformers(cfg, ref)
+    assert cfg.layer_types[:3] == (HCA, HCA, HCA) and cfg.mlp_layer_types.count("hash_moe") == 3
+    assert deepseek_v4_config({"model_type": "deepseek_v4"}) == dataclasses.replace(cfg, pad_token_id=None)
+
+
+@NEEDS_REAL
+def test_the_published_config_is_refused_for_its_fp4_experts_and_else_parses_as_transformers_reads_it():
+    real = json.loads(REAL.read_text())
+    with pytest.raises(ConfigError) as err:
+        deepseek_v4_config(real)
+    assert err.value.field == "expert_dtype" and err.value.value == "fp4"
+    bf16 = {**real, "expert_dtype": "bf16"}
+    cfg = deepseek_v4_config(bf16)
+    _assert_read_as_transformers(cfg, _transformers_config(**bf16))
+    # 44 compress_ratios for 43 layers (the last is the MTP layer's): 0, 0, then CSA / HCA alternating
+    assert cfg.layer_types[:4] == (SLIDING, SLIDING, CSA, HCA) and cfg.layer_types[-1] == CSA
+    assert cfg.compress_rope.scaling is not None and cfg.compress_rope.scaling["attention_factor"] == 1.0
+    assert cfg.main_rope.scaling is None and cfg.mtp_layers == 1
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"n_shared_experts": 2}, "n_shared_experts"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"expert_dtype": "fp4"}, "expert_dtype"),
+    ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4"}}, "quantization_config.expert_dtype"),
+    ({"layer_types": [SLIDING, "full_attention", HCA, CSA]}, "layer_types[1]"),
+    ({"layer_types": [SLIDING, CSA]}, "layer_types"),
+    ({"layer_types": None, "compress_ratios": [0, 4, 16, 4]}, "compress_ratios[2]"),
+    ({"mlp_layer_types": ["hash_moe", "dense", "moe", "moe"]}, "mlp_layer_types[1]"),
+    ({"compress_rates": {CSA: 4, "sliding_attention": 8}}, "compress_rates.sliding_attention"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.type"),
+    ({"o_groups": 3}, "o_groups"),
+    ({"qk_rope_head_dim": 7}, "partial_rotary_factor"),
+])  # fmt: skip
+def test_unsupported_configs_are_typed_errors_naming_the_field(change, field):
+    hf = {**TINY, "model_type": "deepseek_v4"}
+    deepseek_v4_config(hf)  # the unchanged config parses
+    with pytest.raises(ConfigError) as err:
+        deepseek_v4_config({**hf, **change})
+    assert err.value.field == field and field in str(err.value)
