@@ -23,7 +23,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from otfload.models.experts import Activation, expert_ffn
-from otfload.models.layers import ExpertDense, ParamOptions, Params, make_param
+from otfload.models.layers import ExpertDense, ParamOptions, Params, dense, make_param
 from otfload.models.mlp import Mlp, swiglu
 
 GROUP_LIMITED_GREEDY = "group_limited_greedy"
@@ -143,9 +143,12 @@ def deepseek_moe_forward(
 ) -> jax.Array:
     """Routed experts (each token through its top-k only, :func:`~otfload.models.experts.expert_ffn`)
     plus the shared experts, of ``x [b, s, hidden]``; ``activation`` and ``shared`` are the experts'
-    activation and the shared MLP (Nemotron-H: squared ReLU experts without a gate, an ungated MLP)."""
+    activation and the shared MLP (Nemotron-H: squared ReLU experts without a gate, an ungated MLP).
+    With ``latent_in`` / ``latent_out`` projections (Nemotron-H's latent MoE) the routed experts run in
+    the latent space between them; routing and the shared experts see ``x``."""
     flat = x.reshape(-1, x.shape[-1])
     weights, idx = group_route(p["router"], flat, cfg)
-    out = expert_ffn(flat, idx, weights, p["experts"], in_first=False, activation=activation,
-                     impl=impl).reshape(x.shape)
+    inner = dense(p["latent_in"], flat, "th,lh->tl") if "latent_in" in p else flat
+    out = expert_ffn(inner, idx, weights, p["experts"], in_first=False, activation=activation, impl=impl)
+    out = (dense(p["latent_out"], out, "tl,hl->th") if "latent_out" in p else out).reshape(x.shape)
     return out + shared(p["shared"], x) if "shared" in p else out

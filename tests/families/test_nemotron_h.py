@@ -56,6 +56,8 @@ def _nemotron_h(**kw):
 
 register_hf_model("nemotron_h", _nemotron_h)
 register_hf_model("nemotron_h_bias", _nemotron_h, {"use_bias": True, "mlp_bias": True})
+# Nemotron-3 Super's latent MoE: routed experts in a 16-wide latent space, biased projections in and out.
+register_hf_model("nemotron_h_latent", _nemotron_h, {"moe_latent_size": 16, "mlp_bias": True})
 
 
 @pytest.mark.parametrize(("scan_layers", "axes"), [(True, {"fsdp": 2, "tp": 4}), (False, {"fsdp": 2, "ep": 4})])
@@ -75,6 +77,24 @@ def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, axes):
             ids = token_ids(seq=seq)
             diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
             assert diff <= 1e-4, (seq, diff)
+
+
+@pytest.mark.parametrize(("scan_layers", "axes"), [(True, {"fsdp": 2, "tp": 4}), (False, {"fsdp": 2, "ep": 4})])
+def test_latent_moe_logits_match_transformers(tiny_checkpoints, scan_layers, axes):
+    """``moe_latent_size``: the routed experts run 16 wide between ``fc1_latent_proj`` and
+    ``fc2_latent_proj`` (both biased), routing and the shared expert on the full width."""
+    path, torch_model = tiny_checkpoints("nemotron_h_latent")
+    mesh = make_mesh(axes)
+    model, report = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers, return_report=True)
+    assert report.unused_tensors == []
+    moe = model.moe_layers.mixer if scan_layers else model.moe_layers[0].mixer
+    lead = (1,) if scan_layers else ()
+    assert moe.latent_in.kernel[...].shape == (*lead, 16, 64) and moe.latent_out.bias[...].shape == (*lead, 64)
+    assert moe.experts.up.kernel[...].shape == (*lead, 8, 32, 16)
+    ids = token_ids(seq=13)
+    with jax.set_mesh(mesh):
+        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+    assert diff <= 1e-4, diff
 
 
 def test_the_mixer_is_the_same_recurrence_in_every_form():
@@ -161,7 +181,7 @@ def test_time_step_clamp_as_transformers_applies_it():
 
 
 @pytest.mark.parametrize(("kind", "scan_layers"), [("nemotron_h", True), ("nemotron_h", False),
-                                                   ("nemotron_h_bias", True)])
+                                                   ("nemotron_h_bias", True), ("nemotron_h_latent", False)])
 def test_export_round_trip_is_bit_exact(tiny_checkpoints, mesh_2x4, tmp_path, kind, scan_layers):
     src, _ = tiny_checkpoints(kind)
     model = otfload.from_pretrained(src, mesh=mesh_2x4, scan_layers=scan_layers)
@@ -222,7 +242,6 @@ def test_rows_packing_several_sequences_are_refused(tiny_checkpoints, mesh_2x4):
     ("mamba_ssm_cache_dtype", "bfloat16"),
     ("attention_bias", True),
     ("sliding_window", 64),
-    ("moe_latent_size", 16),
     ("n_groups", 3),
     ("n_group", 3),
     ("conv_kernel", 0),

@@ -19,9 +19,10 @@ only (``time_step_limit`` is unused).
 
 Refused by name: an unknown block kind or pattern letter, another Mamba activation than SiLU
 (``mamba_hidden_act``), another MLP activation than ``relu2`` (``mlp_hidden_act``), a state dtype
-other than float32 (``mamba_ssm_cache_dtype``), attention biases, a sliding window, the latent MoE
-projections (``moe_latent_size``), heads not a multiple of ``n_groups``, experts not in equal groups
-of at least two (``n_group``).
+other than float32 (``mamba_ssm_cache_dtype``), attention biases, a sliding window, heads not a
+multiple of ``n_groups``, experts not in equal groups of at least two (``n_group``). A
+``moe_latent_size`` (Nemotron-3 Super's latent MoE) runs the routed experts in that latent width
+between ``fc1_latent_proj`` and ``fc2_latent_proj``, as transformers does.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class NemotronHConfig:
     num_experts_per_tok: int
     moe_intermediate_size: int
     moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None
     n_shared_experts: int
     n_group: int
     topk_group: int
@@ -146,8 +148,7 @@ class NemotronHConfig:
         f.get("mamba_hidden_act", Choice("silu"), "silu")
         f.get("mlp_hidden_act", Choice("relu2"), "relu2")
         f.get("mamba_ssm_cache_dtype", Choice("float32"), "float32")
-        for name, spec, off in (("attention_bias", BOOL, False), ("sliding_window", Int(1), None),
-                                ("moe_latent_size", INTERMEDIATE, None)):
+        for name, spec, off in (("attention_bias", BOOL, False), ("sliding_window", Int(1), None)):
             value = f.get(name, spec, off)
             if value != off:
                 raise ConfigError(f.name(name), value, "is not supported for Nemotron-H")
@@ -190,6 +191,7 @@ class NemotronHConfig:
             num_experts_per_tok=f.get("num_experts_per_tok", Int(1, experts), min(2, experts)),
             moe_intermediate_size=f.get("moe_intermediate_size", INTERMEDIATE, 7688),
             moe_shared_expert_intermediate_size=f.get("moe_shared_expert_intermediate_size", INTERMEDIATE, 7688),
+            moe_latent_size=f.get("moe_latent_size", INTERMEDIATE, None),
             n_shared_experts=f.get("n_shared_experts", Int(0, EXPERTS.max), 1),
             n_group=n_group,
             topk_group=f.get("topk_group", Int(1, n_group), 1),

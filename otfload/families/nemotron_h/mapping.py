@@ -8,7 +8,8 @@ each reading its HF layers through the config's list of them, so the groups inte
 (gate, conv channels and time steps fused) and the depthwise ``conv1d`` are read as stored; the
 attention's q/k/v/o are split by heads (:mod:`otfload.families.gqa_rules`). The MoE blocks read
 their experts per expert (``mixer.experts.{expert}.up_proj``/``down_proj``, as transformers saves
-them), the router ``gate.weight`` with its ``e_score_correction_bias`` and the shared experts. The
+them), the router ``gate.weight`` with its ``e_score_correction_bias``, the shared experts and, with
+a ``moe_latent_size``, ``fc1_latent_proj``/``fc2_latent_proj``. The
 multi-token-prediction layers (``mtp.*``) match no rule and are never read. LoRA adapters name the
 modules as transformers 5 runs them (:data:`NEMOTRON_H_LORA`): under ``model.``, the experts' fused
 ``up_proj``/``down_proj`` parameters."""
@@ -33,6 +34,8 @@ MAMBA = {"in_proj.kernel": "in_proj.weight", "in_proj.bias": "in_proj.bias", "co
 UP_DOWN = {f"{n}.{leaf}": f"{n}_proj.{hf}" for n in ("up", "down") for leaf, hf in (("kernel", "weight"),
                                                                                       ("bias", "bias"))}
 MOE = {"router.kernel": "gate.weight", "router.bias": "gate.e_score_correction_bias",
+       **{f"latent_{d}.{leaf}": f"fc{n}_latent_proj.{hf}" for d, n in (("in", 1), ("out", 2))
+          for leaf, hf in (("kernel", "weight"), ("bias", "bias"))},
        **{f"experts.{n}.kernel": f"experts.{{expert}}.{n}_proj.weight" for n in ("up", "down")},
        **{f"shared.{leaf}": f"shared_experts.{key}" for leaf, key in UP_DOWN.items()}}
 MIXERS = {"mamba_layers": MAMBA, "mlp_layers": UP_DOWN, "moe_layers": MOE}
@@ -62,7 +65,7 @@ NEMOTRON_H_TABLE = MappingTable((
 
 def nemotron_h_checks(cfg: NemotronHConfig, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
     """Layer count, vocabulary and width, the attention heads, the Mamba heads, head size and conv taps
-    (on each kind's first layer) and the expert count against the tensors."""
+    (on each kind's first layer), the expert count and the latent width against the tensors."""
     embed = "backbone.embeddings.weight"
     checks: list[Count | Dim] = [Count("num_hidden_layers", cfg.num_hidden_layers, "layer"),
                                  Dim("vocab_size", cfg.vocab_size, embed, 0),
@@ -81,4 +84,6 @@ def nemotron_h_checks(cfg: NemotronHConfig, config: Mapping[str, Any]) -> tuple[
     if cfg.moe_layers:
         checks += [Count("n_routed_experts", cfg.num_experts, "expert"),
                    Dim("n_routed_experts", cfg.num_experts, f"{B}.mixer.gate.weight", 0)]
+        if cfg.moe_latent_size:
+            checks.append(Dim("moe_latent_size", cfg.moe_latent_size, f"{B}.mixer.fc1_latent_proj.weight", 0))
     return tuple(checks)

@@ -30,7 +30,7 @@ from otfload.models.base import Cache, CacheLayout, CausalLM, GroupCache, GroupC
 from otfload.models.deepseek_moe import FfnDims, Router, deepseek_moe_forward
 from otfload.models.gqa import Attention, attention_block
 from otfload.models.groups import run_groups
-from otfload.models.layers import Embed, ExpertDense, Norm, ParamOptions, Params, rms_norm_scaled_f32
+from otfload.models.layers import Dense, Embed, ExpertDense, Norm, ParamOptions, Params, rms_norm_scaled_f32
 from otfload.models.mamba2 import Mamba2, conv_dim, mamba2_forward
 from otfload.models.mlp import UpDownMlp, relu2, relu2_mlp
 
@@ -38,26 +38,32 @@ KIND_OF = {group: kind for kind, group in GROUP_OF.items()}
 
 
 class SquaredReluExperts(nnx.Module):
-    """Routed experts' ``up (E, moe_intermediate, hidden)`` and ``down (E, hidden, moe_intermediate)``
-    kernels (HF's per-expert ``[out, in]``), no gate."""
+    """Routed experts' ``up (E, moe_intermediate, d)`` and ``down (E, d, moe_intermediate)`` kernels
+    (HF's per-expert ``[out, in]``), no gate; ``d`` is ``moe_latent_size`` when set, else the hidden size."""
 
     def __init__(
         self, cfg: NemotronHConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
     ) -> None:
-        e, h, m = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, h, m = cfg.num_experts, cfg.moe_latent_size or cfg.hidden_size, cfg.moe_intermediate_size
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         self.up = ExpertDense(e, (m, h), ("mlp", "embed"), bias=False, **kw)
         self.down = ExpertDense(e, (h, m), ("embed", "mlp"), bias=False, **kw)
 
 
 class NemotronHMoe(nnx.Module):
-    """The router (kernel and correction bias), the routed experts and the shared ungated MLP."""
+    """The router (kernel and correction bias), the routed experts and the shared ungated MLP; with
+    ``moe_latent_size``, the projections into the experts' latent width and back (``latent_in``
+    ``(latent, hidden)``, ``latent_out`` ``(hidden, latent)``, biased as the MLPs)."""
 
     def __init__(
         self, cfg: NemotronHConfig, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None
     ) -> None:
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         self.router = Router(cfg, **kw)
+        if cfg.moe_latent_size:
+            latent, h, bias = cfg.moe_latent_size, cfg.hidden_size, (0,) if cfg.mlp_bias else ()
+            self.latent_in = Dense((latent, h), ("mlp", "embed"), bias_dims=bias, **kw)
+            self.latent_out = Dense((h, latent), ("embed", "mlp"), bias_dims=bias, **kw)
         self.experts = SquaredReluExperts(cfg, **kw)
         self.shared = UpDownMlp(FfnDims(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias), **kw)
 
