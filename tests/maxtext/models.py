@@ -195,6 +195,21 @@ _QWEN3_5_HF = dict(_QWEN3_NEXT_HF, rope_parameters={"rope_type": "default", "rop
 _QWEN3_5_VISION = dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                           out_hidden_size=EMBED, patch_size=4), tie_word_embeddings=False)
 
+# Llama 4 as llama4-17b-128e (Maverick's layer pattern): 8 layers, two of MaxText's scanned blocks of 4, every
+# second layer MoE (4 experts of 32, top 1, a shared expert) and the others dense (mlp 128), every fourth NoPE;
+# chunked attention over 8 of the 12 tokens (so the chunks matter); that yml's RoPE (theta 5e5, no scaling)
+# and no qk norm. The multimodal checkpoint with a one-layer vision tower, never read.
+LLAMA4_LAYERS, LLAMA4_CHUNK = 8, 8
+_LLAMA4_HF = dict(num_hidden_layers=LLAMA4_LAYERS, intermediate_size=MOE_MLP, intermediate_size_mlp=MLP,
+                  num_local_experts=EXPERTS, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                  attention_chunk_size=LLAMA4_CHUNK, use_qk_norm=False, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500_000.0})
+_LLAMA4_MT = dict(base_num_decoder_layers=LLAMA4_LAYERS, base_mlp_dim=MLP, num_experts_per_tok=1,
+                  chunk_attn_window_size=LLAMA4_CHUNK)
+_LLAMA4_VISION = dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14, vision_output_dim=32,
+                                         projector_input_dim=32, projector_output_dim=EMBED))
+
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("llama", "llama3.1-8b", "LlamaConfig", "LlamaForCausalLM",
            hf_extra=dict(rope_parameters=LLAMA31_ROPE, rms_norm_eps=1e-5, max_position_embeddings=131072)),
@@ -242,6 +257,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("qwen3_5", "qwen3.5-35b-a3b", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", moe=True,
            hf_extra=_QWEN3_5_HF, maxtext_extra=dict(_QWEN3_NEXT_MT, use_mrope=False), multimodal=_QWEN3_5_VISION,
            fused_experts=True, layouts=()),
+    # test_maxtext_llama4.py only (MaxText has no Llama 4 converter mapping: no loader to compare with)
+    Family("llama4", "llama4-17b-128e", "Llama4Config", "Llama4ForConditionalGeneration", moe=True,
+           hf_extra=_LLAMA4_HF, maxtext_extra=_LLAMA4_MT, multimodal=_LLAMA4_VISION, layouts=()),
 ]}
 
 # (scan_layers, param_scan_axis): every layout MaxText has.
