@@ -63,25 +63,29 @@ _MOE = "mlp.moe_block.MoeBlock_0"
 _SWAP = Transpose((0, 2, 1))
 
 
-def _attention(heads: str, head_dim: str, value: bool) -> tuple[Leaf, ...]:
-    """A layer's attention: q/k(/v)/o kernels with ``heads`` kv heads of ``head_dim``, q/k norms."""
-    kv = ("mt_emb_dim", heads, head_dim)
-    names = ("key", "value") if value else ("key",)
+def query(head_dim: str) -> tuple[Leaf, ...]:
+    """A layer's query and output kernels (heads of ``head_dim``) and its query norm."""
     return (
         kernel("self_attention.query.kernel", f"{ATTN}.q_proj.weight", (*Q_SHAPE[:2], head_dim), QKV_AXES),
-        *(kernel(f"self_attention.{n}.kernel", f"{ATTN}.{n[0]}_proj.weight", kv, QKV_AXES) for n in names),
         kernel("self_attention.out.kernel", f"{ATTN}.o_proj.weight", (O_SHAPE[0], head_dim, O_SHAPE[2]), O_AXES),
         norm("self_attention.query_norm.scale", f"{ATTN}.q_norm.weight", head_dim),
-        norm("self_attention.key_norm.scale", f"{ATTN}.k_norm.weight", head_dim),
     )
 
 
-_SLIDING = _attention("mt_num_kv_heads", "mt_head_dim", value=True)
-_GLOBAL = _attention("mt_global_num_kv_heads", "mt_global_head_dim", value=False)
-_NORMS = tuple(norm(f"{mt}.scale", f"{HF_LAYER}.{hf}.weight") for mt, hf in (
+def key_value(heads: str, head_dim: str, value: bool) -> tuple[Leaf, ...]:
+    """A layer's key (and ``value``) kernels with ``heads`` heads of ``head_dim``, and its key norm."""
+    kv = ("mt_emb_dim", heads, head_dim)
+    names = ("key", "value") if value else ("key",)
+    return (*(kernel(f"self_attention.{n}.kernel", f"{ATTN}.{n[0]}_proj.weight", kv, QKV_AXES) for n in names),
+            norm("self_attention.key_norm.scale", f"{ATTN}.k_norm.weight", head_dim))
+
+
+_SLIDING = (*query("mt_head_dim"), *key_value("mt_num_kv_heads", "mt_head_dim", value=True))
+_GLOBAL = (*query("mt_global_head_dim"), *key_value("mt_global_num_kv_heads", "mt_global_head_dim", value=False))
+NORMS = tuple(norm(f"{mt}.scale", f"{HF_LAYER}.{hf}.weight") for mt, hf in (
     ("pre_self_attention_norm", "input_layernorm"), ("post_self_attention_norm", "post_attention_layernorm"),
     ("pre_ffw_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm")))
-_SCALAR = Leaf("layer_scalar", f"{HF_LAYER}.layer_scalar", (), ("1",), (None,))
+SCALAR = Leaf("layer_scalar", f"{HF_LAYER}.layer_scalar", (), ("1",), (None,))
 _EXPERT_IN = ("mt_num_experts", "mt_emb_dim", "mt_moe_mlp_dim")
 _MOE_MLP = (
     *(norm(f"mlp.{mt}.scale", f"{HF_LAYER}.{mt}.weight") for mt in
@@ -101,7 +105,7 @@ _MOE_MLP = (
 
 def _table(name: str, mlp: tuple[Leaf, ...]) -> ModelTable:
     """The table of a Gemma 4 whose every layer has the MLP leaves ``mlp``."""
-    shared = (*_NORMS, _SCALAR, *mlp)
+    shared = (*NORMS, SCALAR, *mlp)
     return MultimodalTable(
         name=name,
         model_types=frozenset({"gemma4"}),

@@ -19,6 +19,7 @@ from otfload.errors import ConfigError
 from otfload.maxtext.deepseek import DEEPSEEK2, DEEPSEEK3, DEEPSEEK32
 from otfload.maxtext.gemma import GEMMA2, GEMMA3
 from otfload.maxtext.gemma4 import GEMMA4_DENSE, GEMMA4_MOE
+from otfload.maxtext.gemma4_small import GEMMA4_E2B, GEMMA4_E4B
 from otfload.maxtext.gpt_oss import GPT_OSS
 from otfload.maxtext.llama import LLAMA31
 from otfload.maxtext.llama4 import LLAMA4_MAVERICK, LLAMA4_SCOUT
@@ -51,6 +52,8 @@ TABLES: dict[str, ModelTable] = {
     **dict.fromkeys(("gemma3-4b", "gemma3-12b", "gemma3-27b"), GEMMA3),
     "gemma4-26b": GEMMA4_MOE,
     "gemma4-31b": GEMMA4_DENSE,
+    "gemma4-e2b": GEMMA4_E2B,
+    "gemma4-e4b": GEMMA4_E4B,
     **dict.fromkeys(("olmo3-7b", "olmo3-7b-pt", "olmo3-32b"), OLMO3),
     "qwen3-next-80b-a3b": QWEN3_NEXT,
     **dict.fromkeys(("qwen3.5-35b-a3b", "qwen3.5-397b-a17b"), QWEN3_5),
@@ -120,6 +123,9 @@ def select(config: Any) -> Selection:
     if not scan and table.unscanned == ():  # no groups for an unscanned tree: it has no table
         raise ConfigError("scan_layers", scan, f"otfload.maxtext table {table.name!r} maps scanned trees only",
                           SOURCE)
+    if scan and not table.groups:  # MaxText builds the model unscanned only (Gemma 4 E2B/E4B)
+        raise ConfigError("scan_layers", scan, f"otfload.maxtext table {table.name!r} maps unscanned trees only",
+                          SOURCE)
     axis = _int(config, "param_scan_axis", minimum=0) if scan else 0
     names = DIMENSIONS + (MOE_DIMENSIONS if table.moe else ()) + table.fields + tuple(table.fixed)
     fields = {n: _int(config, n) for n in names}
@@ -132,6 +138,11 @@ def select(config: Any) -> Selection:
         if count not in (0, 1):
             raise ConfigError(extra.field, count, f"otfload.maxtext table {table.name!r} maps 0 or 1", SOURCE)
         fields[extra.field] = count
+    for name in table.flags:
+        flag = _optional(config, name, False)
+        if not isinstance(flag, bool):
+            raise ConfigError(name, flag, "must be true or false", SOURCE)
+        fields[name] = int(flag)
     tied = bool(_optional(config, "logits_via_embedding", False))
     return Selection(key, table, scan, axis, fields, tied)
 

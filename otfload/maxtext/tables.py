@@ -190,6 +190,8 @@ class ModelTable:
     # checkpoint config fields its hooks read, as ``hf_<field>`` (from ``text_config`` where there is one)
     hf_fields: tuple[str, ...] = ()
     extras: tuple[ExtraLayer, ...] = ()
+    # MaxText booleans its shapes use, as 0 or 1 (absent: false; Gemma 4 E2B's use_double_wide_mlp)
+    flags: tuple[str, ...] = ()
 
     def layer_groups(self, scan_layers: bool) -> tuple[LayerGroup, ...]:
         return self.groups if scan_layers or self.unscanned is None else self.unscanned

@@ -6,7 +6,9 @@ no value kernel: k = v), norms, ``layer_scalar``, router scales as stored, the f
 scanned, ``scanned_blocks.local_layers`` ``[blocks, 5]``, ``scanned_blocks.global_layer`` every sixth
 layer (12 layers: two blocks); unscanned, ``decoder.layers_<i>`` with each kind's attention at the same
 paths (global every sixth: ``Rule.only``); the text model of a multimodal checkpoint, exported back under
-``model.language_model.`` (exact but for the embedding scale's rounding)."""
+``model.language_model.`` (exact but for the embedding scale's rounding). Gemma 4 E2B (``gemma4-e2b``,
+unscanned only): its sliding / global layers of period 5, the keys and values only before the shared tail,
+the tail's double-wide MLPs, the per-layer inputs and embedder, the same way."""
 
 from __future__ import annotations
 
@@ -151,3 +153,86 @@ def test_an_unscanned_layer_of_the_other_kind_is_refused(tiny_checkpoints, mesh)
         mx.load_state(str(path), abstract, cfg)
     assert info.value.field == "num_decoder_layers" and "should be 12 layers" in str(info.value)
     assert "..10;" in str(info.value)
+
+
+# Gemma 4 E2B: 10 layers of MaxText's period 5, the last 5 sharing keys and values (double-wide MLPs there)
+SMALL_LAYERS, SMALL_PERIOD, SHARED, PLE = 10, 5, 5, 8
+FIRST_SHARED = SMALL_LAYERS - SHARED
+
+
+def _gemma4_small():
+    types = [F if i % SMALL_PERIOD == SMALL_PERIOD - 1 else S for i in range(SMALL_LAYERS)]
+    return _gemma4(num_hidden_layers=SMALL_LAYERS, layer_types=types, attention_k_eq_v=False,
+                   num_global_key_value_heads=None, num_kv_shared_layers=SHARED, hidden_size_per_layer_input=PLE,
+                   vocab_size_per_layer_input=TEXT["vocab_size"], use_double_wide_mlp=True)
+
+
+register_hf_model("mt_gemma4_small", _gemma4_small)
+
+
+def small_config(**over) -> dict:
+    cfg = maxtext_config("mt_gemma4", False, 1, model_name="gemma4-e2b", num_decoder_layers=SMALL_LAYERS,
+                         hidden_size_per_layer_input=PLE, vocab_size_per_layer_input=TEXT["vocab_size"],
+                         num_kv_shared_layers=SHARED, use_double_wide_mlp=True)
+    return {**cfg, **over}
+
+
+def small_expected(hf: dict, cfg: dict) -> dict:
+    """E2B's MaxText leaves in numpy: MaxText's converter's (param_mapping.GEMMA4_SMALL_*) steps."""
+    out = {"token_embedder.embedding": _pad(hf[f"{PREFIX}embed_tokens.weight"] * np.float32(np.sqrt(HIDDEN)), 0,
+                                            cfg["vocab_size"]),
+           "decoder.decoder_norm.scale": hf[f"{PREFIX}norm.weight"],
+           "decoder.per_layer_embedder.embed_tokens_per_layer": hf[f"{PREFIX}embed_tokens_per_layer.weight"],
+           "decoder.per_layer_embedder.per_layer_model_projection.kernel":
+               hf[f"{PREFIX}per_layer_model_projection.weight"].T,
+           "decoder.per_layer_embedder.per_layer_projection_norm.scale":
+               hf[f"{PREFIX}per_layer_projection_norm.weight"]}
+    for i in range(SMALL_LAYERS):
+        p, mt = f"{PREFIX}layers.{i}", f"decoder.layers_{i}"
+        a, hd = f"{p}.self_attn", GHD if i % SMALL_PERIOD == SMALL_PERIOD - 1 else HD
+        leaves = {f"{m}.scale": hf[f"{p}.{name}.weight"] for m, name in (
+            ("pre_self_attention_norm", "input_layernorm"), ("post_self_attention_norm", "post_attention_layernorm"),
+            ("pre_ffw_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"),
+            ("post_per_layer_input_norm", "post_per_layer_input_norm"))}
+        leaves |= {"layer_scalar": hf[f"{p}.layer_scalar"],
+                   "per_layer_input_gate.kernel": hf[f"{p}.per_layer_input_gate.weight"].T,
+                   "per_layer_projection.kernel": hf[f"{p}.per_layer_projection.weight"].T,
+                   "self_attention.query.kernel": _kernel(hf[f"{a}.q_proj.weight"], HIDDEN, HEADS, hd),
+                   "self_attention.out.kernel": _kernel(hf[f"{a}.o_proj.weight"], HEADS, hd, HIDDEN),
+                   "self_attention.query_norm.scale": hf[f"{a}.q_norm.weight"]}
+        if i < FIRST_SHARED:  # the shared tail reads an earlier layer's keys and values
+            leaves |= {"self_attention.key.kernel": _kernel(hf[f"{a}.k_proj.weight"], HIDDEN, KV, hd),
+                       "self_attention.value.kernel": _kernel(hf[f"{a}.v_proj.weight"], HIDDEN, KV, hd),
+                       "self_attention.key_norm.scale": hf[f"{a}.k_norm.weight"]}
+        for leaf, name in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
+            leaves[f"mlp.{leaf}.kernel"] = hf[f"{p}.mlp.{name}.weight"].T
+        out |= {f"{mt}.{k}": v for k, v in leaves.items()}
+    return out
+
+
+def test_small_every_leaf_is_maxtexts_layout_and_exports_back(tiny_checkpoints, mesh, tmp_path):
+    path, _ = tiny_checkpoints("mt_gemma4_small")
+    cfg, original = small_config(vocab_size=320), hf_tensors(path)
+    params = mx.load_state(str(path), abstract := mx.abstract_params(cfg, mesh), cfg)[1]["params"]
+    want = small_expected(original, cfg)
+    assert want["decoder.layers_9.mlp.wo.kernel"].shape == (2 * TEXT["intermediate_size"], HIDDEN)
+    check(params, want, abstract)
+    mx.export(params, tmp_path / "out", cfg, reference=path)
+    written = hf_tensors(tmp_path / "out")
+    assert sorted(written) == sorted(k for k in original if k.startswith(PREFIX))
+    for key, value in written.items():
+        if "embed_tokens." in key:
+            np.testing.assert_allclose(value, original[key], rtol=2e-7, atol=0, err_msg=key)
+        else:
+            np.testing.assert_array_equal(value, original[key], err_msg=key)
+
+
+def test_small_is_unscanned_only_and_reads_its_flag():
+    with pytest.raises(ConfigError) as info:
+        mx.select(small_config(scan_layers=True))
+    assert info.value.field == "scan_layers" and "unscanned trees only" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        mx.select(small_config(use_double_wide_mlp=1))
+    assert info.value.field == "use_double_wide_mlp"
+    narrow = mx.abstract_params(small_config(use_double_wide_mlp=False))
+    assert narrow["decoder"]["layers_9"]["mlp"]["wo"]["kernel"].shape == (TEXT["intermediate_size"], HIDDEN)
