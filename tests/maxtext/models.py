@@ -184,6 +184,18 @@ _GEMMA4_HF = dict(num_hidden_layers=GEMMA4_LAYERS, global_head_dim=GEMMA4_GLOBAL
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
 _GEMMA4_MT = dict(base_num_decoder_layers=GEMMA4_LAYERS, global_head_dim=GEMMA4_GLOBAL_HEAD_DIM,
                   global_num_kv_heads=KV_HEADS, sliding_window_size=GEMMA_WINDOW, base_mlp_dim=MLP)
+# Gemma 4 E2B (gemma4_small, unscanned only): 10 layers, two of MaxText's E2B periods (four sliding, one
+# global), the last 5 reading the keys and values of layers 3 (sliding) and 4 (global) with a double-wide
+# MLP; 8-wide per-layer inputs; values in the global layers too (attention_k_eq_v false).
+GEMMA4_SMALL_LAYERS, GEMMA4_SHARED, GEMMA4_PLE = 10, 5, 8
+_GEMMA4_SMALL_HF = dict(_GEMMA4_HF, num_hidden_layers=GEMMA4_SMALL_LAYERS, attention_k_eq_v=False,
+                        num_global_key_value_heads=None, enable_moe_block=False, num_experts=None, top_k_experts=None,
+                        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * (GEMMA4_SMALL_LAYERS // 5),
+                        num_kv_shared_layers=GEMMA4_SHARED, hidden_size_per_layer_input=GEMMA4_PLE,
+                        vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True)
+_GEMMA4_SMALL_MT = dict(base_num_decoder_layers=GEMMA4_SMALL_LAYERS, global_head_dim=GEMMA4_GLOBAL_HEAD_DIM,
+                        sliding_window_size=GEMMA_WINDOW, hidden_size_per_layer_input=GEMMA4_PLE,
+                        vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=GEMMA4_SHARED)
 _GEMMA4_VISION = dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16, global_head_dim=16,
                                          patch_size=4, position_embedding_size=16))
@@ -253,6 +265,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("gemma4", "gemma4-26b", "Gemma4Config", "Gemma4ForConditionalGeneration", tied=True, moe=True,
            hf_extra=_GEMMA4_HF, maxtext_extra=_GEMMA4_MT, multimodal=_GEMMA4_VISION, scalar_buffers=("layer_scalar",),
            layouts=()),  # test_maxtext_gemma4.py: MaxText's dynamic loader cannot load it
+    Family("gemma4_small", "gemma4-e2b", "Gemma4Config", "Gemma4ForConditionalGeneration", tied=True,
+           hf_extra=_GEMMA4_SMALL_HF, maxtext_extra=_GEMMA4_SMALL_MT, multimodal=_GEMMA4_VISION,
+           scalar_buffers=("layer_scalar",), layouts=()),  # test_maxtext_gemma4.py: unscanned only
     # test_maxtext_qwen3_5.py only (every layout there)
     Family("qwen3_5", "qwen3.5-35b-a3b", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", moe=True,
            hf_extra=_QWEN3_5_HF, maxtext_extra=dict(_QWEN3_NEXT_MT, use_mrope=False), multimodal=_QWEN3_5_VISION,

@@ -15,6 +15,11 @@
   tied embedding to bfloat16 for the logits whatever ``dtype`` says, as for Qwen3: with that one cast
   removed the two agree to 3e-7 (the embedding scale, both RoPEs, k = v, the v-norm, ``layer_scalar``,
   the router and the soft-cap are transformers').
+* Gemma 4 E2B (``gemma4-e2b``, ``decoder_block: gemma4_small``; ``models.FAMILIES["gemma4_small"]``: 10
+  layers, the last 5 sharing keys and values, double-wide MLPs, per-layer inputs), which MaxText builds
+  unscanned only: its abstract tree is MaxText's, MaxText's own loader loads it, and the drop-in's every
+  leaf is bitwise that loader's; MaxText's forward on it, with the same one cast removed, gives
+  transformers' logits to 4e-7 (with it, 1.9e-3: the 26B test above pins that cast's effect).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def test_the_tree_is_maxtexts(moe, scan, axis, layers):
 
 
 GEMMA4, FORWARD_LAYOUT = FAMILIES["gemma4"], (False, 1)
-_LOADED: dict[tuple[bool, int], dict] = {}
+_LOADED: dict[tuple, dict] = {}
 
 
 def _drop_in(layout: tuple[bool, int], refs) -> dict:
@@ -113,3 +118,68 @@ def test_maxtext_forward_matches_transformers_but_for_its_bfloat16_logits(refs, 
     jax.clear_caches()  # the forward is traced again, with the float32 table
     exact = max_rel_diff(reference.logits(b, tree, ids), expected)
     assert exact <= 1e-5, exact  # measured 3e-7
+
+
+SMALL, SMALL_LAYOUT = FAMILIES["gemma4_small"], (False, 1)
+SMALL_FIELDS = ("emb_dim", "num_query_heads", "num_kv_heads", "head_dim", "global_head_dim", "mlp_dim", "vocab_size",
+                "num_decoder_layers", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+                "num_kv_shared_layers", "use_double_wide_mlp")
+
+
+def _small_config(config) -> dict:
+    """The otfload.maxtext config of a built MaxText E2B / E4B: its own fields (``HyperParameters``)."""
+    return dict({name: getattr(config, name) for name in SMALL_FIELDS}, model_name=config.model_name,
+                scan_layers=False, param_scan_axis=1, logits_via_embedding=True)
+
+
+def test_small_drop_in_equals_maxtext_loader(refs):
+    """E2B: ``abstract_params`` is MaxText's tree; the drop-in's every leaf is bitwise MaxText's loader's."""
+    b = built(SMALL, SMALL_LAYOUT)
+    want = reference.flat(b.params)
+    cfg = _small_config(b.config)
+    abstract = reference.flat(mx.abstract_params(cfg, b.mesh))
+    ours = reference.flat(_small(refs)["params"])
+    theirs = reference.flat(reference.maxtext_load(b, refs / SMALL.checkpoint)["params"])
+    assert set(abstract) == set(ours) == set(theirs) == set(want)
+    for name, target in want.items():
+        leaf = ours[name]
+        assert abstract[name].shape == target.shape, name
+        assert abstract[name].sharding.is_equivalent_to(target.sharding, target.ndim), name
+        assert (leaf.shape, leaf.dtype) == (target.shape, target.dtype), name
+        assert leaf.sharding.is_equivalent_to(target.sharding, leaf.ndim), name
+        np.testing.assert_array_equal(bits(leaf), bits(theirs[name]), err_msg=name)
+
+
+def _small(refs) -> dict:
+    key = ("small", *SMALL_LAYOUT)
+    if key not in _LOADED:
+        b = built(SMALL, SMALL_LAYOUT)
+        _LOADED[key] = mx.load_state(str(refs / SMALL.checkpoint), b.params, b.config)[1]
+    return _LOADED[key]
+
+
+def test_small_forward_matches_transformers_without_the_bfloat16_logits(refs, monkeypatch):
+    import jax
+    from maxtext.layers import nnx_decoders
+
+    monkeypatch.setattr(nnx_decoders, "attend_on_embedding", _attend_in_float32)
+    jax.clear_caches()
+    ids = np.load(refs / SMALL.checkpoint / "ids.npy")
+    expected = np.load(refs / SMALL.checkpoint / "logits.npy")
+    off = max_rel_diff(reference.logits(built(SMALL, SMALL_LAYOUT), _small(refs), ids), expected)
+    assert off <= 1e-5, off  # measured 4e-7
+
+
+def test_the_e4b_tree_is_maxtexts():
+    """E4B (period 6, gemma4-e4b.yml's use_double_wide_mlp false): ``abstract_params`` is MaxText's tree."""
+    extra = dict(SMALL.maxtext_extra, base_num_decoder_layers=12, num_kv_shared_layers=4)
+    family = Family("gemma4_e4b", "gemma4-e4b", SMALL.hf_config, SMALL.hf_model, tied=True, maxtext_extra=extra)
+    tree = reference.build(family, False, 1)
+    want = reference.flat(tree.params)
+    cfg = _small_config(tree.config)
+    assert cfg["use_double_wide_mlp"] is False
+    ours = reference.flat(mx.abstract_params(cfg, tree.mesh))
+    assert sorted(ours) == sorted(want) and "decoder.layers_11.self_attention.value.kernel" not in want
+    for name, target in want.items():
+        assert ours[name].shape == target.shape, name
+        assert ours[name].sharding.is_equivalent_to(target.sharding, target.ndim), name
