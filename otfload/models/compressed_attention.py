@@ -112,12 +112,16 @@ class LightningIndexer(nnx.Module):
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
         self.compressor = Compressor(cfg.hidden_size, dim, cfg.compress_rate_csa, 2, **kw)
-        self.q_b = Dense((heads, dim, cfg.q_lora_rank), ("heads", "head_dim", "q_lora"), **kw)
+        self.q_b = Dense((heads, dim, cfg.q_lora_rank), ("heads", "head_dim", "embed"), **kw)
         self.weights_proj = Dense((heads, cfg.hidden_size), ("heads", "embed"), **kw)
 
 
 class CompressedAttention(nnx.Module):
-    """One V4 attention of layer kind ``kind`` (:data:`SLIDING`, :data:`CSA` or :data:`HCA`)."""
+    """One V4 attention of layer kind ``kind`` (:data:`SLIDING`, :data:`CSA` or :data:`HCA`).
+
+    The query latent and the grouped heads' dims (inputs of ``q_b``, the indexer's ``q_b`` and ``o_a``)
+    are sharded like the model width (``"embed"``: fsdp), so that without a ``tp`` axis none of these
+    kernels (64 MiB a layer at V4-Flash's size) is whole on every device."""
 
     def __init__(
         self, cfg: CompressedAttentionShape, kind: str, *, dtype: DTypeLike, rngs: nnx.Rngs | None,
@@ -128,10 +132,10 @@ class CompressedAttention(nnx.Module):
         g, rank = cfg.o_groups, cfg.o_lora_rank
         self.q_a = Dense((r, h), ("q_lora", "embed"), **kw)
         self.q_a_norm = Norm(r, dtype=jnp.float32, rngs=rngs, stack=stack)
-        self.q_b = Dense((n, d, r), ("heads", "head_dim", "q_lora"), **kw)
+        self.q_b = Dense((n, d, r), ("heads", "head_dim", "embed"), **kw)
         self.kv = Dense((d, h), ("head_dim", "embed"), **kw)
         self.kv_norm = Norm(d, dtype=jnp.float32, rngs=rngs, stack=stack)
-        self.o_a = Dense((g, rank, n // g * d), (None, "mlp", None), **kw)
+        self.o_a = Dense((g, rank, n // g * d), (None, "mlp", "embed"), **kw)
         self.o_b = Dense((h, g * rank), ("embed", "mlp"), **kw)
         self.sinks = make_param(rngs, (n,), ("heads",), jnp.float32, stack)
         if kind != SLIDING:

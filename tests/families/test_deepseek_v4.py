@@ -195,3 +195,83 @@ def test_unsupported_configs_are_typed_errors_naming_the_field(change, field):
     with pytest.raises(ConfigError) as err:
         deepseek_v4_config({**hf, **change})
     assert err.value.field == field and field in str(err.value)
+
+
+# --- real size ----------------------------------------------------------------------------------
+
+
+def _full_size_headers(path: Path) -> Path:
+    """A header-only V4-Flash (the published config, its experts declared bf16 and no
+    ``quantization_config``: otfload refuses the FP4 experts it is published with) under the release's
+    tensor names (no ``model.`` prefix; otfload reads them as its fallbacks): BF16 weights, float32
+    hyper-connections, sinks, ``ape`` and router bias, int32 ``tid2eid``; one file per layer and an
+    MTP tensor (never read)."""
+    from tests.realsize import write_header_checkpoint
+
+    config = {k: v for k, v in json.loads(REAL.read_text()).items() if k != "quantization_config"}
+    config["expert_dtype"] = "bf16"
+    cfg = deepseek_v4_config(config)
+    h, n, d, r, m, e = (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank,
+                        cfg.moe_intermediate_size, cfg.num_experts)
+    bf16, f32 = (lambda *shape: ("BF16", shape)), (lambda *shape: ("F32", shape))  # noqa: E731
+    hc = (2 + cfg.hc_mult) * cfg.hc_mult
+
+    def swiglu(key: str) -> dict:
+        return {key.format("w1"): bf16(m, h), key.format("w3"): bf16(m, h), key.format("w2"): bf16(h, m)}
+
+    def compressor(key: str, dim: int, rate: int, series: int) -> dict:
+        return {f"{key}.wkv.weight": bf16(series * dim, h), f"{key}.wgate.weight": bf16(series * dim, h),
+                f"{key}.ape": f32(rate, series * dim), f"{key}.norm.weight": bf16(dim)}
+
+    shards = {}
+    for i, (kind, mlp) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types, strict=True)):
+        p, a = f"layers.{i}", f"layers.{i}.attn"
+        t = {f"{p}.attn_norm.weight": bf16(h), f"{p}.ffn_norm.weight": bf16(h)}
+        for x in ("attn", "ffn"):
+            t |= {f"{p}.hc_{x}_fn": f32(hc, cfg.hc_mult * h), f"{p}.hc_{x}_base": f32(hc), f"{p}.hc_{x}_scale": f32(3)}
+        t |= {f"{a}.wq_a.weight": bf16(r, h), f"{a}.q_norm.weight": bf16(r), f"{a}.wq_b.weight": bf16(n * d, r),
+              f"{a}.wkv.weight": bf16(d, h), f"{a}.kv_norm.weight": bf16(d), f"{a}.attn_sink": f32(n),
+              f"{a}.wo_a.weight": bf16(cfg.o_groups * cfg.o_lora_rank, n * d // cfg.o_groups),
+              f"{a}.wo_b.weight": bf16(h, cfg.o_groups * cfg.o_lora_rank)}
+        if kind != SLIDING:
+            rate = cfg.compress_rates[kind]
+            t |= compressor(f"{a}.compressor", d, rate, 2 if kind == CSA else 1)
+        if kind == CSA:
+            ih, idim = cfg.index_n_heads, cfg.index_head_dim
+            t |= compressor(f"{a}.indexer.compressor", idim, rate, 2)
+            t |= {f"{a}.indexer.wq_b.weight": bf16(ih * idim, r), f"{a}.indexer.weights_proj.weight": bf16(ih, h)}
+        f = f"{p}.ffn"
+        t |= {f"{f}.gate.weight": bf16(e, h), **swiglu(f"{f}.shared_experts.{{}}.weight")}
+        t |= {f"{f}.gate.tid2eid": ("I32", (cfg.vocab_size, cfg.num_experts_per_tok))} if mlp == "hash_moe" else {
+            f"{f}.gate.bias": f32(e)}
+        for x in range(e):
+            t |= swiglu(f"{f}.experts.{x}.{{}}.weight")
+        shards[f"model-{i + 1:05d}-of-{cfg.num_hidden_layers + 1:05d}.safetensors"] = t
+    shards["model-last.safetensors"] = {
+        "embed.weight": bf16(cfg.vocab_size, h), "head.weight": bf16(cfg.vocab_size, h), "norm.weight": bf16(h),
+        "hc_head_fn": f32(cfg.hc_mult, cfg.hc_mult * h), "hc_head_base": f32(cfg.hc_mult), "hc_head_scale": f32(1),
+        "mtp.0.emb.tok_emb.weight": bf16(cfg.vocab_size, h)}
+    return write_header_checkpoint(path, shards, config)
+
+
+@NEEDS_REAL
+def test_full_size_plans_at_256_devices(tmp_path):
+    """``otfload inspect --devices 256`` of V4-Flash at full size (fsdp=32, ep=8): every leaf planned
+    from the release's names, experts on ``ep``, within 10 s of CPU and 1 GiB, and one process's bytes
+    within 1.1 x its devices' share of the checkpoint."""
+    from tests.realsize import inspect_at_scale
+
+    cpu, peak, info = inspect_at_scale(_full_size_headers(tmp_path / "deepseek_v4"), "fsdp=32,ep=8")
+    print(f"plan: {cpu:.2f} s CPU, peak {peak / 2**20:.0f} MiB")
+    assert cpu <= 10 and peak <= 2**30, (cpu, peak)
+    assert info["model_type"] == "deepseek_v4" and info["unused"] == []
+    leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
+    experts = leaves["csa_moe_layers.moe.experts.gate.kernel"]
+    assert experts["shape"] == [20, 256, 2048, 4096] and "'ep'" in experts["sharding"], experts
+    assert leaves["sliding_hash_layers.moe.router.tid2eid"]["shape"] == [2, 129280, 6]  # layers 0, 1
+    assert leaves["csa_hash_layers.moe.router.tid2eid"]["shape"] == [1, 129280, 6]  # layer 2
+    assert leaves["csa_moe_layers.attn.indexer.q_b.kernel"]["shape"] == [20, 64, 128, 1024]
+    totals = info["totals"]
+    assert 550e9 < totals["source_bytes"] < 600e9, totals
+    share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
+    assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)

@@ -3,12 +3,12 @@
 Keys as transformers 5.24's ``save_pretrained`` writes them (its conversion mapping turned back:
 ``model.layers.{i}.attn.wq_a.weight``, ``…ffn.experts.{e}.w1.weight``, ``head.weight``,
 ``model.hc_head.hc_fn``), each with the published checkpoint's name as fallback (no ``model.``
-prefix: ``layers.{i}.…``, ``embed.weight``, ``hc_head_fn``). Each layer group reads its HF layers
-through the config's list of them (``csa_moe_layers``, ...). Kernels keep HF's ``[out, in]``: ``wq_b``
-and the indexer's ``wq_b`` are viewed per head, ``wo_a`` per output group; routed experts are read
-per expert (``w1`` gate, ``w3`` up, ``w2`` down) and stacked on the ``experts`` axis. The hash
-layers' ``tid2eid`` table is read as int32. The multi-token-prediction module (``mtp.*``) is never
-read.
+prefix: ``layers.{i}.…``, ``embed.weight``, ``hc_head_fn``; the attention's ``kv_norm``). Each
+layer group reads its HF layers through the config's list of them (``csa_moe_layers``, ...).
+Kernels keep HF's ``[out, in]``: ``wq_b`` and the indexer's ``wq_b`` are viewed per head, ``wo_a``
+per output group; routed experts are read per expert (``w1`` gate, ``w3`` up, ``w2`` down) and
+stacked on the ``experts`` axis. The hash layers' ``tid2eid`` table is read as int32. The
+multi-token-prediction module (``mtp.*``) is never read.
 """
 
 from __future__ import annotations
@@ -51,9 +51,15 @@ TOP = {"embed.embedding": ("model.embed_tokens.weight", "embed.weight"),
        **{f"hc_head.{leaf}": (f"model.hc_head.hc_{leaf}", f"hc_head_{leaf}") for leaf in ("fn", "base", "scale")}}
 
 
+# The attention's key-value norm: ``attn.kv_norm`` in the release, ``attn.norm`` as transformers'
+# reverse renaming (``kv_norm`` <- ``norm``, meant for the compressors' norms) writes it back.
+RELEASE = {"attn.kv_norm.scale": "attn.kv_norm.weight"}
+
+
 def _layer_rules(group: str) -> list[Rule]:
     rule = functools.partial(Rule, indices={"layer": group})
-    return [rule(f"{group}.{{layer}}.{leaf}", f"model.{L}.{key}", hooks, fallbacks=(f"{L}.{key}",))
+    return [rule(f"{group}.{{layer}}.{leaf}", f"model.{L}.{key}", hooks,
+                 fallbacks=(f"{L}.{RELEASE.get(leaf, key)}", f"{L}.{key}", f"model.{L}.{RELEASE.get(leaf, key)}"))
             for leaf, (key, hooks) in LAYER.items()]
 
 
