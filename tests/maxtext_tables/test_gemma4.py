@@ -105,8 +105,7 @@ def mesh():
     return make_mesh({"fsdp": 2, "tensor": 4})
 
 
-# both kinds scanned; unscanned (kinds of layers at the same paths: Rule.only) the MoE one, a superset of leaves
-CASES = [(kind, *layout) for kind in sorted(KINDS) for layout in LAYOUTS if layout[0] or kind == "mt_gemma4_moe"]
+CASES = [(kind, *layout) for kind in sorted(KINDS) for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize(("kind", "scan", "axis"), CASES)
