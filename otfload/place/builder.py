@@ -71,12 +71,17 @@ class ByteBudget:
 
     ``share`` (``limit / workers``) is the chunk size each thread aims for, so that every thread
     can build at the same time without waiting, and the scratch each keeps stays within its share.
+    Requests are admitted in the order they come: a large one waiting for room is not overtaken by
+    smaller ones, which would otherwise keep the budget busy until no other leaf is left (the tunix
+    Qwen3 tree's 100 MB ``lm_head`` waited so until the end and then ran alone, issue 46).
     """
 
     def __init__(self, limit: int | None, workers: int = 1):
         self.limit = limit
         self.share = None if limit is None else max(1, limit // max(1, workers))
         self._held = 0
+        self._next = 0  # the ticket the next request takes: the order requests came in
+        self._serving = 0  # the ticket admitted next
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> None:
@@ -84,8 +89,11 @@ class ByteBudget:
         if limit is None:
             return
         with self._cond:
-            self._cond.wait_for(lambda: self._held == 0 or self._held + nbytes <= limit)
+            ticket, self._next = self._next, self._next + 1
+            self._cond.wait_for(lambda: self._serving == ticket and (self._held == 0 or self._held + nbytes <= limit))
             self._held += nbytes
+            self._serving += 1
+            self._cond.notify_all()  # the next in line may fit too
 
     def release(self, nbytes: int) -> None:
         if self.limit is None:

@@ -150,7 +150,7 @@ def execute_plan(
     pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="otfload-build")
     try:
         with cancel_scope(token), metering(meter):  # the load's context, which every builder runs in
-            futures = {path: submit(pool, build, path) for path in build_order(plan, reader)}
+            futures = {path: submit(pool, build, path) for path in build_order(plan, reader, ahead is not None)}
         wait(futures.values(), return_when=FIRST_EXCEPTION)
         if first_failure(futures.values()):
             pool.shutdown(wait=False, cancel_futures=True)  # leaves not started never start
@@ -204,17 +204,20 @@ def load_devices(plan: LoadPlan) -> list[jax.Device]:
     return list({d: None for p in plan.leaves.values() for d in p.leaf.sharding.addressable_devices})
 
 
-def build_order(plan: LoadPlan, reader: TensorReader) -> list[str]:
+def build_order(plan: LoadPlan, reader: TensorReader, read_ahead: bool = False) -> list[str]:
     """The order ``plan``'s leaves go to the builders.
 
-    Local files: the plan's, the order the read-ahead announces (a cold disk then reads ascending
-    runs). A remote source: largest first (ties in the plan's order). A builder has one chunk's
-    requests in flight at a time, so a large leaf left to the end runs at one builder's rate while
-    the link idles; started first, the large leaves share the link with everything else and small
-    ones end the load. On the shaped Hub of ``benchmarks/bench_network.py`` (556 MB, 8 builders)
-    this took the median load from 2.75 s to 2.41-2.45 s (docs/benchmarks_remote.md).
+    Local files read ahead (``read_ahead``: a cold cache read through it): the plan's, the order the
+    read-ahead announces (the disk then reads ascending runs). Otherwise (remote sources, warm or
+    ``O_DIRECT`` local files) largest first, ties in the plan's order: each leaf is one builder's
+    task, so a large leaf left to the end runs alone while the other builders idle; started first,
+    the large leaves share the time with everything else and small ones end the load. Remote: on the
+    shaped Hub of ``benchmarks/bench_network.py`` (556 MB, 8 builders) this took the median load
+    from 2.75 s to 2.41-2.45 s (docs/benchmarks_remote.md). Warm local files (issue 46): the 1 GiB
+    scanned Llama's last MLP kernel (0.13-0.16 CPU-s) and the tunix Qwen3 tree's ``lm_head`` (0.12
+    CPU-s) ran alone after the other builder had run out of leaves.
     """
-    if reader.maps or reader.pages:
+    if read_ahead and (reader.maps or reader.pages):
         return list(plan.leaves)
     return sorted(plan.leaves, key=lambda path: -plan.leaves[path].source_bytes)
 

@@ -61,6 +61,37 @@ def test_budget_blocks_over_limit_and_admits_an_oversized_request_alone():
     budget.release(5)
 
 
+def test_budget_admits_requests_in_order_so_a_large_one_is_not_starved():
+    import threading
+    import time
+
+    budget = ByteBudget(10, workers=2)
+    budget.acquire(6)
+    order: list[int] = []
+
+    def request(nbytes: int) -> threading.Thread:
+        thread = threading.Thread(target=lambda: (budget.acquire(nbytes), order.append(nbytes)))
+        tickets = budget._next
+        thread.start()
+        deadline = time.monotonic() + 5
+        while budget._next == tickets and time.monotonic() < deadline:  # until it has taken its ticket
+            time.sleep(0.005)
+        return thread
+
+    large = request(10)  # must wait for the 6 to go
+    small = request(2)  # 6 + 2 fits, but it came after the large one
+    small.join(0.2)
+    assert order == []
+    budget.release(6)
+    large.join(5)
+    assert order == [10]
+    budget.release(10)
+    small.join(5)
+    assert order == [10, 2]
+    budget.release(2)
+    assert budget.held == 0
+
+
 def test_arena_trims_after_an_oversized_tensor():
     arena = Arena()
     arena.take(1000)
