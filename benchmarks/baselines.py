@@ -305,10 +305,10 @@ def _open_direct(path: str) -> tuple[int, bool]:
         return os.open(path, os.O_RDONLY), False
 
 
-def direct(target: Target, threads: int | None = None) -> Run:
+def direct(target: Target, threads: int | None = None, chunk: int = DIRECT_CHUNK_BYTES) -> Run:
     """Cold floor (issue 30 §4): every checkpoint byte read with ``O_DIRECT`` (the page cache neither
-    read nor filled) in :data:`DIRECT_CHUNK_BYTES` block-aligned requests, ``threads`` (default: every
-    CPU) in flight, into one page-aligned arena; buffered where the file system refuses ``O_DIRECT``."""
+    read nor filled) in ``chunk``-byte block-aligned requests, ``threads`` (default: every CPU) in
+    flight, into one page-aligned arena; buffered where the file system refuses ``O_DIRECT``."""
     from otfload.read.arena import aligned_empty
 
     sizes = _sizes(target)
@@ -317,11 +317,11 @@ def direct(target: Target, threads: int | None = None) -> Run:
 
     def run():
         opened = {f: _open_direct(str(target.directory / f)) for f in sizes}
-        jobs = [(f, o) for f, n in sizes.items() for o in range(0, n, DIRECT_CHUNK_BYTES)]
+        jobs = [(f, o) for f, n in sizes.items() for o in range(0, n, chunk)]
 
         def read(job: tuple[str, int]) -> None:
             f, offset = job
-            length = min(DIRECT_CHUNK_BYTES, -(-(sizes[f] - offset) // 4096) * 4096)
+            length = min(chunk, -(-(sizes[f] - offset) // 4096) * 4096)
             start = int(starts[f]) + offset
             os.preadv(opened[f][0], [memoryview(arena)[start : start + length]], offset)
 
@@ -334,6 +334,23 @@ def direct(target: Target, threads: int | None = None) -> Run:
         return arena, {"o_direct": all(d for _, d in opened.values())}
 
     return run
+
+
+def direct_disk_rate(target: Target) -> Run:
+    """Issue 46's cold baseline, the disk's rate: :func:`direct` with 4 threads and 8 MiB requests."""
+    return direct(target, threads=4, chunk=8 << 20)
+
+
+def otfload_workers(n: int) -> Callable[[Target], Run]:
+    """otfload with ``n`` builder threads for local files onto CPU devices (the default is 2)."""
+
+    def setup(target: Target) -> Run:
+        from otfload import opening
+
+        opening.DEFAULT_WORKERS = n  # this process runs this one method only
+        return otfload_load(target)
+
+    return setup
 
 
 def floor_all_threads(target: Target) -> Run:
@@ -522,6 +539,10 @@ METHODS: dict[str, Callable[[Target], Run]] = {
     "fastsafetensors": fastsafetensors,
     "fst-jax": fastsafetensors_jax,
     "direct": direct,
+    "direct4": direct_disk_rate,
+    "otfload-w1": otfload_workers(1),
+    "otfload-w3": otfload_workers(3),
+    "otfload-w4": otfload_workers(4),
     "floor-all": floor_all_threads,
     "dma-put": dma_put,
     "otfload-primed": otfload_primed,
