@@ -82,6 +82,7 @@ class ByteBudget:
         self._held = 0
         self._next = 0  # the ticket the next request takes: the order requests came in
         self._serving = 0  # the ticket admitted next
+        self._abandoned: set[int] = set()  # tickets whose requests stopped waiting
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> None:
@@ -90,10 +91,24 @@ class ByteBudget:
             return
         with self._cond:
             ticket, self._next = self._next, self._next + 1
-            self._cond.wait_for(lambda: self._serving == ticket and (self._held == 0 or self._held + nbytes <= limit))
+            try:
+                self._cond.wait_for(
+                    lambda: self._serving == ticket and (self._held == 0 or self._held + nbytes <= limit)
+                )
+            except BaseException:  # interrupted while waiting: its turn is skipped, no one waits on it
+                self._abandoned.add(ticket)
+                self._next_in_line()
+                raise
             self._held += nbytes
+            self._next_in_line(admitted=True)
+
+    def _next_in_line(self, admitted: bool = False) -> None:
+        """Move the turn past the request just admitted (and past abandoned ones); lock held."""
+        self._serving += admitted
+        while self._serving in self._abandoned:
+            self._abandoned.remove(self._serving)
             self._serving += 1
-            self._cond.notify_all()  # the next in line may fit too
+        self._cond.notify_all()  # the next in line may fit too
 
     def release(self, nbytes: int) -> None:
         if self.limit is None:
