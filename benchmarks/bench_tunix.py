@@ -329,6 +329,25 @@ def table(results: dict[str, dict]) -> str:
     return harness.table(columns, rows)
 
 
+# Issue 46: into tunix's module, by the documented route and by otfload's own model, against tunix's loader.
+TARGETS = {"otfload_tunix": 1.2, "otfload_tunix_factory": None, "otfload_own": 1.2}
+
+
+def targets_table(results: dict[str, dict]) -> str:
+    """Each otfload method's speed over tunix's loader (wall and CPU time) and its verdict."""
+    base = results.get("tunix")
+    if base is None:
+        return "(tunix not measured: no ratios)"
+    rows = []
+    for method, target in TARGETS.items():
+        if method in results:
+            r = results[method]
+            wall, cpu = base["seconds"] / r["seconds"], base["cpu_seconds"] / r["cpu_seconds"]
+            judged = ["", ""] if target is None else [f"≥ {target:g}", "PASS" if wall >= target else "MISS"]
+            rows.append([f"{method} speed / tunix", f"{wall:.2f}", f"{cpu:.2f}", *judged])
+    return harness.table(["figure", "measured (wall)", "measured (CPU time)", "target", "verdict (wall)"], rows)
+
+
 def _opt(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds:.2f}"
 
@@ -368,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nTimed: ModelConfig → loaded nnx.Module with every array ready (abstract module, read, transpose, "
           f"place); fresh process per run, warm page cache, warm-up load of a tiny checkpoint first, "
           f"median of {args.repeat}.\n")
-    print(table(results))
+    print(table(results) + "\n\n" + targets_table(results) + "\n")
     if "tunix" in results:
         base = results["tunix"]
         for method, r in results.items():

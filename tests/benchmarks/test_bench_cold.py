@@ -17,18 +17,18 @@ def test_bench_load_cold_mode_reports_floors_disk_bytes_and_residency(tmp_path):
     make = [sys.executable, "-m", "benchmarks.make_checkpoint", "--size-gib", "0.02", "--out", str(tmp_path / "c")]
     subprocess.run(make, cwd=ROOT, check=True, capture_output=True, timeout=300)
     cmd = [sys.executable, "-m", "benchmarks.bench_load", "--repeat", "1", "--dir", str(tmp_path / "c"),
-           "--cold-files", "--methods", "cat,dd,fromfile,direct,otfload"]  # only the checkpoint's pages are dropped
+           "--cold-files", "--methods", "cat,dd,fromfile,direct,direct4,otfload"]  # only the checkpoint's pages are dropped
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "cold (before each run: posix_fadvise(DONTNEED) per file (--cold-files))" in out.stdout
     size = sum(f.stat().st_size for f in (tmp_path / "c").glob("*.safetensors"))
-    for method in ("cat", "dd", "fromfile", "direct", "otfload"):
+    for method in ("cat", "dd", "fromfile", "direct", "direct4", "otfload"):
         row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {method} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         disk_gb, resident = float(cells[-3]), cells[-1]
         assert int(resident.rstrip("%")) <= 5, row  # the run started cold ...
         assert disk_gb * 1e9 >= 0.9 * size, row  # ... and read (about) every byte from the disk
-    for base in ("fromfile", "cat", "dd"):
+    for base in ("fromfile", "cat", "dd", "direct4"):
         assert re.search(rf"\| otfload speed / {base} \| [0-9.]+ \|", out.stdout), base
 
 
