@@ -17,9 +17,10 @@ of 64, a 4-tap conv), or with ``--layer kda`` :func:`otfload.models.kimi_delta.k
 them); ``token`` the same layer with the recurrence one token per ``lax.scan`` step; ``quadratic``
 the chunked code with one chunk as long as the sequence (an ``[s, s]`` system: the Gated DeltaNet's
 solve is cubic, Mamba-2's product quadratic, so it runs up to ``--quadratic-max`` tokens). Each form
-is compiled once, then the median of ``--repeat`` calls; ``growth`` is a length's time over the
-previous length's (linear: 2.0 per doubling). Every form's output is checked against the chunked
-one's.
+is compiled once, then the median of ``--repeat`` calls, in wall time and in the process's CPU time
+(all of XLA's threads: on a machine shared with other work the wall time measures the neighbours
+too); ``growth`` is a length's time over the previous length's (linear: 2.0 per doubling). Every
+form's output is checked against the chunked one's.
 """
 
 from __future__ import annotations
@@ -107,7 +108,6 @@ def mamba2_params(cfg: Mamba2Shape, seed: int = 0) -> dict[str, Any]:
             "norm": {"scale": 1 + w(inner)}, "out_proj": {"kernel": w(h, inner)}}
 
 
-
 @dataclass(frozen=True)
 class KdaShape:
     """A Kimi-Linear-like KDA layer, scaled down to fit one CPU."""
@@ -137,13 +137,15 @@ LAYERS: dict[str, tuple[Any, Callable[..., dict[str, Any]], Callable[..., dict[s
     "kda": (KdaShape, kda_params, lambda cfg: forms(cfg, kimi_delta.kda_forward))}
 
 
-def median_seconds(fn: Callable[..., jax.Array], args: tuple[Any, ...], repeat: int) -> float:
-    times = []
+def median_seconds(fn: Callable[..., jax.Array], args: tuple[Any, ...], repeat: int) -> tuple[float, float]:
+    """The medians of ``repeat`` calls' wall and process CPU seconds (all of XLA's threads)."""
+    wall, cpu = [], []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return float(np.median(wall)), float(np.median(cpu))
 
 
 def run(lengths: list[int], repeat: int, quadratic_max: int, layer: str = "gated_delta") -> list[dict[str, Any]]:
@@ -155,31 +157,34 @@ def run(lengths: list[int], repeat: int, quadratic_max: int, layer: str = "gated
     reference = jax.jit(layers["chunked"])
     for name, layer in layers.items():
         compiled = jax.jit(layer)
-        previous = None
+        previous: tuple[float, float] | None = None
         for s in lengths:
             if name == "quadratic" and s > quadratic_max:
-                rows.append({"form": name, "tokens": s, "ms": None, "growth": None, "max_abs_diff": None})
+                rows.append({"form": name, "tokens": s, "ms": None, "growth": None, "cpu_ms": None, "cpu_growth": None,
+                             "max_abs_diff": None})
                 continue
             x = jnp.asarray(np.random.default_rng(s).normal(size=(1, s, cfg.hidden_size)), jnp.float32)
             out = compiled(p, x).block_until_ready()  # compiled
             ref = out if name == "chunked" else reference(p, x)
-            seconds = median_seconds(compiled, (p, x), repeat)
+            seconds, cpu = median_seconds(compiled, (p, x), repeat)
             rows.append({"form": name, "tokens": s, "ms": seconds * 1e3,
-                         "growth": None if previous is None else seconds / previous,
+                         "growth": None if previous is None else seconds / previous[0],
+                         "cpu_ms": cpu * 1e3, "cpu_growth": None if previous is None else cpu / previous[1],
                          "max_abs_diff": float(jnp.abs(out - ref).max())})
-            previous = seconds
+            previous = seconds, cpu
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| form | tokens | ms (median) | growth per doubling | max abs diff / chunked |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| form | tokens | wall ms (median) | growth per doubling | CPU ms (median) | CPU growth | "
+             "max abs diff / chunked |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ms = "not run" if r["ms"] is None else f"{r['ms']:.1f}"
+        ms, cpu = ("not run", "") if r["ms"] is None else (f"{r['ms']:.1f}", f"{r['cpu_ms']:.1f}")
         growth = "" if r["growth"] is None else f"{r['growth']:.2f}x"
+        cpu_growth = "" if r["cpu_growth"] is None else f"{r['cpu_growth']:.2f}x"
         diff = "" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}"
-        lines.append(f"| {r['form']} | {r['tokens']} | {ms} | {growth} | {diff} |")
+        lines.append(f"| {r['form']} | {r['tokens']} | {ms} | {growth} | {cpu} | {cpu_growth} | {diff} |")
     return "\n".join(lines)
 
 

@@ -102,38 +102,47 @@ def ssd(
     x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array, state: jax.Array | None, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence over ``x [bs, s, h, p]``, time steps ``dt [bs, s, h]``, ``a [h]`` (negative) and
-    each head's ``b``/``c [bs, s, h, n]``, from ``state [bs, h, p, n]`` (zeros when None), in chunks of
-    ``chunk`` tokens: ``(y [bs, s, h, p] without the D term, final state)``, float32.
+    the groups' ``b``/``c [bs, s, g, n]`` (head ``i`` reads group ``i // (h / g)``), from ``state [bs,
+    h, p, n]`` (zeros when None), in chunks of ``chunk`` tokens: ``(y [bs, s, h, p] without the D
+    term, final state)``, float32.
 
     Within a chunk, with ``G_i`` the sum of ``dt a`` from the chunk's start to token ``i`` and ``S_0``
     the state before it: ``y_i = exp(G_i) S_0 c_i + sum_{j<=i} exp(G_i - G_j) (c_i . b_j) dt_j x_j``,
-    and the state after the chunk is ``exp(G_C) S_0 + sum_j exp(G_C - G_j) dt_j x_j b_j^T``."""
+    and the state after the chunk is ``exp(G_C) S_0 + sum_j exp(G_C - G_j) dt_j x_j b_j^T``. Each
+    chunk's work runs inside the ``lax.scan`` step, so its ``[chunk, chunk]`` matrices exist for one
+    chunk at a time (memory and time linear in the sequence), and ``c . b`` once per group."""
     bs, s, h, p = x.shape
+    g, n_state = b.shape[2], b.shape[3]
+    r = h // g
     size = max(1, min(chunk, s))
     n = -(-s // size)
     pad = n * size - s
 
-    def chunks(t: jax.Array) -> jax.Array:  # [bs, s, h, ...] -> [n, bs, h, size, ...], zero-padded
+    def chunks(t: jax.Array) -> jax.Array:  # [bs, s, k, ...] -> [n, bs, k, size, ...], zero-padded
         t = jnp.pad(t.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
-        t = t.reshape(bs, n, size, h, *t.shape[3:])
+        t = t.reshape(bs, n, size, t.shape[2], *t.shape[3:])
         return jnp.moveaxis(jnp.moveaxis(t, 3, 2), 1, 0)
 
     x, dt, b, c = (chunks(t) for t in (x, dt, b, c))  # a padded token: dt 0, x 0 (no decay, no write)
     cum = jnp.cumsum(dt * a.astype(jnp.float32)[:, None], axis=-1)  # [n, bs, h, size]
     lower = jnp.tril(jnp.ones((size, size), bool))
-    # exp(G_i - G_j) where j <= i, else 0 (masked before exp: no overflow above the diagonal).
-    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
-    within = (jnp.einsum("...in,...jn->...ij", c, b) * decay * dt[..., None, :]) @ x  # [n, bs, h, size, p]
-    c_decayed = c * jnp.exp(cum)[..., None]
-    writes = jnp.einsum("...jp,...jn->...pn", x * (jnp.exp(cum[..., -1:] - cum) * dt)[..., None], b)
-    end_decay = jnp.exp(cum[..., -1])[..., None, None]
 
     def step(s0: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        y, cd, w, ed = xs
-        return s0 * ed + w, y + jnp.einsum("...in,...pn->...ip", cd, s0)
+        xk, dtk, bk, ck, gk = xs  # one chunk: [bs, h, size, p], [bs, h, size], [bs, g, size, n] x2, [bs, h, size]
+        # exp(G_i - G_j) where j <= i, else 0 (masked before exp: no overflow above the diagonal).
+        decay = jnp.exp(jnp.where(lower, gk[..., :, None] - gk[..., None, :], -jnp.inf))
+        scores = jnp.einsum("bgin,bgjn->bgij", ck, bk)[:, :, None] * (decay * dtk[..., None, :]).reshape(
+            bs, g, r, size, size)
+        grouped = (bs, g, r, size, p)
+        within = jnp.einsum("bgrij,bgrjp->bgrip", scores, xk.reshape(grouped))
+        from_state = jnp.einsum("bgin,bgrpn->bgrip", ck, s0.reshape(bs, g, r, p, n_state))
+        y = within + from_state * jnp.exp(gk).reshape(bs, g, r, size, 1)
+        written = (xk * (jnp.exp(gk[..., -1:] - gk) * dtk)[..., None]).reshape(grouped)
+        writes = jnp.einsum("bgrjp,bgjn->bgrpn", written, bk).reshape(s0.shape)
+        return s0 * jnp.exp(gk[..., -1])[..., None, None] + writes, y.reshape(bs, h, size, p)
 
-    s0 = jnp.zeros((bs, h, p, b.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
-    final, out = jax.lax.scan(step, s0, (within, c_decayed, writes, end_decay))
+    s0 = jnp.zeros((bs, h, p, n_state), jnp.float32) if state is None else state.astype(jnp.float32)
+    final, out = jax.lax.scan(step, s0, (x, dt, b, c, cum))
     out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(bs, n * size, h, p)[:, :s]
     return out, final
 
@@ -144,6 +153,7 @@ def recurrent_ssd(
     """:func:`ssd` one token at a time (same arguments and results): the recurrence as written (a
     reference; ``mamba2_forward(..., chunk=0)``)."""
     bs, s, h, p = x.shape
+    b, c = (jnp.repeat(t, h // t.shape[2], axis=2) for t in (b, c))
     s0 = jnp.zeros((bs, h, p, b.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
     a = a.astype(jnp.float32)
 
@@ -192,7 +202,7 @@ def mamba2_forward(
         dt = jnp.where(mask[..., None].astype(bool), dt, 0.0)
     a = -jnp.exp(p["A_log"].astype(jnp.float32))
     x = x.reshape(bs, s, heads, hd).astype(jnp.float32)
-    b, c = (jnp.repeat(t.reshape(bs, s, groups, n).astype(jnp.float32), heads // groups, axis=2) for t in (b, c))
+    b, c = (t.reshape(bs, s, groups, n).astype(jnp.float32) for t in (b, c))
     initial = None if cache is None else cache["state"]
     size = cfg.chunk_size if chunk is None else chunk
     y, state = ssd(x, dt, a, b, c, initial, size) if size else recurrent_ssd(x, dt, a, b, c, initial)
