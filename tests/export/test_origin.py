@@ -1,5 +1,6 @@
 """A bundled model's origin is state the model owns (no side table keyed by models): it travels
-with ``nnx.split`` / ``nnx.merge`` and ``nnx.clone``, is not a parameter, and ``nnx.jit`` keys on it."""
+with ``nnx.split`` / ``nnx.merge`` and ``nnx.clone``, is not a parameter, and compares by value (two
+models built from one config have one graph definition)."""
 
 from __future__ import annotations
 
@@ -27,5 +28,12 @@ def test_the_origin_is_the_models_own_state() -> None:
     assert [path for path, _ in nnx.to_flat_state(nnx.state(model))] == [("w",)]
     assert float(nnx.jit(lambda m: m.w[...].sum())(model)) == 3.0
     assert origin_of(Tiny()) is None  # another model: no record leaks between objects
+    twin = Tiny()  # built from the same config (the abstract model plan_model gives, say): the same metadata
+    remember_origin(twin, {"model_type": "llama", "hidden_size": 4}, "llama")
+    assert origin_of(twin) == origin and hash(origin_of(twin)) == hash(origin)
+    assert nnx.graphdef(twin) == nnx.graphdef(model)  # a program compiled for one runs the other
+    other = Tiny()
+    remember_origin(other, {"model_type": "llama", "hidden_size": 8}, "llama")
+    assert origin_of(other) != origin
     setattr(model, ORIGIN_ATTRIBUTE, "not an origin")
     assert origin_of(model) is None
