@@ -8,8 +8,9 @@ expert, the others dense; every fourth NoPE; chunked attention over 8 of 12 toke
 multimodal releases store it (``language_model.model.*``, a vision tower never read). In every layout
 MaxText has: the drop-in fills MaxText's own abstract tree (every path, shape, dtype, sharding); unscanned,
 every leaf is numpy's reading of the checkpoint (kernels transposed and split into heads, the fused
-experts' halves); scanned, every leaf is the unscanned layers stacked at ``param_scan_axis``. Then
-MaxText's forward on the scanned drop-in gives transformers' float32 logits within 1e-4 x max|logits|."""
+experts' halves); scanned, every leaf is the unscanned layers stacked at ``param_scan_axis``; ``export``
+gives every text tensor back, bit-exact. Then MaxText's forward on the scanned drop-in gives
+transformers' float32 logits within 1e-4 x max|logits|."""
 
 from __future__ import annotations
 
@@ -100,6 +101,18 @@ def test_scanned_leaves_stack_the_unscanned_ones(refs, axis):
         parts = [np.asarray(flat[f"decoder.layers_{i}.{rest}"]) for i in range(int(j), layers, PERIOD)]
         # MaxText scans the layer axis in at param_scan_axis, after an expert stack's leading axis
         np.testing.assert_array_equal(np.asarray(leaf), np.stack(parts, axis=axis), err_msg=name)
+
+
+@pytest.mark.parametrize("layout", [(True, 1), (False, 1)], ids=IDS.get)
+def test_export_gives_the_checkpoint_back(refs, tmp_path, layout):
+    from otfload.maxtext import export
+
+    out = export(_unflat(loaded(refs, layout)), tmp_path / "hf", built(FAMILY, layout).config, reference=refs / HUB)
+    written, original = hf_tensors(out), hf_tensors(refs / HUB)
+    text = {k: v for k, v in original.items() if k.startswith("language_model.")}
+    assert sorted(written) == sorted(text)
+    for key, value in text.items():
+        np.testing.assert_array_equal(written[key], value, err_msg=key)
 
 
 def test_maxtext_forward_on_the_drop_in_matches_transformers(refs):
