@@ -115,6 +115,27 @@ def test_export_gives_the_checkpoint_back(refs, tmp_path, layout):
         np.testing.assert_array_equal(written[key], value, err_msg=key)
 
 
+@pytest.mark.parametrize(("model_name", "step"), [("llama4-17b-16e", 1), ("llama4-17b-128e", 2)])
+@pytest.mark.parametrize("layout", [(True, 1), (False, 1)], ids=IDS.get)
+def test_the_tree_otfload_builds_is_maxtexts(model_name, step, layout):
+    """Both tables (16E: every layer MoE, its qk-norm config; 128E: every second) against MaxText's own
+    abstract tree: every leaf path, shape and sharding (the 16E checkpoint is loaded by hand only:
+    docs/maxtext.md)."""
+    import dataclasses
+
+    import otfload.maxtext as mx
+
+    family = dataclasses.replace(FAMILY, model_name=model_name,
+                                 maxtext_extra={**FAMILY.maxtext_extra, "interleave_moe_layer_step": step})
+    b = reference.build(family, *layout)
+    want = reference.flat(b.params)
+    ours = reference.flat(mx.abstract_params(b.config, b.mesh))
+    assert sorted(ours) == sorted(want)
+    for name, target in want.items():
+        assert ours[name].shape == target.shape, name
+        assert ours[name].sharding.is_equivalent_to(target.sharding, target.ndim), name
+
+
 def test_maxtext_forward_on_the_drop_in_matches_transformers(refs):
     layout = (True, 1)
     ids = np.load(refs / FAMILY.checkpoint / "ids.npy")
