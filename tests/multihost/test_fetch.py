@@ -7,10 +7,10 @@ bytes the Hub server sent, and the kernel's ``/proc/self/io`` for cold local fil
 processes hold (replicated, or split on mesh axes inside one process only) are read once cluster-wide
 the same way: all processes together read the checkpoint's bytes once, within 5 %.
 
-Starting 4 JAX processes costs more than a tiny load, so the loads share jobs: one job loads from two
-Hub servers (one per mesh, so each server's counts are one load's), one job runs every cold local
-load (both meshes' shares, then both read-once meshes, per-process then read-once); the tests check
-their own loads' results.
+Starting 4 JAX processes costs more than a tiny load, so every load runs in one job: first from two
+Hub servers (one per mesh, so each server's counts are one load's), then every cold local load (both
+meshes' shares, then both read-once meshes, per-process then read-once); the tests check their own
+loads' results.
 """
 
 from __future__ import annotations
@@ -61,17 +61,48 @@ def once_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub_job(checkpoint, tmp_path_factory) -> Iterator[dict]:
-    """Both meshes' loads from the Hub in one job, each from its own server: ``{mesh: (results, server)}``."""
+def job(checkpoint, once_checkpoint, tmp_path_factory) -> Iterator[dict]:
+    """Every load of this module in one 4-process job: ``{"hub": {mesh: (results, server)}, "cold":
+    {"loads": {(kind, mesh): [(results, gathered .npz) per load]}, "accounted": whether reads show in
+    /proc/self/io}}``. Hub loads come first, each mesh from its own server; then the cold local loads,
+    each process reading its own copy (separate hosts do not share a page cache), kind ``share``
+    (``always``) or ``once`` (per-process, then read-once)."""
+    root = tmp_path_factory.mktemp("fetch-job")
+    for name, source in (("share", checkpoint), ("once", once_checkpoint)):
+        for i in range(PROCESSES):
+            shutil.copytree(source, root / f"{name}{i}")
+    accounted = accounts_disk_reads(root / "share0")
+    os.sync()  # clean pages only can be evicted
     # Remote column reads cost a request per row: the time model reads those leaves as bands.
-    root = tmp_path_factory.mktemp("hub-fetch")
     with HubServer(root / "fsdp8") as first, HubServer(root / "fsdp2_tp4") as second:
         servers = dict(zip(MESHES, (first, second), strict=True))
         loads = [{"mesh": MESHES[m], "source": s.add_repo(f"org/fetch-{m}", checkpoint), "endpoint": s.url,
                   "env": "auto"} for m, s in servers.items()]  # fmt: skip
-        results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "loads": loads}, PROCESSES, root / "out",
+        jobs = [("share", m, {"mesh": MESHES[m], "source": str(root / "share{i}"), "env": "always",
+                              "gather": m == "fsdp2_tp4"}) for m in MESHES]  # fmt: skip
+        jobs += [("once", m, {"mesh": ONCE_MESHES[m], "source": str(root / "once{i}"), "gather": True, **how})
+                 for m in ONCE_MESHES for how in ONCE_LOADS[m]]  # fmt: skip
+        results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "evict": True,  # local loads only
+                                     "loads": loads + [how for *_, how in jobs]}, PROCESSES, root / "out",
                                     JOB_TIMEOUT_S)  # fmt: skip
-        yield {m: ([r["loads"][k] for r in results], s) for k, (m, s) in enumerate(servers.items())}
+        hub = {m: ([r["loads"][k] for r in results], s) for k, (m, s) in enumerate(servers.items())}
+        cold: dict[tuple[str, str], list] = {}
+        for k, (kind, mesh, _) in enumerate(jobs, start=len(loads)):
+            cold.setdefault((kind, mesh), []).append(([r["loads"][k] for r in results],
+                                                      root / "out" / f"params{k}.npz"))  # fmt: skip
+        yield {"hub": hub, "cold": {"loads": cold, "accounted": accounted}}
+
+
+@pytest.fixture(scope="module")
+def hub_job(job) -> dict:
+    """The Hub loads: ``{mesh: (results, server)}``."""
+    return job["hub"]
+
+
+@pytest.fixture(scope="module")
+def cold_job(job) -> dict:
+    """The cold local loads: ``{"loads": {(kind, mesh): [(results, gathered .npz)]}, "accounted": ...}``."""
+    return job["cold"]
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -113,29 +144,6 @@ def accounts_disk_reads(directory: Path) -> bool:
     with open(path, "rb") as f:
         f.read(1 << 16)
     return disk_read_bytes() > before
-
-
-@pytest.fixture(scope="module")
-def cold_job(checkpoint, once_checkpoint, tmp_path_factory) -> dict:
-    """Every cold local load in one job, each process reading its own copy (separate hosts do not share a
-    page cache): ``{"loads": {(kind, mesh): [(results, gathered .npz) per load]}, "accounted": whether
-    reads show in /proc/self/io}``; kind ``share`` (``always``) or ``once`` (per-process, then read-once)."""
-    root = tmp_path_factory.mktemp("cold")
-    for name, source in (("share", checkpoint), ("once", once_checkpoint)):
-        for i in range(PROCESSES):
-            shutil.copytree(source, root / f"{name}{i}")
-    accounted = accounts_disk_reads(root / "share0")
-    os.sync()  # clean pages only can be evicted
-    jobs = [("share", m, {"mesh": MESHES[m], "source": str(root / "share{i}"), "env": "always",
-                          "gather": m == "fsdp2_tp4"}) for m in MESHES]  # fmt: skip
-    jobs += [("once", m, {"mesh": ONCE_MESHES[m], "source": str(root / "once{i}"), "gather": True, **how})
-             for m in ONCE_MESHES for how in ONCE_LOADS[m]]  # fmt: skip
-    results = run_fetch_workers({"local_devices": LOCAL_DEVICES, "evict": True, "loads": [how for *_, how in jobs]},
-                                PROCESSES, root / "out", JOB_TIMEOUT_S)  # fmt: skip
-    loads: dict[tuple[str, str], list] = {}
-    for k, (kind, mesh, _) in enumerate(jobs):
-        loads.setdefault((kind, mesh), []).append(([r["loads"][k] for r in results], root / "out" / f"params{k}.npz"))
-    return {"loads": loads, "accounted": accounted}
 
 
 def test_band_reads_resharded_on_the_devices_load_the_same_model(cold_job, checkpoint, mesh_2x4):
