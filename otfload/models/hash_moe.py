@@ -47,6 +47,16 @@ class HashMoeShape(Protocol):
     def swiglu_limit(self) -> float: ...
 
 
+class TokenTable(nnx.Param[jax.Array]):
+    """The hash layers' token-id → experts table (int32): a parameter the loader fills and export writes,
+    but no gradient can reach it; train with ``wrt=TRAINABLE`` (``nnx.grad``'s default, every
+    ``nnx.Param``, would differentiate an integer array)."""
+
+
+# What gradients are taken with respect to: every parameter but the token tables.
+TRAINABLE = nnx.All(nnx.Param, nnx.Not(TokenTable))
+
+
 class Router(nnx.Module):
     """``kernel [experts, hidden]`` and, hashed, ``tid2eid [vocab, top_k]`` (int32) or, learned, the
     float32 correction ``bias [experts]``."""
@@ -57,7 +67,8 @@ class Router(nnx.Module):
         self.kernel = make_param(rngs, (cfg.num_experts, cfg.hidden_size), (None, "embed"), dtype, stack)
         if hashed:
             shape = (cfg.vocab_size, cfg.num_experts_per_tok)
-            self.tid2eid = make_param(None, shape, (None, None), jnp.int32, stack)
+            self.tid2eid = TokenTable(make_param(None, shape, (None, None), jnp.int32, stack).get_value(),
+                                      logical_axes=("layers", None, None) if stack else (None, None))
         else:
             self.bias = make_param(rngs, (cfg.num_experts,), (None,), jnp.float32, stack)
 

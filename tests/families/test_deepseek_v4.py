@@ -1,8 +1,9 @@
 """DeepSeek-V4 (``deepseek_v4``): a tiny transformers checkpoint → otfload → f32 logits equal
-transformers', scanned and not, on 8 simulated devices (experts on ``ep`` and heads on ``tp``); the
-rules behind them are live; the RoPEs equal transformers' buffers; configs (transformers' defaults,
-the published V4-Flash) parse as transformers reads them, and what otfload does not implement is a
-typed error naming its field.
+transformers', scanned and not, on 8 simulated devices (experts on ``ep`` and heads on ``tp``), padded
+rows included; the rules behind them are live; gradients equal autograd's; the RoPEs equal
+transformers' buffers; the export round trip; configs (transformers' defaults, the published
+V4-Flash) parse as transformers reads them, and what otfload does not implement is a typed error
+naming its field; V4-Flash plans at full size on 256 devices.
 
 The tiny model has every layer kind: sliding, CSA (rate 4) and HCA (rate 8) attention; one hash-routed
 and three top-k MoE layers (a random ``tid2eid`` table of distinct experts and a random correction
@@ -17,19 +18,23 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import otfload
 from otfload.errors import ConfigError, UnsupportedModelError
 from otfload.export import export_hf
 from otfload.families.deepseek_v4.config import CSA, HCA, SLIDING, deepseek_v4_config
 from otfload.families.deepseek_v4.model import rotary
+from otfload.models.hash_moe import TRAINABLE
 from otfload.plan.sharding import make_mesh
 from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
 from tests.families.checks import MESHES
+from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
-from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.training.test_gradients import PAD, batch, exported_grads, next_token_loss, with_pad_id
 
 TINY = {
     "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
@@ -64,8 +69,23 @@ def _tiny(**kw):
 register_hf_model("deepseek_v4", _tiny)
 
 
-@pytest.mark.parametrize(("scan_layers", "mesh_name"), [(True, "fsdp2_ep4"), (False, "fsdp2_tp4")])
-def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name):
+def _forward(model, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Jitted logits; with a padding ``mask``, at transformers' V4 positions: the slot indices (its
+    forward takes ``arange`` whatever the mask, and its compressors pool windows from slot 0, pads
+    included), not otfload's default (each real token's index among its row's)."""
+    if mask is None:
+        return logits(model, ids)
+    slots = jnp.arange(ids.shape[1])[None]
+    return np.asarray(jax.jit(lambda m, x, k: m(x, attention_mask=k, positions=slots))(model, ids, mask))
+
+
+@pytest.mark.parametrize(("scan_layers", "mesh_name", "padded"), [(True, "fsdp2_ep4", False),
+                                                                   (False, "fsdp2_tp4", True)])
+def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name, padded):
+    """20 tokens; unscanned, one row right-padded and one left-padded (13 real tokens each), whose
+    real tokens' logits equal transformers' under the same mask."""
+    import torch
+
     path, torch_model = tiny_checkpoints("deepseek_v4")
     assert len(list(path.glob("*.safetensors"))) > 1
     mesh = make_mesh(MESHES[mesh_name])
@@ -74,18 +94,25 @@ def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name)
     assert csa.attn.indexer.q_b.kernel[...].shape == ((2,) if scan_layers else ()) + (16, 16, 32)
     spec = csa.moe.experts.gate.kernel[...].sharding.spec
     assert spec[1 if scan_layers else 0] == ("ep" if "ep" in MESHES[mesh_name] else None)
+    ids, mask = token_ids(seq=20), np.ones((2, 20), np.int64)
+    if padded:
+        mask[0, 13:], mask[1, :7] = 0, 0
+    with torch.no_grad():
+        ref = torch_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     with jax.set_mesh(mesh):
-        for seq in (5, 20):
-            ids = token_ids(seq=seq)
-            diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
-            assert diff <= 1e-4, (seq, diff)
+        ours = _forward(model, ids, mask if padded else None)
+    real = mask.astype(bool)
+    assert max_rel_diff(ours[real], ref[real]) <= 1e-4
 
 
 def test_the_window_and_top_k_rules_are_live(tiny_checkpoints, mesh_2x4):
-    """At 20 tokens, attending to every CSA window instead of the indexer's top 2, or to every earlier
-    token instead of the sliding window's 8, moves the logits well past the bound."""
+    """5 tokens (no HCA window, one CSA window: fewer than index_topk) match transformers; at 20,
+    attending to every CSA window instead of the indexer's top 2, or to every earlier token instead
+    of the sliding window's 8, moves the logits well past the bound."""
     path, torch_model = tiny_checkpoints("deepseek_v4")
     model = otfload.from_pretrained(path, mesh=mesh_2x4)
+    short = token_ids(seq=5)
+    assert max_rel_diff(logits(model, short), torch_logits(torch_model, short)) <= 1e-4
     base, ids = model.cfg, token_ids(seq=20)
     ref = torch_logits(torch_model, ids)
     for change in ({"index_topk": 64}, {"sliding_window": 64}):
@@ -122,6 +149,58 @@ def test_export_round_trip_is_bit_exact_but_the_hash_table_is_int32(tiny_checkpo
     np.testing.assert_array_equal(ours.pop(table), ref.pop(table))
     assert_bit_exact(ours, ref)
     assert weight_map_keys(written) == weight_map_keys(src)
+
+
+def _torch_grads(path: Path, ids: np.ndarray, dtype, out: Path) -> tuple[float, dict[str, np.ndarray]]:
+    """transformers' loss and gradients in ``dtype`` (its eager experts: grouped_mm has no float64),
+    under checkpoint names; parameters no gradient reaches (the indexer's: it only picks windows) and
+    buffers are zeros."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(path, experts_implementation="eager").to(dtype).eval()
+    model.get_input_embeddings().padding_idx = PAD
+    logits = model(torch.tensor(ids[:, :-1])).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(ids[:, 1:]).reshape(-1))
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.zeros_like(p) if p.grad is None else p.grad)
+        for b in model.buffers():
+            b.zero_()
+    model.save_pretrained(out)
+    return float(loss.detach()), hf_tensors(out)
+
+
+def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path):
+    """One jitted gradient of the next-token loss (``wrt=TRAINABLE``: every parameter but the int32
+    ``tid2eid``) equals transformers' float64 autograd within 1e-4 per tensor, or within twice
+    transformers' own float32 error where that is larger (the hyper-connection head's scale and base
+    gradients are sums over every token: float32 torch is 4e-4 off there); the loss within 1e-5; the
+    indexer's parameters and the correction bias get none on either side."""
+    import torch
+
+    src, _ = tiny_checkpoints("deepseek_v4")
+    path = with_pad_id(src, tmp_path / "ckpt")
+    mesh = make_mesh(MESHES["fsdp2_ep4"])
+    model = otfload.from_pretrained(path, mesh=mesh)
+    ids = batch()
+    with jax.set_mesh(mesh):
+        loss, grads = nnx.jit(nnx.value_and_grad(next_token_loss, argnums=nnx.DiffState(0, TRAINABLE)))(
+            model, jnp.asarray(ids))
+    ours = exported_grads(grads, path, tmp_path / "grads")
+    ref_loss, ref = _torch_grads(path, ids, torch.float64, tmp_path / "f64")
+    _, f32 = _torch_grads(path, ids, torch.float32, tmp_path / "f32")
+    assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
+    assert set(ref) - set(ours) == {"model.layers.0.ffn.gate.tid2eid"}
+    for key, grad in ours.items():
+        if "indexer" in key or key.endswith("gate.bias"):  # they only pick windows / experts
+            assert not np.any(ref[key]), key
+        if not np.any(ref[key]):  # those, and experts no token of the batch reached
+            assert not np.any(grad), key
+            continue
+        bound = max(1e-4, 2 * max_rel_diff(f32[key], ref[key]))
+        assert max_rel_diff(grad, ref[key]) <= bound, (key, max_rel_diff(grad, ref[key]), bound)
 
 
 # --- configs ------------------------------------------------------------------------------------
