@@ -63,12 +63,12 @@ def group_rules(group: str, leaves: Leaves) -> list[Rule]:
             for leaf, (key, hooks) in leaves.items()]
 
 
-def hybrid_table(kinds: tuple[LayerKind, ...], projections: Leaves) -> MappingTable:
+def hybrid_table(kinds: tuple[LayerKind, ...], projections: Leaves, common: Leaves = LINEAR_COMMON) -> MappingTable:
     """The table of a model of these layer kinds whose linear layers store their projections as
-    ``projections`` says."""
+    ``projections`` says (and their other tensors as ``common``)."""
     rules = [*MODEL_RULES]
     for kind in kinds:
-        mixer = {**LINEAR_COMMON, **projections} if kind.linear else ATTENTION
+        mixer = {**common, **projections} if kind.linear else ATTENTION
         rules += group_rules(kind.group, {**COMMON, **mixer, **(MOE if kind.moe else DENSE)})
     return MappingTable(tuple(rules))
 

@@ -24,10 +24,17 @@ a pad token's input is zeroed, its decay is 1 and its write strength 0.
 Qwen3.5 stores the projections apart (``in_proj_qkv`` fused by kind: every query head, then every
 key head, then every value head); Qwen3-Next fuses them per key head (``in_proj_qkvz``: each key
 head's query, key, value and ``z`` rows together; ``in_proj_ba`` its ``b`` then ``a`` rows), which
-``per_key_head`` keeps as the layer's ``q``, ``k``, ``v``, ``z``, ``b`` and ``a`` by key head.
+``per_key_head`` keeps as the layer's ``q``, ``k``, ``v``, ``z``, ``b`` and ``a`` by key head, and
+the convolution's taps too (``conv_q``, ``conv_k``, ``conv_v``), so that the convolution runs on
+each key head's channels where its projections are: on a mesh sharding the heads no channel moves
+between devices. (Concatenating the three kinds' sharded channels into the fused layout and
+splitting them after the convolution made the partitioner exchange rows by collective-permutes
+among some devices only; with the chunked scan after them, XLA:CPU 0.10's concurrency-optimized
+scheduler then never returned from the program: every device waiting, no CPU used.)
 
 The cache of a layer (decoding): ``conv [b, conv_dim, K]``, the last ``K`` conv inputs (in the
-activation dtype, as transformers keeps them), and ``state [b, hv, dk, dv]`` in float32.
+activation dtype, as transformers keeps them; ``per_key_head``: the channels by key head, each
+head's query, key and value channels together), and ``state [b, hv, dk, dv]`` in float32.
 """
 
 from __future__ import annotations
@@ -79,9 +86,10 @@ def conv_dim(cfg: GatedDeltaShape) -> int:
 class GatedDeltaNet(nnx.Module):
     """``qkv (conv_dim, hidden)``, ``conv (conv_dim, 1, K)`` (as HF's depthwise ``conv1d`` stores it),
     ``z (hv, dv, hidden)``, ``a``/``b (hv, hidden)``, ``dt_bias``/``A_log (hv,)``, the gated ``norm
-    (dv,)`` and ``out (hidden, hv, dv)``. ``per_key_head`` (Qwen3-Next) replaces ``qkv``, ``z``, ``a``
-    and ``b`` by ``q``/``k (hk, dk, hidden)``, ``v``/``z (hk, r * dv, hidden)`` and ``b``/``a (hk, r,
-    hidden)``, ``r = hv / hk`` value heads per key head."""
+    (dv,)`` and ``out (hidden, hv, dv)``. ``per_key_head`` (Qwen3-Next) replaces ``qkv``, ``conv``,
+    ``z``, ``a`` and ``b`` by ``q``/``k (hk, dk, hidden)``, ``v``/``z (hk, r * dv, hidden)``,
+    ``b``/``a (hk, r, hidden)`` and the taps of the query, key and value channels ``conv_q``/``conv_k
+    (hk, dk, 1, K)``, ``conv_v (hk, r * dv, 1, K)``, ``r = hv / hk`` value heads per key head."""
 
     def __init__(
         self, cfg: GatedDeltaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None,
@@ -99,12 +107,16 @@ class GatedDeltaNet(nnx.Module):
             self.z = Dense((hk, r * dv, h), axes, **kw)
             self.b = Dense((hk, r, h), axes, **kw)
             self.a = Dense((hk, r, h), axes, **kw)
+            taps, conv_axes = (1, cfg.linear_conv_kernel_dim), ("heads", "head_dim", None, None)
+            self.conv_q = make_param(rngs, (hk, dk, *taps), conv_axes, dtype, stack)
+            self.conv_k = make_param(rngs, (hk, dk, *taps), conv_axes, dtype, stack)
+            self.conv_v = make_param(rngs, (hk, r * dv, *taps), conv_axes, dtype, stack)
         else:
             self.qkv = Dense((c, h), ("mlp", "embed"), **kw)
             self.z = Dense((hv, dv, h), ("heads", "head_dim", "embed"), **kw)
             self.a = Dense((hv, h), ("heads", "embed"), **kw)
             self.b = Dense((hv, h), ("heads", "embed"), **kw)
-        self.conv = make_param(rngs, (c, 1, cfg.linear_conv_kernel_dim), ("mlp", None, None), dtype, stack)
+            self.conv = make_param(rngs, (c, 1, cfg.linear_conv_kernel_dim), ("mlp", None, None), dtype, stack)
         self.dt_bias = make_param(rngs, (hv,), ("heads",), dtype, stack)
         self.A_log = make_param(rngs, (hv,), ("heads",), dtype, stack)
         self.norm = Norm(dv, **kw)
@@ -167,6 +179,34 @@ def _decayed_products(cum: jax.Array) -> Callable[[jax.Array, jax.Array, bool], 
     return per_channel
 
 
+def unit_lower_inverse(m: jax.Array) -> jax.Array:
+    """The inverse of the unit lower-triangular ``m [..., c, c]``, by doubling blocks: the inverses
+    of the diagonal blocks of width ``w`` give those of width ``2 w`` (``[[A, 0], [C, D]]^-1 = [[A^-1,
+    0], [-D^-1 C A^-1, D^-1]]``), ``log2 c`` rounds of batched matmuls; ``c`` is padded to a power of
+    two by an identity block.
+
+    Not ``lax.linalg.triangular_solve``: on XLA:CPU (jaxlib 0.10) its LAPACK kernel splits a batch
+    over the intra-op thread pool and waits for the parts inside a thread of that same pool, so when
+    every simulated device of a mesh runs one at once they wait on each other forever (the pool's
+    threads all in ``ParallelBatchMap``, no CPU used)."""
+    c = m.shape[-1]
+    size = 1 << (c - 1).bit_length()
+    batch = m.shape[:-2]
+    m = jnp.pad(m, [(0, 0)] * len(batch) + [(0, size - c)] * 2) + jnp.diag(jnp.arange(size) >= c).astype(m.dtype)
+    inv = jnp.ones((*batch, size, 1, 1), m.dtype)  # the inverses of the diagonal blocks, width 1
+    width = 1
+    while width < size:
+        n = size // (2 * width)
+        diagonal = jnp.diagonal(m.reshape(*batch, n, 2 * width, n, 2 * width), axis1=-4, axis2=-2)
+        corner = jnp.moveaxis(diagonal, -1, -3)[..., width:, :width]  # C of each block of width 2w
+        top, bottom = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -(bottom @ corner @ top)
+        inv = jnp.concatenate([jnp.concatenate([top, jnp.zeros_like(lower)], axis=-1),
+                               jnp.concatenate([lower, bottom], axis=-1)], axis=-2)
+        width *= 2
+    return inv[..., 0, :c, :c]
+
+
 def gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array | None,
     chunk: int = CHUNK,
@@ -198,7 +238,7 @@ def gated_delta_rule(
     products = _decayed_products(cum)
     system = jnp.eye(c, dtype=jnp.float32) + beta[..., :, None] * products(k, k, True)
     rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * jnp.exp(cum) * k], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_inverse(system) @ rhs
     writes, state_weights = solved[..., :dv], solved[..., dv:]  # u = writes - state_weights @ S_0
     scores = products(q, k, False)
     q_decayed = q * jnp.exp(cum)
@@ -279,12 +319,15 @@ def gated_delta_forward(
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if mask is not None:
         h = h * mask[..., None].astype(h.dtype)
+    past = None if cache is None else cache["conv"]
     if "qkv" in p:
-        qkv = dense(p["qkv"], h, "bsh,ch->bsc")
-    else:  # by key head: each kind's heads flattened in the order of the fused layout's channels
-        qkv = jnp.concatenate([by_heads(p[name], h, (-1,)) for name in ("q", "k", "v")], axis=-1)
-    mixed, conv_state = causal_conv1d(qkv, p["conv"][:, 0], None if cache is None else cache["conv"])
-    q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+        mixed, conv_state = causal_conv1d(dense(p["qkv"], h, "bsh,ch->bsc"), p["conv"][:, 0], past)
+        q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+    else:  # by key head: each head's query, key and value channels side by side, on its device
+        qkv = jnp.concatenate([by_heads(p[name], h, (hk, -1)) for name in ("q", "k", "v")], axis=-1)
+        taps = jnp.concatenate([p[f"conv_{name}"][:, :, 0] for name in ("q", "k", "v")], axis=1)
+        mixed, conv_state = causal_conv1d(qkv.reshape(b, s, -1), taps.reshape(-1, taps.shape[-1]), past)
+        q, k, v = jnp.split(mixed.reshape(qkv.shape), [dk, 2 * dk], axis=-1)
     q, k = (l2_normalize(x.reshape(b, s, hk, dk).astype(jnp.float32)) for x in (q, k))
     q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q * dk**-0.5, k))
     a = by_heads(p["a"], h, (hv,)).astype(jnp.float32)

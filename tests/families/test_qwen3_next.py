@@ -41,11 +41,10 @@ from tests.training.test_gradients import (
 )
 from tests.training.test_gradients_gqa_families import assert_grads_match_unrouted_too
 
-# Layers: linear+MoE, linear+MLP, attention+MoE, linear+MoE, attention+MLP. Two key heads (as Qwen3.5's
-# tiny model): with four on the 2 x 4 mesh (one per tp device) a 70-token forward never returns on
-# XLA:CPU (one device: parity 2.6e-6), not yet understood.
+# Layers: linear+MoE, linear+MLP, attention+MoE, linear+MoE, attention+MLP. Four key heads, one per tp
+# device of the 2 x 4 mesh (as the 80B's 16 on tp=4 or 16: the Gated DeltaNet runs by key head).
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
             linear_key_head_dim=8, linear_value_head_dim=8, layer_types=[LIN, LIN, FULL, LIN, FULL],
             mlp_only_layers=[1, 4], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=48, max_position_embeddings=128,
@@ -77,8 +76,9 @@ def test_f32_logits_match_transformers(tiny_checkpoints, mesh, scan_layers):
     assert {g: getattr(model.cfg, g) for g in GROUPS} == GROUPS
     if scan_layers:  # the fused projections split per key head: (hk, rows, hidden)
         la = model.linear_layers.linear_attn
-        assert la.q.kernel[...].shape == (2, 2, 8, 64) and la.v.kernel[...].shape == (2, 2, 16, 64)
-        assert la.a.kernel[...].shape == (2, 2, 2, 64)
+        assert la.q.kernel[...].shape == (2, 4, 8, 64) and la.v.kernel[...].shape == (2, 4, 16, 64)
+        assert la.a.kernel[...].shape == (2, 4, 2, 64) and la.conv_v[...].shape == (2, 4, 16, 1, 4)
+        assert la.q.kernel[...].sharding.spec[1] == "tp"  # a key head per tp device
     with jax.set_mesh(mesh):
         for seq in (13, 70):  # one chunk, and two with a ragged last one
             ids = token_ids(seq=seq)
@@ -126,8 +126,8 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
     model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
     cache = model.init_cache(3, 8)
     layers = cache["layers"]
-    assert layers["linear_layers"]["state"].shape == (2, 3, 4, 8, 8)
-    assert layers["linear_mlp_layers"]["conv"].shape == (1, 3, 2 * 16 + 32, 4)
+    assert layers["linear_layers"]["state"].shape == (2, 3, 8, 8, 8)
+    assert layers["linear_mlp_layers"]["conv"].shape == (1, 3, 2 * 32 + 64, 4)
     assert layers["attention_mlp_layers"]["k"].shape == (1, 3, 8, 2, 16)
     assert_greedy_matches(model, torch_model, mesh=mesh, crop=0)
 

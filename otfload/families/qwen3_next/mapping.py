@@ -6,7 +6,10 @@ layers split the projections Qwen3-Next fuses per key head.
 ``in_proj_ba`` its ``b`` (``r`` rows) then ``a`` (``r``). Each is reshaped to ``(hk, rows per key
 head, hidden)`` and sliced on the middle axis into the layer's ``q``, ``k``, ``v``, ``z``, ``b`` and
 ``a`` leaves (:class:`~otfload.models.gated_delta.GatedDeltaNet` with ``per_key_head``), so a device
-reads only its key heads' rows, and export joins the slices back."""
+reads only its key heads' rows, and export joins the slices back. The depthwise ``conv1d`` (its
+channels by kind: every query head's, every key head's, every value head's) is sliced into the query,
+key and value taps and each reshaped by key head (``conv_q``, ``conv_k``, ``conv_v``), as the
+projections they convolve."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from otfload.config import Count, Dim
-from otfload.families.hybrid_rules import Leaves, hybrid_checks, hybrid_table
+from otfload.families.hybrid_rules import LINEAR_COMMON, Leaves, hybrid_checks, hybrid_table
 from otfload.families.qwen3_next.config import Qwen3NextConfig
 from otfload.models.hybrid_decoder import LayerKind
 from otfload.plan.hooks import Reshape, Slice
@@ -35,11 +38,20 @@ PROJECTIONS: Leaves = {
     "linear_attn.b.kernel": ("linear_attn.in_proj_ba.weight", (BA, Slice(1, 0, R))),
     "linear_attn.a.kernel": ("linear_attn.in_proj_ba.weight", (BA, Slice(1, R))),
 }
+HK, TAPS = "linear_num_key_heads", "linear_conv_kernel_dim"
+KEYS = f"{HK} * {DK}"  # query (and key) channels of the conv
+CONV = "linear_attn.conv1d.weight"
+CONV_TAPS: Leaves = {
+    "linear_attn.conv_q": (CONV, (Slice(0, 0, KEYS), Reshape((HK, DK, 1, TAPS)))),
+    "linear_attn.conv_k": (CONV, (Slice(0, KEYS, f"2 * {KEYS}"), Reshape((HK, DK, 1, TAPS)))),
+    "linear_attn.conv_v": (CONV, (Slice(0, f"2 * {KEYS}"), Reshape((HK, RV, 1, TAPS)))),
+}
+COMMON: Leaves = {leaf: read for leaf, read in LINEAR_COMMON.items() if leaf != "linear_attn.conv"}
 
 
 @functools.cache
 def _table(kinds: tuple[LayerKind, ...]) -> MappingTable:
-    return hybrid_table(kinds, PROJECTIONS)
+    return hybrid_table(kinds, {**PROJECTIONS, **CONV_TAPS}, COMMON)
 
 
 def qwen3_next_table(cfg: Qwen3NextConfig) -> MappingTable:
