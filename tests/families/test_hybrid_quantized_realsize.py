@@ -1,8 +1,8 @@
 """The published hybrid configs at full size in their quantized layouts, headers only (tests/realsize.py):
 Qwen3.5-27B and Qwen3.5-35B-A3B as Qwen's FP8 releases store them (e4m3 codes, float32 128x128
 ``weight_scale_inv``, the ``quantization_config`` added as those releases write it) and
-Nemotron-3-Nano-30B-A3B as NVIDIA's ModelOpt NVFP4 release stores it (``hf_quant_config.json``, the
-attention layers and the Mamba layers feeding them bf16). ``otfload inspect --devices 256`` for process
+Nemotron-3-Nano-30B-A3B as NVIDIA's ModelOpt NVFP4 and FP8 releases store it (``hf_quant_config.json``,
+the attention layers and the Mamba layers feeding them bf16). ``otfload inspect --devices 256`` for process
 0 of 32: every leaf planned within 10 s of the child's CPU and 1 GiB of its own peak, one process's
 bytes (held and fetched) within 1.1x its devices' share of the stored bytes."""
 
@@ -85,10 +85,11 @@ def test_qwen3_5_35b_a3b_fp8_plans_at_256_devices(tmp_path):
     assert 33e9 < leaves[""]["totals"]["source_bytes"] < 40e9, leaves[""]["totals"]
 
 
-def nano_nvfp4(cfg: NemotronHConfig):
-    """``store`` of the NVFP4 release: U8 codes, F8 scales per 16, F32 ``weight_scale_2`` and
-    ``input_scale`` for every linear but ``lm_head``, the attention layers and the Mamba layer before each;
-    FP8 KV scales on the attention layers; and the list of those modules."""
+def nano_modelopt(cfg: NemotronHConfig, algo: str):
+    """``store`` of NVIDIA's ModelOpt release in ``algo``: NVFP4 (U8 codes, F8 scales per 16, F32
+    ``weight_scale_2``) or FP8 (e4m3 codes, one F32 ``weight_scale``), with an F32 ``input_scale``, for
+    every linear but ``lm_head``, the attention layers and the Mamba layer before each; FP8 KV scales on
+    the attention layers; and the list of those modules."""
     kinds = cfg.layers_block_type
     feeding = {max(j for j in range(i) if kinds[j] == "linear_attention") for i in cfg.attention_layers}
     kept = ["lm_head", *(f"backbone.layers.{i}.mixer.{p}_proj" for i in cfg.attention_layers for p in "qkvo"),
@@ -100,6 +101,8 @@ def nano_nvfp4(cfg: NemotronHConfig):
             kv = module[-6] if module.endswith(("k_proj", "v_proj")) else None  # the FP8 KV cache's scale
             return {key: spec, **({f"{module}.{kv}_scale": ("F32", ())} if kv else {})}
         out, inp = spec[1]
+        if algo == "FP8":
+            return {key: ("F8_E4M3", (out, inp)), f"{key}_scale": ("F32", ()), f"{module}.input_scale": ("F32", ())}
         return {key: ("U8", (out, inp // 2)), f"{key}_scale": ("F8_E4M3", (out, inp // 16)),
                 f"{key}_scale_2": ("F32", ()), f"{module}.input_scale": ("F32", ())}
 
@@ -107,17 +110,18 @@ def nano_nvfp4(cfg: NemotronHConfig):
 
 
 @pytest.mark.skipif(not NANO.is_file(), reason="../shared/realconfigs is not checked out")
-def test_nemotron_3_nano_nvfp4_plans_at_256_devices(tmp_path):
+@pytest.mark.parametrize(("algo", "storage", "gib"), [("NVFP4", "nvfp4", (17, 24)), ("FP8", "modelopt fp8", (30, 36))])
+def test_nemotron_3_nano_modelopt_plans_at_256_devices(tmp_path, algo, storage, gib):
     cfg = NemotronHConfig.from_hf(json.loads(NANO.read_text()))
-    store, kept = nano_nvfp4(cfg)
+    store, kept = nano_modelopt(cfg, algo)
     path = nano_headers(tmp_path / "nano", store)
     (path / "hf_quant_config.json").write_text(json.dumps({
         "producer": {"name": "modelopt", "version": "0.29.0"},
-        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
+        "quantization": {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "group_size": 16,
                          "exclude_modules": kept}}))
     leaves = assert_plans_at_scale(path, "fsdp=32,tp=8", "nemotron_h")
     assert leaves[""]["unused"] == []
     experts = leaves["moe_layers.mixer.experts.up.kernel"]
-    assert experts["shape"] == [23, 128, 1856, 2688] and "nvfp4" in experts["storage"].lower(), experts
-    assert "nvfp4" not in leaves["attention_layers.mixer.q.kernel"]["storage"].lower()
-    assert 17e9 < leaves[""]["totals"]["source_bytes"] < 24e9, leaves[""]["totals"]
+    assert experts["shape"] == [23, 128, 1856, 2688] and storage in experts["storage"].lower(), experts
+    assert leaves["attention_layers.mixer.q.kernel"]["storage"] == "bfloat16"
+    assert gib[0] * 1e9 < leaves[""]["totals"]["source_bytes"] < gib[1] * 1e9, leaves[""]["totals"]
