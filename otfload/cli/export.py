@@ -4,12 +4,14 @@ SRC is an HF checkpoint (loaded with from_pretrained and written back through th
 table, see otfload.export.export_checkpoint) or a native (Orbax) checkpoint directory (exported
 leaf by leaf with its recorded family, config and scan_layers, see otfload.export.export_native).
 The output can be cast (``--dtype``) and re-split into files of at most ``--max-shard-size``.
+Progress bars on stderr (the load's, then the bytes written) follow --progress/--no-progress.
 --json prints one object instead of the line: {"source", "out", "files" (the names written)}.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -23,6 +25,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("out", help="output directory")
     options.add_mesh_args(p, mesh_help="mesh to load an HF SRC on, e.g. fsdp=4,tp=2")
     options.add_load_args(p)
+    options.add_progress_arg(p)
     p.add_argument("--step", type=int, help="step of a native SRC (default: the latest)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="layer layout: of a native SRC, checked against its metadata (default: as saved); "
@@ -50,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
         if args.adapter:
             raise InvalidOptionError("--adapter: a native SRC is exported as it was saved (merge adapters when "
                                      "loading the HF checkpoint it came from)")
-        out = export_native(args.source, args.out, step=args.step, scan_layers=args.scan_layers, **written)
+        out = export_native(args.source, args.out, step=args.step, scan_layers=args.scan_layers,
+                            progress=args.progress, **written)
     else:  # the load's flags (--dtype, the one written, is the load's too: a cast either way)
-        out = export_checkpoint(args.source, args.out, options=options.load_options(args), **written)
+        load = dataclasses.replace(options.load_options(args), progress=args.progress)
+        out = export_checkpoint(args.source, args.out, options=load, **written)
     if args.json:
         print(json.dumps({"source": given, "out": str(out), "files": sorted(p.name for p in out.iterdir())}))
         return 0

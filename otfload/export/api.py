@@ -58,6 +58,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     mapping: MappingTable | Sequence[Rule] | Mapping[str, str] | None = None,
+    progress: bool | None = None,
 ) -> Path:
     """Write a model or parameter tree back as a Hugging Face safetensors checkpoint.
 
@@ -92,6 +93,8 @@ def export_hf(
         Replace an existing ``out_dir``.
     mapping
         A mapping table for a model you bring, instead of a family's.
+    progress
+        A bar of the bytes written on stderr (default: when stderr is a terminal, as the load's).
 
     Returns
     -------
@@ -126,7 +129,8 @@ def export_hf(
                            "pass config= (dict or config.json path) or reference=")
     arrays = leaf_arrays(model_or_params)
     job = ExportJob.build(arrays, hf_config, family=family, mapping=mapping, hf_shapes=hf_shapes, dtype=dtype)
-    write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite, companions=companions)
+    write_export(job, arrays, out_dir, max_shard_size=max_shard_size, overwrite=overwrite, companions=companions,
+                 progress=progress)
     return Path(out_dir)
 
 
@@ -143,11 +147,12 @@ def export_checkpoint(
     """What ``otfload export SRC OUT`` runs: load the HF checkpoint ``source`` with
     ``otfload.from_pretrained`` (``options`` and ``keywords`` are its own: ``mesh``, ``scan_layers``,
     ``adapter``, ``revision``, ...; ``dtype`` here is the one written) and write it back with
-    ``export_hf``, using ``source`` as the reference (config, shapes, tokenizer and generation files)."""
+    ``export_hf``, using ``source`` as the reference (config, shapes, tokenizer and generation files).
+    The load's ``progress`` option shows the write's bar too."""
     from otfload.api import from_pretrained
 
     load_options = resolve_options(options, keywords)
     with owned_source(source, **load_options.source_options()) as src:  # one opening for the load and the reference
         model = from_pretrained(src, options=load_options)
         return export_hf(model, out_dir, reference=src, dtype=dtype, max_shard_size=max_shard_size,
-                         overwrite=overwrite)
+                         overwrite=overwrite, progress=load_options.progress)

@@ -104,10 +104,12 @@ def write_export(
     max_shard_size: int | str,
     overwrite: bool,
     companions: Mapping[str, bytes] | None = None,
+    progress: bool | None = None,
 ) -> Path:
     """Write ``job`` from ``arrays`` (dotted leaf path → array) to ``out_dir``, atomically, with the
     ``companions`` files (name → bytes: the tokenizer's, ...) beside them; every process of the job
-    must call it with the same arguments."""
+    must call it with the same arguments. ``progress``: a bar of the bytes this process writes
+    (:func:`~otfload.export.writer.write_progress`)."""
     me = jax.process_index()
     target = output_dir(out_dir, overwrite)
     files = writer.plan_shards(job.specs, max_shard_size)
@@ -120,14 +122,16 @@ def write_export(
     try:
         _barrier(f"otfload-export-{token}-start")
         fetcher = _Fetcher(arrays, me)
-        for name, shard in files.items():
-            fetch = fetcher.for_owner(owners[name])
-            if owners[name] == me:
-                writer.write_safetensors(tmp / name, shard, job.producer(cast(Fetch, fetch)))  # the owner's: never None
-                continue
-            for spec in shard:
-                for leaf, index in job.plan.tensors[spec.key].sources:
-                    fetch(leaf, index)
+        mine = sum(s.nbytes for name, shard in files.items() if owners[name] == me for s in shard)
+        with writer.write_progress(mine, progress) as bar:
+            for name, shard in files.items():
+                fetch = fetcher.for_owner(owners[name])
+                if owners[name] == me:  # the owner's fetch: never None
+                    writer.write_safetensors(tmp / name, shard, job.producer(cast(Fetch, fetch)), bar.update)
+                    continue
+                for spec in shard:
+                    for leaf, index in job.plan.tensors[spec.key].sources:
+                        fetch(leaf, index)
         _barrier(f"otfload-export-{token}-written")
         if me == 0:
             writer.write_index(tmp, files)

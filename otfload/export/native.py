@@ -22,7 +22,7 @@ from otfload.errors import MappingError, NativeCheckpointError, ScanLayersMismat
 from otfload.export.api import load_config
 from otfload.export.gather import gather_slice
 from otfload.export.job import ExportJob
-from otfload.export.writer import ShardFiles, write_config
+from otfload.export.writer import ShardFiles, write_config, write_progress
 from otfload.index.checkpoint import CONFIG_FILE
 
 if TYPE_CHECKING:  # otfload.checkpoint imports Orbax: only when a native checkpoint is exported
@@ -88,6 +88,7 @@ def export_native(
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    progress: bool | None = None,
 ) -> Path:
     """Write ``step`` (default: the latest) of the native checkpoint ``checkpoint_dir`` to ``out_dir``
     as an HF safetensors checkpoint; returns the path.
@@ -96,7 +97,7 @@ def export_native(
     raises :class:`~otfload.errors.ScanLayersMismatchError`, and without metadata the value (default:
     the saved tree's own layout) is used with a :class:`~otfload.checkpoint.MissingLayoutMetadataWarning`.
     ``config`` (an HF ``config.json`` dict or path) replaces the one recorded in the metadata (needed
-    for a checkpoint without it). ``dtype``, ``max_shard_size`` and ``overwrite`` are as in
+    for a checkpoint without it). ``dtype``, ``max_shard_size``, ``overwrite`` and ``progress`` are as in
     :func:`~otfload.export.export_hf`; HF shapes are inferred from the mapping. Runs in one process.
     """
     from otfload.checkpoint import detect_scan_layers, resolve_scan_layers
@@ -117,8 +118,8 @@ def export_native(
                 f"{'scanned' if stored else 'unscanned'}"
             )
         job = ExportJob.build(specs, _hf_config(layout, config, where), dtype=dtype)
-        with atomic_dir(out_dir, overwrite) as tmp:
-            files = ShardFiles(tmp, job.specs, max_shard_size)
+        with atomic_dir(out_dir, overwrite) as tmp, write_progress(sum(s.nbytes for s in job.specs), progress) as bar:
+            files = ShardFiles(tmp, job.specs, max_shard_size, bar.update)
             for leaves, keys in _groups(job):
                 _write(files, job, keys, _restore(manager, step, {leaf: specs[leaf] for leaf in leaves}))
             files.finish()

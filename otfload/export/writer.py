@@ -3,7 +3,8 @@
 Shards are filled in key order the way ``transformers``' ``save_pretrained`` does (a tensor larger
 than ``max_shard_size`` gets a shard of its own) and named ``model-0000i-of-0000n.safetensors``;
 one shard is written as ``model.safetensors`` with no index. Each tensor is produced on demand,
-written and dropped, so the host holds one tensor at a time; :class:`ShardFiles` lays the files
+written and dropped, so the host holds one tensor at a time (a bar on stderr counts the bytes
+written, :func:`write_progress`); :class:`ShardFiles` lays the files
 out first so tensors can also be written in any order. Everything is written into a temporary
 directory beside the target, which is renamed into place only when complete (:mod:`otfload.atomic`).
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm import tqdm
 
 from otfload.index.dtypes import safetensors_name
 
@@ -86,8 +89,10 @@ def _check(spec: TensorSpec, array: np.ndarray) -> None:
         )
 
 
-def write_safetensors(path: Path, specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray]) -> None:
-    """Write one safetensors file, asking ``produce(key)`` for each tensor in turn."""
+def write_safetensors(path: Path, specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray],
+                      written: Callable[[int], object] = lambda nbytes: None) -> None:
+    """Write one safetensors file, asking ``produce(key)`` for each tensor in turn; ``written(nbytes)``
+    after each (a progress bar's ``update``)."""
     header = _header(specs)
     with open(path, "wb") as f:
         f.write(len(header).to_bytes(8, "little"))
@@ -97,6 +102,14 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], produce: Callable
             _check(spec, array)
             f.write(array.reshape(-1).view(np.uint8).data)
             del array
+            written(spec.nbytes)
+
+
+def write_progress(total: int, show: bool | None) -> tqdm[Any]:
+    """The bar of an export's writes: ``total`` bytes on stderr, shown when ``show`` (``None``: when
+    stderr is a terminal, as the load's bar)."""
+    shown = sys.stderr.isatty() if show is None else show
+    return tqdm(total=total, unit="B", unit_scale=True, desc="otfload export", disable=not shown, file=sys.stderr)
 
 
 def shard_names(count: int) -> list[str]:
@@ -128,8 +141,10 @@ class ShardFiles:
     """Shard files laid out up front — headers written, each file at its full size — so tensors
     can be written in any order (:meth:`write` places one at its offset)."""
 
-    def __init__(self, out: Path, specs: Sequence[TensorSpec], max_shard_size: int | str):
+    def __init__(self, out: Path, specs: Sequence[TensorSpec], max_shard_size: int | str,
+                 written: Callable[[int], object] = lambda nbytes: None):
         self.out = out
+        self._written_bytes = written
         self.files = plan_shards(specs, max_shard_size)
         self._where: dict[str, tuple[Path, int, TensorSpec]] = {}
         self._written: set[str] = set()
@@ -153,6 +168,7 @@ class ShardFiles:
             f.seek(offset)
             f.write(array.reshape(-1).view(np.uint8).data)
         self._written.add(key)
+        self._written_bytes(spec.nbytes)
 
     def finish(self) -> None:
         """Write the index; ``ValueError`` if a planned tensor was never written."""

@@ -21,9 +21,9 @@ LAYOUTS = {"scanned": True, "unscanned": False}
 def recording(write, names: list[str]):
     """``write`` (``writer.write_safetensors``), appending the name of each file it writes to ``names``."""
 
-    def record(path, specs, produce):
+    def record(path, specs, produce, *written):
         names.append(path.name)
-        write(path, specs, produce)
+        write(path, specs, produce, *written)
 
     return record
 

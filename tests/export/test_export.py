@@ -116,11 +116,11 @@ def test_failure_mid_export_leaves_no_output(tiny_checkpoints, mesh_2x4, tmp_pat
         export_hf(model, tmp_path / "bad_dtype", reference=src, dtype="no-such-dtype")
     real, calls = writer.write_safetensors, []
 
-    def fail_on_third_shard(path, specs, produce):
+    def fail_on_third_shard(path, specs, produce, *written):
         calls.append(path)
         if len(calls) == 3:
             raise OSError("disk full")
-        real(path, specs, produce)
+        real(path, specs, produce, *written)
 
     monkeypatch.setattr(writer, "write_safetensors", fail_on_third_shard)
     with pytest.raises(OSError, match="disk full"):
