@@ -3,9 +3,10 @@
     python -m tests.lmeval.distributed_worker SPEC_JSON PROCESS_ID
 
 ``SPEC_JSON`` (a file) says: ``processes``, ``local_devices``, ``port`` (the coordinator's),
-``checkpoint``, ``mesh`` (OtfloadLM's), ``task_dir``, ``tasks``, ``batch_size`` and ``out`` (a
-directory). The process joins the job, runs ``lm_eval.simple_evaluate`` with the ``otfload``
-backend and writes ``proc<i>.json``: its rank and world size, the requests it answered, and what
+``checkpoint``, ``meshes`` (OtfloadLM's, one evaluation each, in order: one job start-up for all),
+``task_dir``, ``tasks``, ``batch_size`` and ``out`` (a directory). The process joins the job, runs
+``lm_eval.simple_evaluate`` with the ``otfload`` backend on each mesh and writes ``proc<i>.json``:
+a list with, per mesh, its rank and world size, the requests it answered, and what
 ``simple_evaluate`` returned to it (results and every logged sample's responses by task and
 document, or null).
 """
@@ -26,13 +27,13 @@ def counting(method, answered: list[int]):
     return counted
 
 
-def evaluate(spec: dict) -> dict:
+def evaluate(spec: dict, mesh: str) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from otfload.lm_eval import OtfloadLM
 
-    model = OtfloadLM(spec["checkpoint"], mesh=spec["mesh"], batch_size=spec["batch_size"])
+    model = OtfloadLM(spec["checkpoint"], mesh=mesh, batch_size=spec["batch_size"])
     answered: list[int] = []
     for method in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
         setattr(model, method, counting(getattr(model, method), answered))
@@ -58,7 +59,7 @@ def main() -> None:
 
     join_cpu_job(spec, pid)  # a job of several processes: the test starts two
     try:
-        report = evaluate(spec)
+        report = [evaluate(spec, mesh) for mesh in spec["meshes"]]
         (out / f"proc{pid}.json").write_text(json.dumps(report, default=lambda v: v.item()))
     except BaseException:
         (out / f"proc{pid}.error").write_text(traceback.format_exc())

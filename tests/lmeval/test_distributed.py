@@ -88,21 +88,33 @@ def run_processes(commands, timeout_s=600.0) -> list[str]:
     return [out for out, _ in outs]
 
 
-@pytest.mark.parametrize(("mesh", "replicas"), [("fsdp:2", True), ("fsdp:2/tp:2", False)],
-                         ids=["mesh-per-process", "mesh-over-both"])
-def test_two_processes_get_one_process_numbers(setup, one_process, tmp_path, mesh, replicas):
-    """A mesh of each process's 2 devices: each is a rank answering its share, only process 0 gets
-    the results. A mesh of all 4 devices (its sizes multiply to the job's count): one replica both
-    processes drive, every request run by both, each batch sharded over the two processes."""
+MESHES = {"mesh-per-process": "fsdp:2", "mesh-over-both": "fsdp:2/tp:2"}
+
+
+@pytest.fixture(scope="module")
+def jobs(setup, tmp_path_factory) -> dict[str, list[dict]]:
+    """Both meshes' evaluations in one two-process job (one start-up): every process's report, by mesh."""
     checkpoint, tasks = setup
+    out = tmp_path_factory.mktemp("lm-eval-mh")
     spec = {"processes": PROCESSES, "local_devices": LOCAL_DEVICES, "port": free_port(), "checkpoint": str(checkpoint),
-            "mesh": mesh, "task_dir": str(tasks), "tasks": list(TASKS), "batch_size": BATCH, "out": str(tmp_path)}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.lmeval.distributed_worker", str(tmp_path / "spec.json"),
+            "meshes": list(MESHES.values()), "task_dir": str(tasks), "tasks": list(TASKS), "batch_size": BATCH,
+            "out": str(out)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.lmeval.distributed_worker", str(out / "spec.json"),
                                str(i)], cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(PROCESSES)]
     wait_workers(procs, timeout_s=600)
-    reports = [json.loads((tmp_path / f"proc{i}.json").read_text()) for i in range(PROCESSES)]
+    reports = [json.loads((out / f"proc{i}.json").read_text()) for i in range(PROCESSES)]
+    return {name: [r[k] for r in reports] for k, name in enumerate(MESHES)}
+
+
+@pytest.mark.parametrize(("mesh", "replicas"), [("mesh-per-process", True), ("mesh-over-both", False)],
+                         ids=list(MESHES))
+def test_two_processes_get_one_process_numbers(jobs, one_process, mesh, replicas):
+    """A mesh of each process's 2 devices: each is a rank answering its share, only process 0 gets
+    the results. A mesh of all 4 devices (its sizes multiply to the job's count): one replica both
+    processes drive, every request run by both, each batch sharded over the two processes."""
+    reports = jobs[mesh]
     total = sum(len(s) * len(s[0]["resps"]) for s in one_process["samples"].values())  # requests of one process
     if replicas:
         assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
