@@ -9,6 +9,7 @@ MLP (``mlp_only_layers``), two value heads per key head and 13- to 70-token inpu
 64-token chunk); the helpers are :mod:`tests.families.test_qwen3_5`'s and
 :mod:`tests.training.test_gradients`'."""
 
+import copy
 import json
 
 import jax
@@ -19,7 +20,7 @@ import pytest
 from flax import nnx
 
 import otfload
-from otfload.errors import ConfigError
+from otfload.errors import AdapterError, ConfigError
 from otfload.export import export_hf
 from otfload.families.qwen3_next.config import Qwen3NextConfig
 from otfload.plan.hooks import run_forward
@@ -154,6 +155,45 @@ def test_gradients_equal_torch_autograd_and_a_step_lowers_the_loss(tiny_checkpoi
     assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
     assert_grads_match_unrouted_too(exported_grads(grads, path, tmp_path / "grads"), ref_grads)
     assert float(after) < float(loss)
+
+
+FUSED = ["in_proj_qkvz", "in_proj_ba"]  # split between leaves: factors otfload merges only
+MODULES = ["out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "shared_expert_gate"]
+# PEFT 0.21 turns these into its fused-expert targets on an MoE layer (EXPERTS), the dense layers' MLPs kept.
+MLP = ["gate_proj", "up_proj", "down_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("merge_adapter", [True, False])
+def test_peft_lora_matches_peft_merged(tiny_checkpoints, tmp_path, mesh, merge_adapter):
+    """A PEFT adapter on the projections PEFT targets (transformers' runtime names: the fused
+    ``in_proj_qkvz``/``in_proj_ba`` a device reads by key head, ``out_proj``, the attention, the
+    shared experts' gate and, merged only, the fused projections, the dense MLPs and the routed
+    experts fused as ``gate_up_proj``/``down_proj``, whose factors otfload cannot keep yet), merged on
+    the fly and kept as factors: logits equal those of ``PeftModel.merge_and_unload()``, which the
+    adapter moves well past the bound; keeping the fused projections' factors is a typed error."""
+    from peft import PeftModel
+
+    from otfload.adapters.weight import LoraWeight
+    from tests.adapters.support import make_adapter
+
+    path, torch_model = tiny_checkpoints("qwen3_next")
+    lora = dict(target_modules=FUSED + MODULES + MLP, target_parameters=EXPERTS) if merge_adapter else dict(
+        target_modules=MODULES)
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4, **lora)
+    ids = token_ids(seq=70)
+    reference = torch_logits(PeftModel.from_pretrained(copy.deepcopy(torch_model), adapter).merge_and_unload(), ids)
+    model = otfload.from_pretrained(path, adapter=adapter, merge_adapter=merge_adapter, mesh=mesh)
+    kept = [w for w in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, LoraWeight))
+            if isinstance(w, LoraWeight)]
+    assert bool(kept) != merge_adapter
+    with jax.set_mesh(mesh):
+        assert max_rel_diff(logits(model, ids), reference) <= 1e-4
+    assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
+    if not merge_adapter:
+        fused = make_adapter(torch_model, tmp_path / "fused", r=2, lora_alpha=4, target_modules=FUSED)
+        with pytest.raises(AdapterError, match="linear_attn.+fused projection"):
+            otfload.from_pretrained(path, adapter=fused, merge_adapter=False, mesh=mesh)
 
 
 def test_groups_follow_decoder_sparse_step_and_the_defaults():

@@ -6,6 +6,7 @@ layer but ``mlp_only_layers``, dense MLPs on the others.
 ``config`` parses ``config.json``, ``mapping`` holds the table and checks; importing the package
 registers the family."""
 
+from otfload.families.lora import QWEN2_MOE
 from otfload.families.qwen3_next.config import Qwen3NextConfig
 from otfload.families.qwen3_next.mapping import qwen3_next_checks, qwen3_next_table
 from otfload.families.registry import Family, register
@@ -19,6 +20,7 @@ QWEN3_NEXT = register(
         build=HybridForCausalLM,
         mapping=qwen3_next_table,
         checks=qwen3_next_checks,
+        lora_layout=QWEN2_MOE,  # PEFT names the experts fused (gate_up_proj), as transformers runs them
     )
 )
 
