@@ -224,3 +224,69 @@ def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(ConfigError) as err:
         Qwen3NextConfig.from_hf(json.loads(json.dumps(config)))
     assert field in err.value.field
+
+
+def _full_size_headers(path):
+    """A header-only checkpoint of Qwen3-Next-80B-A3B: transformers' Qwen3NextConfig defaults, which
+    are the release's shapes but for ``intermediate_size`` (5632; the release's 5120, read by no layer:
+    every layer has experts) and ``max_position_embeddings`` (32768; 262144), set as published; bf16,
+    one file per layer, the release's names (experts per expert, a multi-token-prediction tensor)."""
+    from transformers import Qwen3NextConfig as HFConfig
+
+    from tests.realsize import write_header_checkpoint
+
+    config = HFConfig(intermediate_size=5120, max_position_embeddings=262144).to_dict()
+    cfg = Qwen3NextConfig.from_hf(config)
+    h, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    bf16 = lambda *shape: ("BF16", shape)  # noqa: E731
+
+    def swiglu(key: str, f: int) -> dict:
+        return {key.format("gate"): bf16(f, h), key.format("up"): bf16(f, h), key.format("down"): bf16(h, f)}
+
+    shards = {}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        t = {f"{p}.input_layernorm.weight": bf16(h), f"{p}.post_attention_layernorm.weight": bf16(h)}
+        if kind == LIN:
+            a = f"{p}.linear_attn"
+            t |= {f"{a}.in_proj_qkvz.weight": bf16(2 * hk * dk + 2 * hv * dv, h),
+                  f"{a}.in_proj_ba.weight": bf16(2 * hv, h),
+                  f"{a}.conv1d.weight": bf16(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), f"{a}.dt_bias": bf16(hv),
+                  f"{a}.A_log": bf16(hv), f"{a}.norm.weight": bf16(dv), f"{a}.out_proj.weight": bf16(h, hv * dv)}
+        else:
+            a = f"{p}.self_attn"
+            t |= {f"{a}.q_proj.weight": bf16(2 * n * d, h), f"{a}.k_proj.weight": bf16(kv * d, h),
+                  f"{a}.v_proj.weight": bf16(kv * d, h), f"{a}.o_proj.weight": bf16(h, n * d),
+                  f"{a}.q_norm.weight": bf16(d), f"{a}.k_norm.weight": bf16(d)}
+        t |= {f"{p}.mlp.gate.weight": bf16(cfg.num_experts, h), f"{p}.mlp.shared_expert_gate.weight": bf16(1, h)}
+        t |= swiglu(f"{p}.mlp.shared_expert.{{}}_proj.weight", cfg.shared_expert_intermediate_size)
+        for e in range(cfg.num_experts):
+            t |= swiglu(f"{p}.mlp.experts.{e}.{{}}_proj.weight", cfg.moe_intermediate_size)
+        shards[f"model-{i + 1:05d}-of-{cfg.num_hidden_layers + 1:05d}.safetensors"] = t
+    shards["model-last.safetensors"] = {"model.embed_tokens.weight": bf16(cfg.vocab_size, h),
+                                        "model.norm.weight": bf16(h), "lm_head.weight": bf16(cfg.vocab_size, h),
+                                        "mtp.fc.weight": bf16(h, 2 * h)}
+    return write_header_checkpoint(path, shards, config)
+
+
+def test_full_size_plans_at_256_devices(tmp_path):
+    """``otfload inspect --devices 256`` of the full-size Qwen3-Next-80B-A3B (48 layers, 36 Gated
+    DeltaNet and 12 attention, 512 experts each; 74k stored tensors) on fsdp x ep: every leaf planned
+    but the multi-token-prediction head, within 10 s of CPU (the child's own) and 1 GiB (its own
+    peak), and one process's bytes, held and fetched, within 1.1 x its devices' share."""
+    from tests.realsize import inspect_at_scale
+
+    cpu, peak, info = inspect_at_scale(_full_size_headers(tmp_path / "qwen3_next"), "fsdp=16,ep=16")
+    assert cpu <= 10 and peak <= 2**30, (cpu, peak)
+    assert info["model_type"] == "qwen3_next" and info["unused"] == ["mtp.fc.weight"]
+    leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
+    experts = leaves["linear_layers.moe.gate.kernel"]
+    assert experts["shape"] == [36, 512, 512, 2048] and "'ep'" in experts["sharding"], experts
+    assert leaves["linear_layers.linear_attn.v.kernel"]["shape"] == [36, 16, 2 * 128, 2048]
+    assert leaves["attention_layers.attn.q.kernel"]["shape"] == [12, 16, 512, 2048]
+    totals = info["totals"]
+    assert 150e9 < totals["source_bytes"] < 165e9, totals
+    share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
+    assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)
