@@ -1,8 +1,9 @@
 """Models with a recurrent layer are scored one request a row by the lm_eval backend.
 
-A Gated DeltaNet (Qwen3.5) or Mamba-2 (Nemotron-H) layer's state and convolution window run along
-the whole row whatever the masks say, so the continuations of one context packed after it (and
-the groups packed next to each other) would read one another. Their ``packs_sequences`` is False:
+A Gated DeltaNet (Qwen3.5, Qwen3-Next), Kimi Delta Attention (Kimi-Linear) or Mamba-2 (Nemotron-H)
+layer's state and convolution window run along the whole row whatever the masks say, so the
+continuations of one context packed after it (and the groups packed next to each other) would read
+one another. Their ``packs_sequences`` is False:
 the backend's loglikelihoods of several requests sharing contexts, one of them cut to
 ``max_length``, equal transformers' log-likelihood of each request scored alone. A dense Llama
 still packs, with the same numbers.
@@ -14,8 +15,10 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+import tests.families.test_kimi_linear  # noqa: E402,F401  (registers the tiny Kimi-Linear)
 import tests.families.test_nemotron_h  # noqa: E402,F401  (registers the tiny Nemotron-H)
 import tests.families.test_qwen3_5  # noqa: E402,F401  (registers the tiny Qwen3.5)
+import tests.families.test_qwen3_next  # noqa: E402,F401  (registers the tiny Qwen3-Next)
 from tests.eval_support import with_tokenizer  # noqa: E402
 from tests.lmeval.tasks import tokenizer_config  # noqa: E402
 
@@ -45,7 +48,8 @@ def reference(torch_model, context: list[int], continuation: list[int]) -> tuple
     return float(logp.sum()), bool((picked.argmax(-1) == torch.tensor(continuation)).all())
 
 
-@pytest.mark.parametrize(("kind", "packs"), [("qwen3_5", False), ("nemotron_h", False), ("llama", True)])
+@pytest.mark.parametrize(("kind", "packs"), [("qwen3_5", False), ("qwen3_next", False), ("kimi_linear", False),
+                                            ("nemotron_h", False), ("llama", True)])
 def test_loglikelihoods_equal_each_request_scored_alone(tiny_checkpoints, tmp_path, kind, packs):
     from otfload.lm_eval import OtfloadLM
     from otfload.lm_eval.scoring import make_groups
