@@ -254,3 +254,15 @@ def test_full_size_plans_at_256_devices(tmp_path):
     assert 90e9 < totals["source_bytes"] < 105e9
     share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
     assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)
+
+
+def test_eval_scores_padded_batches_like_transformers(tiny_checkpoints, mesh, tmp_path):
+    """``otfload.evaluate`` (``otfload eval``) on texts of different lengths batched with padding:
+    each text's summed NLL and token count equal transformers' loss on the text alone."""
+    from tests.eval_support import TEXTS, reference_nll, with_tokenizer
+    from tests.test_evaluate import MAX_LEN, assert_matches
+
+    src, torch_model = tiny_checkpoints("kimi_linear")
+    path = with_tokenizer(src, tmp_path / "ckpt")
+    result = otfload.evaluate(path, TEXTS, max_len=MAX_LEN, batch_size=3, mesh=mesh, progress=False)
+    assert_matches(result, reference_nll(torch_model, path / "tokenizer.json", TEXTS, MAX_LEN))

@@ -196,6 +196,18 @@ def test_peft_lora_matches_peft_merged(tiny_checkpoints, tmp_path, mesh, merge_a
             otfload.from_pretrained(path, adapter=fused, merge_adapter=False, mesh=mesh)
 
 
+def test_eval_scores_padded_batches_like_transformers(tiny_checkpoints, mesh, tmp_path):
+    """``otfload.evaluate`` (``otfload eval``) on texts of different lengths batched with padding:
+    each text's summed NLL and token count equal transformers' loss on the text alone."""
+    from tests.eval_support import TEXTS, reference_nll, with_tokenizer
+    from tests.test_evaluate import MAX_LEN, assert_matches
+
+    src, torch_model = tiny_checkpoints("qwen3_next")
+    path = with_tokenizer(src, tmp_path / "ckpt")
+    result = otfload.evaluate(path, TEXTS, max_len=MAX_LEN, batch_size=3, mesh=mesh, progress=False)
+    assert_matches(result, reference_nll(torch_model, path / "tokenizer.json", TEXTS, MAX_LEN))
+
+
 def test_groups_follow_decoder_sparse_step_and_the_defaults():
     cfg = Qwen3NextConfig.from_hf({**{k: v for k, v in TINY.items() if k not in ("layer_types", "head_dim")},
                                    "model_type": "qwen3_next", "num_hidden_layers": 8, "decoder_sparse_step": 2,
