@@ -18,13 +18,15 @@ on compressed layers, keys that each summarise a window of tokens, as transforme
   the ``index_topk`` visible windows it scores highest (all of them while there are no more).
 
 Without a cache only this call's tokens are compressed (the partial last window is dropped), as
-transformers' forward does. The logits are ``[b, heads, s, s + windows]``: fine for the tiny and
-medium sequences this is checked on; the sliding part is not sliced to the window.
+transformers' forward does. Queries run in chunks of :data:`Q_CHUNK`, each reading only the
+``sliding_window + Q_CHUNK - 1`` sliding slots it can see plus every window (masked to the ones it
+attends to), so memory is linear in the sequence; the windows' and the indexer's scores still cost
+every window per query (``s / rate`` of them), as the indexer's do anywhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol
 
 import jax
@@ -37,6 +39,9 @@ from otfload.models.attention import MASKED
 from otfload.models.layers import Dense, Norm, ParamOptions, Params, dense, make_param, rms_norm_scaled_f32
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# Queries attended at once: a chunk's logits are [b, heads, Q_CHUNK, sliding_window + Q_CHUNK - 1 +
+# windows] float32 and a CSA chunk's indexer scores [b, Q_CHUNK, index_heads, windows].
+Q_CHUNK = 64
 
 
 class Rotary(NamedTuple):
@@ -190,33 +195,116 @@ def _ready(positions: jax.Array, windows: int, rate: int) -> jax.Array:
     return jnp.arange(windows)[None, None, :] < ((positions + 1) // rate)[..., None]
 
 
-def _selected(
+class _Indexer(NamedTuple):
+    """The CSA indexer's side of a call: its window keys ``[b, windows, dim]`` (float32), rotated
+    queries ``[b, s, heads, dim]`` (float32) and head weights ``[b, s, heads]`` (scales applied)."""
+
+    keys: jax.Array
+    q: jax.Array
+    weights: jax.Array
+
+
+def _indexer(
     p: Params, x: jax.Array, q_latent: jax.Array, positions: jax.Array, rope: Rotary,
     cfg: CompressedAttentionShape,
-) -> jax.Array:
-    """``[b, s, windows]``: the CSA windows each query attends to (the indexer's top ``index_topk``
-    of the ones it has seen)."""
-    rate, dim, heads = cfg.compress_rate_csa, cfg.index_head_dim, cfg.index_n_heads
-    keys = compressed_keys(p["compressor"], x, rate, dim, True, rope, cfg.rms_norm_eps)
-    n = keys.shape[1]
-    ready = _ready(positions, n, rate)
-    if n <= cfg.index_topk:
-        return ready
+) -> _Indexer:
+    dim, heads = cfg.index_head_dim, cfg.index_n_heads
+    keys = compressed_keys(p["compressor"], x, cfg.compress_rate_csa, dim, True, rope, cfg.rms_norm_eps)
     q = rope_tail(dense(p["q_b"], q_latent, "bsr,ndr->bsnd"), *rope.tables(positions)).astype(jnp.float32)
-    scores = jax.nn.relu(jnp.einsum("bsnd,btd->bsnt", q, keys.astype(jnp.float32))) * dim**-0.5
     weights = jnp.einsum("bsh,nh->bsn", x.astype(jnp.float32), p["weights_proj"]["kernel"].astype(jnp.float32))
-    scores = jnp.einsum("bsnt,bsn->bst", scores, weights * heads**-0.5)
-    _, top = jax.lax.top_k(jnp.where(ready, scores, -jnp.inf), cfg.index_topk)
-    chosen = jax.nn.one_hot(top, n, dtype=jnp.bool_).any(axis=-2)
-    return chosen & ready
+    return _Indexer(keys.astype(jnp.float32), q * dim**-0.5, weights * heads**-0.5)
+
+
+def _selected(index: _Indexer, ready: jax.Array, top_k: int) -> jax.Array:
+    """``[b, c, windows]``: the windows a chunk of queries attends to, the indexer's ``top_k`` of those
+    they have seen whole (``ready``; all of them while there are no more), scored
+    ``sum_h w_h relu(q_h . k)``."""
+    windows = ready.shape[-1]
+    if windows <= top_k:
+        return ready
+    scores = jax.nn.relu(jnp.einsum("bcnd,btd->bcnt", index.q, index.keys))
+    scores = jnp.einsum("bcnt,bcn->bct", scores, index.weights)
+    _, top = jax.lax.top_k(jnp.where(ready, scores, -jnp.inf), top_k)
+    return jax.nn.one_hot(top, windows, dtype=jnp.bool_).any(axis=-2) & ready
+
+
+class _Chunk(NamedTuple):
+    """One chunk of queries: ``q [b, c, heads, d]``, their slots ``[c]`` and positions ``[b, c]``, and
+    the indexer's queries and weights for them (None off CSA layers)."""
+
+    q: jax.Array
+    slots: jax.Array
+    positions: jax.Array
+    index_q: jax.Array | None
+    index_weights: jax.Array | None
+
+
+def _attend(
+    chunk: _Chunk, kv: jax.Array, kv_mask: jax.Array | None, windows: jax.Array | None, index: _Indexer | None,
+    sinks: jax.Array, kind: str, cfg: CompressedAttentionShape,
+) -> jax.Array:
+    """A chunk's attention ``[b, c, heads, d]`` over the sliding keys it can see (only those slots
+    are read) and the compressed ``windows`` ``[b, windows, d]`` it attends to."""
+    b, s = kv.shape[:2]
+    c, window = chunk.slots.shape[0], cfg.sliding_window
+    k_slots = jnp.arange(s)
+    if window + c - 1 < s:  # only slots [first query - window + 1, last query] are visible
+        span = window + c - 1
+        start = jnp.clip(chunk.slots[0] - window + 1, 0, s - span)
+        kv = jax.lax.dynamic_slice_in_dim(kv, start, span, axis=1)
+        kv_mask = None if kv_mask is None else jax.lax.dynamic_slice_in_dim(kv_mask, start, span, axis=1)
+        k_slots = start + jnp.arange(span)
+    q_slots = chunk.slots[:, None]
+    visible = jnp.broadcast_to(((k_slots <= q_slots) & (q_slots - k_slots < window))[None], (b, c, kv.shape[1]))
+    if kv_mask is not None:
+        visible = visible & kv_mask[:, None, :]
+    keys = kv
+    if windows is not None:
+        ready = _ready(chunk.positions, windows.shape[1], compress_rate(cfg, kind))
+        if index is not None:
+            assert chunk.index_q is not None and chunk.index_weights is not None
+            ready = _selected(index._replace(q=chunk.index_q, weights=chunk.index_weights), ready, cfg.index_topk)
+        keys = jnp.concatenate([kv, windows.astype(kv.dtype)], axis=1)
+        visible = jnp.concatenate([visible, ready], axis=-1)
+    logits = jnp.einsum("bcnd,btd->bnct", chunk.q, keys, preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
+    logits = jnp.where(visible[:, None], logits, MASKED)
+    sink = sinks.astype(jnp.float32)[None, :, None, None]
+    top = jnp.maximum(logits.max(axis=-1, keepdims=True), sink)
+    weights = jnp.exp(logits - top)
+    probs = (weights / (weights.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(keys.dtype)
+    return jnp.einsum("bnct,btd->bcnd", probs, keys)
+
+
+def _in_chunks(attend: Callable[[_Chunk], jax.Array], chunk: _Chunk, size: int) -> jax.Array:
+    """``attend`` over ``chunk`` (the whole call) cut into chunks of ``size`` queries, one at a time."""
+    s = chunk.slots.shape[0]
+    if s <= size:
+        return attend(chunk)
+    n = -(-s // size)
+    pad = n * size - s
+
+    def cut(a: jax.Array, axis: int) -> jax.Array:
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, pad)
+        padded = jnp.pad(a, widths, mode="edge")
+        return jnp.moveaxis(padded.reshape(*a.shape[:axis], n, size, *a.shape[axis + 1 :]), axis, 0)
+
+    def cut_tokens(a: jax.Array | None) -> jax.Array | None:  # [b, s, ...] arrays
+        return None if a is None else cut(a, 1)
+
+    parts = _Chunk(cut(chunk.q, 1), cut(chunk.slots, 0), cut(chunk.positions, 1), cut_tokens(chunk.index_q),
+                   cut_tokens(chunk.index_weights))
+    out = jax.lax.map(lambda part: attend(_Chunk(*part)), parts)
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], n * size, *out.shape[3:])[:, :s]
 
 
 def compressed_attention_forward(
     a: Params, x: jax.Array, kind: str, cfg: CompressedAttentionShape, ropes: Mapping[str, Rotary],
-    positions: jax.Array, kv_mask: jax.Array | None,
+    positions: jax.Array, kv_mask: jax.Array | None, q_chunk: int = Q_CHUNK,
 ) -> jax.Array:
     """One V4 attention of ``x [b, s, hidden]`` (the call's tokens at slots ``0 .. s - 1``, ``positions
-    [b, s]``, ``kv_mask [b, s]`` real tokens or None); ``ropes``: the ``main`` and ``compress`` RoPEs."""
+    [b, s]``, ``kv_mask [b, s]`` real tokens or None); ``ropes``: the ``main`` and ``compress`` RoPEs;
+    queries attended ``q_chunk`` at a time."""
     b, s, _ = x.shape
     eps = cfg.rms_norm_eps
     cos, sin = ropes["main" if kind == SLIDING else "compress"].tables(positions)
@@ -227,32 +315,19 @@ def compressed_attention_forward(
     q = rope_tail(q, cos, sin)
     kv = rms_norm_scaled_f32(dense(a["kv"], x, "bsh,dh->bsd"), a["kv_norm"]["scale"], eps)
     kv = rope_tail(kv[:, :, None, :], cos, sin)[:, :, 0, :]
-
-    slots = jnp.arange(s)
-    visible = (slots[None, :] <= slots[:, None]) & (slots[:, None] - slots[None, :] < cfg.sliding_window)
-    visible = jnp.broadcast_to(visible[None], (b, s, s))
-    if kv_mask is not None:
-        visible = visible & kv_mask[:, None, :]
-    keys = kv
+    windows = index = None
     if kind != SLIDING:
         rate = compress_rate(cfg, kind)
-        extra = compressed_keys(a["compressor"], x, rate, cfg.head_dim, kind == CSA, ropes["compress"], eps)
-        if kind == CSA:
-            seen = _selected(a["indexer"], x, q_latent, positions, ropes["compress"], cfg)
-        else:
-            seen = _ready(positions, extra.shape[1], rate)
-        keys = jnp.concatenate([kv, extra.astype(kv.dtype)], axis=1)
-        visible = jnp.concatenate([visible, seen], axis=-1)
+        windows = compressed_keys(a["compressor"], x, rate, cfg.head_dim, kind == CSA, ropes["compress"], eps)
+    if kind == CSA:
+        index = _indexer(a["indexer"], x, q_latent, positions, ropes["compress"], cfg)
+    chunk = _Chunk(q, jnp.arange(s), positions, None if index is None else index.q,
+                   None if index is None else index.weights)
 
-    logits = jnp.einsum("bsnd,btd->bnst", q, keys, preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
-    logits = jnp.where(visible[:, None], logits, MASKED)
-    sink = a["sinks"].astype(jnp.float32)[None, :, None, None]
-    top = jnp.maximum(logits.max(axis=-1, keepdims=True), sink)
-    weights = jnp.exp(logits - top)
-    probs = (weights / (weights.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(keys.dtype)
-    out = jnp.einsum("bnst,btd->bsnd", probs, keys)
-    out = rope_tail(out, cos, -sin)
+    def attend(part: _Chunk) -> jax.Array:
+        return _attend(part, kv, kv_mask, windows, index, a["sinks"], kind, cfg)
 
+    out = rope_tail(_in_chunks(attend, chunk, q_chunk), cos, -sin)
     g = cfg.o_groups
     grouped = out.reshape(b, s, g, -1)
     mid = jnp.einsum("bsgi,gri->bsgr", grouped, a["o_a"]["kernel"]).reshape(b, s, -1)

@@ -106,13 +106,18 @@ def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name,
 
 
 def test_the_window_and_top_k_rules_are_live(tiny_checkpoints, mesh_2x4):
-    """5 tokens (no HCA window, one CSA window: fewer than index_topk) match transformers; at 20,
-    attending to every CSA window instead of the indexer's top 2, or to every earlier token instead
-    of the sliding window's 8, moves the logits well past the bound."""
+    """5 tokens (no HCA window, one CSA window: fewer than index_topk) and 80 (two query chunks, each
+    reading its sliding slots only) match transformers; at 20, attending to every CSA window instead
+    of the indexer's top 2, or to every earlier token instead of the sliding window's 8, moves the
+    logits well past the bound."""
+    from otfload.models.compressed_attention import Q_CHUNK
+
     path, torch_model = tiny_checkpoints("deepseek_v4")
     model = otfload.from_pretrained(path, mesh=mesh_2x4)
-    short = token_ids(seq=5)
-    assert max_rel_diff(logits(model, short), torch_logits(torch_model, short)) <= 1e-4
+    for seq in (5, 80):
+        ids = token_ids(seq=seq)
+        assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) <= 1e-4, seq
+    assert Q_CHUNK + TINY["sliding_window"] < 80
     base, ids = model.cfg, token_ids(seq=20)
     ref = torch_logits(torch_model, ids)
     for change in ({"index_topk": 64}, {"sliding_window": 64}):
