@@ -15,6 +15,7 @@ top 2. 16 indexer heads make an exact tie of two windows' scores too rare to mee
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -279,6 +280,22 @@ def test_unsupported_configs_are_typed_errors_naming_the_field(change, field):
     with pytest.raises(ConfigError) as err:
         deepseek_v4_config({**hf, **change})
     assert err.value.field == field and field in str(err.value)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"num_hidden_layers": 3, "layer_types": TINY["layer_types"][:3]}, "num_hidden_layers"),
+    ({"n_routed_experts": 4}, "n_routed_experts"),
+    ({"vocab_size": 300}, "vocab_size"),
+    ({"num_attention_heads": 2, "o_groups": 1}, "num_attention_heads"),
+])  # fmt: skip
+def test_a_config_the_tensors_contradict_is_a_typed_error(tiny_checkpoints, tmp_path, change, field):
+    src, _ = tiny_checkpoints("deepseek_v4")
+    path = shutil.copytree(src, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError) as err:
+        otfload.plan_model(path)
+    assert err.value.field == field
 
 
 # --- real size ----------------------------------------------------------------------------------

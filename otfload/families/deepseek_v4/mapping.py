@@ -71,13 +71,13 @@ DEEPSEEK_V4_TABLE = MappingTable(
 
 
 def deepseek_v4_checks(cfg: DeepseekV4Config, config: Mapping[str, Any]) -> tuple[Count | Dim, ...]:
-    """Layer and expert counts, vocabulary, width and the query heads against the tensors."""
-    layer = f"model.{L}"
-    return (
-        Count("num_hidden_layers", cfg.num_hidden_layers, "layer"),
-        Count("n_routed_experts", cfg.num_experts, "expert"),
-        Dim("vocab_size", cfg.vocab_size, "model.embed_tokens.weight", 0),
-        Dim("hidden_size", cfg.hidden_size, "model.embed_tokens.weight", 1),
-        Dim("num_attention_heads", cfg.num_attention_heads, f"{layer}.attn.wq_b.weight", 0, ("head_dim", cfg.head_dim)),
-        Dim("n_routed_experts", cfg.num_experts, f"{layer}.ffn.gate.weight", 0),
-    )
+    """Layer and expert counts, vocabulary, width, the query heads and the router's rows against the
+    tensors, under either naming (a check whose tensor is absent is skipped)."""
+    dims: list[Count | Dim] = [Count("num_hidden_layers", cfg.num_hidden_layers, "layer"),
+                               Count("n_routed_experts", cfg.num_experts, "expert")]
+    for embed, layer in (("model.embed_tokens.weight", f"model.{L}"), ("embed.weight", L)):
+        dims += [Dim("vocab_size", cfg.vocab_size, embed, 0), Dim("hidden_size", cfg.hidden_size, embed, 1),
+                 Dim("num_attention_heads", cfg.num_attention_heads, f"{layer}.attn.wq_b.weight", 0,
+                     ("head_dim", cfg.head_dim)),
+                 Dim("n_routed_experts", cfg.num_experts, f"{layer}.ffn.gate.weight", 0)]
+    return tuple(dims)
