@@ -24,14 +24,18 @@ def _table(
     hf_config: dict[str, Any],
     family: str | Family[Any] | None,
     mapping: MappingTable | Sequence[Rule] | Mapping[str, str] | None,
+    hf_shapes: Mapping[str, tuple[int, ...]] | None,
 ) -> tuple[MappingTable, dict[str, Any]]:
-    """The mapping table and the config its hooks are resolved against."""
+    """The mapping table and the config its hooks are resolved against (with the layout of the
+    reference's tensors when one is given: :attr:`Family.layout`)."""
     if mapping is not None:
         return as_table(mapping), hf_config
     if isinstance(family, str):
         family = family_for({"model_type": family})
     family = family or family_for(hf_config)
     cfg = family.parse_config(hf_config)
+    if hf_shapes is not None:
+        cfg = family.layout(cfg, hf_shapes.keys())
     return family.mapping(cfg), cfg.to_dict()
 
 
@@ -64,7 +68,7 @@ class ExportJob:
         text = hf_config.get("text_config")
         if isinstance(text, Mapping) and "quantization_config" in text:  # a multimodal wrapper's text model
             hf_config["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
-        table, hook_config = _table(hf_config, family, mapping)
+        table, hook_config = _table(hf_config, family, mapping, hf_shapes)
         shapes = {path: tuple(leaf.shape) for path, leaf in leaves.items()}
         plan = plan_export(shapes, table, hook_config, hf_shapes, tied=bool(hf_config.get("tie_word_embeddings")))
         if dtype is not None:

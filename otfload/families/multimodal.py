@@ -85,4 +85,5 @@ def text_model_family(name: str, model_types: tuple[str, ...], text: Family[Any]
         return tuple(p for c in text.checks(cfg, inner) for p in _prefixed(c, layouts))
 
     return Family(name=name, model_types=model_types, parse_config=parse, build=text.build,
-                  mapping=lambda cfg: either_layout(text.mapping(cfg), layouts), checks=checks)
+                  mapping=lambda cfg: either_layout(text.mapping(cfg), layouts), checks=checks,
+                  layout=text.layout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -39,6 +39,10 @@ def no_checks(cfg: object, config: Mapping[str, Any]) -> Sequence[TensorCheck]:
     return ()
 
 
+def same_layout(cfg: Any, names: Collection[str]) -> Any:
+    return cfg
+
+
 @dataclass(frozen=True)
 class Family(Generic[C]):
     """What otfload needs to build and fill one model family.
@@ -49,7 +53,9 @@ class Family(Generic[C]):
     constructs the NNX model; ``mapping(cfg)`` returns the table for that config; ``checks(cfg,
     config)`` lists what the checkpoint's tensors must agree with (layer and expert counts, sizes);
     ``lora_layout`` maps the expert names LoRA adapters use to the checkpoint's
-    (:mod:`otfload.families.lora`).
+    (:mod:`otfload.families.lora`). ``layout(cfg, tensor names)`` is ``cfg`` with what the checkpoint's
+    index decides where one family's releases store a tensor in two ways (Qwen3.5's experts fused or
+    per expert); it runs on load and on an export with a reference checkpoint.
     """
 
     name: str
@@ -59,11 +65,12 @@ class Family(Generic[C]):
     mapping: Callable[[C], MappingTable]
     checks: Callable[[C, Mapping[str, Any]], Sequence[TensorCheck]] = no_checks
     lora_layout: ExpertLayout = ExpertLayout()
+    layout: Callable[[C, Collection[str]], C] = same_layout
 
     def config_for(self, config: dict[str, Any], tensors: Mapping[str, object]) -> C:
         """The parsed config, checked against the checkpoint's ``tensors`` (name → info with ``.shape``)
         before anything is built or planned; a violation is a ConfigError."""
-        cfg = self.parse_config(config)
+        cfg = self.layout(self.parse_config(config), tensors.keys())
         check_tensors(self.checks(cfg, config), self.mapping(cfg), tensors)
         return cfg
 

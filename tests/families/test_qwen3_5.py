@@ -1,7 +1,8 @@
 """Qwen3.5: tiny transformers checkpoints → otfload → logits and greedy ids equal transformers' (its
 PyTorch reference kernels: torch_chunk_gated_delta_rule, the conv1d fallbacks), padded rows equal to
-the rows alone, the export round trip bit-exact, the published 27B and 35B-A3B configs planned at 256
-devices, and the config fields otfload does not implement refused by name.
+the rows alone, the export round trip bit-exact, the published 27B config planned at 256 devices
+(35B-A3B: test_qwen3_5_fused, as its bfloat16 release stores the experts), and the config fields
+otfload does not implement refused by name.
 
 The tiny models mix Gated DeltaNet and gated attention layers out of the default order (two linear,
 one attention, one linear, one attention), with grouped value heads (2 key heads, 4 value heads),
@@ -203,16 +204,6 @@ def test_the_published_27b_config_plans_at_256_devices(tmp_path):
     assert leaves["linear_layers.linear_attn.qkv.kernel"]["shape"] == [48, 10240, 5120]
     assert leaves["attention_layers.attn.q.kernel"]["shape"] == [16, 24, 512, 5120]
     assert 50e9 < info["totals"]["source_bytes"] < 58e9
-
-
-@pytest.mark.skipif(not MOE_35B.is_file(), reason="../shared/realconfigs is not checked out")
-def test_the_published_35b_a3b_config_plans_at_256_devices(tmp_path):
-    info = _plan_published(MOE_35B, tmp_path, "fsdp=32,ep=8")
-    assert info["model_type"] == "qwen3_5_moe"
-    leaves = {leaf["leaf"]: leaf for leaf in info["leaves"]}
-    assert leaves["linear_layers.moe.gate.kernel"]["shape"] == [30, 256, 512, 2048]
-    assert leaves["attention_layers.shared_gate.kernel"]["shape"] == [10, 1, 2048]
-    assert 60e9 < info["totals"]["source_bytes"] < 75e9
 
 
 @pytest.mark.parametrize(("field", "value"), [

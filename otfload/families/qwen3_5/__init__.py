@@ -7,7 +7,7 @@ blocks, ``mapping`` holds the tables and checks; importing the package registers
 """
 
 from otfload.families.multimodal import LANGUAGE_MODEL_PREFIXES, MODULE_PREFIXES, text_model_family
-from otfload.families.qwen3_5.config import Qwen35Config
+from otfload.families.qwen3_5.config import Qwen35Config, experts_layout
 from otfload.families.qwen3_5.mapping import qwen3_5_checks, qwen3_5_table
 from otfload.families.qwen3_5.model import Qwen35ForCausalLM
 from otfload.families.registry import Family, register
@@ -20,6 +20,7 @@ QWEN3_5 = register(
         build=Qwen35ForCausalLM,
         mapping=qwen3_5_table,
         checks=qwen3_5_checks,
+        layout=experts_layout,
     )
 )
 

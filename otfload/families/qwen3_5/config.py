@@ -7,13 +7,15 @@ shapes, whose HF layers are the config lists ``linear_layers`` and ``attention_l
 indexes by. Attention requires its output gate (``attn_output_gate``); the multimodal RoPE's sections
 all take the same position, which makes it plain RoPE. The MoE model types replace every layer's MLP
 by routed experts (softmax, top k, renormalised) plus a shared expert gated by a sigmoid; dense layers
-among them (``mlp_only_layers``) are refused by name.
+among them (``mlp_only_layers``) are refused by name. Whether the routed experts are stored fused
+(``mlp.experts.gate_up_proj`` / ``down_proj``, the bfloat16 releases) or per expert (the FP8 releases,
+transformers' ``save_pretrained``) is the checkpoint index's to say (:func:`experts_layout`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from otfload.config import EXPERTS, INTERMEDIATE, Fields, Int, List
@@ -22,11 +24,16 @@ from otfload.errors import ConfigError
 from otfload.families.hybrid_config import LINEAR, HybridConfig, hybrid_fields
 
 MOE_TYPES = ("qwen3_5_moe_text",)
+# The name every fused layer's gate and up projections end with (under any prefix).
+FUSED_EXPERTS = ".mlp.experts.gate_up_proj"
 
 
 @dataclass(frozen=True)
 class Qwen35Config(HybridConfig):
-    """A Qwen3.5 text config (:class:`~otfload.families.hybrid_config.HybridConfig`'s fields)."""
+    """A Qwen3.5 text config (:class:`~otfload.families.hybrid_config.HybridConfig`'s fields), and
+    whether its checkpoint stores the routed experts fused."""
+
+    fused_experts: bool = False
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> Qwen35Config:
@@ -49,3 +56,10 @@ class Qwen35Config(HybridConfig):
             moe_intermediate_size=f.get("moe_intermediate_size", INTERMEDIATE, 512) if moe else 0,
             shared_expert_intermediate_size=f.get("shared_expert_intermediate_size", INTERMEDIATE, 512) if moe else 0,
         )
+
+
+def experts_layout(cfg: Qwen35Config, names: Collection[str]) -> Qwen35Config:
+    """``cfg`` reading fused experts when the checkpoint's tensor ``names`` hold a fused
+    ``gate_up_proj`` (:attr:`Family.layout <otfload.families.registry.Family.layout>`)."""
+    fused = bool(cfg.num_experts) and any(name.endswith(FUSED_EXPERTS) for name in names)
+    return replace(cfg, fused_experts=fused)
