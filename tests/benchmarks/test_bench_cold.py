@@ -17,7 +17,8 @@ def test_bench_load_cold_mode_reports_floors_disk_bytes_and_residency(tmp_path):
     make = [sys.executable, "-m", "benchmarks.make_checkpoint", "--size-gib", "0.02", "--out", str(tmp_path / "c")]
     subprocess.run(make, cwd=ROOT, check=True, capture_output=True, timeout=300)
     cmd = [sys.executable, "-m", "benchmarks.bench_load", "--repeat", "1", "--dir", str(tmp_path / "c"),
-           "--cold-files", "--methods", "cat,dd,fromfile,direct,direct4,otfload"]  # only the checkpoint's pages are dropped
+           # only the checkpoint's pages are dropped
+           "--cold-files", "--methods", "cat,dd,fromfile,direct,direct4,otfload"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "cold (before each run: posix_fadvise(DONTNEED) per file (--cold-files))" in out.stdout

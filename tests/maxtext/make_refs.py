@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import module_name, randomize_, rename_tensors, token_ids, torch_logits  # noqa: E402
 from tests.maxtext.models import FAMILIES, SEQ, Family  # noqa: E402
 
-
 # multimodal models whose text-only forward is their language model's: transformers 5.24's
 # Llama4ForConditionalGeneration.forward fails without images (its output has no ``image_outputs``)
 LANGUAGE_MODEL_FORWARD = ("Llama4ForConditionalGeneration",)
