@@ -353,15 +353,6 @@ def otfload_workers(n: int) -> Callable[[Target], Run]:
     return setup
 
 
-def otfload_whole_direct_reads(target: Target) -> Run:
-    """otfload with each cold run read by one ``O_DIRECT`` request, one per builder in flight (as
-    before issue 46's pieces: ``otfload.read.direct``), to measure what the pieces bring."""
-    from otfload.read import direct
-
-    direct.PIECE_BYTES, direct.READS_IN_FLIGHT = 1 << 62, 2  # this process runs this one method only
-    return otfload_load(target)
-
-
 def floor_all_threads(target: Target) -> Run:
     """The raw floor with one reader thread per CPU (the machine's warm read rate)."""
     return floor(target, threads=os.cpu_count() or 2)
@@ -549,7 +540,6 @@ METHODS: dict[str, Callable[[Target], Run]] = {
     "fst-jax": fastsafetensors_jax,
     "direct": direct,
     "direct4": direct_disk_rate,
-    "otfload-wholedirect": otfload_whole_direct_reads,
     "otfload-w1": otfload_workers(1),
     "otfload-w3": otfload_workers(3),
     "otfload-w4": otfload_workers(4),

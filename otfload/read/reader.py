@@ -39,6 +39,7 @@ from otfload.accounting.gaps import (
 )
 from otfload.accounting.meter import expected_fetch, fetching
 from otfload.accounting.requests import remote_fetch
+from otfload.errors import TruncatedFileError
 from otfload.index.derived import DerivedTensor, is_derived
 from otfload.index.header import TensorInfo
 from otfload.plan.boxes import (
@@ -55,7 +56,6 @@ from otfload.plan.boxes import (
 )
 from otfload.plan.leaf_bytes import part_selections, useful_selection
 from otfload.read.arena import Arena
-from otfload.read.direct import DirectRead, read_all
 from otfload.sources.base import (
     DirectSource,
     MappedSource,
@@ -231,7 +231,6 @@ class _PendingRead(NamedTuple):
     fetched: int
     finish: Callable[[], np.ndarray]
     charged: bool = False  # ``fetched`` is a share of pages sibling leaves read too: it counts, not the source's
-    direct: tuple[DirectRead, ...] = ()  # O_DIRECT reads into the box's scratch (read_all does them)
 
 
 def _counting(charged: bool) -> Callable[..., AbstractContextManager[None]]:
@@ -328,10 +327,8 @@ class TensorReader:
         """:meth:`read_box` of ``box`` (``selection`` in it) of each of ``infos`` (the stacked tensors
         of one chunk of layers or experts). From a remote source the stored tensors' ranges go to
         the source in one ``read_many``, so their requests are in flight together instead of one
-        tensor's after another's; so are the ``O_DIRECT`` reads of cold local files
-        (:mod:`otfload.read.direct`); other local files are read tensor by tensor."""
-        cold = any(info.file in self.direct_files for info in infos if not is_derived(info))
-        if (self.maps or self.pages) and not cold:
+        tensor's after another's; mapped and local files are read tensor by tensor."""
+        if self.maps or self.pages:
             return [self.read_box(info, box, arena, selection, shared) for info in infos]
         out: list[np.ndarray | None] = [None] * len(infos)
         pending: list[tuple[int, _PendingRead]] = []
@@ -341,16 +338,11 @@ class TensorReader:
             else:
                 useful = useful_selection(info, box, selection)
                 pending.append((k, self._start_plain(info, box, arena, useful, True, _charge(selection, shared))))
-        if self.maps or self.pages:  # local files, some cold: their O_DIRECT reads all in flight together
-            self._read_direct([r for _, p in pending for r in p.direct])
-            for _, p in pending:
-                self._read_pending(p)
-        else:
-            reads = [r for _, p in pending for r in p.reads]
-            if reads:
-                fetched = sum(p.fetched for _, p in pending)
-                with expected_fetch(fetched, len(reads)):
-                    read_many(self.source, reads, PLANNED_GAPS)  # the gaps are others' bytes
+        reads = [r for _, p in pending for r in p.reads]
+        if reads:
+            fetched = sum(p.fetched for _, p in pending)
+            with expected_fetch(fetched, len(reads)):
+                read_many(self.source, reads, PLANNED_GAPS)  # the gaps are others' bytes
         for k, p in pending:
             out[k] = p.finish()
         return [a for a in out if a is not None]
@@ -360,19 +352,10 @@ class TensorReader:
         charge: Charge | None = None,
     ) -> np.ndarray:
         p = self._start_plain(info, box, arena, selection, view_ok, charge)
-        self._read_direct(p.direct)
-        self._read_pending(p)
-        return p.finish()
-
-    def _read_pending(self, p: _PendingRead) -> None:
-        """Send ``p``'s reads (a span, the box a strided view of it, is chunked and fetched in parallel too)."""
-        if p.reads:
+        if p.reads:  # a span (the box is a strided view of it) is chunked and fetched in parallel too
             with _counting(p.charged)(p.fetched, len(p.reads)):
                 read_many(self.source, p.reads, PLANNED_GAPS)  # the gaps are others' bytes
-
-    def _read_direct(self, reads: Sequence[DirectRead]) -> None:
-        if reads:
-            read_all(cast(DirectSource, self._direct), reads)  # direct_files holds files of a DirectSource only
+        return p.finish()
 
     def _start_plain(
         self, info: TensorInfo, box: Box, arena: Arena, selection: Selection | None, view_ok: bool,
@@ -409,16 +392,14 @@ class TensorReader:
             view = whole[box_to_slices(box)]
             return _PendingRead([], 0, lambda: view)
         origin = sum(b[0] * st for b, st in zip(box, strides, strict=True))
-        read_direct = direct and mode == "pages"  # the takes below plan their run's O_DIRECT read
-        direct_reads: list[DirectRead] = []
-        take = self._direct_taker(info, fetch, arena, charged, fetched, direct_reads) if read_direct else arena.take
+        read_direct = direct and mode == "pages"  # the takes below read their run themselves (O_DIRECT)
+        take = self._direct_taker(info, fetch, arena, charged, fetched) if read_direct else arena.take
         if len(fetch) == 1 and fetch[0].offset <= origin and mode != "pieces":
             run = fetch[0]
             buffer = take(run.length)
             read = RangeRead(info.file, info.offset + run.offset, buffer.data)
             return _PendingRead([] if read_direct else [read], fetched, lambda: np.ndarray(
-                box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides), charged,
-                tuple(direct_reads))
+                box_shape(box), info.dtype, buffer=buffer, offset=origin - run.offset, strides=strides), charged)
         dense = arena.take(box_nbytes(box, info.dtype.itemsize))
         if selection is not None:
             dense[:] = 0  # the holes: defined values for hooks and decoders that touch the whole box
@@ -433,16 +414,14 @@ class TensorReader:
                 _scatter(pieces, fetch, targets, dense)
             return dense.view(info.dtype).reshape(box_shape(box))
 
-        return _PendingRead([] if read_direct else reads, fetched, finish, charged, tuple(direct_reads))
+        return _PendingRead([] if read_direct else reads, fetched, finish, charged)
 
     def _direct_taker(
-        self, info: TensorInfo, fetch: list[ByteRun], arena: Arena, charged: bool, fetched: int,
-        planned: list[DirectRead],
+        self, info: TensorInfo, fetch: list[ByteRun], arena: Arena, charged: bool, fetched: int
     ) -> Callable[[int], np.ndarray]:
-        """A ``take`` for :meth:`_start_plain` that hands out, run after run of ``fetch``, the scratch
-        that run's bytes will be read into with ``O_DIRECT`` (each run widened to the block alignment,
-        into aligned scratch; the view handed out is the run's own bytes) and adds the read to
-        ``planned`` (:func:`~otfload.read.direct.read_all` does them, several in flight)."""
+        """A ``take`` for :meth:`_start_plain` that hands out, run after run of ``fetch``, that run's
+        bytes already read with ``O_DIRECT``: each run is widened to the block alignment, read into
+        aligned scratch, and the run's own bytes are the view handed out."""
         direct = cast(DirectSource, self._direct)  # direct_files holds files of a DirectSource only
         align, runs = direct.direct_align, iter(enumerate(fetch))
 
@@ -451,9 +430,12 @@ class TensorReader:
             start = (info.offset + run.offset) // align * align
             end = -(-(info.offset + run.offset + run.length) // align) * align
             buffer = arena.take(end - start, align)
+            charge = (fetched if k == 0 else 0) if charged else end - start  # a charged share counts once
+            with _counting(charged)(charge):
+                got = direct.read_direct_into(info.file, start, buffer.data)
             at = info.offset + run.offset
-            charge = (fetched if k == 0 else 0) if charged else None  # a charged share counts once
-            planned.append(DirectRead(info.file, start, buffer.data, at, run.length, charge))
+            if got < at - start + run.length:
+                raise TruncatedFileError(info.file, f"needs bytes [{at}, {at + run.length}) but ends at {start + got}")
             return buffer[at - start : at - start + nbytes]
 
         return take

@@ -67,34 +67,6 @@ def test_direct_reads_equal_numpy_and_leave_the_page_cache_alone(cold, key, box)
     assert meter.bytes <= reader.stats.bytes_read + 2 * DIRECT_ALIGN * meter.requests
 
 
-def test_direct_reads_go_in_pieces_several_in_flight(cold, monkeypatch):
-    """A run longer than a piece is read as pieces on the direct-read threads: each a ``preadv`` the
-    meter counts, the values numpy's, nothing through the page cache; a file cut inside a later piece
-    is still the typed error."""
-    from otfload.read import direct
-
-    monkeypatch.setattr(direct, "PIECE_BYTES", 4 * DIRECT_ALIGN)
-    source, tensors, directory = cold
-    index = open_index(source, require_config=False)
-    info = index.tensors["b"]
-    reader = TensorReader(source)
-    reader.use_direct([info.file])
-    drop_pages(directory)
-    meter = FetchMeter()
-    box = ((0, 64), (0, 2048))
-    with metering(meter):
-        got = reader.read_box(info, box, Arena())
-    np.testing.assert_array_equal(got, tensors["b"])
-    assert resident(next(directory.glob("*.safetensors"))) == 0.0
-    start = info.offset // DIRECT_ALIGN * DIRECT_ALIGN
-    aligned = -(-(info.offset + info.nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN - start
-    size = (directory / info.file).stat().st_size  # the last piece ends with the file
-    assert meter.bytes == min(aligned, size - start) and meter.requests == -(-aligned // (4 * DIRECT_ALIGN)) > 1
-    os.truncate(directory / info.file, info.offset + info.nbytes // 2)
-    with pytest.raises(TruncatedFileError, match=info.file):
-        reader.read_box(info, box, Arena())
-
-
 def test_read_direct_into_stops_at_the_end_of_the_file(cold):
     source, _, directory = cold
     (name,) = [p.name for p in directory.glob("*.safetensors")]
