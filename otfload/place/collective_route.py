@@ -241,18 +241,29 @@ def choose_leaf(
     over = byte_target is not None and _over_target(plan, groups, reader, sample, byte_target)
     by_bytes = policy == "always" or over
     byte_cap = max(direct[0], FETCH_TARGET * max(plan.ideal_bytes(groups[p]) for p in sample))
-    # by bytes: fewest bytes, then requests; by time: least time, below MIN_SAVING of the direct read's
+    bands = [(candidate, _fetch(plan, candidate, groups, reader, sample)) for candidate in band_shardings(plan.leaf)]
+    t_reshard = model.reshard_seconds(moved)
+    best = _best_band(bands, direct, t_direct, model, t_reshard, by_bytes, byte_cap)
+    if by_bytes and policy == "auto" and best.sharding is None:  # no band fetches fewer bytes: by time
+        best = _best_band(bands, direct, t_direct, model, t_reshard, False, byte_cap)
+    return best
+
+
+def _best_band(
+    bands: Sequence[tuple[NamedSharding, tuple[int, int]]], direct: tuple[int, int], t_direct: float,
+    model: TimeModel, t_reshard: float, by_bytes: bool, byte_cap: float,
+) -> Choice:
+    """By bytes: the band fetching the fewest bytes, then requests; by time: the least time, below
+    MIN_SAVING of the direct read's (bands fetching more than ``byte_cap`` left out); else ``direct``."""
+    best = Choice(None, direct[0], direct[0], t_direct, t_direct)
     best_key = (float(direct[0]), float(direct[1])) if by_bytes else (t_direct * (1 - MIN_SAVING), 0.0)
-    for candidate in band_shardings(plan.leaf):
-        band = _fetch(plan, candidate, groups, reader, sample)
+    for candidate, band in bands:
         if not by_bytes and band[0] > byte_cap:
             continue
-        t_band = model.fetch_seconds(*band) + model.reshard_seconds(moved)
+        t_band = model.fetch_seconds(*band) + t_reshard
         key = (float(band[0]), float(band[1])) if by_bytes else (t_band, 0.0)
         if key < best_key:
             best, best_key = Choice(candidate, direct[0], band[0], t_direct, t_band), key
-    if by_bytes and policy == "auto" and best.sharding is None:  # no band fetches fewer bytes: by time
-        return choose_leaf(plan, reader, groups, model, policy, None)
     return best
 
 
