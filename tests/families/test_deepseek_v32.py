@@ -240,38 +240,15 @@ def test_the_published_configs_plan_at_256_devices(plans, kind, scan_layers):
 # --- training -----------------------------------------------------------------------------------
 
 
-def _torch_grads(torch_model, ids: np.ndarray, out: Path) -> tuple[float, dict[str, np.ndarray]]:
-    """transformers' loss and gradients under checkpoint names (as tests/training/test_gradients.py
-    takes them); the indexer runs under ``torch.no_grad`` there, so its parameters get zeros."""
-    import copy
-
-    import torch
-
-    from tests.training.test_gradients import PAD
-
-    model = copy.deepcopy(torch_model)
-    model.get_input_embeddings().padding_idx = PAD
-    logits = model(torch.tensor(ids[:, :-1])).logits.float()
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(ids[:, 1:]).reshape(-1))
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.zeros_like(p) if p.grad is None else p.grad)
-        for b in model.buffers():
-            b.zero_()
-    model.save_pretrained(out)
-    return float(loss.detach()), hf_tensors(out)
-
-
 @pytest.mark.parametrize(("kind", "scan_layers"), [("deepseek_v32", True), ("glm_moe_dsa", False)])
 def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_layers):
     """One AdamW step on the ep mesh: the loss and every gradient as PyTorch's (the indexer's none:
     its top-k choice is not differentiable, and transformers runs it without gradients)."""
-    from tests.training.test_gradients import GRAD_TOL, adamw_step, exported_grads
+    from tests.training.test_gradients import GRAD_TOL, PAD, adamw_step, exported_grads, torch_loss_and_grads
 
     mesh = make_mesh(MESHES["fsdp2_ep4"])
     _, path, ids, loss, grads, after = adamw_step(tiny_checkpoints, tmp_path, kind, mesh, scan_layers)
-    ref_loss, ref = _torch_grads(tiny_checkpoints(kind)[1], ids, tmp_path / "torch_grads")
+    ref_loss, ref = torch_loss_and_grads(tiny_checkpoints(kind)[1], ids, PAD, tmp_path / "torch_grads")
     assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
     ours = exported_grads(grads, path, tmp_path / "grads")
     assert set(ours) == set(ref)

@@ -33,9 +33,16 @@ from otfload.models.hash_moe import TRAINABLE
 from otfload.plan.sharding import make_mesh
 from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
 from tests.families.checks import MESHES
-from tests.helpers import hf_tensors, max_rel_diff, register_hf_model, token_ids, torch_logits
 from tests.helpers import jax_logits as logits
-from tests.training.test_gradients import PAD, batch, exported_grads, next_token_loss, with_pad_id
+from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.training.test_gradients import (
+    PAD,
+    batch,
+    exported_grads,
+    next_token_loss,
+    torch_loss_and_grads,
+    with_pad_id,
+)
 
 TINY = {
     "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
@@ -158,24 +165,11 @@ def test_export_round_trip_is_bit_exact_but_the_hash_table_is_int32(tiny_checkpo
 
 
 def _torch_grads(path: Path, ids: np.ndarray, dtype, out: Path) -> tuple[float, dict[str, np.ndarray]]:
-    """transformers' loss and gradients in ``dtype`` (its eager experts: grouped_mm has no float64),
-    under checkpoint names; parameters no gradient reaches (the indexer's: it only picks windows) and
-    buffers are zeros."""
-    import torch
+    """transformers' loss and gradients in ``dtype`` (its eager experts: grouped_mm has no float64)."""
     from transformers import DeepseekV4ForCausalLM
 
     model = DeepseekV4ForCausalLM.from_pretrained(path, experts_implementation="eager").to(dtype).eval()
-    model.get_input_embeddings().padding_idx = PAD
-    logits = model(torch.tensor(ids[:, :-1])).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(ids[:, 1:]).reshape(-1))
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.zeros_like(p) if p.grad is None else p.grad)
-        for b in model.buffers():
-            b.zero_()
-    model.save_pretrained(out)
-    return float(loss.detach()), hf_tensors(out)
+    return torch_loss_and_grads(model, ids, PAD, out)
 
 
 def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path):

@@ -58,21 +58,23 @@ def train_step(model, optimizer, ids):
 
 
 def torch_loss_and_grads(torch_model, ids: np.ndarray, padding_idx: int | None, out) -> tuple[float, dict]:
-    """transformers' loss and gradients, with the embedding's ``padding_idx`` set. The gradients
-    are named as checkpoint tensors by transformers itself: they replace the weights (buffers become
-    zeros: they get no gradient) and ``save_pretrained`` writes them (transformers 5 keeps some
+    """transformers' loss and gradients, with the embedding's ``padding_idx`` set, the logits in at
+    least float32. The gradients are named as checkpoint tensors by transformers itself: they replace
+    the weights (buffers, and parameters no gradient reaches, such as an indexer run under
+    ``torch.no_grad``, become zeros) and ``save_pretrained`` writes them (transformers 5 keeps some
     experts fused in memory, per expert on disk)."""
     import torch
 
     model = copy.deepcopy(torch_model)
     model.get_input_embeddings().padding_idx = padding_idx
-    logits = model(torch.tensor(ids[:, :-1])).logits.float()
+    logits = model(torch.tensor(ids[:, :-1])).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              torch.tensor(ids[:, 1:]).reshape(-1))
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.grad)
+            p.copy_(torch.zeros_like(p) if p.grad is None else p.grad)
         for b in model.buffers():
             b.zero_()
     model.save_pretrained(out)
