@@ -212,3 +212,31 @@ def test_gptq_desc_act_loads_dequantised_and_the_plan_says_why(quantized, mesh_2
     assert not kept_leaves(kept)
     ids = jnp.asarray(token_ids())
     np.testing.assert_array_equal(np.asarray(kept(ids)), np.asarray(dense(ids)))
+
+
+def test_layers_only_follows_the_plan_not_the_leaf_names(quantized, mesh_2x4):
+    """A bundled model keeps its layer stack packed whatever the stack is named (``decoder.h.{i}``
+    unscanned, ``blocks`` scanned): the plan's ``{layer}`` rules say which leaves the layer loop
+    materializes; a quantized weight the table reads outside any layer stays dequantised."""
+    import json
+
+    from otfload.stages.quantized import KeptQuantized
+
+    path, *_ = quantized("ct_fp8_channel")
+    config = json.loads((path / "config.json").read_text())
+    n, hidden, inter = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    replicated = jax.sharding.NamedSharding(mesh_2x4, jax.sharding.PartitionSpec())
+
+    def leaf(*shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, np.float32, sharding=replicated)
+
+    abstract = {"decoder": {"h": [{"down": leaf(hidden, inter)} for _ in range(n)]},
+                "blocks": {"up": leaf(n, inter, hidden)}, "head": leaf(hidden, inter)}
+    table = [otfload.Rule("decoder.h.{layer}.down", "model.layers.{layer}.mlp.down_proj.weight"),
+             otfload.Rule("blocks.up", "model.layers.{layer}.mlp.up_proj.weight"),
+             otfload.Rule("head", "model.layers.0.mlp.down_proj.weight")]
+    plan = otfload.plan_params(path, abstract, table)
+    kept = KeptQuantized(layers_only=True).plan(plan)
+    assert set(kept.kept) == {*(f"decoder.h.{i}.down" for i in range(n)), "blocks.up"}
+    assert kept.kept_notes["head"] == "dequantised: used outside the layer loop"
+    assert set(KeptQuantized(layers_only=False).plan(plan).kept) == {*kept.kept, "head"}

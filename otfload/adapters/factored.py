@@ -65,11 +65,6 @@ LORA_A_SUFFIX = ".lora_A.weight"
 Factors = tuple[jax.Array, jax.Array, jax.Array]
 
 
-def _in_layer_loop(path: str) -> bool:
-    """Whether the bundled models materialize leaf ``path`` (one under a ``*layers`` group)."""
-    return path.split(".", 1)[0].endswith("layers")
-
-
 @dataclass(frozen=True)
 class SliceTerm:
     """The LoRA of one stacked slice: its factors, rank, scale and the module the adapter names."""
@@ -159,7 +154,7 @@ def factored_leaf(plan: LeafPlan) -> tuple[LeafPlan, FactoredLeaf | None]:
                                "replacement tensors cannot be kept separate (merge the adapter instead)")
     if not any(adapted):
         return plan, None
-    if not _in_layer_loop(plan.path):
+    if not plan.in_layer_stack:
         name = next(s.name for s in plan.sources if isinstance(s, AdaptedTensor))
         raise AdapterError(f"leaf {plan.path!r}: the adapter has a LoRA on {name!r}, a weight used outside the "
                            "layer loop (embedding, lm_head); it cannot be kept separate (merge the adapter)")

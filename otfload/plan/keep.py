@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +42,6 @@ from otfload.plan.planner import LeafPlan, LoadPlan
 from otfload.quantized import PartLayout, QuantizedArray
 
 QUANTIZED_MODES = ("dequantize", "keep")
-# The leaves a bundled model materializes inside ``run_layers`` (its layer stacks); others (the
-# embedding, lm_head) are used directly and so are dequantised on load.
-LAYER_LEAF = re.compile(r"^[A-Za-z_]*layers\.")
 
 Shape = tuple[int, ...]
 # A mesh axis entry of a PartitionSpec: one axis name, several, or None (not split).
@@ -279,11 +275,13 @@ def keep_leaf(plan: LeafPlan) -> tuple[KeptLeaf, dict[str, LeafPlan]]:
     return kept, leaves
 
 
-def keep_quantized(plan: LoadPlan, eligible: Callable[[str], bool] = lambda path: True) -> LoadPlan:
-    """``plan`` with every quantized leaf that ``eligible`` allows replaced by its part leaves.
+def keep_quantized(plan: LoadPlan, *, layers_only: bool = False) -> LoadPlan:
+    """``plan`` with every quantized leaf replaced by its part leaves; with ``layers_only`` (a bundled
+    model, which materializes only its layer stack's weights in the layer loop: the embedding and
+    ``lm_head`` are used directly) only the leaves :attr:`LeafPlan.in_layer_stack`.
 
-    A quantized leaf that cannot be kept (or is not eligible) stays dequantised on load; the plan's
-    ``kept_notes`` say why.
+    A quantized leaf that cannot be kept (or is outside the layer stack) stays dequantised on load;
+    the plan's ``kept_notes`` say why.
     """
     leaves: dict[str, LeafPlan] = {}
     kept: dict[str, KeptLeaf] = {}
@@ -292,7 +290,7 @@ def keep_quantized(plan: LoadPlan, eligible: Callable[[str], bool] = lambda path
         if not any(isinstance(s, QuantizedTensor) for s in leaf_plan.sources):
             leaves[path] = leaf_plan
             continue
-        if not eligible(path):
+        if layers_only and not leaf_plan.in_layer_stack:
             notes[path] = "dequantised: used outside the layer loop"
             leaves[path] = leaf_plan
             continue
@@ -313,11 +311,6 @@ def check_quantized_mode(quantized: object) -> str:
     if not isinstance(quantized, str) or quantized not in QUANTIZED_MODES:
         raise InvalidOptionError(f"quantized={quantized!r}: expected one of {', '.join(map(repr, QUANTIZED_MODES))}")
     return quantized
-
-
-def keep_plan(plan: LoadPlan, quantized: str, eligible: Callable[[str], bool] = lambda path: True) -> LoadPlan:
-    """``plan`` as the ``quantized`` mode wants it: unchanged for ``"dequantize"``."""
-    return keep_quantized(plan, eligible) if check_quantized_mode(quantized) == "keep" else plan
 
 
 def assemble_kept(plan: LoadPlan, arrays: Mapping[str, jax.Array]) -> dict[str, Any]:

@@ -33,8 +33,11 @@ from otfload.plan import leaf_bytes
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.boxes import Box
 from otfload.plan.hooks import Hook, Shape, chain_shapes
-from otfload.plan.mapping import MappingTable, Rule, format_key, hf_values, slice_values, stack_dims
+from otfload.plan.mapping import MappingTable, Rule, format_key, hf_values, placeholders, slice_values, stack_dims
 from otfload.plan.sharding import transposed_sharding
+
+# The placeholder through which a mapping table reads HF layer ``i`` (``model.layers.{layer}.…``).
+LAYER = "layer"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,13 @@ class LeafPlan:
     @property
     def path(self) -> str:
         return self.leaf.path
+
+    @property
+    def in_layer_stack(self) -> bool:
+        """Whether the leaf is read per HF layer (its rule's ``{layer}``: a stack axis of a scanned
+        group, or one layer of an unscanned tree) — what a model runs in its layer loop, unlike the
+        embedding or ``lm_head`` — whatever the target names its leaves."""
+        return LAYER in placeholders(self.rule.source)
 
     @property
     def stack_shape(self) -> tuple[int, ...]:

@@ -7,21 +7,17 @@ from typing import TYPE_CHECKING
 
 from otfload.accounting.meter import FetchMeter, metering
 from otfload.index.checkpoint import read_values
-from otfload.plan.keep import LAYER_LEAF, assemble_kept, keep_quantized
+from otfload.plan.keep import assemble_kept, keep_quantized
 from otfload.stages import Loaded, Stage
 
 if TYPE_CHECKING:
     from otfload.plan.planner import LoadPlan
 
 
-def _in_layers(path: str) -> bool:
-    return LAYER_LEAF.match(path) is not None
-
-
 class KeptQuantized(Stage):
     """Each quantized leaf planned as its stored parts (a plan transform) and the placed parts
     assembled into a ``QuantizedArray`` (a finisher). ``layers_only``: a bundled model, which keeps
-    only the leaves it materializes in its layer loop (others are dequantised on load)."""
+    only the leaves of its layer stack (``LeafPlan.in_layer_stack``; others are dequantised on load)."""
 
     name = "kept-quantized"
 
@@ -29,7 +25,7 @@ class KeptQuantized(Stage):
         self.layers_only = layers_only
 
     def plan(self, plan: LoadPlan) -> LoadPlan:
-        return keep_quantized(plan, _in_layers) if self.layers_only else keep_quantized(plan)
+        return keep_quantized(plan, layers_only=self.layers_only)
 
     def finish(self, loaded: Loaded) -> None:
         loaded.arrays = assemble_kept(loaded.plan, loaded.arrays)
