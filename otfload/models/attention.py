@@ -53,7 +53,10 @@ CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
               "v": ("layers", "batch", None, "kv_heads", "head_dim"),
               "mask": ("batch", None), "index": (),
               # recurrent layers (otfload.models.gated_delta, .mamba2): the conv's last inputs and the state
-              "conv": ("layers", "batch", "mlp", None), "state": ("layers", "batch", "heads", None, None)}
+              "conv": ("layers", "batch", "mlp", None), "state": ("layers", "batch", "heads", None, None),
+              # DeepSeek-V4's compressors (otfload.models.compressor): windows, pending projections
+              **{f"{p}{k}": ("layers", "batch", None, "head_dim") for p in ("", "index_")
+                 for k in ("windows", "pool_kv", "pool_gate")}}
 
 
 @dataclass(frozen=True)

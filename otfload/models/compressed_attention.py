@@ -18,7 +18,10 @@ on compressed layers, keys that each summarise a window of tokens, as transforme
   the ``index_topk`` visible windows it scores highest (all of them while there are no more).
 
 Without a cache only this call's tokens are compressed (the partial last window is dropped), as
-transformers' forward does. Queries run in chunks of :data:`Q_CHUNK`, each reading only the
+transformers' forward does. With one (``init_cache``: :mod:`otfload.models.compressor`'s state and the
+sliding keys ``k [b, slots, 1, head_dim]`` per layer) each call writes its keys at its slots and the
+compressors emit the windows its tokens complete, so a decoding step costs one token's projections
+plus its attention. Queries run in chunks of :data:`Q_CHUNK`, each reading only the
 ``sliding_window + Q_CHUNK - 1`` sliding slots it can see plus every window (masked to the ones it
 attends to), so memory is linear in the sequence; the windows' and the indexer's scores still cost
 every window per query (``s / rate`` of them), as the indexer's do anywhere.
@@ -31,29 +34,18 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
-from otfload.models.attention import MASKED
+from otfload.models.attention import MASKED, Context, token_mask, write_cache
+from otfload.models.base import GroupCache
+from otfload.models.compressor import Rotary, Spec, cached_keys, compressed_keys, rope_tail
 from otfload.models.layers import Dense, Norm, ParamOptions, Params, dense, make_param, rms_norm_scaled_f32
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 # Queries attended at once: a chunk's logits are [b, heads, Q_CHUNK, sliding_window + Q_CHUNK - 1 +
 # windows] float32 and a CSA chunk's indexer scores [b, Q_CHUNK, index_heads, windows].
 Q_CHUNK = 64
-
-
-class Rotary(NamedTuple):
-    """One RoPE: inverse frequencies (one per rotated pair) and the factor cos/sin are scaled by."""
-
-    inv_freq: np.ndarray
-    scale: float
-
-    def tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(cos, sin)`` at ``positions [b, n]``: ``[b, n, pairs]`` each."""
-        freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(self.inv_freq)
-        return jnp.cos(freqs) * self.scale, jnp.sin(freqs) * self.scale
 
 
 class CompressedAttentionShape(Protocol):
@@ -149,47 +141,6 @@ class CompressedAttention(nnx.Module):
             self.indexer = LightningIndexer(cfg, **kw)
 
 
-def rope_tail(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Interleaved-pair RoPE on the last ``2 * cos.shape[-1]`` dims of ``x [b, s, heads, d]``
-    (``cos``/``sin`` ``[b, s, pairs]``); the leading dims pass through."""
-    pairs = cos.shape[-1]
-    keep, rot = x[..., : -2 * pairs], x[..., -2 * pairs :].astype(jnp.float32)
-    rot = rot.reshape(*rot.shape[:-1], pairs, 2)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    even, odd = rot[..., 0], rot[..., 1]
-    rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(*x.shape[:-1], 2 * pairs)
-    return jnp.concatenate([keep, rotated.astype(x.dtype)], axis=-1)
-
-
-def _windows(p: Params, x: jax.Array, rate: int, dim: int, overlap: bool, eps: float) -> jax.Array:
-    """The pooled, normalised (not yet rotated) keys of every full window of ``x``: ``[b, windows, dim]``."""
-    b, s, _ = x.shape
-    n = s // rate
-    if n == 0:
-        return jnp.zeros((b, 0, dim), x.dtype)
-    kv = dense(p["kv"], x[:, : n * rate], "bsh,oh->bso").reshape(b, n, rate, -1)
-    gate = dense(p["gate"], x[:, : n * rate], "bsh,oh->bso").reshape(b, n, rate, -1)
-    gate = gate.astype(jnp.float32) + p["ape"].astype(jnp.float32)
-    if overlap:  # window w pools window w - 1's first series with its own second one
-        first_kv = jnp.pad(kv[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)))
-        first_gate = jnp.pad(gate[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
-        kv = jnp.concatenate([first_kv, kv[..., dim:]], axis=2)
-        gate = jnp.concatenate([first_gate, gate[..., dim:]], axis=2)
-    weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
-    pooled = (kv * weights).sum(axis=2)
-    return rms_norm_scaled_f32(pooled, p["norm"]["scale"], eps)
-
-
-def compressed_keys(
-    p: Params, x: jax.Array, rate: int, dim: int, overlap: bool, rope: Rotary, eps: float
-) -> jax.Array:
-    """:func:`_windows` rotated at each window's first position ``w * rate``: ``[b, windows, dim]``."""
-    keys = _windows(p, x, rate, dim, overlap, eps)
-    n = keys.shape[1]
-    cos, sin = rope.tables(jnp.arange(n)[None, :] * rate)
-    return rope_tail(keys[:, :, None, :], cos, sin)[:, :, 0, :]
-
-
 def _ready(positions: jax.Array, windows: int, rate: int) -> jax.Array:
     """``[b, s, windows]``: which windows each query has seen whole (``w < (t + 1) // rate``)."""
     return jnp.arange(windows)[None, None, :] < ((positions + 1) // rate)[..., None]
@@ -205,11 +156,11 @@ class _Indexer(NamedTuple):
 
 
 def _indexer(
-    p: Params, x: jax.Array, q_latent: jax.Array, positions: jax.Array, rope: Rotary,
+    p: Params, keys: jax.Array, x: jax.Array, q_latent: jax.Array, positions: jax.Array, rope: Rotary,
     cfg: CompressedAttentionShape,
 ) -> _Indexer:
+    """The indexer's side of a call over its window ``keys [b, windows, index_head_dim]``."""
     dim, heads = cfg.index_head_dim, cfg.index_n_heads
-    keys = compressed_keys(p["compressor"], x, cfg.compress_rate_csa, dim, True, rope, cfg.rms_norm_eps)
     q = rope_tail(dense(p["q_b"], q_latent, "bsr,ndr->bsnd"), *rope.tables(positions)).astype(jnp.float32)
     weights = jnp.einsum("bsh,nh->bsn", x.astype(jnp.float32), p["weights_proj"]["kernel"].astype(jnp.float32))
     return _Indexer(keys.astype(jnp.float32), q * dim**-0.5, weights * heads**-0.5)
@@ -298,15 +249,25 @@ def _in_chunks(attend: Callable[[_Chunk], jax.Array], chunk: _Chunk, size: int) 
     return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], n * size, *out.shape[3:])[:, :s]
 
 
+def compressor_specs(cfg: CompressedAttentionShape, kind: str, ropes: Mapping[str, Rotary]) -> dict[str, Spec]:
+    """The compressors of a layer of ``kind``, by cache prefix: ``""`` the attention's (CSA, HCA) and
+    ``"index_"`` the CSA indexer's."""
+    rope, eps = ropes["compress"], cfg.rms_norm_eps
+    specs = {} if kind == SLIDING else {"": Spec(compress_rate(cfg, kind), cfg.head_dim, kind == CSA, rope, eps)}
+    if kind == CSA:
+        specs["index_"] = Spec(cfg.compress_rate_csa, cfg.index_head_dim, True, rope, eps)
+    return specs
+
+
 def compressed_attention_forward(
-    a: Params, x: jax.Array, kind: str, cfg: CompressedAttentionShape, ropes: Mapping[str, Rotary],
-    positions: jax.Array, kv_mask: jax.Array | None, q_chunk: int = Q_CHUNK,
-) -> jax.Array:
-    """One V4 attention of ``x [b, s, hidden]`` (the call's tokens at slots ``0 .. s - 1``, ``positions
-    [b, s]``, ``kv_mask [b, s]`` real tokens or None); ``ropes``: the ``main`` and ``compress`` RoPEs;
-    queries attended ``q_chunk`` at a time."""
+    a: Params, x: jax.Array, kind: str, cfg: CompressedAttentionShape, ropes: Mapping[str, Rotary], ctx: Context,
+    cache: GroupCache | None = None, q_chunk: int = Q_CHUNK,
+) -> tuple[jax.Array, GroupCache | None]:
+    """One V4 attention of ``x [b, s, hidden]`` and the layer's updated cache (None without one).
+    Without a cache the call's tokens sit at slots ``0 .. s - 1``; ``ropes``: the ``main`` and
+    ``compress`` RoPEs; queries attended ``q_chunk`` at a time."""
     b, s, _ = x.shape
-    eps = cfg.rms_norm_eps
+    eps, positions = cfg.rms_norm_eps, ctx.positions
     cos, sin = ropes["main" if kind == SLIDING else "compress"].tables(positions)
     q_latent = rms_norm_scaled_f32(dense(a["q_a"], x, "bsh,rh->bsr"), a["q_a_norm"]["scale"], eps)
     q = dense(a["q_b"], q_latent, "bsr,ndr->bsnd")
@@ -314,21 +275,33 @@ def compressed_attention_forward(
     q = (q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + eps)).astype(q.dtype)
     q = rope_tail(q, cos, sin)
     kv = rms_norm_scaled_f32(dense(a["kv"], x, "bsh,dh->bsd"), a["kv_norm"]["scale"], eps)
-    kv = rope_tail(kv[:, :, None, :], cos, sin)[:, :, 0, :]
-    windows = index = None
-    if kind != SLIDING:
-        rate = compress_rate(cfg, kind)
-        windows = compressed_keys(a["compressor"], x, rate, cfg.head_dim, kind == CSA, ropes["compress"], eps)
-    if kind == CSA:
-        index = _indexer(a["indexer"], x, q_latent, positions, ropes["compress"], cfg)
-    chunk = _Chunk(q, jnp.arange(s), positions, None if index is None else index.q,
-                   None if index is None else index.weights)
+    kv = rope_tail(kv[:, :, None, :], cos, sin)
+    specs = compressor_specs(cfg, kind, ropes)
+    params = {prefix: a["indexer"]["compressor"] if prefix else a["compressor"] for prefix in specs}
+    keys: dict[str, jax.Array] = {}
+    if cache is None:
+        slots = jnp.arange(s)
+        kv = kv[:, :, 0, :]
+        keys = {prefix: compressed_keys(params[prefix], x, spec) for prefix, spec in specs.items()}
+    else:
+        slots, updated = ctx.q_index, {"k": write_cache(cache, "k", kv, ctx)}
+        kv = updated["k"][:, :, 0, :]
+        real = token_mask(ctx, s)
+        assert real is not None and ctx.kv_mask is not None  # a context made with a cache has its mask
+        before = ctx.kv_mask.sum(axis=-1, dtype=jnp.int32) - real.sum(axis=-1, dtype=jnp.int32)
+        for prefix, spec in specs.items():
+            keys[prefix], state = cached_keys(params[prefix], x, real, before, cache, spec, prefix)
+            updated.update(state)
+        cache = updated
+    index = None if kind != CSA else _indexer(a["indexer"], keys["index_"], x, q_latent, positions,
+                                              ropes["compress"], cfg)
+    chunk = _Chunk(q, slots, positions, None if index is None else index.q, None if index is None else index.weights)
 
     def attend(part: _Chunk) -> jax.Array:
-        return _attend(part, kv, kv_mask, windows, index, a["sinks"], kind, cfg)
+        return _attend(part, kv, ctx.kv_mask, keys.get(""), index, a["sinks"], kind, cfg)
 
     out = rope_tail(_in_chunks(attend, chunk, q_chunk), cos, -sin)
     g = cfg.o_groups
     grouped = out.reshape(b, s, g, -1)
     mid = jnp.einsum("bsgi,gri->bsgr", grouped, a["o_a"]["kernel"]).reshape(b, s, -1)
-    return dense(a["o_b"], mid, "bsr,hr->bsh")
+    return dense(a["o_b"], mid, "bsr,hr->bsh"), cache

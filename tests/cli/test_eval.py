@@ -83,12 +83,12 @@ def test_eval_errors_exit_1_naming_the_file(tiny_checkpoints, llama_tok, data, t
     assert usage.value.code == 2
 
 
-def test_generate_matches_transformers_greedy(llama_tok, capsys):
+def assert_generate_matches(path: Path, torch_model, capsys, prompts: list[str], new: int, greedy=torch_greedy):
+    """``otfload generate --json`` of ``prompts``: each row's ids and text equal ``greedy(torch_model, ids,
+    mask, new)`` (transformers' ids of the prompts left-padded to one batch, cut at EOS), and its
+    prompt ids equal transformers' tokenizer's."""
     from transformers import PreTrainedTokenizerFast
 
-    path, torch_model = llama_tok
-    prompts = ["the quick brown fox", "a checkpoint"]
-    new = 6
     assert main(["generate", str(path), *(a for p in prompts for a in ("--prompt", p)), "--max-new-tokens", str(new),
                  "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -97,14 +97,23 @@ def test_generate_matches_transformers_greedy(llama_tok, capsys):
     width = max(map(len, encoded))
     ids = np.array([[0] * (width - len(e)) + e for e in encoded])
     mask = np.array([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-    expected = torch_greedy(torch_model, ids, mask, new)[:, width:]
+    expected = greedy(torch_model, ids, mask, new)[:, width:]
     eos = torch_model.generation_config.eos_token_id
     for row, prompt, prompt_ids, want in zip(rows, prompts, encoded, expected, strict=True):
         want = want.tolist()
         want = want[: want.index(eos)] if eos in want else want
         assert row["prompt"] == prompt and row["prompt_ids"] == prompt_ids and row["new_ids"] == want
         assert row["completion"] == reference.decode(want, skip_special_tokens=True)
+
+
+def test_generate_matches_transformers_greedy(llama_tok, capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    path, torch_model = llama_tok
+    prompts = ["the quick brown fox", "a checkpoint"]
+    assert_generate_matches(path, torch_model, capsys, prompts, 6)
     assert main(["generate", str(path), "--prompt", prompts[0], "--max-new-tokens", "2"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith(reference.decode(encoded[0], skip_special_tokens=True))
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    assert printed[0].startswith(reference.decode(reference(prompts[0])["input_ids"], skip_special_tokens=True))
     assert printed[1].startswith("(loaded in ")

@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 import otfload
-from otfload.errors import ConfigError, UnsupportedModelError
+from otfload.errors import ConfigError
 from otfload.export import export_hf
 from otfload.families.deepseek_v4.config import CSA, HCA, SLIDING, deepseek_v4_config
 from otfload.families.deepseek_v4.model import rotary
@@ -141,13 +141,6 @@ def test_the_ropes_equal_transformers_buffers(tiny_checkpoints):
         ours = rotary(cfg, spec)
         np.testing.assert_allclose(ours.inv_freq, getattr(rope, f"{name}_inv_freq").numpy(), rtol=1e-6)
         assert ours.scale == getattr(rope, f"{name}_attention_scaling")
-
-
-def test_decoding_with_a_cache_is_refused(tiny_checkpoints, mesh_2x4):
-    path, _ = tiny_checkpoints("deepseek_v4")
-    model = otfload.from_pretrained(path, mesh=mesh_2x4)
-    with pytest.raises(UnsupportedModelError, match="KV-cache"):
-        model.init_cache(1, 8)
 
 
 def test_export_round_trip_is_bit_exact_but_the_hash_table_is_int32(tiny_checkpoints, mesh_2x4, tmp_path):

@@ -6,8 +6,10 @@ streams and their update; then the head's collapse, the final norm and ``lm_head
 
 Layers of one attention kind and one MLP kind form a group (their parameters share shapes), stacked to
 scan with ``scan_layers``; a forward pass runs the groups in HF layer order
-(:func:`~otfload.models.groups.run_groups`). No KV cache: the compressors' window state is not
-implemented, so ``init_cache`` (and with it ``generate``) is refused.
+(:func:`~otfload.models.groups.run_groups`). The KV cache holds per group the sliding keys (keys
+are values) and, on compressed layers, each compressor's windows and pending tokens
+(:mod:`otfload.models.compressor`); the hyper-connections need none. A row holds one sequence
+(``packs_sequences`` False): the compressors' windows run along the whole row.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from otfload.errors import UnsupportedModelError
 from otfload.families.deepseek_v4.config import HASH_MOE, DeepseekV4Config, Rope
 from otfload.models.attention import Context
-from otfload.models.base import CacheLayout, CausalLM, GroupCache, GroupCaches
-from otfload.models.compressed_attention import CompressedAttention, Rotary, compressed_attention_forward
+from otfload.models.base import Cache, CacheLayout, CausalLM, GroupCache, GroupCaches
+from otfload.models.compressed_attention import CompressedAttention, compressed_attention_forward, compressor_specs
+from otfload.models.compressor import Rotary, init_state
 from otfload.models.groups import run_groups
 from otfload.models.hash_moe import HashMoe, hash_moe_forward
 from otfload.models.hyper_connections import HyperConnection, HyperHead, hc_head, hc_merge, hc_weights
@@ -64,6 +66,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     """``model(input_ids [batch, seq]) -> logits [batch, seq, vocab]`` for DeepSeek-V4."""
 
     cfg: DeepseekV4Config
+    packs_sequences = False  # the compressors' windows run along the whole row, whatever the masks say
 
     def __init__(
         self, cfg: DeepseekV4Config, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32,
@@ -86,34 +89,46 @@ class DeepseekV4ForCausalLM(CausalLM):
             self.lm_head = Dense((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
     def cache_layout(self) -> dict[str, CacheLayout]:
-        raise UnsupportedModelError(
-            "deepseek_v4: KV-cache decoding is not supported (the compressors' window state is not implemented); "
-            "the model runs full forward passes only"
-        )
+        cfg = self.cfg
+        return {group: (len(layers), 1, cfg.head_dim, 0) for group, layers in cfg.layer_groups.items()}
+
+    def init_cache(self, batch: int, slots: int, dtype: DTypeLike | None = None) -> Cache:
+        """The sliding keys of every layer and, per compressed layer, its compressors' state
+        (:func:`~otfload.models.compressor.init_state`: windows in the cache's dtype, pending gates float32)."""
+        cache = super().init_cache(batch, slots, dtype)
+        cfg = self.cfg
+        dtype = self.embed.embedding.get_value().dtype if dtype is None else dtype
+        kinds = dict(zip(cfg.layer_order, cfg.layer_types, strict=True))
+        for group, layers in cfg.layer_groups.items():
+            for prefix, spec in compressor_specs(cfg, kinds[group], self._ropes()).items():
+                state = init_state(spec, batch, slots, dtype, prefix).items()
+                cache["layers"][group].update({k: jnp.broadcast_to(v, (len(layers), *v.shape)) for k, v in state})
+        return cache
+
+    def _ropes(self) -> dict[str, Rotary]:
+        return {"main": rotary(self.cfg, self.cfg.main_rope), "compress": rotary(self.cfg, self.cfg.compress_rope)}
 
     def forward(
         self, input_ids: jax.Array, ctx: Context, caches: Mapping[str, GroupCache] | None
     ) -> tuple[jax.Array, GroupCaches | None]:
-        if caches is not None:
-            self.cache_layout()
         cfg = self.cfg
         x = self.embed_tokens(input_ids)
         b, s, d = x.shape
         streams = jnp.broadcast_to(x[:, :, None, :], (b, s, cfg.hc_mult, d))
-        ropes = {"main": rotary(cfg, cfg.main_rope), "compress": rotary(cfg, cfg.compress_rope)}
+        ropes = self._ropes()
         kinds = dict(zip(cfg.layer_order, cfg.layer_types, strict=True))
 
-        def layer(group: str, p: Params, h: jax.Array, cache: GroupCache | None) -> tuple[jax.Array, None]:
+        def layer(group: str, p: Params, h: jax.Array, cache: GroupCache | None) -> tuple[jax.Array, GroupCache | None]:
             post, comb, collapsed = hc_weights(p["attn_hc"], h, cfg)
             normed = rms_norm_scaled_f32(collapsed, p["input_norm"]["scale"], cfg.rms_norm_eps)
-            out = compressed_attention_forward(p["attn"], normed, kinds[group], cfg, ropes, ctx.positions, ctx.kv_mask)
+            out, cache = compressed_attention_forward(p["attn"], normed, kinds[group], cfg, ropes, ctx, cache)
             h = hc_merge(post, comb, out.astype(h.dtype), h)
             post, comb, collapsed = hc_weights(p["ffn_hc"], h, cfg)
             normed = rms_norm_scaled_f32(collapsed, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
             out = hash_moe_forward(p["moe"], normed, input_ids, cfg, ctx.moe_impl)
-            return hc_merge(post, comb, out.astype(h.dtype), h), None
+            return hc_merge(post, comb, out.astype(h.dtype), h), cache
 
         groups = {group: getattr(self, group) for group in cfg.layer_groups}
-        streams, _ = run_groups(groups, cfg.layer_order, streams, None, layer)
+        streams, new = run_groups(groups, cfg.layer_order, streams, caches, layer)
         x = hc_head(pure(self.hc_head), streams, cfg)
-        return rms_norm_scaled_f32(x, self.final_norm.scale[...], cfg.rms_norm_eps), None
+        return rms_norm_scaled_f32(x, self.final_norm.scale[...], cfg.rms_norm_eps), new
