@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 # safetensors dtype -> bytes per element
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4, "U8": 1}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "I32": 4, "I64": 8, "U8": 1}
 Spec = tuple[str, tuple[int, ...]]  # (safetensors dtype, shape)
 
 

@@ -24,6 +24,8 @@ SAFETENSORS_DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype(np.float64),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    # UE8M0 (``2**(s - 127)``, 255 NaN): block scales of DeepSeek-V4's FP8 and FP4 weights
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 
 _NAME_BY_DTYPE = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}

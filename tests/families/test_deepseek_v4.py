@@ -228,14 +228,11 @@ def test_transformers_default_config_parses_as_transformers_reads_it():
 
 
 @NEEDS_REAL
-def test_the_published_config_is_refused_for_its_fp4_experts_and_else_parses_as_transformers_reads_it():
+def test_the_published_config_parses_as_transformers_reads_it():
+    """FP4 experts included (their layout: tests/families/test_deepseek_v4_quantized.py)."""
     real = json.loads(REAL.read_text())
-    with pytest.raises(ConfigError) as err:
-        deepseek_v4_config(real)
-    assert err.value.field == "expert_dtype" and err.value.value == "fp4"
-    bf16 = {**real, "expert_dtype": "bf16"}
-    cfg = deepseek_v4_config(bf16)
-    _assert_read_as_transformers(cfg, _transformers_config(**bf16))
+    cfg = deepseek_v4_config(real)
+    _assert_read_as_transformers(cfg, _transformers_config(**real))
     # 44 compress_ratios for 43 layers (the last is the MTP layer's): 0, 0, then CSA / HCA alternating
     assert cfg.layer_types[:4] == (SLIDING, SLIDING, CSA, HCA) and cfg.layer_types[-1] == CSA
     assert cfg.compress_rope.scaling is not None and cfg.compress_rope.scaling["attention_factor"] == 1.0
@@ -250,8 +247,8 @@ def test_the_published_config_is_refused_for_its_fp4_experts_and_else_parses_as_
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"topk_method": "greedy"}, "topk_method"),
-    ({"expert_dtype": "fp4"}, "expert_dtype"),
-    ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4"}}, "quantization_config.expert_dtype"),
+    ({"expert_dtype": "int4"}, "expert_dtype"),
+    ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "int4"}}, "quantization_config.expert_dtype"),
     ({"layer_types": [SLIDING, "full_attention", HCA, CSA]}, "layer_types[1]"),
     ({"layer_types": [SLIDING, CSA]}, "layer_types"),
     ({"layer_types": None, "compress_ratios": [0, 4, 16, 4]}, "compress_ratios[2]"),
@@ -290,7 +287,7 @@ def test_a_config_the_tensors_contradict_is_a_typed_error(tiny_checkpoints, tmp_
 
 def _full_size_headers(path: Path) -> Path:
     """A header-only V4-Flash (the published config, its experts declared bf16 and no
-    ``quantization_config``: otfload refuses the FP4 experts it is published with) under the release's
+    ``quantization_config``; the published FP4 layout: test_deepseek_v4_quantized.py) under the release's
     tensor names (no ``model.`` prefix; otfload reads them as its fallbacks): BF16 weights, float32
     hyper-connections, sinks, ``ape`` and router bias, int32 ``tid2eid``; one file per layer and an
     MTP tensor (never read)."""

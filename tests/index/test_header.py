@@ -36,8 +36,9 @@ CROSS_CHECK = settings(
 # Dtypes the reference accepts that otfload refuses with UnknownDtypeError: no numpy/ml_dtypes type it
 # could cast them to (sub-byte and complex types), so refusing early beats failing mid-load.
 # dtype: (a shape, its byte size)
-UNSUPPORTED_REFERENCE_DTYPES = {"C64": (1, 8), "F4": (2, 1), "F6_E2M3": (4, 3), "F6_E3M2": (4, 3), "F8_E8M0": (1, 1)}
-ML_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+UNSUPPORTED_REFERENCE_DTYPES = {"C64": (1, 8), "F4": (2, 1), "F6_E2M3": (4, 3), "F6_E3M2": (4, 3)}
+ML_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+             "F8_E8M0": ml_dtypes.float8_e8m0fnu}
 
 
 def _entry(dtype: str = "U8", shape: object = (2,), offsets: object = (0, 2), **extra) -> dict:

@@ -15,8 +15,11 @@ nested ``rope_parameters: {"main": ..., "compress": ...}`` transformers writes b
 Refused (each by its field): attention or MLP biases, activations other than SiLU, more than one KV
 head or shared expert (transformers builds one of each whatever the config says), router scores other
 than ``sqrtsoftplus`` / ``sigmoid`` / ``softmax``, ``norm_topk_prob`` false and ``topk_method`` other
-than ``noaux_tc`` (transformers normalises and routes so regardless), rotary dims that differ between
-the two RoPEs, and ``expert_dtype: "fp4"`` (FP4-packed routed experts: not decoded by otfload's index).
+than ``noaux_tc`` (transformers normalises and routes so regardless), and rotary dims that differ
+between the two RoPEs. ``expert_dtype`` (top level, or in ``quantization_config`` where transformers
+moves it) is checked against its values and otherwise not read: the published layout (``fp4`` routed
+experts, FP8 elsewhere, UE8M0 ``.scale`` tensors) is decoded by the index's ``fp8`` method, decided by
+the tensors present, like any other.
 """
 
 from __future__ import annotations
@@ -226,14 +229,10 @@ def deepseek_v4_config(hf: Mapping[str, Any]) -> DeepseekV4Config:
     require(f.get("norm_topk_prob", BOOL, True), "norm_topk_prob", False,
             "must be true: transformers' V4 always normalises the chosen experts' weights")
     f.get("topk_method", Choice("noaux_tc"), "noaux_tc")
-    where = "expert_dtype"
-    expert_dtype = f.get(where, EXPERT_DTYPES, None)
+    f.get("expert_dtype", EXPERT_DTYPES, None)
     quant = f.object("quantization_config")
-    if quant is not None and quant.has(where):  # where transformers moves it
-        expert_dtype, where = quant.get(where, EXPERT_DTYPES), quant.name(where)
-    if expert_dtype == "fp4":
-        raise ConfigError(where, "fp4", "FP4-packed routed experts are not supported (not decoded by "
-                          "otfload's index); a bf16 or FP8 block-scaled copy of the experts loads")
+    if quant is not None:
+        quant.get("expert_dtype", EXPERT_DTYPES, None)
 
     layers = _get(f, "num_hidden_layers", LAYERS)
     heads = _get(f, "num_attention_heads", HEADS)

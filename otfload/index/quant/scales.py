@@ -15,7 +15,7 @@ import numpy as np
 from otfload.errors import QuantizationError
 from otfload.index.header import TensorInfo
 from otfload.index.quant.blocks import Box, apply_blocks, block_box
-from otfload.index.quant.codecs import cast, packed_int
+from otfload.index.quant.codecs import CODECS, cast, packed_int
 from otfload.index.quant.codecs.cast import cast_values
 from otfload.index.quant.codecs.packed_int import packed_words, unpack_rows
 from otfload.index.quant.parts import NotKeepable, Parts, StoredPart, normalized, packed_part
@@ -30,6 +30,8 @@ class BlockScales:
     ``zero_point_bits`` > 0: zero points are packed along the rows (axis -2) like compressed-tensors
     writes them. ``global_scale`` (a one-element tensor) divides every scale (compressed-tensors
     NVFP4), or multiplies it when ``global_multiplies`` (ModelOpt NVFP4's ``weight_scale_2``).
+    ``scale_codec`` decodes the scales: ``cast`` (float scales), or ``e8m0`` (UE8M0 bytes, stored
+    ``float8_e8m0fnu`` and read as uint8: DeepSeek-V4's ``.scale`` tensors).
     """
 
     scale: TensorInfo
@@ -40,6 +42,7 @@ class BlockScales:
     global_multiplies: bool = False
     zero_point_order: tuple[int, ...] | None = None  # AWQ's interleave of packed zero points
     zero_point_add: int = 0  # added to each zero point: GPTQ's v1 format stores them minus one
+    scale_codec: str = cast.CODEC.name
 
     def part_boxes(self, box: Box) -> Parts:
         grid = block_box(box, self.block)
@@ -63,7 +66,7 @@ class BlockScales:
             if self.zero_point_add:
                 zero += self.zero_point_add
             apply_blocks(values, zero, box, self.block, np.subtract)
-        scale = cast_values(arrays["scale"])
+        scale = CODECS[self.scale_codec].numpy(arrays["scale"], 0, 0)
         if self.global_scale is not None:
             value = cast_values(arrays["global_scale"]).reshape(())
             scale = scale * value if self.global_multiplies else scale / value
@@ -74,7 +77,7 @@ class BlockScales:
         n = len(shape)
         parts: dict[str, StoredPart] = {}
         block = normalized(self.block, shape)
-        parts["scale"] = StoredPart("scale", self.scale, block, cast.CODEC.name)
+        parts["scale"] = StoredPart("scale", self.scale, block, self.scale_codec)
         if self.zero_point is not None:
             zero = self.zero_point
             if self.zero_point_bits:

@@ -9,10 +9,13 @@ import math
 import numpy as np
 
 from otfload.index.header import TensorInfo
+from otfload.index.quant.codecs import cast, e8m0
 from otfload.index.quant.common import Tensor, fail
 
 # NVFP4 shares one FP8 scale between 16 FP4 values (the format fixes it).
 NVFP4_GROUP = 16
+# The dtype of UE8M0 scales (``2**(s - 127)``): DeepSeek-V4's ``.scale`` tensors.
+E8M0 = "float8_e8m0fnu"
 
 
 def as_grid(info: TensorInfo, grid: tuple[int, ...]) -> TensorInfo | None:
@@ -49,5 +52,19 @@ def checked_scale(method: str | None, weight: Tensor, scale: TensorInfo, block: 
 
 
 def is_fp8(info: TensorInfo) -> bool:
-    """Whether ``info`` is stored in an FP8 dtype."""
-    return "float8" in info.dtype.name
+    """Whether ``info`` is stored in an FP8 dtype of values (not UE8M0, which holds scales only)."""
+    return "float8" in info.dtype.name and not is_e8m0(info)
+
+
+def is_e8m0(info: TensorInfo) -> bool:
+    """Whether ``info`` is stored as UE8M0 scales (``float8_e8m0fnu``)."""
+    return info.dtype.name == E8M0
+
+
+def scale_part(scale: TensorInfo) -> tuple[TensorInfo, str]:
+    """A scale tensor as it is read and the codec that decodes it: UE8M0 bytes as uint8 through
+    ``e8m0`` (the same bytes: exact on the host and the devices), any float dtype as stored through
+    ``cast``."""
+    if is_e8m0(scale):
+        return scale._replace(dtype=np.dtype(np.uint8)), e8m0.CODEC.name
+    return scale, cast.CODEC.name
