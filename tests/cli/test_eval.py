@@ -83,14 +83,15 @@ def test_eval_errors_exit_1_naming_the_file(tiny_checkpoints, llama_tok, data, t
     assert usage.value.code == 2
 
 
-def assert_generate_matches(path: Path, torch_model, capsys, prompts: list[str], new: int, greedy=torch_greedy):
-    """``otfload generate --json`` of ``prompts``: each row's ids and text equal ``greedy(torch_model, ids,
-    mask, new)`` (transformers' ids of the prompts left-padded to one batch, cut at EOS), and its
-    prompt ids equal transformers' tokenizer's."""
+def assert_generate_matches(path: Path, torch_model, capsys, prompts: list[str], new: int, greedy=torch_greedy,
+                            flags: tuple[str, ...] = ()):
+    """``otfload generate --json`` of ``prompts`` (and ``flags``): each row's ids and text equal
+    ``greedy(torch_model, ids, mask, new)`` (transformers' ids of the prompts left-padded to one batch,
+    cut at EOS), and its prompt ids equal transformers' tokenizer's."""
     from transformers import PreTrainedTokenizerFast
 
     assert main(["generate", str(path), *(a for p in prompts for a in ("--prompt", p)), "--max-new-tokens", str(new),
-                 "--json"]) == 0
+                 "--json", *flags]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     reference = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     encoded = [reference(p)["input_ids"] for p in prompts]

@@ -1,6 +1,7 @@
 """DeepSeek-V4 decoding with the KV cache (the sliding keys, each compressor's windows and pending
 tokens: :mod:`otfload.models.compressor`): greedy ids equal transformers' ``generate(do_sample=False)``
-through ``otfload.generate``, ``otfload generate`` and the lm_eval backend.
+through ``otfload.generate``, ``otfload generate`` (unscanned) and the lm_eval backend's
+``generate_until`` (against lm_eval's ``hf`` backend, one request at a time).
 
 The tiny model is tests/families/test_deepseek_v4.py's (sliding window 8, CSA windows of 4, HCA of
 8). Prompts of 3, 12 and 21 tokens (below every window; past the sliding window and the HCA rate; past
@@ -18,6 +19,8 @@ import pytest
 import otfload
 from otfload.generate import cache_shardings
 from otfload.plan.sharding import make_mesh
+from tests.cli.test_eval import assert_generate_matches
+from tests.eval_support import with_tokenizer
 from tests.families.checks import MESHES
 from tests.families.test_deepseek_v4 import TINY
 from tests.models.kinds import torch_greedy
@@ -45,12 +48,26 @@ def left_padded(real: tuple[int, ...], seed: int = 0) -> tuple[np.ndarray, np.nd
     return ids, mask
 
 
-@pytest.mark.parametrize(("scan_layers", "mesh_name"), [(True, "fsdp2_ep4"), (False, "fsdp2_tp4")])
-def test_greedy_ids_of_left_padded_rows_equal_transformers_of_each_row_alone(tiny_checkpoints, scan_layers,
-                                                                            mesh_name):
+# Texts the tiny tokenizer encodes to 5 and 23 tokens (BOS included).
+PROMPTS = ["the quick brown fox",
+           "a checkpoint is loaded on the fly into sharded arrays and the model predicts each token from the tokens"]
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer_files(tiny_checkpoints, tmp_path_factory):
+    """The tiny checkpoint with the tiny tokenizer (``tokenizer.json`` and its config) and the torch model."""
+    from tests.lmeval.tasks import tokenizer_config
+
     path, torch_model = tiny_checkpoints("deepseek_v4")
-    mesh = make_mesh(MESHES[mesh_name])
-    model = otfload.from_pretrained(path, mesh=mesh, scan_layers=scan_layers)
+    checkpoint = with_tokenizer(path, tmp_path_factory.mktemp("deepseek_v4_tok"))
+    tokenizer_config(checkpoint)
+    return checkpoint, torch_model
+
+
+def test_greedy_ids_of_left_padded_rows_equal_transformers_of_each_row_alone(tiny_checkpoints):
+    path, torch_model = tiny_checkpoints("deepseek_v4")
+    mesh = make_mesh(MESHES["fsdp2_ep4"])
+    model = otfload.from_pretrained(path, mesh=mesh)
     ids, mask = left_padded(REAL)
     with jax.set_mesh(mesh):
         ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[]))
@@ -62,3 +79,24 @@ def test_greedy_ids_of_left_padded_rows_equal_transformers_of_each_row_alone(tin
     assert "windows" not in cache["layers"]["sliding_hash_layers"]
     shardings = cache_shardings(cache, mesh)  # the logical-axis rules: rows on fsdp
     assert shardings["layers"]["csa_moe_layers"]["index_pool_kv"].spec[1] == "fsdp"
+
+
+def test_otfload_generate_unscanned_equals_transformers_of_each_prompt_alone(with_tokenizer_files, capsys):
+    path, torch_model = with_tokenizer_files
+    assert_generate_matches(path, torch_model, capsys, PROMPTS, NEW, greedy_alone, ("--no-scan-layers",))
+
+
+def test_lm_eval_generate_until_equals_the_hf_backend_one_request_at_a_time(with_tokenizer_files):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from otfload.lm_eval import OtfloadLM
+
+    path, _ = with_tokenizer_files
+    requests = [Instance("generate_until", {}, (p, {"until": ["zebra"], "max_gen_toks": NEW}), i)
+                for i, p in enumerate(PROMPTS)]
+    ours = OtfloadLM(str(path), mesh="fsdp:2/tp:4", batch_size=2).generate_until(requests, disable_tqdm=True)
+    ref = HFLM(pretrained=str(path), batch_size=1, device="cpu", dtype="float32").generate_until(requests,
+                                                                                                disable_tqdm=True)
+    assert ours == ref and len(set(ours)) == len(ours), (ours, ref)

@@ -1,7 +1,8 @@
 """Models with a recurrent layer are scored one request a row by the lm_eval backend.
 
 A Gated DeltaNet (Qwen3.5, Qwen3-Next), Kimi Delta Attention (Kimi-Linear) or Mamba-2 (Nemotron-H)
-layer's state and convolution window run along the whole row whatever the masks say, so the
+layer's state and convolution window (DeepSeek-V4's compressor windows) run along the whole row
+whatever the masks say, so the
 continuations of one context packed after it (and the groups packed next to each other) would read
 one another. Their ``packs_sequences`` is False:
 the backend's loglikelihoods of several requests sharing contexts, one of them cut to
@@ -15,6 +16,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+import tests.families.test_deepseek_v4  # noqa: E402,F401  (registers the tiny DeepSeek-V4)
 import tests.families.test_kimi_linear  # noqa: E402,F401  (registers the tiny Kimi-Linear)
 import tests.families.test_nemotron_h  # noqa: E402,F401  (registers the tiny Nemotron-H)
 import tests.families.test_qwen3_5  # noqa: E402,F401  (registers the tiny Qwen3.5)
@@ -49,7 +51,7 @@ def reference(torch_model, context: list[int], continuation: list[int]) -> tuple
 
 
 @pytest.mark.parametrize(("kind", "packs"), [("qwen3_5", False), ("qwen3_next", False), ("kimi_linear", False),
-                                            ("nemotron_h", False), ("llama", True)])
+                                            ("nemotron_h", False), ("deepseek_v4", False), ("llama", True)])
 def test_loglikelihoods_equal_each_request_scored_alone(tiny_checkpoints, tmp_path, kind, packs):
     from otfload.lm_eval import OtfloadLM
     from otfload.lm_eval.scoring import make_groups
