@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +46,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from otfload.errors import InvalidOptionError
 from otfload.plan.abstract import AbstractLeaf
-from otfload.plan.leaf_bytes import held_bytes
+from otfload.plan.boxes import Box
+from otfload.plan.leaf_bytes import held_bytes, leaf_reads, leaf_sibling_selection
 from otfload.plan.planner import LeafPlan, LeafSignature, leaf_signature
+from otfload.plan.process_bytes import FetchCount
 from otfload.read.planned import leaf_planned
 from otfload.read.reader import TensorReader
 
@@ -201,24 +203,44 @@ class Choice:
     seconds_band: float
 
 
+class LeafFetches:
+    """What ``reader`` fetches for sets of boxes of ``plan``'s leaf (:func:`leaf_planned`), each
+    distinct read costed once. :func:`leaf_planned` depends on the boxes only through what the builder
+    reads for them — the source region (box, selection, siblings' selection: :func:`leaf_reads`,
+    :func:`leaf_sibling_selection`) and the stacked tensors read — so boxes equal in those fetch the
+    same: direct reads and the bands that split the same dimension over more axes often ask one
+    process for the same region (fsdp=32 x ep=8: each process's column block of a fused expert
+    tensor, whether 8 devices split it by experts or by columns)."""
+
+    def __init__(self, plan: LeafPlan, reader: TensorReader):
+        self._plan, self._reader = plan, reader
+        self._counts: dict[Hashable, FetchCount] = {}
+
+    def __call__(self, boxes: list[Box]) -> FetchCount:
+        plan = self._plan
+        if not boxes or not plan.sources:
+            return leaf_planned(plan, boxes, self._reader)
+        union, selection, indices = leaf_reads(plan, boxes)
+        key = (union, selection, leaf_sibling_selection(plan, boxes), tuple(indices))
+        count = self._counts.get(key)
+        if count is None:
+            count = self._counts[key] = leaf_planned(plan, boxes, self._reader)
+        return count
+
+
 def _fetch(
-    plan: LeafPlan, sharding: Sharding | None, groups: Groups, reader: TensorReader, sample: Iterable[int]
+    plan: LeafPlan, sharding: Sharding | None, groups: Groups, fetches: LeafFetches, sample: Iterable[int]
 ) -> tuple[int, int]:
     """The largest ``(bytes, requests)`` any sampled process fetches for ``plan``'s leaf under ``sharding``."""
     worst = (0, 0)
     for p in sample:
-        got = leaf_planned(plan, plan.device_boxes(groups[p], sharding), reader)
-        worst = max(worst, got)
+        worst = max(worst, fetches(plan.device_boxes(groups[p], sharding)))
     return worst
 
 
-def _over_target(plan: LeafPlan, groups: Groups, reader: TensorReader, sample: Iterable[int], target: float) -> bool:
+def _over_target(plan: LeafPlan, groups: Groups, fetches: LeafFetches, sample: Iterable[int], target: float) -> bool:
     """Whether direct reads make a sampled process fetch more than ``target`` times its ideal bytes."""
-    for p in sample:
-        fetched = leaf_planned(plan, plan.device_boxes(groups[p]), reader)[0]
-        if fetched > target * plan.ideal_bytes(groups[p]):
-            return True
-    return False
+    return any(fetches(plan.device_boxes(groups[p]))[0] > target * plan.ideal_bytes(groups[p]) for p in sample)
 
 
 def choose_leaf(
@@ -232,16 +254,17 @@ def choose_leaf(
     reads fetch."""
     keys = sorted(groups)
     sample = sorted({keys[0], keys[len(keys) // 2], keys[-1]})
-    direct = _fetch(plan, None, groups, reader, sample)
+    fetches = LeafFetches(plan, reader)
+    direct = _fetch(plan, None, groups, fetches, sample)
     t_direct = model.fetch_seconds(*direct)
     best = Choice(None, direct[0], direct[0], t_direct, t_direct)
     if len(groups) < 2 or policy == "never" or not plan.sources or plan.layout is not None:
         return best  # a leaf whose stack dims do not lead is read box by box, into the tree's layout
     moved = max(held_bytes(plan.leaf, groups[p]) for p in sample)  # what a reshard delivers to them at most
-    over = byte_target is not None and _over_target(plan, groups, reader, sample, byte_target)
+    over = byte_target is not None and _over_target(plan, groups, fetches, sample, byte_target)
     by_bytes = policy == "always" or over
     byte_cap = max(direct[0], FETCH_TARGET * max(plan.ideal_bytes(groups[p]) for p in sample))
-    bands = [(candidate, _fetch(plan, candidate, groups, reader, sample)) for candidate in band_shardings(plan.leaf)]
+    bands = [(candidate, _fetch(plan, candidate, groups, fetches, sample)) for candidate in band_shardings(plan.leaf)]
     t_reshard = model.reshard_seconds(moved)
     best = _best_band(bands, direct, t_direct, model, t_reshard, by_bytes, byte_cap)
     if by_bytes and policy == "auto" and best.sharding is None:  # no band fetches fewer bytes: by time

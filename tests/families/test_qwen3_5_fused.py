@@ -97,12 +97,12 @@ def fused_headers(path: Path, published: Path) -> tuple[Path, int]:
 @pytest.mark.skipif(not MOE_35B.is_file(), reason="../shared/realconfigs is not checked out")
 def test_qwen3_5_35b_a3b_fused_plans_at_256_devices(tmp_path):
     """``otfload inspect --devices 256`` for process 0 of 32 on fsdp=32 x ep=8: every leaf planned
-    within 1 GiB of the child's own peak, its bytes (held and fetched) within 1.1x its devices' share;
-    then the 10 s CPU bound, a known gap while it fails (the read-layout chooser costs each of the 30
-    fused tensors apart: their page offsets differ)."""
+    within 10 s of the child's CPU and 1 GiB of its own peak, its bytes (held and fetched) within 1.1x
+    its devices' share (issue 42: 16 s before the read-layout chooser costed each distinct region of a
+    leaf once and the pieces of one region once for its 30 fused tensors; 6.6 s after)."""
     path, stored = fused_headers(tmp_path / "35b", MOE_35B)
     cpu, peak, info = inspect_at_scale(path, "fsdp=32,ep=8")
-    assert info["model_type"] == "qwen3_5_moe" and peak <= 2**30, (info["model_type"], peak)
+    assert info["model_type"] == "qwen3_5_moe" and cpu <= 10 and peak <= 2**30, (info["model_type"], cpu, peak)
     totals = info["totals"]
     share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
     assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)
@@ -113,5 +113,3 @@ def test_qwen3_5_35b_a3b_fused_plans_at_256_devices(tmp_path):
     assert leaves["attention_layers.shared_gate.kernel"]["shape"] == [10, 1, 2048]
     used = stored - (4304 * 1152 + 2048 * 4096) * 2  # less the two unused tensors
     assert totals["source_bytes"] == used and 60e9 < used < 75e9, (totals, used)
-    if cpu > 10:
-        pytest.xfail(f"planned in {cpu:.1f} s of CPU, more than 10 s")
