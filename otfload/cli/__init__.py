@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -62,16 +63,33 @@ def refuse_unknown(args: argparse.Namespace, unknown: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    args, unknown = build_parser().parse_known_args(argv)
-    if unknown:
-        refuse_unknown(args, unknown)
-    options.simulate_devices(getattr(args, "devices", None))
+    """Run the command line; returns the exit code. ``argv`` None: the process's own arguments (the
+    console script), whose work is done when this returns: Ctrl-C is then ignored while the
+    interpreter shuts JAX down (it would print the traceback of a ``KeyboardInterrupt`` raised in
+    JAX's teardown callbacks), and the exit code stays the command's."""
+    try:
+        args, unknown = build_parser().parse_known_args(argv)
+    except KeyboardInterrupt:  # while the flags are parsed: a size flag's parser imports numpy (~1 s loaded)
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            raise
+        print("otfload: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    code = _run(args, unknown)
+    if argv is None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _run(args: argparse.Namespace, unknown: list[str]) -> int:
+    """The parsed command run: its exit code, errors and Ctrl-C each one line (see the module docstring)."""
     from otfload.cli.messages import cli_message, show_warning
     from otfload.errors import InvalidOptionError, OtfloadError
 
     run: Callable[[argparse.Namespace], int] = args.run  # each subcommand's ``run`` (``set_defaults``)
     try:
+        if unknown:
+            refuse_unknown(args, unknown)
+        options.simulate_devices(getattr(args, "devices", None))
         with warnings.catch_warnings():  # restores Python's own display when the command returns
             warnings.showwarning = show_warning
             return run(args)

@@ -80,6 +80,29 @@ def test_ctrl_c_in_load_is_one_line_exit_130(llama, monkeypatch, capsys):
         main(["load", str(llama), "--debug"])
 
 
+def test_ctrl_c_while_the_flags_are_parsed_is_one_line_exit_130(monkeypatch, capsys):
+    monkeypatch.setattr("otfload.cli.build_parser", interrupt)  # a size flag's parser imports numpy: ~1 s loaded
+    assert main(["export", "src", "out"]) == 130
+    assert capsys.readouterr().err == "otfload: interrupted\n"
+    with pytest.raises(KeyboardInterrupt):  # --debug: the traceback
+        main(["export", "src", "out", "--debug"])
+
+
+def test_ctrl_c_after_the_work_while_jax_shuts_down_is_ignored(llama):
+    """The console script's command has finished (its output printed); a Ctrl-C during the
+    interpreter's teardown neither prints a traceback nor changes the exit code."""
+    import subprocess
+    import sys
+
+    probe = ("import os, signal, sys, time\nfrom otfload.cli import main\n"
+             f"sys.argv = ['otfload', 'inspect', {str(llama)!r}]\ncode = main()\n"
+             "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\nsys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+    assert "layers.attn.q.kernel" in done.stdout
+
+
 def test_a_failed_reshard_leaves_no_empty_destination(tmp_path, capsys):
     (tmp_path / "src").mkdir()  # no checkpoint in it
     assert main(["reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--mesh", "fsdp=8"]) == 1
