@@ -24,6 +24,7 @@ from otfload.plan.sharding import make_mesh
 from tests.families.moe_helpers import MESHES
 from tests.helpers import hf_tensors, max_rel_diff, token_ids, torch_logits
 from tests.index.quant import layouts
+from tests.quantized_fixtures import quantized_factory
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 GPTQ_INT4 = layouts.gptq_config(4, 32)
@@ -64,25 +65,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoints, tmp_path_factory):
-    """``quantized(layout) -> (dir, float torch model, reference dequantised torch model, reference)``."""
+    """``quantized(layout) -> QuantizedCheckpoint(dir, float torch model, reference dequantised torch model,
+    reference)``."""
     import tests.families.test_gpt_oss  # noqa: F401  (registers the MoE kinds)
     import tests.families.test_mixtral  # noqa: F401
     import tests.families.test_qwen3_moe  # noqa: F401
 
-    made = {}
-
-    def get(layout: str):
-        if layout not in made:
-            kind, select, quantize, config = LAYOUTS[layout]
-            src, torch_model = tiny_checkpoints(kind)
-            dst = tmp_path_factory.mktemp(layout) / "ckpt"
-            reference = layouts.quantize_checkpoint(src, dst, select, quantize, config)
-            assert reference, layout
-            ref_model = layouts.load_reference(torch_model, reference, src, dst.parent / "reference")
-            made[layout] = (dst, torch_model, ref_model, reference)
-        return made[layout]
-
-    return get
+    return quantized_factory(tiny_checkpoints, tmp_path_factory, LAYOUTS)
 
 
 def mesh_for(layout: str, mesh_2x4):

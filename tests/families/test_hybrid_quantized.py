@@ -28,6 +28,7 @@ import otfload
 from tests.families import test_nemotron_h, test_qwen3_5  # noqa: F401  (registers the tiny kinds)
 from tests.helpers import jax_logits, max_rel_diff, token_ids, torch_logits
 from tests.index.quant import layouts
+from tests.quantized_fixtures import quantized_factory
 
 BLOCK = 48
 # Qwen's FP8 config as its FP8 releases write it (no "fmt"); the module list is Qwen's style.
@@ -105,20 +106,10 @@ def _with_kv_scales(path, keys) -> None:
 
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoints, tmp_path_factory):
-    """``quantized(layout) -> (dir, reference torch model, reference dequantised values)``."""
-    made = {}
-
-    def get(layout: str):
-        if layout not in made:
-            kind, select, quantize, config = LAYOUTS[layout]
-            src, torch_model = tiny_checkpoints(kind)
-            dst = tmp_path_factory.mktemp(layout) / "ckpt"
-            reference = layouts.quantize_checkpoint(src, dst, select, quantize, config)
-            _with_kv_scales(dst, KV_SCALES.get(layout, ()))
-            made[layout] = (dst, layouts.load_reference(torch_model, reference, src, dst.parent / "ref"), reference)
-        return made[layout]
-
-    return get
+    """``quantized(layout) -> QuantizedCheckpoint(dir, float torch model, reference dequantised torch model,
+    reference dequantised values)``, the KV-cache scales added where ``KV_SCALES`` names them."""
+    return quantized_factory(tiny_checkpoints, tmp_path_factory, LAYOUTS,
+                             lambda layout, path: _with_kv_scales(path, KV_SCALES.get(layout, ())))
 
 
 @pytest.mark.parametrize(("layout", "scan_layers"), [
@@ -126,7 +117,7 @@ def quantized(tiny_checkpoints, tmp_path_factory):
     ("nemotron_h_nvfp4", True), ("nemotron_h_fp8", False),
 ])  # fmt: skip
 def test_logits_match_transformers_on_the_dequantised_weights(quantized, mesh_2x4, layout, scan_layers):
-    path, reference_model, reference = quantized(layout)
+    path, _, reference_model, reference = quantized(layout)
     model, report = otfload.from_pretrained(path, mesh=mesh_2x4, dtype="float32", scan_layers=scan_layers,
                                             return_report=True)
     assert all(".visual." in k for k in report.unused_tensors)  # every code, scale and block used
@@ -141,7 +132,7 @@ def test_logits_match_transformers_on_the_dequantised_weights(quantized, mesh_2x
 def test_the_quantized_leaves_hold_the_dequantised_values(quantized, mesh_2x4):
     """Unscanned Qwen3.5 FP8: the fused ``in_proj_qkv`` as stored, ``in_proj_z`` and the gated ``q_proj``
     reshaped per head through 48-row blocks, equal to the numpy dequantisation; ``in_proj_a`` bf16."""
-    path, _, reference = quantized("qwen3_5_fp8")
+    path, *_, reference = quantized("qwen3_5_fp8")
     model = otfload.from_pretrained(path, mesh=mesh_2x4, dtype="float32", scan_layers=False)
     p = "model.language_model.layers"
     lin, attn = model.linear_layers[0].linear_attn, model.attention_layers[0].attn
