@@ -42,6 +42,7 @@ from otfload.place.report import LoadReport, current_rss, peak_rss
 from otfload.plan.planner import LoadPlan
 from otfload.plan.process_bytes import ideal_bytes
 from otfload.read.arena import Arena
+from otfload.read.direct_ahead import start_direct_ahead
 from otfload.read.pinned import DmaRegistry
 from otfload.read.planned import planned_bytes
 from otfload.read.readahead import local_residency, start_read_ahead
@@ -109,8 +110,11 @@ def execute_plan(
     report.route = route(policy, files, agreed.resident, chosen)
     programs = ReshardPrograms(plan.leaves, bands)  # compiled while the builders read
     direct = reader.use_direct(cold_files or ()) if direct_io else frozenset()  # cold files bypass the page cache
-    rest = None if cold_files is None else cold_files - direct  # (O_DIRECT); the rest are read ahead
+    rest = None if cold_files is None else cold_files - direct  # (O_DIRECT, read ahead into a ring of
+    # scratch); the rest are read ahead into the page cache
     ahead = start_read_ahead(plan, reader, bands, rest) if read_ahead else None
+    order = build_order(plan, reader, ahead is not None)
+    direct_ahead = start_direct_ahead(plan, reader, order, budget.limit, bands, workers) if read_ahead else None
     compiling = compile_ahead(plan.leaves.values(), device_hooks)  # device layouts compile while the bytes are read
     local = threading.local()
     registry = DmaRegistry(load_devices(plan), host_ring_bytes)  # accelerators: staging for direct DMA
@@ -150,7 +154,7 @@ def execute_plan(
     pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="otfload-build")
     try:
         with cancel_scope(token), metering(meter):  # the load's context, which every builder runs in
-            futures = {path: submit(pool, build, path) for path in build_order(plan, reader, ahead is not None)}
+            futures = {path: submit(pool, build, path) for path in order}
         wait(futures.values(), return_when=FIRST_EXCEPTION)
         if first_failure(futures.values()):
             pool.shutdown(wait=False, cancel_futures=True)  # leaves not started never start
@@ -176,6 +180,8 @@ def execute_plan(
         token.cancel()  # a no-op after success; after an interrupt, stops what still runs
         if ahead is not None:
             ahead.close()
+        if direct_ahead is not None:
+            direct_ahead.close()
         programs.close()
         pool.shutdown(wait=True, cancel_futures=True)
         if compiling is not None:

@@ -13,6 +13,7 @@ holds the leaf.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +70,7 @@ class Arena:
         self._registry = registry
         self._registered = False  # whether self._buffer is registered
         self._outgrown: list[np.ndarray] = []  # registered buffers replaced since the last reset
+        self._kept: list[Callable[[], None]] = []  # called at the next reset (see keep)
 
     @property
     def capacity(self) -> int:
@@ -105,10 +107,18 @@ class Arena:
         if self._used == 0 and needed > len(self._buffer):
             self._replace(needed)
 
+    def keep(self, release: Callable[[], None]) -> None:
+        """Call ``release`` at the next :meth:`reset`: scratch from elsewhere (a run read ahead) that
+        is valid until then, like the arena's own."""
+        self._kept.append(release)
+
     def reset(self) -> None:
         self._used = 0
         self._release(self._outgrown)
         self._outgrown = []
+        kept, self._kept = self._kept, []
+        for release in kept:
+            release()
 
     def trim(self, max_bytes: int | None) -> None:
         """Free the scratch if it grew beyond ``max_bytes`` (an oversized tensor); call after reset."""

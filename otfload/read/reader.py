@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -68,6 +68,16 @@ from otfload.sources.base import (
 
 # Set to 0 to read cold local files through the page cache like warm ones (no O_DIRECT).
 DIRECT_IO_ENV = "OTFLOAD_DIRECT_IO"
+
+
+class ReadAheadRuns(Protocol):
+    """Block-aligned runs of ``O_DIRECT`` files read ahead of the builders
+    (:class:`~otfload.read.direct_ahead.DirectAhead`)."""
+
+    def claim(self, file: str, start: int, end: int) -> tuple[np.ndarray, int | None, Callable[[], None]] | None:
+        """``(room, bytes the file held, give back)`` of run ``[start, end)`` of ``file``: read
+        already, or (None) room to read it into; None: the caller reads it elsewhere."""
+        ...
 
 
 @dataclass
@@ -249,6 +259,7 @@ class TensorReader:
         self._ranges_prefetch = source if isinstance(source, RangePrefetchingSource) else None
         self._direct = source if isinstance(source, DirectSource) else None
         self.direct_files: frozenset[str] = frozenset()  # read with O_DIRECT (see use_direct)
+        self.ahead: ReadAheadRuns | None = None  # their runs read ahead (otfload.read.direct_ahead)
 
     def use_direct(self, files: Iterable[str]) -> frozenset[str]:
         """Read ``files`` (cold ones) with ``O_DIRECT`` from now on, those the source can; returns them.
@@ -421,18 +432,28 @@ class TensorReader:
     ) -> Callable[[int], np.ndarray]:
         """A ``take`` for :meth:`_start_plain` that hands out, run after run of ``fetch``, that run's
         bytes already read with ``O_DIRECT``: each run is widened to the block alignment, read into
-        aligned scratch, and the run's own bytes are the view handed out."""
+        aligned scratch (or taken as read ahead, :attr:`ahead`), and the run's own bytes are the view
+        handed out."""
         direct = cast(DirectSource, self._direct)  # direct_files holds files of a DirectSource only
-        align, runs = direct.direct_align, iter(enumerate(fetch))
+        align, runs, ahead = direct.direct_align, iter(enumerate(fetch)), self.ahead
 
         def take(nbytes: int) -> np.ndarray:
             k, run = next(runs)
             start = (info.offset + run.offset) // align * align
             end = -(-(info.offset + run.offset + run.length) // align) * align
-            buffer = arena.take(end - start, align)
             charge = (fetched if k == 0 else 0) if charged else end - start  # a charged share counts once
-            with _counting(charged)(charge):
-                got = direct.read_direct_into(info.file, start, buffer.data)
+            claimed = None if ahead is None else ahead.claim(info.file, start, end)
+            if claimed is None:
+                buffer, got = arena.take(end - start, align), None
+            else:  # room in the read-ahead ring, held until the arena resets; read already, or to read into
+                buffer, got, give_back = claimed
+                arena.keep(give_back)
+            if got is None:
+                with _counting(charged)(charge):
+                    got = direct.read_direct_into(info.file, start, buffer.data)
+            else:  # read ahead: counted here as this read
+                with _counting(charged)(charge), fetching(got):
+                    pass
             at = info.offset + run.offset
             if got < at - start + run.length:
                 raise TruncatedFileError(info.file, f"needs bytes [{at}, {at + run.length}) but ends at {start + got}")
