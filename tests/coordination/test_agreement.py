@@ -1,7 +1,7 @@
 """The agreement of a multi-process load (otfload/coordination/agreement.py), with the processes simulated by
 threads sharing one key-value store: every process ends with the same facts, or with the same typed
 error within the bound — a mismatch, a failure elsewhere, a process that never arrives, a collective
-that never completes. The real 4-process loads are in tests/multihost/test_agree.py."""
+that never completes. The real 4-process loads are in tests/multihost/test_fetch.py."""
 
 from __future__ import annotations
 

@@ -6,16 +6,17 @@
 ``{"fsdp": 2, "tp": 4}``; devices in process order), ``source`` (a directory; ``{i}`` is replaced by
 the process id, so each process can read its own copy — separate hosts do not share a page cache) or
 a Hub repo with ``endpoint``, ``reshard`` (the policy, set as ``$OTFLOAD_RESHARD``), ``evict`` (drop
-the files from the page cache first: a cold read), ``gather`` (write every parameter from process 0
-to ``params.npz``) and ``out``. Writes ``proc<i>.json``: the report's counts (read, requests, planned,
-ideal, resharded leaves), the kernel's ``/proc/self/io`` ``read_bytes`` during the load and the
-seconds it took.
+the files from the page cache first: a cold read), ``digest`` (the result lists, for every
+parameter, the box and sha256 of each of this process's shards: the loaded values, compared bit by
+bit without gathering them) and ``out``. Writes ``proc<i>.json``: the report's counts (read,
+requests, planned, ideal, resharded leaves), the kernel's ``/proc/self/io`` ``read_bytes`` during
+the load and the seconds it took.
 
 With ``loads`` (a list of ``{"reshard": POLICY}`` — passed as ``from_pretrained(reshard=...)`` — or
 ``{"env": POLICY}`` — set as ``$OTFLOAD_RESHARD``, ``reshard=None``), the processes run those loads
-one after the other in one job (each cold when ``evict``; load ``k`` gathers to ``params<k>.npz``),
-and ``proc<i>.json`` is ``{"loads": [one result per load]}``. A load's entry may also set any of the
-spec's keys for that load alone (``mesh``, ``source``, ``endpoint``, ``evict``, ``gather``): one job
+one after the other in one job (each cold when ``evict``), and ``proc<i>.json`` is ``{"loads": [one
+result per load]}``. A load's entry may also set any of the spec's keys for that load alone
+(``mesh``, ``source``, ``endpoint``, ``evict``, ``digest``): one job
 then checks several meshes and checkpoints, paying for process start-up and ``initialize`` once;
 and ``only`` (the processes that run it, the others skip it: no start barrier then), ``local_mesh``
 (the mesh over this process's own devices), ``timeout`` (``$OTFLOAD_COLLECTIVE_TIMEOUT``),
@@ -28,6 +29,7 @@ and ``only`` (the processes that run it, the others skip it: no start barrier th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -66,7 +68,7 @@ def evict(directory: Path) -> None:
 def load(spec: dict, pid: int, out: Path) -> None:
     if "loads" not in spec:
         os.environ["OTFLOAD_RESHARD"] = spec.get("reshard", "auto")
-        (out / f"proc{pid}.json").write_text(json.dumps(load_once(spec, pid, out, None, "params.npz")))
+        (out / f"proc{pid}.json").write_text(json.dumps(load_once(spec, pid, out, None)))
         return
     results = []
     for k, how in enumerate(spec["loads"]):
@@ -79,16 +81,16 @@ def load(spec: dict, pid: int, out: Path) -> None:
         os.environ.pop("OTFLOAD_COLLECTIVE_TIMEOUT", None)
         if "timeout" in how:
             os.environ["OTFLOAD_COLLECTIVE_TIMEOUT"] = str(how["timeout"])
-        results.append(load_once({**spec, **how}, pid, out, how.get("reshard"), f"params{k}.npz", f"-{k}"))
+        results.append(load_once({**spec, **how}, pid, out, how.get("reshard"), f"-{k}"))
     (out / f"proc{pid}.json").write_text(json.dumps({"loads": results}))
 
 
-def load_once(spec: dict, pid: int, out: Path, reshard: str | None, params_file: str, tag: str = "") -> dict:
+def load_once(spec: dict, pid: int, out: Path, reshard: str | None, tag: str = "") -> dict:
     """One measured load on every process (``reshard`` passed to ``from_pretrained``); its result."""
     import jax
     import numpy as np
     from flax import nnx
-    from jax.experimental.multihost_utils import process_allgather, sync_global_devices
+    from jax.experimental.multihost_utils import sync_global_devices
     from jax.sharding import Mesh
 
     import otfload
@@ -137,15 +139,21 @@ def load_once(spec: dict, pid: int, out: Path, reshard: str | None, params_file:
         "seconds": seconds,
         "summary": report.summary(),
     }
-    if spec.get("gather", False):
-        params = {
-            ".".join(map(str, path)): process_allgather(var[...], tiled=True)
-            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-        }
-        if pid == 0:
-            np.savez(out / params_file, **params)
+    if spec.get("digest", False):
+        result["shards"] = {".".join(map(str, path)): shard_digests(var[...])
+                            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}  # fmt: skip
     source.close()
     return result
+
+
+def shard_digests(array) -> list[tuple[tuple[tuple[int, int], ...], str]]:
+    """``(box, sha256 of its bytes)`` of each of this process's shards of ``array``."""
+    import numpy as np
+
+    from otfload.plan.boxes import box_from_index
+
+    return [(box_from_index(s.index, array.shape), hashlib.sha256(np.asarray(s.data).tobytes()).hexdigest())
+            for s in array.addressable_shards]  # fmt: skip
 
 
 @contextlib.contextmanager

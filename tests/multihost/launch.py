@@ -77,3 +77,11 @@ def run_workers(spec: dict, processes: int, out: Path, timeout_s: float = 90.0) 
     """Run one job to completion; every process's ``proc<i>.json``."""
     wait_workers(start_workers(spec, processes, out), timeout_s)
     return [json.loads((out / f"proc{i}.json").read_text()) for i in range(processes)]
+
+
+def run_scenarios(spec: dict, scenarios: dict[str, dict], processes: int, out: Path, timeout_s: float) -> dict:
+    """Run the ``scenarios`` (``{name: keys}``, in order) in one job to completion; for each, every
+    process's ``proc<i>.json`` (the worker writes a scenario's files into ``out/<name>``)."""
+    wait_workers(start_workers({**spec, "scenarios": scenarios}, processes, out), timeout_s)
+    return {name: [json.loads((out / name / f"proc{i}.json").read_text()) for i in range(processes)]
+            for name in scenarios}  # fmt: skip

@@ -10,6 +10,11 @@ mesh; write ``proc<i>.json`` with bytes read, the ideal bytes and the files fetc
 ``gather`` is false, process 0 ``params.npz`` with every parameter gathered), ``fill`` (only fill
 the cache) or ``stall`` (process 0 fills the cache while the others sleep ``stall_s``; process 0
 writes the error it got).
+
+With ``scenarios`` (``{name: keys}``), the processes run one scenario after the other in one job, each
+the spec with its own keys (``mode`` and the rest) and writing into ``out/<name>``: starting JAX
+processes costs more than a tiny load. A ``stall`` scenario comes last: its sleeping processes open
+no cache, so their shard-cache fills would no longer pair with the others'.
 """
 
 from __future__ import annotations
@@ -113,8 +118,12 @@ def main() -> None:
 
     join_cpu_job(spec, pid)
     n = spec["processes"]
+    modes = {"load": load, "fill": lambda s, p, o: open_cached_source(s), "stall": stall}
     try:
-        {"load": load, "fill": lambda s, p, o: open_cached_source(s), "stall": stall}[spec["mode"]](spec, pid, out)
+        for name, keys in spec.get("scenarios", {".": {}}).items():
+            scenario = {**spec, **keys}
+            (out / name).mkdir(exist_ok=True)
+            modes[scenario["mode"]](scenario, pid, out / name)
     except BaseException:
         (out / f"proc{pid}.error").write_text(traceback.format_exc())
         raise
