@@ -5,6 +5,7 @@ transformers can load the checkpoint (a local directory), compared like with lik
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,9 @@ def transformers_logits(directory: str, ids: np.ndarray, adapters: list[str] | N
         from peft import PeftModel
 
         for i, adapter in enumerate(adapters):
-            reference = PeftModel.from_pretrained(reference, adapter)
+            with warnings.catch_warnings():  # PEFT calls transformers' deprecated names: not the user's to act on
+                warnings.simplefilter("ignore", FutureWarning)
+                reference = PeftModel.from_pretrained(reference, adapter)
             last = i == len(adapters) - 1 and rounded_to is None  # the last kept apart when nothing is rounded
             reference = reference.eval() if last else reference.merge_and_unload()
     if rounded_to is not None:

@@ -19,6 +19,7 @@ def test_load_verify_of_an_adapter_compares_with_peft_on_its_base(example_checkp
     out, err = capsys.readouterr()
     assert "verify: max relative difference vs transformers" in out and out.rstrip().endswith(": ok"), out
     assert "verify: loading the reference with transformers and PEFT" in err  # its longest step, announced
+    assert "warning" not in err  # PEFT's FutureWarning about transformers' names is not the user's
 
 
 def test_eval_of_an_adapter_reads_the_bases_tokenizer(example_checkpoints, tmp_path, capsys):
