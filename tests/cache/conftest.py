@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
 
 from otfload.cache import ShardCache
 from otfload.coordination import LocalCoordinator
+from otfload.sources import Source
 from otfload.sources.fsspec_source import FsspecSource
 from otfload.sources.hub import HubSource
 from otfload.sources.retry import RetryPolicy
 from tests.servers.gcs_server import GcsServer
 from tests.servers.hub_server import HubServer
 
+T = TypeVar("T", Source, ShardCache)
 REPO = "org/cache-files"
 BUCKET = "otfload-cache-tests"
 SHARD = "model-00002-of-00002.safetensors"
@@ -54,9 +58,31 @@ def entries(folder: Path) -> dict[str, bytes]:
     return {k: v for k, v in tree(folder).items() if isinstance(v, bytes) and not hidden(k)}
 
 
-def fill(source, cache_dir, **options) -> ShardCache:
-    """A one-process fill (no JAX coordination)."""
-    return ShardCache(source, cache_dir, coordinator=LocalCoordinator(), **options)
+# What the helpers below opened during the running test: closed when it ends (a cache's files and a
+# Hub source's connections are descriptors; left open, the module ended with ~18 more than it began).
+_opened: list[Source | ShardCache] = []
+
+
+def _tracked(opened: T) -> T:
+    _opened.append(opened)
+    return opened
+
+
+@pytest.fixture(autouse=True)
+def close_what_the_test_opened() -> Iterator[None]:
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
+def fill(source: Source, cache_dir, **options) -> ShardCache:
+    """A one-process fill (no JAX coordination) that owns ``source``: the cache is closed, its source
+    with it, when the test ends; the source at once when the fill fails."""
+    try:
+        return _tracked(ShardCache(source, cache_dir, coordinator=LocalCoordinator(), **options))
+    except BaseException:
+        source.close()
+        raise
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +98,7 @@ def hub_repo(hub_server: HubServer, files_dir: Path) -> str:
 @pytest.fixture
 def open_hub(hub: HubServer, hub_repo: str, tmp_path: Path):
     """Opens the repo on the running Hub server (LFS sha256s for the shards, none for the JSON files)."""
-    return lambda: HubSource(hub_repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=FAST_RETRY)
+    return lambda: _tracked(HubSource(hub_repo, endpoint=hub.url, cache_dir=tmp_path / "hf", retry=FAST_RETRY))
 
 
 @pytest.fixture
@@ -95,7 +121,7 @@ def upload(gcs_server: GcsServer):
 @pytest.fixture
 def open_gcs(gcs_server: GcsServer):
     """Opens a gs:// URL on the real fake-gcs-server (no published digests: size only)."""
-    return lambda url: FsspecSource(url, gcs_server.storage_options, retry=FAST_RETRY)
+    return lambda url: _tracked(FsspecSource(url, gcs_server.storage_options, retry=FAST_RETRY))
 
 
 @pytest.fixture

@@ -210,7 +210,7 @@ def test_the_temporary_of_a_fill_killed_with_sigkill_is_removed_by_the_next_fill
             time.sleep(0.02)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        proc.communicate(timeout=10)  # reaped, its output pipe closed
     partials = sorted(str(p) for p in (tmp_path / "cache").rglob(".*.partial-*"))
     assert partials and all(f"-{proc.pid}-" in p for p in partials)  # each says whose it is
 

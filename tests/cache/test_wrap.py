@@ -67,3 +67,38 @@ def test_the_single_host_hf_cache_route_rehashes_with_full_verification(open_hub
     assert wrap_with_cache(open_hub(), True) is not None  # "record": the HF cache is trusted as it is
     with pytest.raises(CacheIntegrityError, match=f"cached copy of {SHARD}"):
         wrap_with_cache(open_hub(), True, verify="full")
+
+
+def _open_descriptors() -> dict[str, int]:
+    """This process's open descriptors by kind (``socket``, ``file``, ...), garbage collected first."""
+    import gc
+    import os
+
+    gc.collect()
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the descriptor listdir itself used
+            continue
+        kind = "file" if target.startswith("/") else target.split(":", 1)[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def test_a_load_through_the_shard_cache_leaves_no_descriptor_open(
+    tiny_checkpoints, hub: HubServer, mesh_2x4, tmp_path: Path
+):
+    """Filling the cache, then reusing it: every cached file and every Hub connection the loads opened
+    is closed when they return (counted in /proc/self/fd, after one load has made the process-wide
+    pools: huggingface_hub's session keeps its connections). Left open, each load would hold the
+    cache's 12 shard files."""
+    repo = hub.add_repo("org/llama-descriptors", tiny_checkpoints("llama")[0])
+    options = dict(endpoint=hub.url, cache_dir=tmp_path / "hf", mesh=mesh_2x4)
+    otfload.from_pretrained(repo, shard_cache=tmp_path / "warm", **options)
+    before = _open_descriptors()
+    otfload.from_pretrained(repo, shard_cache=tmp_path / "cache", **options)  # fills
+    otfload.from_pretrained(repo, shard_cache=tmp_path / "cache", **options)  # reuses
+    after = _open_descriptors()
+    sockets = after.pop("socket", 0), before.pop("socket", 0)
+    assert after == before and sockets[0] <= sockets[1]  # pooled connections come and go, never pile up
