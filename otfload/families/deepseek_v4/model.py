@@ -24,7 +24,12 @@ from jax.typing import DTypeLike
 from otfload.families.deepseek_v4.config import HASH_MOE, DeepseekV4Config, Rope
 from otfload.models.attention import Context
 from otfload.models.base import Cache, CacheLayout, CausalLM, GroupCache, GroupCaches
-from otfload.models.compressed_attention import CompressedAttention, compressed_attention_forward, compressor_specs
+from otfload.models.compressed_attention import (
+    Q_CHUNK,
+    CompressedAttention,
+    compressed_attention_forward,
+    compressor_specs,
+)
 from otfload.models.compressor import Rotary, init_state
 from otfload.models.groups import run_groups
 from otfload.models.hash_moe import HashMoe, hash_moe_forward
@@ -67,6 +72,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     cfg: DeepseekV4Config
     packs_sequences = False  # the compressors' windows run along the whole row, whatever the masks say
+    q_chunk: int = Q_CHUNK  # queries attended at once (static: a change retraces)
 
     def __init__(
         self, cfg: DeepseekV4Config, *, scan_layers: bool = True, dtype: DTypeLike = jnp.float32,
@@ -121,7 +127,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         def layer(group: str, p: Params, h: jax.Array, cache: GroupCache | None) -> tuple[jax.Array, GroupCache | None]:
             post, comb, collapsed = hc_weights(p["attn_hc"], h, cfg)
             normed = rms_norm_scaled_f32(collapsed, p["input_norm"]["scale"], cfg.rms_norm_eps)
-            out, cache = compressed_attention_forward(p["attn"], normed, kinds[group], cfg, ropes, ctx, cache)
+            out, cache = compressed_attention_forward(p["attn"], normed, kinds[group], cfg, ropes, ctx, cache,
+                                                      self.q_chunk)
             h = hc_merge(post, comb, out.astype(h.dtype), h)
             post, comb, collapsed = hc_weights(p["ffn_hc"], h, cfg)
             normed = rms_norm_scaled_f32(collapsed, p["post_attn_norm"]["scale"], cfg.rms_norm_eps)
