@@ -2,19 +2,18 @@
 prints every limit and loader row (a method this machine lacks as "not measured", the DMA limit as
 "unavailable" with the reason) and issue 30's verdict rows; the first-transfer probe prints its phases."""
 
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_dry_run_prints_limits_loaders_and_verdicts(tmp_path):
-    make = [sys.executable, "-m", "benchmarks.make_checkpoint", "--size-gib", "0.02", "--out", str(tmp_path / "c")]
-    subprocess.run(make, cwd=ROOT, check=True, capture_output=True, timeout=300)
-    cmd = [sys.executable, "-m", "benchmarks.bench_load", "--repeat", "1", "--dir", str(tmp_path / "c"), "--lenient",
-           "--accelerator-targets", "--methods", "dma-put,fastsafetensors,otfload-staged,otfload-primed"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_dry_run_prints_limits_loaders_and_verdicts(bench_checkpoint):
+    cmd = [sys.executable, "-m", "benchmarks.bench_load", "--repeat", "1", "--dir", str(bench_checkpoint()),
+           "--lenient", "--accelerator-targets", "--methods", "dma-put,fastsafetensors,otfload-staged,otfload-primed"]
+    out = forked.run(cmd, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fastsafetensors left out" in out.stderr  # not installed here: reported, not fatal
     rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines() if line.startswith("| ")}
@@ -28,7 +27,7 @@ def test_dry_run_prints_limits_loaders_and_verdicts(tmp_path):
 
 def test_first_transfer_probe_prints_each_phase():
     cmd = [sys.executable, "-m", "benchmarks.first_transfer", "--variants", "compute-first"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = forked.run(cmd, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     row = next(line for line in out.stdout.splitlines() if line.startswith("| compute-first"))
     assert row.count("|") == 9 and all(float(c) >= 0 for c in row.split("|")[3:-1])

@@ -4,25 +4,25 @@ out of the page cache (checked with ``mincore`` in the run itself), reads it fro
 
 import mmap
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_load_cold_mode_reports_floors_disk_bytes_and_residency(tmp_path):
-    make = [sys.executable, "-m", "benchmarks.make_checkpoint", "--size-gib", "0.02", "--out", str(tmp_path / "c")]
-    subprocess.run(make, cwd=ROOT, check=True, capture_output=True, timeout=300)
-    cmd = [sys.executable, "-m", "benchmarks.bench_load", "--repeat", "1", "--dir", str(tmp_path / "c"),
+def test_bench_load_cold_mode_reports_floors_disk_bytes_and_residency(bench_checkpoint):
+    checkpoint = bench_checkpoint()
+    cmd = [sys.executable, "-m", "benchmarks.bench_load", "--repeat", "1", "--dir", str(checkpoint),
            # only the checkpoint's pages are dropped
            "--cold-files", "--methods", "cat,dd,fromfile,direct,direct4,otfload"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = forked.run(cmd, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "cold (before each run: posix_fadvise(DONTNEED) per file (--cold-files))" in out.stdout
-    size = sum(f.stat().st_size for f in (tmp_path / "c").glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     for method in ("cat", "dd", "fromfile", "direct", "direct4", "otfload"):
         row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {method} |"))
         cells = [c.strip() for c in row.strip("|").split("|")]

@@ -3,13 +3,13 @@ counts agree with the published sizes of the models it names (the timings themse
 by hand for docs/evaluation.md, never asserted)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.bench_eval import ARCHS
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,11 +34,11 @@ def test_kv_bytes_per_token():
 
 
 def test_measure_and_project_run(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = [sys.executable, "-m", "benchmarks.bench_eval"]
-    out = subprocess.run([*run, "--preset", "tiny", "--texts", "3", "--len", "24", "--batch-size", "2"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = forked.run([*run, "--preset", "tiny", "--texts", "3", "--len", "24", "--batch-size", "2"], cwd=tmp_path,
+                     env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "| tiny | 13 M | bfloat16 | 3 × 24 | 2 |" in out.stdout and "69 predicted tokens" in out.stdout
-    out = subprocess.run([*run, "--project"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    out = forked.run([*run, "--project"], cwd=tmp_path, env=env, timeout=60)
     assert out.returncode == 0 and out.stdout.count("| 8×H100 |") == len(ARCHS)

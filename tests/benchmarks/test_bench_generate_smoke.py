@@ -6,10 +6,11 @@ docs/benchmarks.md, never asserted by a timed test)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+
+from tests import forked
 
 pytest.importorskip("lm_eval")
 
@@ -32,9 +33,7 @@ def test_decode_step_child_reports_wall_and_cpu_per_step(tiny_checkpoints):
     path, _ = tiny_checkpoints("llama")
     # 8 steps, median of 3 pairs: one step (~7 ms of CPU) is within a busy machine's noise, and a single
     # pair's difference can come out <= 0 (its wall did, at load average 12)
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), "8", "8", "3"], capture_output=True, text=True, timeout=300
-    )
+    out = forked.run([sys.executable, "-c", CHILD, str(path), "8", "8", "3"], timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"read", "free"}

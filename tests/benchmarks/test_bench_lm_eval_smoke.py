@@ -5,10 +5,11 @@ for docs/benchmarks.md, never asserted by a timed test)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+
+from tests import forked
 
 pytest.importorskip("lm_eval")
 
@@ -32,8 +33,7 @@ def test_overlap_child_reports_load_compile_and_ready(tiny_checkpoints, tmp_path
     path, _ = tiny_checkpoints("llama")
     checkpoint = with_tokenizer(path, tmp_path / "ckpt")
     tokenizer_config(checkpoint)
-    out = subprocess.run([sys.executable, "-c", OVERLAP_CHILD, mode, "16,32", str(checkpoint), "8"],
-                         capture_output=True, text=True, timeout=300)
+    out = forked.run([sys.executable, "-c", OVERLAP_CHILD, mode, "16,32", str(checkpoint), "8"], timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["load_seconds"] > 0 and result["compile_seconds"] > 0

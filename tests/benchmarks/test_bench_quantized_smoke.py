@@ -1,7 +1,6 @@
 """The quantized-load benchmark still runs end to end (a tiny checkpoint; the figures themselves are
 measured by hand and recorded in docs/benchmarks.md, never asserted by a timed test)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks.make_quantized import int_layout_quantize, quantization_config, w4a16_dequantize, w4a16_quantize
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_quantized_runs_every_method_and_prints_the_tables(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.bench_quantized", "--size-gib", "0.02", "--repeat", "1",
            "--dir", str(tmp_path / "c")]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = forked.run(cmd, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [f"| {kind}-{v} |" for v in ("bf16", "fp8", "w4a16", "gptq", "awq") for kind in ("floor", "otfload")]
     rows += ["load time / otfload-bf16 load time", "bytes read (LoadReport) / bf16 checkpoint on disk",

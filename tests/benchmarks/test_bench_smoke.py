@@ -1,24 +1,23 @@
 """The benchmark harness still runs end to end (tiny checkpoints; the figures themselves are
 measured by hand and recorded in docs/benchmarks.md, never asserted by a timed test)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_bench_load_runs_every_method_and_prints_the_ratio_table(tmp_path, moe):
+def test_bench_load_runs_every_method_and_prints_the_ratio_table(bench_checkpoint, moe):
     kind = ["--moe"] if moe else []
-    make = [sys.executable, "-m", "benchmarks.make_checkpoint", "--size-gib", "0.02", "--out", str(tmp_path / "c")]
-    subprocess.run(make + kind, cwd=ROOT, check=True, capture_output=True, timeout=300)
     cmd = [sys.executable, "-m", "benchmarks.bench_load", "--size-gib", "0.02", "--repeat", "1",
-           "--dir", str(tmp_path / "c"), "--methods", "floor,naive,loop,orbax,otfload"]
+           "--dir", str(bench_checkpoint(moe)), "--methods", "floor,naive,loop,orbax,otfload"]
     verify = [] if moe else ["--verify"]  # the bitwise check a GPU run starts with
-    out = subprocess.run(cmd + kind + verify, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = forked.run(cmd + kind + verify, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     for row in ["| floor |", "| naive |", "| loop |", "| orbax |", "| otfload |", "otfload speed / floor"]:
         assert row in out.stdout, row
@@ -28,7 +27,7 @@ def test_bench_load_runs_every_method_and_prints_the_ratio_table(tmp_path, moe):
 
 def test_h2d_routes_print_both_calls_of_each_route():
     cmd = [sys.executable, "-m", "benchmarks.h2d_routes", "--gib", "0.01", "--routes", "whole,pieces-64m-written"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = forked.run(cmd, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith(("| whole", "| pieces"))]
     assert [r[1].strip() for r in rows] == ["whole", "pieces-64m-written"]

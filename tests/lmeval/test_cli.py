@@ -1,7 +1,8 @@
 """``otfload lm-eval`` and ``python -m otfload.lm_eval run --model otfload``: the installed commands
-in subprocesses, as a user runs them. The JSON holds lm_eval's ``results`` equal to its ``hf``
-backend's; a second job loads its scoring and decoding programs from the persistent cache (no
-tracing or lowering, no new entry) and gives the same results."""
+in fresh processes, as a user runs them (the first job a plain subprocess, the others forked from
+tests.forked's server). The JSON holds lm_eval's ``results`` equal to its ``hf`` backend's; a
+second job loads its scoring and decoding programs from the persistent cache (no tracing or
+lowering, no new entry) and gives the same results."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from otfload.programs import DIR_NAME  # noqa: E402
+from tests import forked  # noqa: E402
 from tests.cli.test_cli import OTFLOAD  # noqa: E402
 from tests.eval_support import with_tokenizer  # noqa: E402
 from tests.lmeval.tasks import tokenizer_config, write_tasks  # noqa: E402
@@ -31,8 +33,9 @@ def setup(tiny_checkpoints, tmp_path_factory):
     return checkpoint, write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
-def lm_eval_job(checkpoint, tasks, cache) -> dict:
-    out = subprocess.run(
+def lm_eval_job(checkpoint, tasks, cache, run=forked.run) -> dict:
+    """``otfload lm-eval ... --json`` run by ``run`` (a forked child; ``subprocess.run``: a plain one)."""
+    out = run(
         [str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "otf_mc,otf_ppl,otf_gen", "--include-path", str(tasks),
          "--limit", str(LIMIT), "--devices", "8", "--mesh", "fsdp=2,tp=4", "--batch-size", "8",
          "--compile-cache", str(cache), "--json"],
@@ -48,7 +51,7 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
 
     checkpoint, tasks = setup
     cache = tmp_path / "xla"
-    first = lm_eval_job(checkpoint, tasks, cache)
+    first = lm_eval_job(checkpoint, tasks, cache, subprocess.run)  # the command exactly as a user starts it
     entries = sorted(p.name for p in cache.iterdir())
     assert any("loglik_of_batch" in name for name in entries)  # the scoring step was cached
     programs = {p.name: p.stat().st_mtime_ns for p in (cache / DIR_NAME).iterdir()}
@@ -77,11 +80,11 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
 
 def lm_eval_cli_job(checkpoint, tasks, model_args: str, cache_env) -> str:
     """``python -m otfload.lm_eval run --model otfload`` (lm_eval's own command line); its stdout."""
-    out = subprocess.run(
+    out = forked.run(
         [sys.executable, "-m", "otfload.lm_eval", "run", "--model", "otfload",
          "--model_args", f"pretrained={checkpoint},mesh=fsdp:4/tp:2{model_args}", "--batch_size", "8",
          "--tasks", "otf_mc", "--include_path", str(tasks), "--limit", str(LIMIT)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OTFLOAD_COMPILE_CACHE": str(cache_env)})
+        timeout=600, env={**os.environ, "OTFLOAD_COMPILE_CACHE": str(cache_env)})
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -102,6 +105,6 @@ def test_lm_eval_own_command_line_runs_the_otfload_model_and_keeps_its_programs(
 
 def test_unknown_task_fails_before_the_load(setup):
     checkpoint, tasks = setup
-    out = subprocess.run([str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "no_such_task", "--include-path",
-                          str(tasks), "--compile-cache", "off", "--json"], capture_output=True, text=True, timeout=300)
+    out = forked.run([str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "no_such_task", "--include-path",
+                      str(tasks), "--compile-cache", "off", "--json"], timeout=300)
     assert out.returncode != 0 and "no lm_eval task or group named 'no_such_task'" in out.stderr

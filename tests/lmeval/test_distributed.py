@@ -5,19 +5,20 @@ the requests; process 0 alone gets the results. On a mesh spanning both, the two
 and each runs every request. Either way the results equal a one-process job's (every sample's
 responses, within 1e-4 for loglikelihoods; the metrics). ``otfload lm-eval`` run as two processes
 (``--coordinator/--num-processes/--process-id``) prints its JSON from process 0 only, the same.
+Every process is a fresh one forked from tests.forked's server (the imports done once).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("lm_eval")
 
+from tests import forked  # noqa: E402
 from tests.cli.test_cli import OTFLOAD  # noqa: E402
 from tests.eval_support import with_tokenizer  # noqa: E402
 from tests.lmeval.tasks import TASKS, tokenizer_config, write_tasks  # noqa: E402
@@ -77,8 +78,7 @@ def assert_same_responses(mine: dict, ref: dict) -> None:
 
 
 def run_processes(commands, timeout_s=600.0) -> list[str]:
-    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for cmd in commands]
+    procs = [forked.Process(cmd, cwd=REPO_ROOT, env=worker_env()) for cmd in commands]
     try:
         outs = [p.communicate(timeout=timeout_s) for p in procs]
     finally:
@@ -100,9 +100,8 @@ def jobs(setup, tmp_path_factory) -> dict[str, list[dict]]:
             "meshes": list(MESHES.values()), "task_dir": str(tasks), "tasks": list(TASKS), "batch_size": BATCH,
             "out": str(out)}
     (out / "spec.json").write_text(json.dumps(spec))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.lmeval.distributed_worker", str(out / "spec.json"),
-                               str(i)], cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(PROCESSES)]
+    procs = [forked.Process([sys.executable, "-m", "tests.lmeval.distributed_worker", str(out / "spec.json"), str(i)],
+                            cwd=REPO_ROOT, env=worker_env(), merge=True) for i in range(PROCESSES)]
     wait_workers(procs, timeout_s=600)
     reports = [json.loads((out / f"proc{i}.json").read_text()) for i in range(PROCESSES)]
     return {name: [r[k] for r in reports] for k, name in enumerate(MESHES)}
@@ -156,8 +155,7 @@ def test_lm_eval_command_line_joins_the_job_by_model_args(setup, one_process, tm
                  f"num_processes={PROCESSES},process_id={i}", "--batch_size", str(BATCH), "--tasks", task,
                  "--include_path", str(tasks),
                  "--output_path", str(tmp_path / f"out{i}")] for i in range(PROCESSES)]
-    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
+    procs = [forked.Process(cmd, cwd=REPO_ROOT, env=env, merge=True) for cmd in commands]
     outputs = wait_workers(procs, timeout_s=600)
     written = [sorted((tmp_path / f"out{i}").rglob("results_*.json")) for i in range(PROCESSES)]
     assert len(written[0]) == 1 and not written[1], outputs  # process 0 alone writes the results
@@ -175,8 +173,7 @@ def test_a_process_that_fails_ends_the_job_on_every_process(setup):
                  "--devices", str(LOCAL_DEVICES), "--mesh", f"fsdp={LOCAL_DEVICES}", "--batch-size", str(BATCH),
                  "--compile-cache", "off", "--no-progress", "--limit", "1", "--coordinator", f"127.0.0.1:{port}",
                  "--num-processes", str(PROCESSES), "--process-id", str(i)] for i in range(PROCESSES)]
-    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for cmd in commands]
+    procs = [forked.Process(cmd, cwd=REPO_ROOT, env=worker_env()) for cmd in commands]
     try:
         errors = [p.communicate(timeout=300)[1] for p in procs]
     finally:
