@@ -44,8 +44,10 @@ from typing import Any, NoReturn
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ("numpy", "jax", "jax.numpy", "flax.nnx", "optax", "otfload", "otfload.cli", "otfload.lm_eval", "torch",
            "transformers", "lm_eval", "lm_eval.tasks", "lm_eval.models.huggingface")  # fmt: skip
-# Read when used, not when imported: a child sets them in its own environment.
-LATE = frozenset({"XLA_FLAGS", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "PWD", "OLDPWD", "_"})
+# Read when used, not when imported: a child sets them in its own environment. TORCHINDUCTOR_CACHE_DIR and
+# KMP_DUPLICATE_LIB_OK are set in the test process by the libraries as they run (torch's compiler, scikit-learn).
+LATE = frozenset({"XLA_FLAGS", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK",
+                  "PWD", "OLDPWD", "_"})  # fmt: skip
 # otfload.options.environment reads its settings at each call; pytest's own change from test to test
 LATE_PREFIXES = ("OTFLOAD_", "PYTEST_")
 POLL_S = 0.02
