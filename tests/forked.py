@@ -312,9 +312,6 @@ class Process:
                    "stderr": self._err and str(self._err)}  # fmt: skip
         self.pid: int = self._server.call(op="start", **request)["pid"]
 
-    def poll(self) -> int | None:
-        return self.wait(0) if self.returncode is None else self.returncode
-
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
             self.returncode = self._server.call(op="wait", pid=self.pid, timeout=timeout)["returncode"]
