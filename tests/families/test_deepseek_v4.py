@@ -10,7 +10,8 @@ and three top-k MoE layers (a random ``tid2eid`` table of distinct experts and a
 bias: transformers initialises both to zeros); two hyper-connection streams; YaRN on the compressed
 RoPE. 5 tokens leave HCA no window and CSA one (below ``index_topk = 2``); 20 tokens give a sliding
 window of 8 tokens to slide, HCA two windows and CSA five, of which the later queries see the indexer's
-top 2. 16 indexer heads make an exact tie of two windows' scores too rare to meet.
+top 2; queries attended 8 at a time (``q_chunk``) make them three chunks, each reading only its
+sliding slots. 16 indexer heads make an exact tie of two windows' scores too rare to meet.
 """
 
 import dataclasses
@@ -29,7 +30,10 @@ from otfload.errors import ConfigError
 from otfload.export import export_hf
 from otfload.families.deepseek_v4.config import CSA, HCA, SLIDING, deepseek_v4_config
 from otfload.families.deepseek_v4.model import rotary
+from otfload.models.attention import make_context
+from otfload.models.compressed_attention import compressed_attention_forward
 from otfload.models.hash_moe import TRAINABLE
+from otfload.models.layers import pure
 from otfload.plan.sharding import make_mesh
 from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
 from tests.families.checks import MESHES
@@ -90,8 +94,9 @@ def _forward(model, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarr
 @pytest.mark.parametrize(("scan_layers", "mesh_name", "padded"), [(True, "fsdp2_ep4", False),
                                                                    (False, "fsdp2_tp4", True)])
 def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name, padded):
-    """20 tokens; unscanned, one row right-padded and one left-padded (13 real tokens each), whose
-    real tokens' logits equal transformers' under the same mask."""
+    """20 tokens; scanned, in query chunks of 8 (three, each reading the 15 sliding slots it can
+    see); unscanned, one row right-padded and one left-padded (13 real tokens each), whose real
+    tokens' logits equal transformers' under the same mask."""
     import torch
 
     path, torch_model = tiny_checkpoints("deepseek_v4")
@@ -105,6 +110,9 @@ def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name,
     ids, mask = token_ids(seq=20), np.ones((2, 20), np.int64)
     if padded:
         mask[0, 13:], mask[1, :7] = 0, 0
+    else:
+        model.q_chunk = 8
+        assert 2 * model.q_chunk - 1 < 20 and model.q_chunk == TINY["sliding_window"]
     with torch.no_grad():
         ref = torch_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     with jax.set_mesh(mesh):
@@ -114,23 +122,24 @@ def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, mesh_name,
 
 
 def test_the_window_and_top_k_rules_are_live(tiny_checkpoints, mesh_2x4):
-    """5 tokens (no HCA window, one CSA window: fewer than index_topk) and 80 (two query chunks, each
-    reading its sliding slots only) match transformers; at 20, attending to every CSA window instead
-    of the indexer's top 2, or to every earlier token instead of the sliding window's 8, moves the
-    logits well past the bound."""
-    from otfload.models.compressed_attention import Q_CHUNK
-
+    """5 tokens (no HCA window, one CSA window: fewer than index_topk) match transformers; at 20 (the
+    logits test's length), a CSA layer attending to every window instead of the indexer's top 2, or to
+    every earlier token instead of the sliding window's 8, moves its output well past the bound."""
     path, torch_model = tiny_checkpoints("deepseek_v4")
     model = otfload.from_pretrained(path, mesh=mesh_2x4)
-    for seq in (5, 80):
-        ids = token_ids(seq=seq)
-        assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) <= 1e-4, seq
-    assert Q_CHUNK + TINY["sliding_window"] < 80
-    base, ids = model.cfg, token_ids(seq=20)
-    ref = torch_logits(torch_model, ids)
+    ids = token_ids(seq=5)
+    assert max_rel_diff(logits(model, ids), torch_logits(torch_model, ids)) <= 1e-4
+    layer = jax.tree.map(lambda a: np.asarray(a)[0], pure(model.csa_moe_layers.attn))  # layer 1, on the host
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 20, TINY["hidden_size"])), jnp.float32)
+    ctx = make_context(jnp.zeros((2, 20), jnp.int32), None, None, None)
+
+    def attention(cfg) -> np.ndarray:
+        return np.asarray(jax.jit(lambda p, h: compressed_attention_forward(p, h, CSA, cfg, model._ropes(), ctx)[0])(
+            layer, x))
+
+    base = attention(model.cfg)
     for change in ({"index_topk": 64}, {"sliding_window": 64}):
-        model.cfg = dataclasses.replace(base, **change)
-        assert max_rel_diff(logits(model, ids), ref) > 1e-3, change
+        assert max_rel_diff(attention(dataclasses.replace(model.cfg, **change)), base) > 1e-3, change
 
 
 def test_the_ropes_equal_transformers_buffers(tiny_checkpoints):
