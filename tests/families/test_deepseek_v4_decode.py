@@ -1,7 +1,8 @@
 """DeepSeek-V4 decoding with the KV cache (the sliding keys, each compressor's windows and pending
-tokens: :mod:`otfload.models.compressor`): greedy ids equal transformers' ``generate(do_sample=False)``
-through ``otfload generate`` (unscanned, on fsdp) and the lm_eval backend's ``generate_until``
-(scanned, experts on ``ep``; against lm_eval's ``hf`` backend, one request at a time).
+tokens: :mod:`otfload.models.compressor`): each cached step's f32 logits equal transformers' full
+forward; greedy ids equal transformers' ``generate(do_sample=False)`` through ``otfload generate``
+(unscanned, on fsdp) and the lm_eval backend's ``generate_until`` (scanned, experts on ``ep``; against
+lm_eval's ``hf`` backend, one request at a time).
 
 The tiny model is tests/families/test_deepseek_v4.py's (sliding window 8, CSA windows of 4, HCA of
 8). Prompts of 3, 5 and 23 tokens (below every window; past one CSA window; past the sliding window and
@@ -23,6 +24,7 @@ from otfload.plan.sharding import make_mesh
 from tests.cli.test_eval import assert_generate_matches
 from tests.eval_support import with_tokenizer
 from tests.families.checks import MESHES
+from tests.helpers import max_rel_diff, torch_logits
 from tests.models.kinds import torch_greedy
 
 NEW = 14
@@ -68,6 +70,22 @@ def test_the_cache_holds_each_compressors_state_sharded_by_the_logical_axis_rule
     assert bool((csa["pool_gate"][:, :, :4] == -np.inf).all())  # window 0's predecessor weighs nothing
     shardings = cache_shardings(cache, mesh)  # rows on fsdp, as every family's cache
     assert all(s.spec[1] == "fsdp" for s in jax.tree.leaves(shardings["layers"]))
+
+
+def test_each_cached_steps_logits_equal_transformers_forward_of_the_whole_sequence(tiny_checkpoints):
+    """An 11-token prefill then 29 one-token steps through the cache (every window kind completing
+    several times, the sliding window sliding): each call's f32 logits equal transformers' full forward
+    at those positions (on one device: the mesh's cache is the greedy tests')."""
+    path, torch_model = tiny_checkpoints("deepseek_v4")
+    model = otfload.from_pretrained(path)
+    ids = np.random.default_rng(1).integers(3, 256, (1, 40))
+    ref = torch_logits(torch_model, ids)
+    step = jax.jit(lambda m, x, cache: m(x, cache=cache))
+    logits, cache = step(model, ids[:, :11], model.init_cache(1, 40))
+    assert max_rel_diff(logits, ref[:, :11]) <= 1e-4
+    for t in range(11, 40):
+        logits, cache = step(model, ids[:, t : t + 1], cache)
+        assert max_rel_diff(logits, ref[:, t : t + 1]) <= 1e-4, t
 
 
 def test_otfload_generate_unscanned_equals_transformers_of_each_prompt_alone(with_tokenizer_files, capsys):
