@@ -215,7 +215,8 @@ def serve() -> None:
     os.dup2(2, 1)  # a stray print of the server's goes to its stderr, never into the replies
     before = dict(os.environ)
     for name in PRELOAD:
-        importlib.import_module(name)
+        with contextlib.suppress(ModuleNotFoundError):  # an optional library (lm_eval) not installed here
+            importlib.import_module(name)
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
