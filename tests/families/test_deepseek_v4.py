@@ -174,12 +174,22 @@ def _torch_grads(path: Path, ids: np.ndarray, dtype, out: Path) -> tuple[float, 
     return torch_loss_and_grads(model, ids, PAD, out)
 
 
+CANCELLED = 1e-4  # a tensor's gradient this far below the largest entry is a sum that cancels
+
+
+def _norm(tensors: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(np.square(t, dtype=np.float64).sum() for t in tensors.values())))
+
+
 def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path):
     """One jitted gradient of the next-token loss (``wrt=TRAINABLE``: every parameter but the int32
-    ``tid2eid``) equals transformers' float64 autograd within 1e-4 per tensor, or within twice
-    transformers' own float32 error where that is larger (the hyper-connection head's scale and base
-    gradients are sums over every token: float32 torch is 4e-4 off there); the loss within 1e-5; the
-    indexer's parameters and the correction bias get none on either side."""
+    ``tid2eid``) equals transformers' float64 autograd: the whole gradient's norm within 1e-4, each
+    tensor within 1e-4 of its largest entry, or within twice transformers' own float32 error where
+    that is larger. Tensors whose gradient is below :data:`CANCELLED` of the gradient's largest entry
+    (the hyper-connection head's scale, base and weights: the final RMSNorm undoes a scale of its
+    input, so their gradients are sums that cancel to ~1e-6 of the rest) are at float32 rounding of
+    what they sum: within 1e-3 there (measured 1.5e-4; float32 torch 1e-5 to 4e-4, by thread count).
+    The loss within 1e-5; the indexer's parameters and the correction bias get none on either side."""
     import torch
 
     src, _ = tiny_checkpoints("deepseek_v4")
@@ -195,13 +205,16 @@ def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path):
     _, f32 = _torch_grads(path, ids, torch.float32, tmp_path / "f32")
     assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
     assert set(ref) - set(ours) == {"model.layers.0.ffn.gate.tid2eid"}
+    largest = max(float(np.abs(grad).max()) for grad in ref.values())
+    assert _norm({k: ours[k] - ref[k] for k in ours}) <= 1e-4 * _norm(ref)
     for key, grad in ours.items():
         if "indexer" in key or key.endswith("gate.bias"):  # they only pick windows / experts
             assert not np.any(ref[key]), key
         if not np.any(ref[key]):  # those, and experts no token of the batch reached
             assert not np.any(grad), key
             continue
-        bound = max(1e-4, 2 * max_rel_diff(f32[key], ref[key]))
+        cancelled = np.abs(ref[key]).max() < CANCELLED * largest
+        bound = max(1e-3 if cancelled else 1e-4, 2 * max_rel_diff(f32[key], ref[key]))
         assert max_rel_diff(grad, ref[key]) <= bound, (key, max_rel_diff(grad, ref[key]), bound)
 
 
