@@ -73,6 +73,7 @@ from otfload.sources.retry import (
     Deadline,
     RequestSlots,
     RetriedCalls,
+    RetryNotice,
     RetryPolicy,
     StallError,
     TransientError,
@@ -91,6 +92,8 @@ DOWNLOAD_WINDOW_BYTES = MAX_REQUESTS_IN_FLIGHT * DOWNLOAD_PIECE_BYTES
 MAX_METADATA_BYTES = 64 << 20
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a git object id: it names a cache folder/blob, so nothing else passes
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# Ends the notice of a Hub whose requests keep failing (see otfload.sources.retry.RetryNotice).
+OFFLINE_HINT = "set HF_HUB_OFFLINE=1 to use the local Hub cache only"
 
 
 class _Entry(NamedTuple):
@@ -106,7 +109,8 @@ class HubSource(RetriedCalls):
     (``HF_HOME``/``HF_HUB_CACHE``); ``token`` defaults to the saved HF token and is never shown.
     ``retry`` bounds every network operation (see :class:`RetryPolicy`); ``timeout`` (seconds, default
     ``OTFLOAD_TIMEOUT``, else none) is the total deadline of everything read through this source,
-    counted from now: past it reads raise :class:`~otfload.errors.SourceTimeoutError`.
+    counted from now: past it reads raise :class:`~otfload.errors.SourceTimeoutError`. Requests
+    still failing after ``retry.notice_after_s`` are announced once, with :data:`OFFLINE_HINT`.
     """
 
     # A range is fetched as concurrent chunks of at most this many bytes (smaller ones in up to
@@ -134,6 +138,7 @@ class HubSource(RetriedCalls):
         self.local_files_only = local_files_only or constants.is_offline_mode()
         self._token = token
         self._retry = retry or RetryPolicy()
+        self._notice = RetryNotice(OFFLINE_HINT)
         self._storage = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
         self._cache: LocalSource | None = None
         self._slots = RequestSlots(self.max_requests_in_flight)
@@ -156,8 +161,10 @@ class HubSource(RetriedCalls):
         except SourceUnavailableError as e:
             if type(e) is not SourceUnavailableError:  # a timeout keeps its type and fields
                 raise
-            raise SourceUnavailableError(f"{e}. Without a network, HF_HUB_OFFLINE=1 (or local_files_only=True) "
-                                         f"loads the revision from the local Hub cache ({self.cache_dir})") from e
+            raise SourceUnavailableError(
+                f"{e}. Without a network, HF_HUB_OFFLINE=1 (or local_files_only=True) "
+                f"loads the revision from the local Hub cache ({self.cache_dir})"
+            ) from e
         return _parse_revision_info(body, f"{self.description}: revision metadata from {url}")
 
     def _open_cached(self) -> tuple[str, dict[str, _Entry], list[str]]:
@@ -205,8 +212,13 @@ class HubSource(RetriedCalls):
         if file in self._cached:
             self._local().read_into(self._snapshot_relpath(file), offset, out)
         else:
-            read_chunked([RangeRead(file, offset, out)], self._read_remote_into, self.chunk_bytes,
-                         self.max_requests_in_flight, DEFAULT_GAPS)
+            read_chunked(
+                [RangeRead(file, offset, out)],
+                self._read_remote_into,
+                self.chunk_bytes,
+                self.max_requests_in_flight,
+                DEFAULT_GAPS,
+            )
 
     def read_many(self, reads: Sequence[RangeRead], gaps: GapPolicy = DEFAULT_GAPS) -> None:
         read_chunked(reads, self._read_run, self.chunk_bytes, self.max_requests_in_flight, gaps)

@@ -23,6 +23,12 @@ threads working for it through :func:`~otfload.sources.load_context.submit`): on
 fails for good, the rest stop between attempts, in their backoff sleep, or mid-request.
 :class:`RequestSlots` bounds the requests a source has in flight across all its threads; waiting for a
 slot ends as soon as the load is cancelled.
+
+A request still failing :attr:`RetryPolicy.notice_after_s` seconds after its first attempt, and about
+to be tried again, is said aloud once per source (so once per load, whatever the requests and
+threads failing): a :class:`SourceRetryingWarning` from the source's :class:`RetryNotice`, naming the
+host, the last error and how long the retries may go on, so that a load waiting out an unreachable
+server is not silent (the command line prints it as ``otfload: warning: ...``).
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ import math
 import random
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from otfload.errors import LoadCancelled, SourceTimeoutError, SourceUnavailableError
 
@@ -48,6 +56,11 @@ T = TypeVar("T")
 TRANSIENT_HTTP_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 # The environment variable giving the total deadline of a load when ``timeout=`` is not passed.
 TIMEOUT_ENV = "OTFLOAD_TIMEOUT"
+# How long a request may go on failing before its retries are announced: issue 44's "progress on
+# every step over ~2 s". Below it a blip (a restart, a short 5xx burst) ridden out within the
+# default backoff's first three retries (0.7-1.4 s of sleep) says nothing; past it the user learns
+# why the load is waiting (e.g. ~12 s of refused connections offline) and how to stop waiting.
+NOTICE_AFTER_S = 2.0
 
 
 class TransientError(Exception):
@@ -63,6 +76,37 @@ class StallError(TransientError):
     def __init__(self, message: str, received: int = 0):
         self.received = received
         super().__init__(message)
+
+
+class SourceRetryingWarning(UserWarning):
+    """A source's requests have been failing for a while and are being retried: the load waits, it
+    has not hung."""
+
+
+class RetryNotice:
+    """Says once, for every request of one source (one load), that its requests are being retried.
+
+    ``hint`` (e.g. how to work offline) ends the message.
+    """
+
+    def __init__(self, hint: str = ""):
+        self.hint = hint
+        self._lock = threading.Lock()
+        self._said = False
+
+    @property
+    def pending(self) -> bool:
+        """Whether the notice is still to be given."""
+        return not self._said
+
+    def say(self, message: str) -> None:
+        """Warn with ``message`` unless this notice has been given already."""
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+        hint = f" ({self.hint})" if self.hint else ""
+        warnings.warn(f"{message}{hint}", SourceRetryingWarning, stacklevel=2)
 
 
 def is_transient_status(status: int) -> bool:
@@ -305,6 +349,9 @@ class RetryPolicy:
     # Slowest transfer an attempt tolerates on top of attempt_timeout_s: 1 MiB/s lets a full 64 MiB
     # run take 94 s; a server dripping bytes slower than that fails its attempt (and is resumed).
     min_rate_bytes_s: float = float(1 << 20)
+    # A request failing this long, and about to be retried, is announced through the source's
+    # RetryNotice (see NOTICE_AFTER_S); 0 announces the first retry.
+    notice_after_s: float = NOTICE_AFTER_S
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -312,11 +359,17 @@ class RetryPolicy:
         for name in ("attempt_timeout_s", "read_timeout_s", "min_rate_bytes_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")
+        if not self.notice_after_s >= 0:
+            raise ValueError(f"RetryPolicy.notice_after_s must be >= 0, got {self.notice_after_s}")
 
     def delay(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (0-based): half fixed, half random, capped."""
-        ceiling = min(self.max_delay_s, self.base_delay_s * 2**retry)
+        ceiling = self.ceiling(retry)
         return float(ceiling / 2 + random.uniform(0, ceiling / 2))
+
+    def ceiling(self, retry: int) -> float:
+        """The longest sleep before retry number ``retry``: doubling from ``base_delay_s`` up to ``max_delay_s``."""
+        return min(self.max_delay_s, self.base_delay_s * 2.0 ** min(retry, 1023))  # 2.0**1024 overflows
 
     def attempt_budget(self, nbytes: int) -> float:
         """Seconds one attempt fetching ``nbytes`` may take, from connecting to its last byte."""
@@ -334,12 +387,15 @@ class RetryPolicy:
         deadline: Deadline = NO_DEADLINE,
         url: str = "",
         progress: Callable[[], int] | None = None,
+        notice: RetryNotice | None = None,
     ) -> T:
         """Call ``attempt`` until it succeeds, fails permanently, or the bounds are spent.
 
         ``where`` names the source and file for the final error, e.g. ``"hub:org/name@main: a.safetensors"``;
         ``url`` and ``progress`` (bytes received so far) go into a :class:`SourceTimeoutError`.
-        Cancelling the thread's :func:`current_token` ends the call with :class:`LoadCancelled`.
+        Once the call has been failing for ``notice_after_s`` and will try again, ``notice`` says so
+        (naming ``url``'s host). Cancelling the thread's :func:`current_token` ends the call with
+        :class:`LoadCancelled`.
         """
         token = current_token()
         start = time.monotonic()
@@ -350,6 +406,7 @@ class RetryPolicy:
                 raise LoadCancelled(f"{where}: cancelled, another read of this load failed") from last
             if deadline.expired():
                 raise self._timed_out(where, deadline, url, progress, last) from last
+            began = time.monotonic()
             try:
                 return attempt()
             except (TransientError, ConnectionError, TimeoutError) as e:
@@ -362,6 +419,13 @@ class RetryPolicy:
             pause = min(self.delay(retry), max(0.0, deadline.remaining()))
             if retry + 1 == self.attempts or elapsed + pause > self.deadline_s:
                 break
+            if notice is not None and notice.pending and elapsed >= self.notice_after_s:
+                window = self._window_s(retry, elapsed, pause, elapsed - (began - start), deadline)
+                failed = str(last) if isinstance(last, TransientError) else f"{type(last).__name__}: {last}"
+                notice.say(
+                    f"{urlsplit(url).netloc or url or where}: unreachable for {elapsed:.1f} s ({failed}), "
+                    f"retrying up to {self.attempts - retry - 1} more time(s) for about {window:.1f} s"
+                )
             if token is not None:
                 token.wait(pause)
             else:
@@ -375,6 +439,14 @@ class RetryPolicy:
             raise SourceTimeoutError(f"{message}; {received} byte(s) received from {url or where}",
                                      url=url or where, received=received) from last  # fmt: skip
         raise SourceUnavailableError(message) from last
+
+    def _window_s(self, retry: int, elapsed: float, pause: float, attempt_s: float, deadline: Deadline) -> float:
+        """About how long the retries after failed attempt ``retry`` may go on: the sleeps left at their
+        longest (``pause`` the next one) and attempts as long as the last one (``attempt_s``), within
+        the policy's ``deadline_s`` and the load's ``deadline``."""
+        sleeps = pause + sum(self.ceiling(r) for r in range(retry + 1, self.attempts - 1))
+        tries = (self.attempts - retry - 1) * attempt_s
+        return max(0.0, min(sleeps + tries, self.deadline_s - elapsed, deadline.remaining()))
 
     @staticmethod
     def _timed_out(
@@ -393,10 +465,11 @@ class RetryPolicy:
 class RetriedCalls:
     """Mixin for remote sources: :meth:`_call` runs one network operation under ``self._retry`` and
     the load's ``self._deadline``, with the source's own ``self._translated(file)`` turning library
-    errors into otfload errors."""
+    errors into otfload errors; long retries are announced through ``self._notice``, if any."""
 
     _retry: RetryPolicy
     _deadline: Deadline = NO_DEADLINE
+    _notice: RetryNotice | None = None  # a source that announces long retries gives itself one
 
     @property
     def description(self) -> str:
@@ -413,4 +486,4 @@ class RetriedCalls:
                 return fn()
 
         where = f"{self.description}: {file}" if file else self.description
-        return self._retry.run(attempt, where, deadline=self._deadline, url=url, progress=progress)
+        return self._retry.run(attempt, where, deadline=self._deadline, url=url, progress=progress, notice=self._notice)

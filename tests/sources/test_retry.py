@@ -1,13 +1,22 @@
-"""The shared retry policy: bounded attempts, backoff with jitter, overall deadline, permanent errors pass."""
+"""The shared retry policy: bounded attempts, backoff with jitter, overall deadline, permanent errors pass;
+long retries announced once."""
 
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 
 import pytest
 
 from otfload.errors import SourceNotFoundError, SourceUnavailableError
-from otfload.sources.retry import RetryPolicy, TransientError, is_transient_status
+from otfload.sources.retry import (
+    RetryNotice,
+    RetryPolicy,
+    SourceRetryingWarning,
+    TransientError,
+    is_transient_status,
+)
 
 QUICK = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.002, deadline_s=5.0)
 
@@ -66,3 +75,71 @@ def test_backoff_grows_with_jitter_and_is_capped():
 @pytest.mark.parametrize(("status", "transient"), [(503, True), (429, True), (500, True), (404, False), (401, False)])
 def test_transient_statuses(status, transient):
     assert is_transient_status(status) is transient
+
+
+def failing_for(seconds: float):
+    """A callable refusing connections for ``seconds`` after its first call, then returning "ok"."""
+    first: list[float] = []
+
+    def fn() -> str:
+        first.append(time.monotonic())
+        if first[-1] - first[0] < seconds:
+            raise ConnectionRefusedError("refused")
+        return "ok"
+
+    return fn
+
+
+def test_a_request_failing_past_the_threshold_is_announced_once():
+    policy = RetryPolicy(attempts=100, base_delay_s=0.01, max_delay_s=0.02, deadline_s=5.0, notice_after_s=0.1)
+    start = time.monotonic()
+    with pytest.warns(SourceRetryingWarning) as shown:
+        assert (
+            policy.run(failing_for(0.3), "src: f", url="http://hub.example:8080/a", notice=RetryNotice("a hint"))
+            == "ok"
+        )
+    assert len(shown) == 1, [str(w.message) for w in shown]
+    text = str(shown[0].message)
+    assert text.startswith("hub.example:8080: unreachable for ") and text.endswith(" s (a hint)")
+    assert "(ConnectionRefusedError: refused), retrying up to" in text
+    assert float(text.removeprefix("hub.example:8080: unreachable for ").split(" s ")[0]) >= 0.1
+    assert time.monotonic() - start >= 0.3
+
+
+def test_the_notice_counts_the_attempts_left_and_names_where_without_a_url():
+    with pytest.warns(
+        SourceRetryingWarning,
+        match=r"^src: f: unreachable for \d\.\d s \(HTTP 503\), "
+        r"retrying up to 4 more time\(s\) for about 0\.0 s$",
+    ):
+        RetryPolicy(attempts=5, base_delay_s=0.001, max_delay_s=0.001, notice_after_s=0).run(
+            flaky([TransientError("HTTP 503")]), "src: f", notice=RetryNotice()
+        )
+
+
+def test_no_notice_before_the_threshold_or_when_no_retry_follows():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SourceRetryingWarning)
+        assert QUICK.run(flaky([TransientError("HTTP 503")] * 3), "src", notice=RetryNotice()) == "ok"
+        # the second failure comes after the threshold, but it is the last attempt: the error says the rest
+        policy = RetryPolicy(attempts=2, base_delay_s=0.2, max_delay_s=0.2, notice_after_s=0.05)
+        with pytest.raises(SourceUnavailableError):
+            policy.run(flaky([ConnectionRefusedError()] * 2), "src", notice=RetryNotice())
+
+
+def test_one_notice_for_all_the_requests_of_a_source():
+    policy = RetryPolicy(attempts=100, base_delay_s=0.01, max_delay_s=0.02, notice_after_s=0.05)
+    notice = RetryNotice()
+    with pytest.warns(SourceRetryingWarning) as shown:
+        threads = [threading.Thread(target=policy.run, args=(failing_for(0.2), f"src: f{i}"), kwargs={"notice": notice})
+                   for i in range(8)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(shown) == 1
+
+
+def test_the_notice_threshold_is_checked():
+    with pytest.raises(ValueError, match="notice_after_s must be >= 0"):
+        RetryPolicy(notice_after_s=-1)
