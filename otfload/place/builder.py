@@ -78,12 +78,21 @@ class ByteBudget:
 
     def __init__(self, limit: int | None, workers: int = 1):
         self.limit = limit
-        self.share = None if limit is None else max(1, limit // max(1, workers))
+        self.workers = max(1, workers)
+        self.share = None if limit is None else max(1, limit // self.workers)
         self._held = 0
         self._next = 0  # the ticket the next request takes: the order requests came in
         self._serving = 0  # the ticket admitted next
         self._abandoned: set[int] = set()  # tickets whose requests stopped waiting
         self._cond = threading.Condition()
+
+    def set_aside(self, nbytes: int) -> None:
+        """``nbytes`` of scratch the load holds outside the builders (the read-ahead ring of
+        :mod:`otfload.read.direct_ahead`): each thread's share, the scratch it keeps between chunks,
+        shrinks by its part of them, so that the two together stay within the limit; admissions
+        still count chunks against the whole limit."""
+        if self.limit is not None:
+            self.share = max(1, (self.limit - nbytes) // self.workers)
 
     def acquire(self, nbytes: int) -> None:
         limit = self.limit

@@ -115,6 +115,8 @@ def execute_plan(
     ahead = start_read_ahead(plan, reader, bands, rest) if read_ahead else None
     order = build_order(plan, reader, ahead is not None)
     direct_ahead = start_direct_ahead(plan, reader, order, budget.limit, bands, workers) if read_ahead else None
+    if direct_ahead is not None:
+        budget.set_aside(direct_ahead.ring_bytes)
     compiling = compile_ahead(plan.leaves.values(), device_hooks)  # device layouts compile while the bytes are read
     local = threading.local()
     registry = DmaRegistry(load_devices(plan), host_ring_bytes)  # accelerators: staging for direct DMA

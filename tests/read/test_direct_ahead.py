@@ -265,3 +265,13 @@ def test_a_cold_load_reads_ahead_and_counts_what_it_counts_without(tmp_path, clo
     assert used is not None and used.claimed > 0 and used.unclaimed == 0
     assert (reports[True].bytes_read, reports[True].requests) == (reports[False].bytes_read, reports[False].requests)
     assert reports[True].bytes_read >= sum(t.nbytes for t in tensors.values())
+
+
+def test_the_ring_is_set_aside_from_the_builders_share_of_the_budget():
+    from otfload.place.builder import ByteBudget
+
+    budget = ByteBudget(1000, workers=2)
+    budget.set_aside(500)  # a ring of half the budget: each builder keeps a quarter between chunks
+    assert (budget.limit, budget.share) == (1000, 250)
+    budget.acquire(1000)  # chunks are still admitted against the whole limit
+    budget.release(1000)
