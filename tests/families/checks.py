@@ -1,12 +1,13 @@
 """Checks the family test modules share: a load on a named mesh, logits parity with the experts
 expert-parallel where the mesh has an ``ep`` axis, greedy decoding with the cache against transformers'
-``generate``, the export round trip, and the sparse replica of a published config the real-size
-planning tests plan."""
+``generate``, the export round trip, the sparse replica of a published config the real-size
+planning tests plan, and transformers' references computed once per tiny model and input."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,31 @@ from tests.helpers import jax_logits, jitted_forward, max_rel_diff, token_ids, t
 
 MESHES = {"fsdp2_tp4": {"fsdp": 2, "tp": 4}, "fsdp2_ep4": {"fsdp": 2, "ep": 4}}
 NEW = 6  # tokens each greedy check generates
+# transformers' outputs by torch model, then by call: a kind's scanned and unscanned cases (and its
+# padding sides) compare against the same reference, which on the hybrids' PyTorch reference kernels
+# takes seconds; the session's tiny torch models are never changed in place.
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _once(torch_model, key: tuple, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    per_model = _REFERENCES.setdefault(torch_model, {})
+    if key not in per_model:
+        per_model[key] = compute()
+    return per_model[key].copy()
+
+
+def reference_logits(torch_model, ids: np.ndarray) -> np.ndarray:
+    """:func:`tests.helpers.torch_logits`, computed once per torch model and ``ids``."""
+    key = ("logits", ids.dtype.str, ids.shape, ids.tobytes())
+    return _once(torch_model, key, lambda: torch_logits(torch_model, ids))
+
+
+def reference_greedy(torch_model, ids: np.ndarray, mask: np.ndarray, new: int, **kw) -> np.ndarray:
+    """:func:`tests.models.kinds.torch_greedy`, computed once per torch model and arguments."""
+    from tests.models.kinds import torch_greedy  # it imports the family modules, which import this
+
+    key = ("greedy", ids.dtype.str, ids.shape, ids.tobytes(), mask.tobytes(), new, tuple(sorted(kw.items())))
+    return _once(torch_model, key, lambda: torch_greedy(torch_model, ids, mask, new, **kw))
 
 
 def load_sharded(tiny_checkpoints, kind: str, mesh_name: str, scan_layers: bool, **kw):
@@ -46,14 +72,14 @@ def expert_parallel_diff(model, torch_model, mesh, experts, scan_layers: bool) -
     with jax.set_mesh(mesh):
         # traced through the session's jitted forward, whose call below then reuses the trace
         assert ("shard_map" in str(jitted_forward().trace(model, jnp.asarray(ids)).jaxpr)) == has_ep
-        return max_rel_diff(jax_logits(model, ids), torch_logits(torch_model, ids))
+        return max_rel_diff(jax_logits(model, ids), reference_logits(torch_model, ids))
 
 
 def assert_greedy_matches(model, torch_model, *, mesh=None, crop: int = 4, no_eos: bool = False) -> None:
     """Greedy decoding with the cache: ``NEW`` tokens after left-padded prompts (the padded test batch
     less its first ``crop`` columns) equal transformers' ``generate``; ``no_eos`` decodes past EOS on
     both sides. Under ``mesh`` (``jax.set_mesh``) when one is given."""
-    from tests.models.kinds import padded_batch, torch_greedy  # it imports the family modules, which import this
+    from tests.models.kinds import padded_batch  # it imports the family modules, which import this
 
     ids, mask, _ = padded_batch("left")
     ids, mask = ids[:, crop:], mask[:, crop:]
@@ -61,7 +87,7 @@ def assert_greedy_matches(model, torch_model, *, mesh=None, crop: int = 4, no_eo
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, **kw))
     torch_kw = {"eos_token_id": None} if no_eos else {}
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW, **torch_kw))
+    np.testing.assert_array_equal(ours, reference_greedy(torch_model, ids, mask, NEW, **torch_kw))
 
 
 def assert_export_round_trip(

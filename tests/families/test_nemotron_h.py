@@ -28,10 +28,11 @@ from otfload.models import mamba2
 from otfload.models.layers import pure
 from otfload.plan.sharding import make_mesh
 from tests.export.test_export import assert_bit_exact, read_tensors, weight_map_keys
+from tests.families.checks import reference_greedy, reference_logits
 from tests.families.test_deepseek import _randomize_router_bias
 from tests.helpers import jax_logits as logits
-from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
-from tests.models.kinds import padded_batch, torch_greedy
+from tests.helpers import max_rel_diff, register_hf_model, token_ids
+from tests.models.kinds import padded_batch
 from tests.realsize import Spec, inspect_at_scale, write_header_checkpoint
 
 M, A, E, D = "linear_attention", "full_attention", "moe", "mlp"
@@ -75,7 +76,7 @@ def test_f32_logits_match_transformers(tiny_checkpoints, scan_layers, axes):
     with jax.set_mesh(mesh):
         for seq in (13, 70):  # one chunk, and three with a ragged last one
             ids = token_ids(seq=seq)
-            diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+            diff = max_rel_diff(logits(model, ids), reference_logits(torch_model, ids))
             assert diff <= 1e-4, (seq, diff)
 
 
@@ -93,7 +94,7 @@ def test_latent_moe_logits_match_transformers(tiny_checkpoints, scan_layers, axe
     assert moe.experts.up.kernel[...].shape == (*lead, 8, 32, 16)
     ids = token_ids(seq=13)
     with jax.set_mesh(mesh):
-        diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+        diff = max_rel_diff(logits(model, ids), reference_logits(torch_model, ids))
     assert diff <= 1e-4, diff
 
 
@@ -131,7 +132,7 @@ def test_padded_rows_get_the_logits_they_get_alone(tiny_checkpoints, mesh_2x4, s
         ours = np.asarray(jax.jit(lambda m, x, a: m(x, attention_mask=a))(model, ids, mask))
     for r in range(len(ids)):
         real = mask[r].astype(bool)
-        alone = torch_logits(torch_model, ids[r : r + 1, real])[0]
+        alone = reference_logits(torch_model, ids[r : r + 1, real])[0]
         assert max_rel_diff(ours[r, real], alone) <= 1e-4, (side, r)
 
 
@@ -146,7 +147,7 @@ def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, m
     ids, mask, _ = padded_batch("left")
     with jax.set_mesh(mesh_2x4):
         ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[]))
-    np.testing.assert_array_equal(ours, torch_greedy(torch_model, ids, mask, NEW, eos_token_id=None))
+    np.testing.assert_array_equal(ours, reference_greedy(torch_model, ids, mask, NEW, eos_token_id=None))
 
 
 def test_time_step_clamp_as_transformers_applies_it():
@@ -205,7 +206,7 @@ def test_peft_lora_merges_like_peft(tiny_checkpoints, mesh_2x4, tmp_path):
     reference = peft_logits(torch_model, [adapter], ids)
     model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh_2x4)
     assert max_rel_diff(logits(model, ids), reference) <= 1e-4
-    assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
+    assert max_rel_diff(reference_logits(torch_model, ids), reference) > 1e-3
 
 
 def test_eval_scores_padded_batches_like_transformers(tiny_checkpoints, mesh_2x4, tmp_path):

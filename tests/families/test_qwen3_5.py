@@ -22,9 +22,9 @@ import otfload
 from otfload.errors import ConfigError
 from otfload.families.qwen3_5.config import Qwen35Config
 from otfload.plan.sharding import make_mesh
-from tests.families.checks import assert_export_round_trip, assert_greedy_matches, write_replica
+from tests.families.checks import assert_export_round_trip, assert_greedy_matches, reference_logits, write_replica
 from tests.helpers import jax_logits as logits
-from tests.helpers import max_rel_diff, register_hf_model, token_ids, torch_logits
+from tests.helpers import max_rel_diff, register_hf_model, token_ids
 from tests.models.kinds import padded_batch, torch_masked_logits
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -92,7 +92,7 @@ def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers):
     with jax.set_mesh(mesh):
         for seq in (13, 70):  # one chunk, and two with a ragged last one
             ids = token_ids(seq=seq)
-            diff = max_rel_diff(logits(model, ids), torch_logits(torch_model, ids))
+            diff = max_rel_diff(logits(model, ids), reference_logits(torch_model, ids))
             assert diff <= 1e-4, (seq, diff)
 
 
@@ -116,7 +116,7 @@ def assert_padded_rows_alone(model, torch_model, mesh, side: str) -> None:
         ours = np.asarray(_MASKED_FORWARD(model, ids, mask))
     for r in range(len(ids)):
         real = mask[r].astype(bool)
-        alone = torch_logits(torch_model, ids[r : r + 1, real])[0]
+        alone = reference_logits(torch_model, ids[r : r + 1, real])[0]
         assert max_rel_diff(ours[r, real], alone) <= 1e-4, (side, r)
     np.testing.assert_allclose(ours, torch_masked_logits(torch_model, ids, mask) * mask[..., None]
                                + ours * (1 - mask[..., None]), atol=1e-4 * np.abs(ours).max())
