@@ -89,7 +89,8 @@ def execute_plan(
     ``host_ring_bytes``: on accelerators, the staging memory all builders keep registered for direct
     DMA together (:mod:`otfload.read.pinned`; default 1 GiB; 0: the runtime's staged copy).
     ``device_hooks``: where hooks run (:func:`~otfload.place.device_hooks.hooks_on_device`);
-    ``read_ahead`` and ``direct_io``: whether cold local files are read ahead and with ``O_DIRECT``;
+    ``read_ahead`` and ``direct_io``: whether cold local files are read ahead (into the page cache, or
+    with ``O_DIRECT`` into a ring of half the budget, :mod:`otfload.read.direct_ahead`) and with ``O_DIRECT``;
     ``collective_timeout``: the bound of a multi-process load's exchanges and collectives. The
     options of a load give each of these (:class:`~otfload.options.LoadOptions`, the environment
     included); nothing here reads the environment.

@@ -41,7 +41,8 @@ from otfload.sources.base import DirectSource
 
 # The ring's share of the load's scratch budget (host_memory_budget, by default the largest leaf's
 # source bytes); the builders' arenas keep the rest. Cold 1.1 GB Llama (largest leaf 234 MB), loaded
-# machine, medians of 4: a ring of half the budget 1.63 s, of all of it 1.68 s (0.04 GB more transient).
+# machine, medians of 4: a ring of half the budget 1.63 s, of all of it 1.68 s, of a quarter 1.91 s;
+# with the ring set aside from the builders' share (ByteBudget.set_aside), transient 0.13 GiB at half.
 RING_SHARE = 0.5
 # Reads in flight together: one O_DIRECT stream of 13 MiB runs read this VM's disk at 0.68 GB/s, two
 # at 1.0, three at 1.09, four 8 MiB ones at 1.17 (medians of 3 cold passes over the 1.1 GB Llama).

@@ -9,7 +9,9 @@ instead of thousands, at the price of reading the gaps.
 
 Files the load found cold (:attr:`TensorReader.direct_files`) are read with ``O_DIRECT`` where their
 file system allows it: the same page runs, widened to the disk's block alignment, land in aligned
-scratch (no page cache filled or mapped), and the box is a view of them or gathered from them.
+scratch (no page cache filled or mapped), and the box is a view of them or gathered from them; a
+load reads those runs ahead of its builders into a bounded ring (:attr:`TensorReader.ahead`,
+:mod:`otfload.read.direct_ahead`), which the builders then take instead of reading.
 
 A derived tensor (:class:`~otfload.index.derived.DerivedTensor`: a quantized weight, a weight with
 LoRA adapters merged in) is read as the boxes of its stored parts that cover the box (codes, scales,
