@@ -44,6 +44,7 @@ from otfload.sources.retry import (
     Deadline,
     RequestSlots,
     RetriedCalls,
+    RetryNotice,
     RetryPolicy,
     StallError,
     TransientError,
@@ -107,6 +108,7 @@ class FsspecSource(RetriedCalls):
         self._deadline = Deadline(timeout)
         self.url = url.rstrip("/")
         self._retry = retry or RetryPolicy()
+        self._notice = RetryNotice()
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         options = _with_idle_timeouts(protocol, dict(storage_options or {}), self._retry.read_timeout_s)
         try:

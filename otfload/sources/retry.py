@@ -423,7 +423,7 @@ class RetryPolicy:
                 window = self._window_s(retry, elapsed, pause, elapsed - (began - start), deadline)
                 failed = str(last) if isinstance(last, TransientError) else f"{type(last).__name__}: {last}"
                 notice.say(
-                    f"{urlsplit(url).netloc or url or where}: unreachable for {elapsed:.1f} s ({failed}), "
+                    f"{_server(url) or where}: unreachable for {elapsed:.1f} s ({failed}), "
                     f"retrying up to {self.attempts - retry - 1} more time(s) for about {window:.1f} s"
                 )
             if token is not None:
@@ -460,6 +460,14 @@ class RetryPolicy:
             url=url or where,
             received=received,
         )
+
+
+def _server(url: str) -> str:
+    """Where a request went: an HTTP server's host and port, another store's ``scheme://bucket``."""
+    parts = urlsplit(url)
+    if not parts.netloc or parts.scheme in ("http", "https"):
+        return parts.netloc or url
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 class RetriedCalls:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -95,3 +96,23 @@ def test_gcs_publishes_each_objects_md5_and_crc32c_from_the_listing(gs_url, gcs_
     assert digests["md5"] == base64.b64encode(hashlib.md5(data).digest()).decode()
     assert digests["crc32c"] == base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
     assert FsspecSource(memory_copy(checkpoint)).digests(SHARD) == {}  # memory:// publishes none
+
+
+
+def test_a_gone_store_says_once_that_it_retries(checkpoint, fast_retry):
+    """A ``gs://`` store that went away announces its retries once per source (after
+    ``notice_after_s``, as the Hub does), naming where, then fails as before."""
+    import warnings
+
+    from otfload.sources.retry import SourceRetryingWarning
+
+    policy = dataclasses.replace(fast_retry, notice_after_s=0.2)
+    with GcsServer() as server:
+        src = FsspecSource(server.upload_dir(checkpoint, "gone", "m"), server.storage_options, retry=policy)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with pytest.raises(SourceUnavailableError, match="gs://gone/m: model"):
+                read_bytes(src, SHARD, 0, 100)
+    notices = [str(w.message) for w in seen if issubclass(w.category, SourceRetryingWarning)]
+    assert len(notices) == 1 and notices[0].startswith("gs://gone: unreachable"), notices
