@@ -6,7 +6,7 @@ the NNX decoder, ``mapping`` the table and checks. Importing the package registe
 """
 
 from otfload.families.deepseek_v4.config import DeepseekV4Config, deepseek_v4_config
-from otfload.families.deepseek_v4.mapping import DEEPSEEK_V4_TABLE, deepseek_v4_checks
+from otfload.families.deepseek_v4.mapping import DEEPSEEK_V4_LORA, DEEPSEEK_V4_TABLE, deepseek_v4_checks
 from otfload.families.deepseek_v4.model import DeepseekV4ForCausalLM
 from otfload.families.registry import Family, register
 
@@ -18,6 +18,7 @@ DEEPSEEK_V4 = register(
         build=DeepseekV4ForCausalLM,
         mapping=lambda cfg: DEEPSEEK_V4_TABLE,
         checks=deepseek_v4_checks,
+        lora_layout=DEEPSEEK_V4_LORA,
     )
 )
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from otfload.config import Count, Dim
 from otfload.families.deepseek_v4.config import GROUPS, DeepseekV4Config
+from otfload.families.lora import ExpertLayout
 from otfload.plan.hooks import Reshape
 from otfload.plan.mapping import MappingTable, Rule
 
@@ -67,6 +68,19 @@ DEEPSEEK_V4_TABLE = MappingTable(
     (*(Rule(leaf, key, fallbacks=(other,)) for leaf, (key, other) in TOP.items()),
      *(r for group in GROUPS for r in _layer_rules(group))),
     ignore=(r"(model\.)?mtp\..*",),
+)
+
+
+# PEFT LoRA adapters name transformers 5.24's runtime modules: ``self_attn.q_a_proj`` for the stored
+# ``attn.wq_a`` (the main attention's projections and the shared expert's), ``mlp.experts.gate_up_proj``
+# for each expert's ``ffn.experts.{e}.w1`` and ``w3`` stacked. The compressors' and indexer's are not mapped.
+ATTENTION_LORA = {"q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_proj": "wkv", "o_a_proj": "wo_a", "o_b_proj": "wo_b"}
+DEEPSEEK_V4_LORA = ExpertLayout(
+    renames=(*((f".self_attn.{r}.", f".attn.{s}.") for r, s in ATTENTION_LORA.items()),
+             *((f".mlp.shared_experts.{r}.", f".ffn.shared_experts.{s}.")
+               for r, s in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))),
+             (".mlp.experts", ".ffn.experts")),
+    fused=(("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))),
 )
 
 
