@@ -407,7 +407,9 @@ class TensorReader:
         origin = sum(b[0] * st for b, st in zip(box, strides, strict=True))
         read_direct = direct and mode == "pages"  # the takes below read their run themselves (O_DIRECT)
         take = self._direct_taker(info, fetch, arena, charged, fetched) if read_direct else arena.take
-        if len(fetch) == 1 and fetch[0].offset <= origin and mode != "pieces":
+        end = origin + sum((b[1] - b[0] - 1) * st for b, st in zip(box, strides, strict=True)) + info.dtype.itemsize
+        # one run holding the whole box (a selection's run may stop short of the box's end)
+        if len(fetch) == 1 and fetch[0].offset <= origin and end <= sum(fetch[0]) and mode != "pieces":
             run = fetch[0]
             buffer = take(run.length)
             read = RangeRead(info.file, info.offset + run.offset, buffer.data)
