@@ -123,3 +123,22 @@ def per_expert_adapter(checkpoint: Path, out_dir: Path, marker: str, r: int = 2,
         tensors.update(lora_pair(key.removesuffix(".weight"), r, shape[1], shape[0], seed=seed))
     targets = sorted({k.rsplit(".", 2)[-2] for k, _ in experts})
     return write_adapter(out_dir, tensors, r=r, lora_alpha=alpha, target_modules=targets)
+
+
+def merged_peft_logits(torch_model, adapter_dir: Path, ids: np.ndarray) -> np.ndarray:
+    """Logits of ``PeftModel.merge_and_unload()`` with ``adapter_dir`` on a copy of ``torch_model``:
+    the reference for modules PEFT merges but cannot run unmerged (DeepSeek-V4's grouped ``o_a_proj``)."""
+    from peft import PeftModel
+
+    return torch_logits(PeftModel.from_pretrained(copy.deepcopy(torch_model), adapter_dir).merge_and_unload(), ids)
+
+
+def kept_factors(model) -> list:
+    """The :class:`~otfload.adapters.weight.LoraWeight` leaves of ``model``: its adapter kept as factors."""
+    import jax
+    from flax import nnx
+
+    from otfload.adapters.weight import LoraWeight
+
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, LoraWeight))
+    return [w for w in leaves if isinstance(w, LoraWeight)]

@@ -7,16 +7,13 @@ gate rows, ``k_proj``, ``v_proj``, ``o_proj``, the shared expert's MLP and gate 
 and kept as factors: float32 logits equal those of ``PeftModel.merge_and_unload()``, which the adapter
 moves well past the bound. Keeping the fused experts' factors is a typed error naming the module."""
 
-import copy
-
 import jax
 import pytest
-from flax import nnx
 
 import otfload
 from otfload.errors import AdapterError
 from otfload.plan.sharding import make_mesh
-from tests.adapters.support import make_adapter
+from tests.adapters.support import kept_factors, make_adapter, merged_peft_logits
 from tests.adapters.test_parity import MIN_EFFECT, TOLERANCE
 from tests.families.test_qwen3_5_fused import fused  # noqa: F401  (the fused tiny checkpoint and its model)
 from tests.helpers import jax_logits, max_rel_diff, token_ids, torch_logits
@@ -40,18 +37,12 @@ def mesh():
     ids=["merged", "kept"],
 )
 def test_peft_lora_matches_peft_merged(fused, tmp_path, merge_adapter, lora):  # noqa: F811
-    from peft import PeftModel
-
-    from otfload.adapters.weight import LoraWeight
-
     path, torch_model = fused
     adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4, **lora)
     ids = token_ids(seq=70)
-    reference = torch_logits(PeftModel.from_pretrained(copy.deepcopy(torch_model), adapter).merge_and_unload(), ids)
+    reference = merged_peft_logits(torch_model, adapter, ids)
     model = otfload.from_pretrained(path, adapter=adapter, merge_adapter=merge_adapter, mesh=mesh())
-    params = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, LoraWeight))
-    kept = [w for w in params if isinstance(w, LoraWeight)]
-    assert bool(kept) != merge_adapter
+    assert bool(kept_factors(model)) != merge_adapter
     with jax.set_mesh(mesh()):
         diff = max_rel_diff(jax_logits(model, ids), reference)
     assert diff <= TOLERANCE, diff
