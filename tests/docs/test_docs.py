@@ -5,7 +5,11 @@ Convention for code blocks (checked here for every page in ``PAGES`` and README.
 - Every fence names its language, one of ``FENCES``: a block without one would be silently skipped.
 - All ```python blocks of one page run in order as one script (every page in one interpreter, each
   with fresh globals, in a scratch working directory); the page's ```bash blocks then run in one
-  bash shell each (``-euo pipefail``) with the ``otfload`` script on PATH.
+  bash shell each (``-euo pipefail``) with ``otfload`` on PATH: the bash is real, and its ``otfload``
+  commands run as ``otfload.cli.main(argv)`` in that same interpreter, with the command's descriptors,
+  environment and directory (``tests/docs/cli_worker.py``, checked against the console script in
+  ``test_cli_worker.py``), not one fresh interpreter each; a ``--coordinator`` job's processes, and
+  ``otfload example`` here, are the real console script.
 - A block that needs a checkpoint reads its location from the environment variable
   ``OTFLOAD_EXAMPLE_CKPT`` (for a reader, a Hub id fallback), one that needs a PEFT LoRA adapter of
   it from ``OTFLOAD_EXAMPLE_ADAPTER``, and one that needs a quantized checkpoint from
@@ -46,22 +50,27 @@ PAGES = ["index.md", "quickstart.md", "concepts.md", "architecture.md", "familie
 EXEMPT = {"benchmarks.md", "benchmarks_log.md", "benchmarks_export.md", "benchmarks_remote.md", "benchmarks_reshard.md"}
 FENCES = {"python", "bash", "text", "console"}
 
+WORKER = Path(__file__).with_name("cli_worker.py")
 RUNNER = r"""
-import contextlib, re, subprocess, sys, traceback
-readme = sys.argv[1]
-for page in sys.argv[2:]:
-    text = open(page).read()
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the verdicts
-            code = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
-            exec(compile(code, page, "exec"), {"__name__": "doc"})
-        for block in re.findall(r"```bash\n(.*?)```", text, re.S) if page != readme else []:
-            subprocess.run(["bash", "-euo", "pipefail", "-c", block], check=True, stdout=sys.stderr)
-    except BaseException:
-        print(f"FAILED {page}", flush=True)
-        traceback.print_exc()
-        continue
-    print(f"ok {page}", flush=True)
+import contextlib, importlib.util, re, sys, traceback
+spec = importlib.util.spec_from_file_location("cli_worker", sys.argv[1])  # by path: sys.path stays a reader's
+cli_worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cli_worker)
+readme = sys.argv[2]
+with cli_worker.Worker() as worker:
+    for page in sys.argv[3:]:
+        text = open(page).read()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the verdicts
+                code = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
+                exec(compile(code, page, "exec"), {"__name__": "doc"})
+            for block in re.findall(r"```bash\n(.*?)```", text, re.S) if page != readme else []:
+                worker.run_bash(block, stdout=sys.stderr)
+        except BaseException:
+            print(f"FAILED {page}", flush=True)
+            traceback.print_exc()
+            continue
+        print(f"ok {page}", flush=True)
 """
 
 
@@ -71,7 +80,8 @@ def fence_languages(text: str) -> list[str]:
 
 
 def example_variables(directory: Path) -> dict[str, str]:
-    """The variables ``otfload example DIR`` tells a reader to set (its ``export NAME=VALUE`` lines)."""
+    """The variables ``otfload example DIR`` tells a reader to set (its ``export NAME=VALUE`` lines); the
+    real console script in a process of its own, as a newcomer runs it."""
     out = subprocess.run([str(Path(sys.executable).with_name("otfload")), "example", str(directory)],
                          capture_output=True, text=True, timeout=300, check=True)
     return dict(shlex.split(line)[1].split("=", 1) for line in out.stdout.splitlines() if line.startswith("export "))
@@ -86,7 +96,7 @@ def test_every_code_block_runs(tmp_path):
     pages = [str(DOCS / p) for p in PAGES] + [str(README)]
     scratch = tmp_path / "cwd"
     scratch.mkdir()
-    out = subprocess.run([sys.executable, "-c", RUNNER, str(README), *pages], env=env, cwd=scratch,
+    out = subprocess.run([sys.executable, "-c", RUNNER, str(WORKER), str(README), *pages], env=env, cwd=scratch,
                          capture_output=True, text=True, timeout=600)
     assert out.stdout.split() == [w for p in pages for w in ("ok", p)], out.stdout + out.stderr
 
