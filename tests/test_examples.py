@@ -6,8 +6,10 @@ against the float32 ones they quantize (e4m3: 3 mantissa bits), the adapter as P
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -65,11 +67,24 @@ def test_the_adapter_is_a_peft_lora_of_the_llama(example_checkpoints):
     assert (config.peft_type, config.r, sorted(config.target_modules)) == ("LORA", 4, ["q_proj", "v_proj"])
 
 
-def test_the_command_prints_the_pages_variables_and_refuses_to_overwrite(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "otfload.examples", str(tmp_path / "ex")], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    shell = subprocess.run(["bash", "-c", f'eval "{done.stdout}"; echo "$OTFLOAD_EXAMPLE_CKPT $OTFLOAD_EXAMPLE_ADAPTER '
+def run_examples_module(*argv: str) -> int:
+    """``python -m otfload.examples ARGV`` in this process (its ``__main__`` block; a fresh interpreter
+    would cost seconds of imports): the exit code."""
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        patch.setattr(sys, "argv", ["-m", *argv])
+        warnings.filterwarnings("ignore", "'otfload.examples' found in sys.modules", RuntimeWarning)  # imported here
+        try:
+            runpy.run_module("otfload.examples", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+    raise AssertionError("python -m otfload.examples returned without sys.exit")
+
+
+def test_the_command_prints_the_pages_variables_and_refuses_to_overwrite(tmp_path, capsys):
+    code = run_examples_module(str(tmp_path / "ex"))
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    shell = subprocess.run(["bash", "-c", f'eval "{done.out}"; echo "$OTFLOAD_EXAMPLE_CKPT $OTFLOAD_EXAMPLE_ADAPTER '
                                           '$OTFLOAD_EXAMPLE_QUANTIZED"'], capture_output=True, text=True)
     assert shell.stdout.split() == [str(tmp_path / "ex" / name) for name in ("tiny-llama", "tiny-lora", "tiny-fp8")]
     with pytest.raises(OutputExistsError):
