@@ -4,7 +4,7 @@ Each ``otfload ...`` a page's bash block runs costs a fresh interpreter 3-10 s o
 imports and compiling the same tiny programs again) for a second of work. Here the bash blocks still run in
 bash, as written (pipes, redirections, ``$(...)``, ``&``), but the ``otfload`` they find first on PATH is a
 small stdlib-only client (``SHIM``) that hands its arguments, working directory, environment and its own
-stdin/stdout/stderr descriptors (SCM_RIGHTS) to the process that runs the block (:func:`run_bash`), which
+stdin/stdout/stderr descriptors (SCM_RIGHTS) to the process that runs the block (``Worker.run_bash``), which
 runs ``otfload.cli.main(argv)`` with those descriptors on its fds 0-2, that environment and that directory,
 and sends the exit code back for the client to exit with. What the command prints therefore goes where the
 shell sent it, byte for byte, and the shell sees the command's exit status.
@@ -13,8 +13,9 @@ A command that joins a ``jax.distributed`` job (``--coordinator``) needs a proce
 runs the real console script for it (``os.execv``), so the page's multi-process jobs stay real processes.
 
 State a command leaves in the process is put back afterwards: ``os.environ``, the working directory,
-``sys.argv``, the SIGINT handler and the descriptors 0-2. JAX's backend (devices already initialised) and
-its in-memory compilation caches are shared by the commands, which is the point.
+``sys.argv``, the SIGINT handler, the descriptors 0-2 and ``sys.stdin``/``stdout``/``stderr``. JAX's backend
+(devices already initialised) and its in-memory compilation caches are shared by the commands, which is the
+point.
 """
 
 from __future__ import annotations
