@@ -106,11 +106,11 @@ class _Merger:
     # --- names -------------------------------------------------------------------------------------
 
     def stored_names(self, key: str) -> list[str]:
-        """``key`` and its names under the layout's renames."""
+        """``key`` and its names under the layout's renames, each applied to the names before it (a
+        module renamed and under a checkpoint's own prefix: DeepSeek-V4's release)."""
         names = [key]
         for runtime, stored in self.layout.renames:
-            if runtime in key:
-                names.append(key.replace(runtime, stored))
+            names += [name.replace(runtime, stored) for name in names if runtime in name]
         return names
 
     def find(self, key: str, adapter: Adapter) -> str | None:

@@ -6,9 +6,12 @@ expert's ``gate_proj``/``up_proj``/``down_proj``, stored as ``w1``/``w3``/``w2``
 the fly and kept as factors: float32 logits on the scanned ``fsdp2_ep4`` mesh equal those of
 ``PeftModel.merge_and_unload()`` (``o_a_proj`` is a grouped linear that PEFT's unmerged forward cannot
 run), which each adapter moves well past the bound. Keeping the fused experts' factors is a typed error
-naming the module. The hyper-connections' parameters are not linear modules; the compressors' and the
+naming the module. The release's names (``layers.{i}.attn.wq_a.weight``, no ``model.``) take the same
+adapter. The hyper-connections' parameters are not linear modules; the compressors' and the
 indexer's projections are left out (the regexes keep ``kv_proj`` to the attention's own).
 """
+
+import shutil
 
 import jax
 import pytest
@@ -20,7 +23,8 @@ from otfload.plan.sharding import make_mesh
 from tests.adapters.support import kept_factors, make_adapter, merged_peft_logits
 from tests.adapters.test_parity import MIN_EFFECT, TOLERANCE
 from tests.families.checks import MESHES
-from tests.helpers import jax_logits, max_rel_diff, token_ids, torch_logits
+from tests.families.test_deepseek_v4_quantized import release_name
+from tests.helpers import hf_tensors, jax_logits, max_rel_diff, token_ids, torch_logits
 
 ATTENTION = r".*\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)"
 SHARED = r".*\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)"
@@ -67,3 +71,18 @@ def test_keeping_the_fused_experts_factors_is_refused_by_module(adapters):
     path, _, dirs = adapters
     with pytest.raises(AdapterError, match=r"module 'model\.layers\.\d+\.mlp\.experts'.+target_parameters"):
         otfload.from_pretrained(path, adapter=dirs[True], merge_adapter=False, mesh=mesh())
+
+
+def test_the_release_names_take_the_same_adapter(adapters, tmp_path):
+    """The tiny checkpoint under V4-Flash's names (unquantised): the merged adapter's logits as above."""
+    from safetensors.numpy import save_file
+
+    path, torch_model, dirs = adapters
+    release = tmp_path / "release"
+    release.mkdir()
+    shutil.copy(path / "config.json", release)
+    save_file({release_name(k): v for k, v in hf_tensors(path).items()}, release / "model.safetensors")
+    model = otfload.from_pretrained(release, adapter=dirs[True], mesh=mesh())
+    with jax.set_mesh(mesh()):
+        diff = max_rel_diff(jax_logits(model, IDS), merged_peft_logits(torch_model, dirs[True], IDS))
+    assert diff <= TOLERANCE, diff

@@ -73,13 +73,14 @@ DEEPSEEK_V4_TABLE = MappingTable(
 
 # PEFT LoRA adapters name transformers 5.24's runtime modules: ``self_attn.q_a_proj`` for the stored
 # ``attn.wq_a`` (the main attention's projections and the shared expert's), ``mlp.experts.gate_up_proj``
-# for each expert's ``ffn.experts.{e}.w1`` and ``w3`` stacked. The compressors' and indexer's are not mapped.
+# for each expert's ``ffn.experts.{e}.w1`` and ``w3`` stacked; in the release's names, without ``model.``.
+# The compressors' and indexer's are not mapped.
 ATTENTION_LORA = {"q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_proj": "wkv", "o_a_proj": "wo_a", "o_b_proj": "wo_b"}
 DEEPSEEK_V4_LORA = ExpertLayout(
     renames=(*((f".self_attn.{r}.", f".attn.{s}.") for r, s in ATTENTION_LORA.items()),
              *((f".mlp.shared_experts.{r}.", f".ffn.shared_experts.{s}.")
                for r, s in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))),
-             (".mlp.experts", ".ffn.experts")),
+             (".mlp.experts", ".ffn.experts"), ("model.layers.", "layers.")),
     fused=(("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))),
 )
 
