@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from otfload.evaluate import _nll_of_batch
 from otfload.generate import _decoding_step, _step, cache_shardings
 from otfload.plan.sharding import make_mesh
 from otfload.programs import DIR_NAME, CachedJit
+from tests import forked
 
 
 @pytest.fixture(scope="module")
@@ -141,17 +143,17 @@ def test_a_second_process_decodes_with_the_kept_step_programs(tiny_checkpoints, 
     path, _ = tiny_checkpoints("llama")
     cache = tmp_path / "xla"
 
-    def job() -> dict:
-        out = subprocess.run([sys.executable, "-c", GENERATE_JOB, str(path), str(cache)], capture_output=True,
-                             text=True, timeout=300)
+    def job(run: Callable[..., subprocess.CompletedProcess]) -> dict:
+        out = run([sys.executable, "-c", GENERATE_JOB, str(path), str(cache)], capture_output=True, text=True,
+                  timeout=300)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.splitlines()[-1])
 
-    first = job()
+    first = job(subprocess.run)
     kept = {p.name: p.read_bytes() for p in (cache / DIR_NAME).iterdir()}
     assert len(kept) == 2 and all(name.startswith("_decoding_step-") for name in kept)  # prefill, decode
     assert first["lower"] > 0 and first["again"] == 0.0  # the second call: this process's programs
-    second = job()
+    second = job(forked.run)  # forked from tests.forked's server: a fresh process, its imports done
     assert second["ids"] == first["ids"]
     assert second["lower"] == 0.0 and second["compile"] < first["compile"] / 4  # read, not traced or compiled
     assert {p.name: p.read_bytes() for p in (cache / DIR_NAME).iterdir()} == kept  # none written again

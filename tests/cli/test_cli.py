@@ -4,7 +4,6 @@ plus in-process calls of ``otfload.cli.main`` where only the command's logic is 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,15 +21,17 @@ from otfload.cli.inspect import inspect_source
 from otfload.errors import SourceNotFoundError
 from otfload.plan.sharding import logical_to_spec
 from otfload.sources import LocalSource
+from tests import forked
 from tests.helpers import hf_tensors
 
 OTFLOAD = Path(sys.executable).with_name("otfload")  # the console script pip installed
 
 
 def otfload_cli(*args: str) -> subprocess.CompletedProcess:
-    """Run the installed ``otfload`` script (8 simulated devices come from conftest's XLA_FLAGS)."""
-    return subprocess.run([str(OTFLOAD), *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TQDM_DISABLE": "1"})
+    """Run the installed ``otfload`` script in a fresh process forked from tests.forked's server (its
+    imports already done; 8 simulated devices come from conftest's XLA_FLAGS; stderr is no terminal,
+    so no progress bar)."""
+    return forked.run([str(OTFLOAD), *map(str, args)], timeout=120)
 
 
 

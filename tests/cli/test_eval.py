@@ -1,5 +1,6 @@
-"""``otfload eval`` and ``otfload generate``: the installed console script in a subprocess (JSON and
-progress bar as a user sees them) and in-process ``main`` calls; numbers checked against
+"""``otfload eval`` and ``otfload generate``: the installed console script in a fresh process
+forked from tests.forked's server (JSON and progress bar as a user sees them) and in-process
+``main`` calls; numbers checked against
 transformers' loss and greedy ``generate`` on a tiny checkpoint with a real ``tokenizer.json``."""
 
 from __future__ import annotations
@@ -7,13 +8,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from otfload.cli import main
+from tests import forked
 from tests.cli.test_cli import OTFLOAD
 from tests.eval_support import TEXTS, as_arrays, reference_nll, rel, with_tokenizer
 from tests.models.kinds import torch_greedy
@@ -39,10 +40,10 @@ def data(tmp_path_factory) -> dict[str, Path]:
 def test_eval_json_matches_transformers_with_a_progress_bar_on_stderr(llama_tok, data):
     path, torch_model = llama_tok
     env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
-    out = subprocess.run(
+    out = forked.run(
         [str(OTFLOAD), "eval", str(path), "--data", str(data["jsonl"]), "--devices", "8", "--mesh", "fsdp=2,tp=4",
          "--max-len", str(MAX_LEN), "--batch-size", "3", "--json", "--progress"],
-        capture_output=True, text=True, timeout=300, env=env)
+        timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # stdout holds the JSON object only
     nll, count = as_arrays(reference_nll(torch_model, path / "tokenizer.json", TEXTS, MAX_LEN))

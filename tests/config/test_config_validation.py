@@ -5,7 +5,6 @@ second), never a KeyError/TypeError/ValueError/ZeroDivisionError or a plan that 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import otfload
 from otfload.config import Fields, Float, Int
 from otfload.errors import CheckpointIndexError, ConfigError, MissingTensorError
 from otfload.families.registry import family_for
+from tests import forked
 from tests.config.support import DELETE, copy_checkpoint, drop_tensors, with_config, write_config
 from tests.helpers import hf_tensors
 
@@ -272,8 +272,8 @@ def test_tied_checkpoint_loads_without_lm_head(tiny_checkpoints):
 
 
 def run_inspect(path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "otfload.cli", "inspect", str(path)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "TQDM_DISABLE": "1"})
+    """``python -m otfload.cli inspect PATH`` in a fresh process forked from tests.forked's server."""
+    return forked.run([sys.executable, "-m", "otfload.cli", "inspect", str(path)], timeout=120)
 
 
 def test_inspect_exits_non_zero_with_the_config_error(tiny_checkpoints, tmp_path):
