@@ -97,11 +97,18 @@ def expert_ffn(
     if ep == 1 or num_experts % ep:
         return _routed(x, idx, weights, experts, 0, in_first, activation, impl)
 
+    # XLA:CPU widens a 16-bit all-reduce to float32 itself, and its pass (AllReducePromotion, jaxlib
+    # 0.10.2) aborts the process on the reducer this psum lowers to ("Invalid binary instruction
+    # opcode copy": every MoE in bfloat16 on an ep mesh): on CPU the sum is taken in float32 here,
+    # the same bytes and arithmetic as the pass's; other backends keep the collective's own dtype.
+    promote = jax.default_backend() == "cpu" and jnp.dtype(x.dtype).itemsize < 4
+
     def local(x: jax.Array, idx: jax.Array, weights: jax.Array, experts: Experts) -> jax.Array:
         first = jax.lax.axis_index(EP_AXIS) * (num_experts // ep)
         out = _routed(x, idx, weights, experts, first, in_first, activation, impl)
-        summed: jax.Array = jax.lax.psum(out, EP_AXIS)  # type: ignore[no-untyped-call]  # unannotated in jax
-        return summed
+        wide = out.astype(jnp.float32) if promote else out
+        summed: jax.Array = jax.lax.psum(wide, EP_AXIS)  # type: ignore[no-untyped-call]  # unannotated in jax
+        return summed.astype(out.dtype)
 
     # jax's PartitionSpec.__init__ is unannotated.
     expert_specs = jax.tree.map(lambda _: P(EP_AXIS), experts)  # type: ignore[no-untyped-call]

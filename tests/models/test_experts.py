@@ -131,3 +131,21 @@ def test_unknown_implementation_is_an_error():
     x, idx, weights, experts = _problem(False, False)
     with pytest.raises(ValueError, match="unknown MoE implementation"):
         expert_ffn(x, idx, weights, experts, in_first=False, activation=_swiglu, impl="capacity")
+
+
+def test_bfloat16_experts_over_ep_compile_and_sum_in_float32_on_cpu():
+    """In bfloat16 over ``ep`` the partial outputs are added in float32 on CPU (XLA:CPU's own
+    widening of a 16-bit all-reduce aborted the process: "Invalid binary instruction opcode copy") and
+    come back bfloat16,
+    within bfloat16 rounding of the float32 result."""
+    x, idx, weights, experts = _problem(True, True)
+    ref = _run(DENSE, True, x, idx, weights, experts)
+    low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, weights, experts))
+    with jax.set_mesh(make_mesh({"fsdp": 2, "ep": 4})):
+        fn = jax.jit(lambda x, w, e: expert_ffn(x, idx, w, e, in_first=True, activation=_swiglu, impl=BLOCKS))
+        jaxpr = str(jax.make_jaxpr(fn)(*low))
+        got = fn(*low)
+    assert got.dtype == jnp.bfloat16
+    assert any("psum" in line and "f32[" in line for line in jaxpr.splitlines())
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=0.05 * scale)
