@@ -170,9 +170,11 @@ def _plain(value: Any) -> Any:
 @contextlib.contextmanager
 def _leaving_on_error(model: Any) -> Iterator[None]:
     """The job's error told to the other processes (:meth:`otfload.lm_eval.ranks.Ranks.leave`), so
-    that they end with it instead of waiting for this process at lm_eval's next exchange."""
+    that they end with it instead of waiting for this process at lm_eval's next exchange; the
+    model's load stopped and its source closed."""
     try:
         yield
     except BaseException as err:
         model.ranks.leave(f"{type(err).__name__}: {err}")
+        model.close()  # a load still running stops; its files are closed
         raise

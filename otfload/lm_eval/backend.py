@@ -149,6 +149,10 @@ class OtfloadLM(TemplateLM):  # type: ignore[misc]  # lm_eval is untyped: its cl
         :meth:`create_from_arg_obj`."""
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
+    def close(self) -> None:
+        """Stop a load still running and close its source (a job that ends before scoring)."""
+        self._load.close()
+
     # --- what lm_eval asks of a model ---------------------------------------------------------
 
     @property

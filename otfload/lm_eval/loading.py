@@ -36,6 +36,7 @@ from otfload.plan.planner import LoadPlan
 from otfload.sources.base import Source
 from otfload.sources.load_context import submit
 from otfload.sources.owned import owned, owned_source
+from otfload.sources.retry import CancelToken, cancel_scope, current_token
 
 
 class BackgroundLoad:
@@ -59,6 +60,7 @@ class BackgroundLoad:
             self.packs_sequences = bool(getattr(abstract, "packs_sequences", True))  # one sequence a row when False
             same_leaves = load_options.quantized != "keep" and load_options.merge_adapter
             self.abstract: CausalLM | None = _with_shardings(abstract, plan) if same_leaves else None
+            self._token = CancelToken(current_token())  # the caller's token cancels the load too
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="otfload-load")
             self._future: concurrent.futures.Future[Any] = submit(self._pool, self._run, load_options)
         except BaseException:
@@ -67,9 +69,19 @@ class BackgroundLoad:
 
     def _run(self, load_options: LoadOptions) -> Any:
         try:
-            return from_pretrained(self.source, options=load_options)
+            with cancel_scope(self._token):
+                return from_pretrained(self.source, options=load_options)
         finally:
             self.seconds = time.perf_counter() - self.start
+
+    def close(self) -> None:
+        """Stop the load if it still runs (its reads cancelled) and close its source: for a job
+        that ends before it needs the weights (e.g. the checkpoint's tokenizer refused)."""
+        self._token.cancel()
+        with contextlib.suppress(BaseException):  # the load's own end: cancelled, or what it raised
+            self._future.result()
+        self._pool.shutdown()
+        self._stack.close()
 
     def model(self) -> CausalLM:
         """The loaded model (waits for the load; raises what it raised)."""

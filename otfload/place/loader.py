@@ -49,7 +49,7 @@ from otfload.read.readahead import local_residency, start_read_ahead
 from otfload.read.reader import TensorReader
 from otfload.sources.base import Source
 from otfload.sources.load_context import submit
-from otfload.sources.retry import CancelToken, cancel_scope
+from otfload.sources.retry import CancelToken, cancel_scope, current_token
 
 # Two builders keep one core reading while the other copies; more only adds scratch memory on a
 # 2-core host. Raise it for remote sources, where threads mostly wait on the network.
@@ -128,7 +128,7 @@ def execute_plan(
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="otfload", disable=not show)
     start = time.perf_counter()
 
-    token = CancelToken()
+    token = CancelToken(current_token())  # a caller's token (e.g. a background load's) cancels it too
     meter = FetchMeter()  # what the source really fetches, counted where it fetches
 
     def build(path: str) -> jax.Array:

@@ -5,6 +5,9 @@ lm-eval's task names and include path checked before lm_eval runs."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from otfload.cli import INTERRUPTED, main
@@ -137,7 +140,13 @@ def test_a_checkpoint_without_eos_is_the_checkpoints_error_before_lm_eval_runs(t
     config.pop("eos_token_id", None)
     (checkpoint / "config.json").write_text(json.dumps(config))
     tasks = write_tasks(tmp_path / "tasks")
+
+    def open_checkpoint_files() -> list[str]:
+        fds = Path("/proc/self/fd")
+        return [t for t in (os.path.realpath(fds / n) for n in os.listdir(fds)) if t.startswith(str(checkpoint))]
+
     assert main(["lm-eval", str(checkpoint), "--tasks", "otf_mc", "--include-path", str(tasks), "--limit", "2",
                  "--compile-cache", "off"]) == 1  # the checkpoint's error, not bad usage (2)
     err = capsys.readouterr().err
     assert "otfload: error: TokenizerError:" in err and "names no EOS token" in err
+    assert open_checkpoint_files() == []  # the load it had started stopped, its files closed
