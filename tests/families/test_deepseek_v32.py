@@ -266,18 +266,31 @@ def test_gradients_equal_torch_autograd(tiny_checkpoints, tmp_path, kind, scan_l
 # dense and shared experts' MLPs, and the indexer's own projections.
 LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                 "down_proj", "wq_b", "wk", "weights_proj"]
+# kept as factors: MLA's fused projections (split between leaves) and the MLPs (PEFT turns their names
+# into target_parameters of the fused routed experts) merge only, so they are left out
+KEPT_TARGETS = ["q_a_proj", "q_b_proj", "o_proj", "wq_b", "wk", "weights_proj"]
 
 
 @pytest.mark.parametrize(("kind", "scan_layers"), [("deepseek_v32", False), ("glm_moe_dsa", True)])
 def test_peft_lora_adapters_merge_like_peft(tiny_checkpoints, tmp_path, kind, scan_layers):
-    from tests.adapters.support import make_adapter, peft_logits
+    """The adapter merges on the fly and, on the attention and the indexer only, is kept as factors
+    (``merge_adapter=False``): both logits equal ``PeftModel``'s; keeping a fused projection's factors
+    is a typed error naming the leaf."""
+    from otfload.errors import AdapterError
+    from tests.adapters.support import kept_factors, make_adapter, peft_logits
 
     path, torch_model = tiny_checkpoints(kind)
     adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=LORA_TARGETS)
+    kept_adapter = make_adapter(torch_model, tmp_path / "kept", r=2, lora_alpha=4, target_modules=KEPT_TARGETS)
     ids = token_ids(seq=12)
     reference = peft_logits(torch_model, [adapter], ids)
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3  # the adapter matters
     mesh = make_mesh(MESHES["fsdp2_ep4"])
     model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=scan_layers)
+    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=scan_layers)
+    assert kept_factors(kept)
     with jax.set_mesh(mesh):
         assert max_rel_diff(logits(model, ids), reference) <= 1e-4
+        assert max_rel_diff(logits(kept, ids), peft_logits(torch_model, [kept_adapter], ids)) <= 1e-4
+    with pytest.raises(AdapterError, match=r"leaf '[\w.]*attn\.k_b\.kernel'.+fused projection"):
+        otfload.from_pretrained(path, adapter=adapter, merge_adapter=False, mesh=mesh, scan_layers=scan_layers)

@@ -176,21 +176,26 @@ def test_fbgemm_fp8_experts_match_transformers_on_the_dequantised_weights(tiny_c
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
     """A PEFT adapter on the attention, the shared expert and the fused routed experts merges on the
-    fly: logits equal ``PeftModel``'s, and the adapter moves them well past the bound. (PEFT reads
+    fly: logits equal ``PeftModel``'s, and the adapter moves them well past the bound; without the
+    experts it is also kept as factors (``merge_adapter=False``), logits again ``PeftModel``'s. (PEFT reads
     Llama 4's fused parameters, which carry no ``is_transposed``, in their stored axis order, so the
     family keeps the default expert layout.)"""
-    from tests.adapters.support import make_adapter, peft_logits
+    from tests.adapters.support import kept_factors, make_adapter, peft_logits
 
     path, torch_model = tiny_checkpoints("llama4")
-    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4,
-                           target_modules=["q_proj", "v_proj", "shared_expert.up_proj"],
+    modules, mesh = ["q_proj", "v_proj", "shared_expert.up_proj"], make_mesh(MESHES["fsdp2_ep4"])
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=modules,
                            target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
     ids = token_ids()
     reference = peft_logits(torch_model, [adapter], ids)
-    model = otfload.from_pretrained(path, adapter=adapter, mesh=make_mesh(MESHES["fsdp2_ep4"]),
-                                    scan_layers=scan_layers)
+    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=scan_layers)
     assert max_rel_diff(logits(model, ids), reference) <= 1e-4
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
+    # kept as factors: the fused experts' factors (target_parameters) merge only, so they are left out
+    kept_adapter = make_adapter(torch_model, tmp_path / "kept", r=2, lora_alpha=4, target_modules=modules)
+    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=scan_layers)
+    assert kept_factors(kept)
+    assert max_rel_diff(logits(kept, ids), peft_logits(torch_model, [kept_adapter], ids)) <= 1e-4
 
 
 def _real_config() -> dict:

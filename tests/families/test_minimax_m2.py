@@ -193,15 +193,21 @@ def test_published_minimax_m25_plans_at_256_devices(tmp_path):
 def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
     """A PEFT adapter on the attention and the fused routed experts (transformers' runtime names,
     mapped to the stored ``block_sparse_moe.experts.{e}.w1/w3/w2``) merges on the fly: logits equal
-    ``PeftModel``'s, and the adapter moves them well past the bound."""
-    from tests.adapters.support import DOWN, GATE_UP, make_adapter, peft_logits
+    ``PeftModel``'s, and the adapter moves them well past the bound; without the routed experts it is
+    also kept as factors (``merge_adapter=False``), logits again ``PeftModel``'s."""
+    from tests.adapters.support import DOWN, GATE_UP, kept_factors, make_adapter, peft_logits
 
     path, torch_model = tiny_checkpoints("minimax_m2")
-    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4,
-                           target_modules=["q_proj", "v_proj"], target_parameters=[GATE_UP, DOWN])
+    modules, mesh = ["q_proj", "v_proj"], make_mesh(MESHES["fsdp2_ep4"])
+    adapter = make_adapter(torch_model, tmp_path / "adapter", r=2, lora_alpha=4, target_modules=modules,
+                           target_parameters=[GATE_UP, DOWN])
     ids = token_ids()
     reference = peft_logits(torch_model, [adapter], ids)
-    model = otfload.from_pretrained(path, adapter=adapter, mesh=make_mesh(MESHES["fsdp2_ep4"]),
-                                    scan_layers=scan_layers)
+    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=scan_layers)
     assert max_rel_diff(logits(model, ids), reference) <= 1e-4
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
+    # kept as factors: the fused experts' factors (target_parameters) merge only, so they are left out
+    kept_adapter = make_adapter(torch_model, tmp_path / "kept", r=2, lora_alpha=4, target_modules=modules)
+    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=scan_layers)
+    assert kept_factors(kept)
+    assert max_rel_diff(logits(kept, ids), peft_logits(torch_model, [kept_adapter], ids)) <= 1e-4

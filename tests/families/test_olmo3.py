@@ -99,9 +99,10 @@ def test_unsupported_fields_are_refused_by_name(field, value):
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_peft_lora_merges_like_peft(tiny_checkpoints, mesh_2x4, tmp_path, scan_layers):
-    """A PEFT adapter on every projection merges on the fly: logits equal ``PeftModel``'s, and the
-    adapter moves them well past the bound."""
-    from tests.adapters.support import ALL_PROJECTIONS, make_adapter, peft_logits
+    """A PEFT adapter on every projection merges on the fly and is kept as factors
+    (``merge_adapter=False``): both logits equal ``PeftModel``'s, and the adapter moves them well past
+    the bound."""
+    from tests.adapters.support import ALL_PROJECTIONS, kept_factors, make_adapter, peft_logits
 
     path, torch_model = tiny_checkpoints("olmo3")
     adapter = make_adapter(torch_model, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ALL_PROJECTIONS)
@@ -110,3 +111,6 @@ def test_peft_lora_merges_like_peft(tiny_checkpoints, mesh_2x4, tmp_path, scan_l
     model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh_2x4, scan_layers=scan_layers)
     assert max_rel_diff(logits(model, ids), reference) <= 1e-4
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
+    kept = otfload.from_pretrained(path, adapter=adapter, merge_adapter=False, mesh=mesh_2x4, scan_layers=scan_layers)
+    assert kept_factors(kept)
+    assert max_rel_diff(logits(kept, ids), reference) <= 1e-4
