@@ -51,9 +51,12 @@ def _stored_bytes(tensors: dict[str, Spec]) -> int:
     return sum(prod(shape) * ITEMSIZE[dtype] for dtype, shape in tensors.values())
 
 
-def assert_plans_at_scale(path: Path, mesh: str, model_type: str) -> dict:
+def assert_plans_at_scale(path: Path, mesh: str, model_type: str, check_cpu: bool = True) -> dict:
+    """The plan's checks at 256 devices; its CPU seconds in ``leaves[""]["cpu_seconds"]`` (asserted
+    <= 10 here unless ``check_cpu`` is False: the caller then judges them after its own checks)."""
     cpu, peak, info = inspect_at_scale(path, mesh)
-    assert cpu <= 10 and peak <= 2**30, (cpu, peak)
+    assert (cpu <= 10 or not check_cpu) and peak <= 2**30, (cpu, peak)
+    info["cpu_seconds"] = cpu
     assert info["model_type"] == model_type
     totals = info["totals"]
     share = totals["source_bytes"] * 8 / 256  # process 0 of 32 holds 8 of the 256 devices
