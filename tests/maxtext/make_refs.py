@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.helpers import module_name, randomize_, rename_tensors, token_ids, torch_logits  # noqa: E402
-from tests.maxtext.models import FAMILIES, SEQ, Family, claim_marker, done_marker, failed_marker, written  # noqa: E402
+from tests.maxtext.models import FAMILIES, SEQ, Family  # noqa: E402
 
 # multimodal models whose text-only forward is their language model's: transformers 5.24's
 # Llama4ForConditionalGeneration.forward fails without images (its output has no ``image_outputs``)
@@ -142,24 +141,11 @@ def write(root: Path, family: Family) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``make_refs.py DIR [FAMILY ...]``: every family's checkpoint, or those named, each one not
-    already claimed by another ``make_refs.py`` writing into ``DIR`` at the same time (the pytest-xdist
-    workers share one directory and split the families: ``tests/maxtext/conftest.py``)."""
+    """``make_refs.py DIR [FAMILY ...]``: every family's checkpoint, or those named."""
     root, names = Path(argv[1]), argv[2:]
-    root.mkdir(parents=True, exist_ok=True)
-    for name in written():
-        if names and name not in names:
-            continue
-        try:
-            claim_marker(root, name).mkdir()
-        except FileExistsError:
-            continue  # another process writes it
-        try:
-            write(root, FAMILIES[name])
-        except BaseException:
-            failed_marker(root).write_text(traceback.format_exc())
-            raise
-        done_marker(root, name).mkdir()
+    for family in FAMILIES.values():
+        if family.same_checkpoint_as is None and (not names or family.name in names):
+            write(root, family)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from ``configs/models/<model_name>.yml``; the transformers side is given the sam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS = 128, 64, 8, 4, 16, 128, 3
@@ -285,23 +284,3 @@ LAYOUTS = [(True, 1), (True, 0), (False, 1)]
 def layouts(family: Family) -> list[tuple[bool, int]]:
     """The layouts ``family`` is loaded in."""
     return list(LAYOUTS if family.layouts is None else family.layouts)
-
-
-def written() -> list[str]:
-    """The families ``make_refs.py`` writes a checkpoint for (the others load one of theirs)."""
-    return [f.name for f in FAMILIES.values() if f.same_checkpoint_as is None]
-
-
-def claim_marker(root: Path, name: str) -> Path:
-    """Made (``mkdir``, atomic) by the one ``make_refs.py`` that writes ``name``'s checkpoint in ``root``."""
-    return root / f".{name}.claimed"
-
-
-def done_marker(root: Path, name: str) -> Path:
-    """Made once ``name``'s checkpoint and reference logits in ``root`` are complete."""
-    return root / f".{name}.done"
-
-
-def failed_marker(root: Path) -> Path:
-    """Holds the traceback of a ``make_refs.py`` that failed writing into ``root``."""
-    return root / ".failed"
