@@ -19,7 +19,7 @@ from tests.families.checks import assert_export_round_trip
 from tests.families.test_hybrid_quantized_realsize import _stored_bytes
 from tests.families.test_qwen3_5 import MOE_35B, _replica_tensors
 from tests.helpers import jax_logits, max_rel_diff, token_ids, torch_logits
-from tests.maxtext.make_refs import fuse_experts
+from tests.maxtext.make_refs import fused_copy
 from tests.realsize import Spec, inspect_at_scale, write_header_checkpoint
 
 EXPERT = ".mlp.experts."
@@ -29,9 +29,7 @@ EXPERT = ".mlp.experts."
 def fused(tiny_checkpoints, tmp_path_factory):
     """``(the fused copy of the tiny qwen3_5_moe checkpoint, transformers' model of it)``."""
     src, torch_model = tiny_checkpoints("qwen3_5_moe")
-    path = tmp_path_factory.mktemp("fused") / "qwen3_5_moe"
-    shutil.copytree(src, path)
-    fuse_experts(path)
+    path = fused_copy(src, tmp_path_factory.mktemp("fused") / "qwen3_5_moe")
     keys = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.0.mlp.experts.gate_up_proj" in keys
     assert not [k for k in keys if EXPERT in k and k.endswith("_proj.weight")]

@@ -79,6 +79,13 @@ def _module_names(out: Path, hub: Path) -> None:
     rename_tensors(out, lambda key: key if key.startswith(("model.", "lm_head.")) else module_name(key))
 
 
+def fused_copy(src: Path, out: Path) -> Path:
+    """A copy of the checkpoint at ``src`` in ``out`` with its experts fused (:func:`fuse_experts`)."""
+    shutil.copytree(src, out)
+    fuse_experts(out)
+    return out
+
+
 def fuse_experts(out: Path) -> None:
     """Each layer's per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight`` of the checkpoint at
     ``out`` as the fused ``mlp.experts.gate_up_proj`` ``[E, 2 * moe_mlp, embed]`` (gate rows, then up)

@@ -11,8 +11,6 @@ parts too: each is decoded as it is read, equal to numpy's dequantisation of the
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -20,7 +18,7 @@ import otfload.maxtext as mx
 from otfload.plan.sharding import make_mesh
 from tests.helpers import hf_tensors, register_hf_model
 from tests.index.quant import layouts
-from tests.maxtext.make_refs import fuse_experts
+from tests.maxtext.make_refs import fused_copy
 from tests.maxtext_tables.support import DIMS, LAYOUTS, cycled_layers
 from tests.maxtext_tables.test_export import round_trip
 from tests.maxtext_tables.test_qwen3_next import EXPERTS, LAYERS, PERIOD, layer
@@ -93,10 +91,7 @@ def mesh():
 def fused(tiny_checkpoints, tmp_path_factory):
     """The tiny checkpoint as the bfloat16 releases store it (experts fused), and the one saved (per expert)."""
     path, _ = tiny_checkpoints("mt_qwen3_5_moe")
-    out = tmp_path_factory.mktemp("qwen3_5") / "fused"
-    shutil.copytree(path, out)
-    fuse_experts(out)
-    return out, path
+    return fused_copy(path, tmp_path_factory.mktemp("qwen3_5") / "fused"), path
 
 
 # the FP8 releases' block-scaled projections (Qwen's quantization_config), 16 x 16 blocks here: a key head's

@@ -9,7 +9,6 @@ bytes."""
 from __future__ import annotations
 
 import functools
-import shutil
 
 import pytest
 
@@ -23,7 +22,7 @@ from otfload.plan import boxes
 from otfload.plan.sharding import make_mesh
 from otfload.read.planned import leaf_planned
 from otfload.read.reader import TensorReader
-from tests.maxtext.make_refs import fuse_experts
+from tests.maxtext.make_refs import fused_copy
 
 # (policy, cold): auto on a cold disk (bytes first, then time), auto warm (time), always (bytes).
 MODES = [("auto", True), ("auto", False), ("always", True)]
@@ -36,9 +35,7 @@ def process_of(device) -> int:
 @pytest.fixture(scope="module")
 def fused_plan(tiny_checkpoints, tmp_path_factory):
     src, _ = tiny_checkpoints("qwen3_5_moe")
-    path = tmp_path_factory.mktemp("fused") / "qwen3_5_moe"
-    shutil.copytree(src, path)
-    fuse_experts(path)
+    path = fused_copy(src, tmp_path_factory.mktemp("fused") / "qwen3_5_moe")
     _, plan, source = otfload.plan_model(path, mesh=make_mesh({"fsdp": 2, "ep": 4}))
     yield plan, source
     source.close()
