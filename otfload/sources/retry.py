@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from otfload.errors import LoadCancelled, SourceTimeoutError, SourceUnavailableError
+from otfload.errors import InvalidOptionError, LoadCancelled, SourceTimeoutError, SourceUnavailableError
 
 T = TypeVar("T")
 
@@ -355,12 +355,12 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+            raise InvalidOptionError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
         for name in ("attempt_timeout_s", "read_timeout_s", "min_rate_bytes_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")
+                raise InvalidOptionError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")
         if not self.notice_after_s >= 0:
-            raise ValueError(f"RetryPolicy.notice_after_s must be >= 0, got {self.notice_after_s}")
+            raise InvalidOptionError(f"RetryPolicy.notice_after_s must be >= 0, got {self.notice_after_s}")
 
     def delay(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (0-based): half fixed, half random, capped."""

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from otfload.errors import SourceNotFoundError, SourceUnavailableError
+from otfload.errors import InvalidOptionError, SourceNotFoundError, SourceUnavailableError
 from otfload.sources.retry import (
     RetryNotice,
     RetryPolicy,
@@ -141,5 +141,5 @@ def test_one_notice_for_all_the_requests_of_a_source():
 
 
 def test_the_notice_threshold_is_checked():
-    with pytest.raises(ValueError, match="notice_after_s must be >= 0"):
+    with pytest.raises(InvalidOptionError, match="notice_after_s must be >= 0"):
         RetryPolicy(notice_after_s=-1)
