@@ -4,8 +4,9 @@ import mmap
 import numpy as np
 import pytest
 
-from otfload.pages import MADV_POPULATE_READ, madvise, populate_write
-from otfload.sources.residency import resident_fraction
+from otfload.pages import MADV_POPULATE_READ, madvise, populate_pages, populate_write
+from otfload.read.arena import aligned_empty
+from otfload.sources.residency import resident_fraction, resident_pages
 
 PAGE = mmap.PAGESIZE
 FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -17,6 +18,33 @@ def test_populate_write_makes_every_page_resident_before_any_write():
     populate_write(region)
     assert resident_fraction(region, 0, len(region)) == 1.0
     assert not np.frombuffer(region, np.uint8).any()  # zeroed, as a fault would give them
+
+
+def test_populate_pages_makes_only_the_whole_pages_inside_the_array_resident():
+    region = mmap.mmap(-1, 16 * PAGE, flags=FLAGS)
+    data = np.frombuffer(region, np.uint8)
+    populate_pages(data[3 * PAGE - 10 : 7 * PAGE + 10])  # pages 3-6 whole; 2 and 7 partial
+    resident = resident_pages(region, 0, len(region))
+    assert resident is not None
+    assert resident.nonzero()[0].tolist() == [3, 4, 5, 6]
+
+
+def test_an_unpopulated_aligned_buffer_gets_its_pages_part_by_part():
+    rows = aligned_empty((8, 64 * PAGE // 8), np.uint8, populate=False)  # own mapping: 64 pages, none in yet
+    region = _mapping(rows)
+    assert resident_fraction(region, 0, len(region)) == 0.0
+    populate_pages(rows[2:4])
+    assert resident_fraction(region, 0, len(region)) == 2 / 8
+    whole = _mapping(aligned_empty((64 * PAGE,), np.uint8))  # by default populated at once
+    assert resident_fraction(whole, 0, len(whole)) == 1.0
+
+
+def _mapping(array: np.ndarray) -> mmap.mmap:
+    """The anonymous mapping an :func:`aligned_empty` buffer is a view of."""
+    owner = array.base
+    while not isinstance(owner, mmap.mmap):
+        owner = owner.obj if isinstance(owner, memoryview) else owner.base
+    return owner
 
 
 def test_madvise_acts_on_exactly_the_range_asked():

@@ -40,18 +40,20 @@ _MAP_FLAGS = (
 )
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: npt.DTypeLike, populate: bool = True) -> np.ndarray:
     """A fresh uninitialised array whose data starts on a 64-byte boundary.
 
     JAX's CPU backend adopts such buffers without copying (``device_put`` aliases them), so a
     shard built here becomes the device buffer as is. Large ones are mapped and populated up front
-    (see :data:`OWN_MAPPING_BYTES`).
+    (see :data:`OWN_MAPPING_BYTES`), unless ``populate`` is False: the caller populates each part
+    just before writing it (:func:`~otfload.pages.populate_pages`).
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes >= OWN_MAPPING_BYTES and _MAP_FLAGS is not None:
         region = mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)  # page-aligned; freed when the last view goes
-        populate_write(region)
+        if populate:
+            populate_write(region)
         return np.frombuffer(region, np.uint8, nbytes).view(dtype).reshape(shape)
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
