@@ -117,7 +117,12 @@ def apply_pair_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: b
 
 class MLAttention(nnx.Module):
     """Multi-head latent attention parameters; ``kv_a_proj_with_mqa`` and ``kv_b_proj`` are split
-    into per-role leaves (``kv_a``/``k_rope`` and ``k_b``/``v_b``) by the mapping's hooks."""
+    into per-role leaves (``kv_a``/``k_rope`` and ``k_b``/``v_b``) by the mapping's hooks.
+
+    The latents' dims as inputs (of ``q_b``, ``k_b``, ``v_b`` and the indexer's ``q``) are sharded
+    like the model width (``"embed"``: fsdp, as DeepSeek-V4's), so that without a ``tp`` axis none
+    of these kernels is whole on every device; ``q_a`` and ``kv_a`` keep fsdp on their ``embed`` input
+    (their latent outputs, ``"q_lora"`` / ``"kv_lora"``, have no rule)."""
 
     def __init__(self, cfg: MlaShape, *, dtype: DTypeLike, rngs: nnx.Rngs | None, stack: int | None = None) -> None:
         h, n = cfg.hidden_size, cfg.num_attention_heads
@@ -127,12 +132,12 @@ class MLAttention(nnx.Module):
         else:
             self.q_a = Dense((cfg.q_lora_rank, h), ("q_lora", "embed"), **kw)
             self.q_a_norm = Norm(cfg.q_lora_rank, **kw)
-            self.q_b = Dense((n, cfg.qk_head_dim, cfg.q_lora_rank), ("heads", "head_dim", "q_lora"), **kw)
+            self.q_b = Dense((n, cfg.qk_head_dim, cfg.q_lora_rank), ("heads", "head_dim", "embed"), **kw)
         self.kv_a = Dense((cfg.kv_lora_rank, h), ("kv_lora", "embed"), **kw)
         self.k_rope = Dense((cfg.qk_rope_head_dim, h), ("head_dim", "embed"), **kw)
         self.kv_a_norm = Norm(cfg.kv_lora_rank, **kw)
-        self.k_b = Dense((n, cfg.qk_nope_head_dim, cfg.kv_lora_rank), ("heads", "head_dim", "kv_lora"), **kw)
-        self.v_b = Dense((n, cfg.v_head_dim, cfg.kv_lora_rank), ("heads", "head_dim", "kv_lora"), **kw)
+        self.k_b = Dense((n, cfg.qk_nope_head_dim, cfg.kv_lora_rank), ("heads", "head_dim", "embed"), **kw)
+        self.v_b = Dense((n, cfg.v_head_dim, cfg.kv_lora_rank), ("heads", "head_dim", "embed"), **kw)
         self.o = Dense((h, n, cfg.v_head_dim), ("embed", "heads", "head_dim"), **kw)
         if cfg.index_topk is not None:
             self.indexer = Indexer(cfg, **kw)

@@ -74,7 +74,7 @@ class Indexer(nnx.Module):
             raise ValueError("the DSA indexer reads the query latent: q_lora_rank must be set")
         kw = ParamOptions(dtype=dtype, rngs=rngs, stack=stack)
         heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        self.q = Dense((heads, dim, cfg.q_lora_rank), ("heads", "head_dim", "q_lora"), **kw)
+        self.q = Dense((heads, dim, cfg.q_lora_rank), ("heads", "head_dim", "embed"), **kw)  # as MLA's q_b
         self.k = Dense((dim, cfg.hidden_size), ("head_dim", "embed"), **kw)
         self.k_norm = LayerNorm(dim, **kw)
         self.head_weights = Dense((heads, cfg.hidden_size), ("heads", "embed"), **kw)
