@@ -3,16 +3,19 @@ gated delta rule (several chunk sizes, a ragged last chunk, grouped value heads,
 the token-by-token form, the causal conv1d with its state, and a state carried across calls equal to
 one call over the whole sequence."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from otfload.models.gated_delta import (
-    causal_conv1d,
-    gated_delta_rule,
-    l2_normalize,
-    recurrent_gated_delta_rule,
-)
+from otfload.models import gated_delta
+from otfload.models.gated_delta import l2_normalize
+
+# Jitted, as the models run them: one program per call's shapes where op-by-op dispatch compiled each
+# small op (the chunked form's log2(chunk) doubling rounds, the scans) on its own.
+causal_conv1d = jax.jit(gated_delta.causal_conv1d)
+gated_delta_rule = jax.jit(gated_delta.gated_delta_rule, static_argnames="chunk")
+recurrent_gated_delta_rule = jax.jit(gated_delta.recurrent_gated_delta_rule)
 
 
 def numpy_delta_rule(q, k, v, g, beta, state):
