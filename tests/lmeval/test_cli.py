@@ -1,15 +1,14 @@
 """``otfload lm-eval`` and ``python -m otfload.lm_eval run --model otfload``: the installed commands
-in fresh processes, as a user runs them (the first job a plain subprocess, the others forked from
-tests.forked's server). The JSON holds lm_eval's ``results`` equal to its ``hf`` backend's; a
-second job loads its scoring and decoding programs from the persistent cache (no tracing or
-lowering, no new entry) and gives the same results."""
+in fresh processes, as a user runs them (forked from tests.forked's server; the console script as a
+plain subprocess is tests/cli/test_cli_messages.py's). The JSON holds lm_eval's ``results`` equal to
+its ``hf`` backend's; a second job loads its scoring and decoding programs from the persistent cache
+(no tracing or lowering, no new entry) and gives the same results."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -33,9 +32,9 @@ def setup(tiny_checkpoints, tmp_path_factory):
     return checkpoint, write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
-def lm_eval_job(checkpoint, tasks, cache, run=forked.run) -> dict:
-    """``otfload lm-eval ... --json`` run by ``run`` (a forked child; ``subprocess.run``: a plain one)."""
-    out = run(
+def lm_eval_job(checkpoint, tasks, cache) -> dict:
+    """``otfload lm-eval ... --json`` in a fresh (forked) process."""
+    out = forked.run(
         [str(OTFLOAD), "lm-eval", str(checkpoint), "--tasks", "otf_mc,otf_ppl,otf_gen", "--include-path", str(tasks),
          "--limit", str(LIMIT), "--devices", "8", "--mesh", "fsdp=2,tp=4", "--batch-size", "8",
          "--compile-cache", str(cache), "--json"],
@@ -51,7 +50,7 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
 
     checkpoint, tasks = setup
     cache = tmp_path / "xla"
-    first = lm_eval_job(checkpoint, tasks, cache, subprocess.run)  # the command exactly as a user starts it
+    first = lm_eval_job(checkpoint, tasks, cache)
     entries = sorted(p.name for p in cache.iterdir())
     assert any("loglik_of_batch" in name for name in entries)  # the scoring step was cached
     programs = {p.name: p.stat().st_mtime_ns for p in (cache / DIR_NAME).iterdir()}
@@ -78,29 +77,39 @@ def test_lm_eval_json_equals_hf_backend_and_second_job_compiles_nothing_new(setu
                 assert first["results"][task][key] == value, (task, key)
 
 
-def lm_eval_cli_job(checkpoint, tasks, model_args: str, cache_env) -> str:
-    """``python -m otfload.lm_eval run --model otfload`` (lm_eval's own command line); its stdout."""
-    out = forked.run(
-        [sys.executable, "-m", "otfload.lm_eval", "run", "--model", "otfload",
-         "--model_args", f"pretrained={checkpoint},mesh=fsdp:4/tp:2{model_args}", "--batch_size", "8",
-         "--tasks", "otf_mc", "--include_path", str(tasks), "--limit", str(LIMIT)],
-        timeout=600, env={**os.environ, "OTFLOAD_COMPILE_CACHE": str(cache_env)})
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
 def test_lm_eval_own_command_line_runs_the_otfload_model_and_keeps_its_programs(setup, tmp_path):
     """lm_eval's command line builds the backend from ``model_args``: compiled programs are kept in
-    ``$OTFLOAD_COMPILE_CACHE`` by default (as ``otfload lm-eval`` keeps them), not with
-    ``compile_cache=off``."""
+    ``$OTFLOAD_COMPILE_CACHE`` by default (as ``otfload lm-eval`` keeps them)."""
     checkpoint, tasks = setup
-    default, off = tmp_path / "default", tmp_path / "unused"
-    stdout = lm_eval_cli_job(checkpoint, tasks, "", default)
-    row = next(line for line in stdout.splitlines() if "otf_mc" in line)  # lm_eval's results table
+    cache = tmp_path / "default"
+    out = forked.run(
+        [sys.executable, "-m", "otfload.lm_eval", "run", "--model", "otfload",
+         "--model_args", f"pretrained={checkpoint},mesh=fsdp:4/tp:2", "--batch_size", "8",
+         "--tasks", "otf_mc", "--include_path", str(tasks), "--limit", str(LIMIT)],
+        timeout=600, env={**os.environ, "OTFLOAD_COMPILE_CACHE": str(cache)})
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if "otf_mc" in line)  # lm_eval's results table
     assert "acc" in row
-    assert [p.name.split("-")[0] for p in (default / DIR_NAME).iterdir()] == ["_loglik_of_batch"]
-    lm_eval_cli_job(checkpoint, tasks, ",compile_cache=off", off)
-    assert not off.exists()
+    assert [p.name.split("-")[0] for p in (cache / DIR_NAME).iterdir()] == ["_loglik_of_batch"]
+
+
+def test_compile_cache_off_in_model_args_keeps_nothing(setup, tmp_path, monkeypatch):
+    """``compile_cache=off`` in ``model_args``: the backend lm_eval's registry builds from the string
+    (what its command line calls, as in the job above) makes no ``$OTFLOAD_COMPILE_CACHE`` and leaves
+    JAX's cache setting alone. Built in this process: the setting is decided at construction."""
+    import jax
+    from lm_eval.api.registry import get_model
+
+    import otfload.lm_eval  # noqa: F401  (registers the "otfload" model, as python -m otfload.lm_eval does)
+
+    checkpoint, _ = setup
+    off = tmp_path / "unused"
+    monkeypatch.setenv("OTFLOAD_COMPILE_CACHE", str(off))
+    before = jax.config.jax_compilation_cache_dir
+    model = get_model("otfload").create_from_arg_string(
+        f"pretrained={checkpoint},mesh=fsdp:4/tp:2,compile_cache=off", {"batch_size": 8, "device": None})
+    model.close()
+    assert not off.exists() and jax.config.jax_compilation_cache_dir == before
 
 
 def test_unknown_task_fails_before_the_load(setup):
