@@ -8,7 +8,8 @@ the fresh process ``subprocess`` would start: its own environment, working direc
 ``sys.path``, standard streams, process group and exit status; its own JAX backend (``XLA_FLAGS``,
 hence the device count, is read when it starts one), compilation caches and module state; it exits as
 the interpreter does (threads joined, ``atexit`` handlers run, streams flushed), less the modules'
-teardown. What it shares with its siblings is the imported code, copy-on-write.
+teardown. What it shares with its siblings is the imported code, copy-on-write, and, once lm_eval's
+command line has been asked for, the index of lm_eval's built-in task files (:func:`_index_built_in_tasks`).
 
 Variables a library reads when it is imported (``JAX_*``, ``TQDM_*``, ``HF_*``, ...) are the
 server's: a command whose environment differs from a server's in any variable but those read later
@@ -60,6 +61,43 @@ _SET_BY_IMPORTS: dict[str, str] = {}  # what the imports set in os.environ (as i
 
 
 # --- the server, and the child it forks ----------------------------------------------------------
+
+
+def _lm_eval_command(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is lm_eval's command line (``python -m lm_eval`` or ``-m otfload.lm_eval``)."""
+    return len(argv) >= 3 and argv[0] == sys.executable and argv[1:3] in (["-m", "lm_eval"], ["-m", "otfload.lm_eval"])
+
+
+def _index_built_in_tasks() -> None:
+    """lm_eval's command line indexes each of lm_eval's ~14k built-in task files (``TaskManager``, ~8 CPU-s) in
+    every process it starts: in a server, index them once, before forking the first such command, and let each
+    child's first index that starts with them take these entries (the same ones: the installed files do not
+    change while the tests run), adding the other paths' as ``TaskIndex.build`` does. Any later index in
+    the child is built as usual."""
+    from lm_eval.tasks import _index, manager
+
+    original = _index.TaskIndex.build
+    if getattr(original, "built_in", None) is not None:  # done already
+        return
+    root = Path(manager.__file__).parent  # the directory TaskManager(include_defaults=True) indexes first
+    built_in = original([root])
+
+    def build(paths: Any, *, resolve_includes: bool = True) -> dict[str, Any]:
+        paths = list(paths)
+        if not (resolve_includes and paths and Path(paths[0]) == root):
+            return original(paths, resolve_includes=resolve_includes)
+        _index.TaskIndex.build = staticmethod(original)  # type: ignore[method-assign]  # once per child
+        index = dict(built_in)
+        for name, entry in original(paths[1:]).items():
+            if name in index:
+                _index.log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                                   index[name].yaml_path)  # fmt: skip
+            index[name] = entry
+        return index
+
+    build.built_in = built_in  # type: ignore[attr-defined]
+    _index.TaskIndex.build = staticmethod(build)  # type: ignore[method-assign]
+    gc.freeze()  # the new entries too: left alone by the children's collections
 
 
 def _python_command(argv: Sequence[str]) -> bool:
@@ -231,6 +269,8 @@ def serve() -> None:
     for line in requests:
         request = json.loads(line)
         if request["op"] == "start":
+            if _lm_eval_command(request["argv"]):
+                _index_built_in_tasks()
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
