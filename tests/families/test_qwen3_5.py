@@ -90,7 +90,9 @@ def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers):
         assert model.linear_layers.linear_attn.qkv.kernel[...].shape == (3, 2 * 2 * 8 + 4 * 8, 64)
         assert model.attention_layers.attn.q.kernel[...].shape == (2, 4, 32, 64)
     with jax.set_mesh(mesh):
-        for seq in (13, 70):  # one chunk, and two with a ragged last one
+        # one chunk, and two with a ragged last one; the other cases run the same chunked kernels on
+        # 70 tokens only, which cross a chunk boundary (one program less to compile each)
+        for seq in (13, 70) if (kind, scan_layers) == ("qwen3_5", True) else (70,):
             ids = token_ids(seq=seq)
             diff = max_rel_diff(logits(model, ids), reference_logits(torch_model, ids))
             assert diff <= 1e-4, (seq, diff)
@@ -104,8 +106,8 @@ def test_padded_rows_get_the_logits_they_get_alone(tiny_checkpoints, mesh_2x4, s
     assert_padded_rows_alone(otfload.from_pretrained(path, mesh=mesh_2x4), torch_model, mesh_2x4, side)
 
 
-# One jitted function for the module: both padding sides (the same input types) share one program.
-_MASKED_FORWARD = jax.jit(lambda m, x, a: m(x, attention_mask=a))
+# One jitted function: both padding sides (the same input types) share one program; test_nemotron_h's too.
+MASKED_FORWARD = jax.jit(lambda m, x, a: m(x, attention_mask=a))
 
 
 def assert_padded_rows_alone(model, torch_model, mesh, side: str) -> None:
@@ -113,7 +115,7 @@ def assert_padded_rows_alone(model, torch_model, mesh, side: str) -> None:
     and the whole batch transformers' masked logits there."""
     ids, mask, _ = padded_batch(side)
     with jax.set_mesh(mesh):
-        ours = np.asarray(_MASKED_FORWARD(model, ids, mask))
+        ours = np.asarray(MASKED_FORWARD(model, ids, mask))
     for r in range(len(ids)):
         real = mask[r].astype(bool)
         alone = reference_logits(torch_model, ids[r : r + 1, real])[0]
