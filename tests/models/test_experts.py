@@ -2,6 +2,8 @@
 transformers the family tests check), with and without expert parallelism, and only ever multiply
 one expert's weights at a time."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -44,12 +46,18 @@ def _run(impl, in_first, x, idx, weights, experts):
     return np.asarray(fn(x, idx, weights, experts))
 
 
+@functools.cache
+def _dense_output(in_first: bool, bias: bool) -> np.ndarray:
+    """The every-expert route's output on :func:`_problem` (the reference), computed once per layout."""
+    return _run(DENSE, in_first, *_problem(in_first, bias))
+
+
 @pytest.mark.parametrize("mesh_axes", [None, {"fsdp": 2, "ep": 4}, {"ep": 8}], ids=["no_mesh", "fsdp2_ep4", "ep8"])
 @pytest.mark.parametrize(("in_first", "bias"), [(False, False), (True, True)], ids=["out_in", "in_out_bias"])
 @pytest.mark.parametrize("impl", [BLOCKS, RAGGED])
 def test_grouped_experts_equal_every_expert_on_every_token(impl, in_first, bias, mesh_axes):
     x, idx, weights, experts = _problem(in_first, bias)
-    ref = _run(DENSE, in_first, x, idx, weights, experts)
+    ref = _dense_output(in_first, bias)
     if mesh_axes is None:
         got = _run(impl, in_first, x, idx, weights, experts)
     else:
@@ -62,6 +70,25 @@ def test_grouped_experts_equal_every_expert_on_every_token(impl, in_first, bias,
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def _gradients(impl):
+    """``jax.grad`` of a loss of ``impl``'s output on :func:`_problem` (in-first, biased) by rows,
+    routing weights and experts."""
+    _, idx, _, _ = _problem(True, True)
+
+    def loss(x, weights, experts):
+        out = expert_ffn(x, idx, weights, experts, in_first=True, activation=_swiglu, impl=impl)
+        return jnp.sum(jnp.sin(out))  # a cotangent that differs per row and column
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+@functools.cache
+def _dense_gradients():
+    """The every-expert route's gradients (the reference), computed once."""
+    x, _, weights, experts = _problem(True, True)
+    return jax.jit(_gradients(DENSE))(x, weights, experts)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("mesh_axes", [None, {"fsdp": 2, "ep": 4}], ids=["no_mesh", "fsdp2_ep4"])
 @pytest.mark.parametrize("impl", [BLOCKS, RAGGED])
@@ -69,22 +96,14 @@ def test_grouped_experts_gradients_equal_every_expert_on_every_token(impl, mesh_
     """Reverse-mode gradients (rows, routing weights, kernels and biases) of the grouped routes equal
     the dense route's: ``"blocks"`` through its custom VJP, the ``ep`` shard_map eagerly too (an
     un-jitted ``jax.grad``, where a partly manual shard_map used to fail)."""
-    x, idx, weights, experts = _problem(True, True)
-
-    def grads(impl):
-        def loss(x, weights, experts):
-            out = expert_ffn(x, idx, weights, experts, in_first=True, activation=_swiglu, impl=impl)
-            return jnp.sum(jnp.sin(out))  # a cotangent that differs per row and column
-
-        fn = jax.grad(loss, argnums=(0, 1, 2))
-        return jax.jit(fn) if jit else fn
-
-    ref = grads(DENSE)(x, weights, experts)
+    x, _, weights, experts = _problem(True, True)
+    grads = jax.jit(_gradients(impl)) if jit else _gradients(impl)
+    ref = _dense_gradients()
     if mesh_axes is None:
-        got = grads(impl)(x, weights, experts)
+        got = grads(x, weights, experts)
     else:
         with jax.set_mesh(make_mesh(mesh_axes)):
-            got = grads(impl)(x, weights, experts)
+            got = grads(x, weights, experts)
     for name, a, b in zip(("x", "weights", "experts"), got, ref, strict=True):
         for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             assert float(jnp.abs(leaf_b).max()) > 0, name  # every input gets a gradient
@@ -139,7 +158,7 @@ def test_bfloat16_experts_over_ep_compile_and_sum_in_float32_on_cpu():
     come back bfloat16,
     within bfloat16 rounding of the float32 result."""
     x, idx, weights, experts = _problem(True, True)
-    ref = _run(DENSE, True, x, idx, weights, experts)
+    ref = _dense_output(True, True)
     low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, weights, experts))
     with jax.set_mesh(make_mesh({"fsdp": 2, "ep": 4})):
         fn = jax.jit(lambda x, w, e: expert_ffn(x, idx, w, e, in_first=True, activation=_swiglu, impl=BLOCKS))
