@@ -151,7 +151,7 @@ def _child(request: dict[str, Any]) -> NoReturn:
             sys.argv = ["-c", *args]
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
-            exec(compile(target, "<string>", "exec"), main.__dict__)
+            exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)  # not this file's __future__
         else:
             sys.argv = [target, *args]
             runpy.run_path(target, run_name="__main__")

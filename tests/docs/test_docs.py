@@ -34,12 +34,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import otfload.errors
 from otfload.families.registry import supported_model_types
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -79,25 +79,25 @@ def fence_languages(text: str) -> list[str]:
     return re.findall(r"^```(\S*)[ \t]*$", text, re.M)[::2]
 
 
-def example_variables(directory: Path) -> dict[str, str]:
+def example_variables(directory: Path, env: dict[str, str]) -> dict[str, str]:
     """The variables ``otfload example DIR`` tells a reader to set (its ``export NAME=VALUE`` lines); the
-    real console script in a process of its own, as a newcomer runs it."""
-    out = subprocess.run([str(Path(sys.executable).with_name("otfload")), "example", str(directory)],
-                         capture_output=True, text=True, timeout=300, check=True)
+    real console script in a process of its own (forked from tests.forked's server), as a newcomer runs it."""
+    out = forked.run([str(Path(sys.executable).with_name("otfload")), "example", str(directory)], env=env,
+                     timeout=300, check=True)  # fmt: skip
     return dict(shlex.split(line)[1].split("=", 1) for line in out.stdout.splitlines() if line.startswith("export "))
 
 
 def test_every_code_block_runs(tmp_path):
-    variables = example_variables(tmp_path / "examples")
+    """The example command and the pages' interpreter: two fresh processes forked from one server (one
+    environment: the imports done once for both)."""
+    env = {**os.environ, "TQDM_DISABLE": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    variables = example_variables(tmp_path / "examples", env)
     assert sorted(variables) == ["OTFLOAD_EXAMPLE_ADAPTER", "OTFLOAD_EXAMPLE_CKPT", "OTFLOAD_EXAMPLE_QUANTIZED"]
-    env = {**os.environ, **variables,
-           "TQDM_DISABLE": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     pages = [str(DOCS / p) for p in PAGES] + [str(README)]
     scratch = tmp_path / "cwd"
     scratch.mkdir()
-    out = subprocess.run([sys.executable, "-c", RUNNER, str(WORKER), str(README), *pages], env=env, cwd=scratch,
-                         capture_output=True, text=True, timeout=600)
+    out = forked.run([sys.executable, "-c", RUNNER, str(WORKER), str(README), *pages], env={**env, **variables},
+                     cwd=scratch, timeout=600)  # fmt: skip
     assert out.stdout.split() == [w for p in pages for w in ("ok", p)], out.stdout + out.stderr
 
 
