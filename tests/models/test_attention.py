@@ -1,12 +1,14 @@
 """The attention kernel against a direct numpy transcription of transformers' eager attention
 (repeated KV heads, full ``[b, h, q, k]`` float64 logits), and its memory growth."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from otfload.models.attention import CHUNKED, DPA, Context, attention
+from otfload.models.attention import CHUNKED, DPA, Q_CHUNK, Context, attention
 
 B, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
 
@@ -30,6 +32,16 @@ def _reference(q, k, v, q_index, kv_mask, scale, window=None, softcap=None, sink
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs = (probs / probs.sum(-1, keepdims=True))[..., : k.shape[1]]
     return np.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "window", "softcap", "q_chunk"))
+def _attention(q, k, v, q_index, kv_mask, *, impl, scale, window=None, softcap=None, sinks=None, q_chunk=Q_CHUNK,
+               segments=None, prefixes=None):
+    """:func:`attention` jitted, as the models run it (one program per case, not one per op), on the
+    context of ``q_index``, ``kv_mask``, ``impl`` and the packed row's ``segments``/``prefixes``."""
+    ctx = Context(positions=None, q_index=q_index, kv_mask=kv_mask, attention_impl=impl, segments=segments,
+                  prefixes=prefixes)
+    return attention(q, k, v, ctx, scale=scale, window=window, softcap=softcap, sinks=sinks, q_chunk=q_chunk)
 
 
 def _inputs(queries: int, slots: int, seed: int = 0):
@@ -63,7 +75,7 @@ def test_chunked_attention_matches_the_eager_formula(case, offset):
     real = np.ones(ref.shape[:2], bool)
     real[1, : max(0, 3 - offset)] = False  # queries on pad slots see nothing: their output is unused
     for chunk in (4, 64):
-        got = np.asarray(attention(q, k, v, ctx, scale=0.3, q_chunk=chunk, **kw))
+        got = np.asarray(_attention(q, k, v, ctx.q_index, ctx.kv_mask, impl=CHUNKED, scale=0.3, q_chunk=chunk, **kw))
         np.testing.assert_allclose(got[real], ref[real], atol=2e-6)
     if "window" in kw:
         traced = jax.jit(lambda w: attention(q, k, v, ctx, scale=0.3, q_chunk=4, **{**kw, "window": w}))
@@ -74,8 +86,7 @@ def test_chunked_attention_matches_the_eager_formula(case, offset):
 def test_dot_product_attention_path_matches(window):
     q, k, v, kv_mask = _inputs(queries=12, slots=12)
     q_index = np.arange(12)
-    ctx = Context(positions=None, q_index=jnp.asarray(q_index), kv_mask=jnp.asarray(kv_mask), attention_impl=DPA)
-    got = np.asarray(attention(q, k, v, ctx, scale=0.3, window=window))
+    got = np.asarray(_attention(q, k, v, q_index, kv_mask, impl=DPA, scale=0.3, window=window))
     ref = _reference(q, k, v, q_index, kv_mask, 0.3, window=window)
     real = np.ones(ref.shape[:2], bool)
     real[1, :3] = False
@@ -100,9 +111,8 @@ def test_packed_sequences_see_their_prefix_and_their_own_earlier_tokens(impl, wi
     q, k, v, kv_mask = _inputs(queries=slots, slots=slots)
     kv_mask[:] = np.arange(slots) < REAL  # both rows: right padding
     segments = tuple(jnp.asarray(np.broadcast_to(a, (B, slots))) for a in (SEGMENTS, PREFIXES))
-    ctx = Context(positions=None, q_index=jnp.arange(slots), kv_mask=jnp.asarray(kv_mask), attention_impl=impl,
-                  segments=segments[0], prefixes=segments[1])
-    got = np.asarray(attention(q, k, v, ctx, scale=0.3, window=window, q_chunk=4))
+    got = np.asarray(_attention(q, k, v, jnp.arange(slots), jnp.asarray(kv_mask), impl=impl, scale=0.3, window=window,
+                                q_chunk=4, segments=segments[0], prefixes=segments[1]))
     same = (SEGMENTS[None, :] == SEGMENTS[:, None]) | (SEGMENTS[None, :] == PREFIXES[:, None])
     more = np.broadcast_to(same, (B, slots, slots))
     ref = _reference(q, k, v, np.arange(slots), kv_mask, 0.3, window=window, more=more)
