@@ -45,9 +45,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from otfload.errors import InvalidOptionError
+from otfload.gcpause import gc_paused
 from otfload.plan.abstract import AbstractLeaf
 from otfload.plan.boxes import Box
-from otfload.plan.leaf_bytes import held_bytes, leaf_reads, leaf_sibling_selection
+from otfload.plan.leaf_bytes import held_bytes, leaf_sibling_selection, source_region
 from otfload.plan.planner import LeafPlan, LeafSignature, leaf_signature
 from otfload.plan.process_bytes import FetchCount
 from otfload.read.planned import leaf_planned
@@ -206,11 +207,12 @@ class Choice:
 class LeafFetches:
     """What ``reader`` fetches for sets of boxes of ``plan``'s leaf (:func:`leaf_planned`), each
     distinct read costed once. :func:`leaf_planned` depends on the boxes only through what the builder
-    reads for them — the source region (box, selection, siblings' selection: :func:`leaf_reads`,
-    :func:`leaf_sibling_selection`) and the stacked tensors read — so boxes equal in those fetch the
-    same: direct reads and the bands that split the same dimension over more axes often ask one
-    process for the same region (fsdp=32 x ep=8: each process's column block of a fused expert
-    tensor, whether 8 devices split it by experts or by columns)."""
+    reads for them — the source region (box, selection, siblings' selection: :func:`source_region`,
+    :func:`leaf_sibling_selection`) and the stacked tensors read (those the boxes' stack dims span)
+    — so boxes equal in those fetch the same: direct reads and the bands that split the same
+    dimension over more axes often ask one process for the same region (fsdp=32 x ep=8: each
+    process's column block of a fused expert tensor, whether 8 devices split it by experts or by
+    columns)."""
 
     def __init__(self, plan: LeafPlan, reader: TensorReader):
         self._plan, self._reader = plan, reader
@@ -220,8 +222,10 @@ class LeafFetches:
         plan = self._plan
         if not boxes or not plan.sources:
             return leaf_planned(plan, boxes, self._reader)
-        union, selection, indices = leaf_reads(plan, boxes)
-        key = (union, selection, leaf_sibling_selection(plan, boxes), tuple(indices))
+        n = len(plan.stack_axes)
+        union, selection = source_region(plan, boxes)
+        stacked = tuple(sorted({box[:n] for box in boxes}))  # they give leaf_reads' tensor indices
+        key = (union, selection, leaf_sibling_selection(plan, boxes), stacked)
         count = self._counts.get(key)
         if count is None:
             count = self._counts[key] = leaf_planned(plan, boxes, self._reader)
@@ -312,12 +316,13 @@ def choose_read_shardings(
     byte_target = FETCH_TARGET if cold and is_local(reader) else None
     chosen: dict[str, Choice] = {}
     memo: dict[LeafSignature, Choice] = {}
-    for path, p in plans.items():
-        key = leaf_signature(p)
-        if key not in memo:  # unscanned layers repeat: each signature is costed once
-            memo[key] = choose_leaf(p, reader, groups, model, policy, byte_target)
-        if memo[key].sharding is not None:
-            chosen[path] = memo[key]
+    with gc_paused():  # the boxes, selections and fetch plans costed here are cached or acyclic
+        for path, p in plans.items():
+            key = leaf_signature(p)
+            if key not in memo:  # unscanned layers repeat: each signature is costed once
+                memo[key] = choose_leaf(p, reader, groups, model, policy, byte_target)
+            if memo[key].sharding is not None:
+                chosen[path] = memo[key]
     return chosen
 
 

@@ -16,6 +16,7 @@ any float tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from otfload.errors import MappingError, TensorProblem, UnfaithfulCastError, mismatch_error
+from otfload.gcpause import gc_paused
 from otfload.index.checkpoint import CheckpointIndex
 from otfload.index.concat import ConcatenatedTensor, head_blocks
 from otfload.index.derived import DerivedTensor, is_derived
@@ -84,9 +86,10 @@ class LeafPlan:
     def slice_shape(self) -> tuple[int, ...]:
         return self.leaf.shape[len(self.stack_axes) :]
 
-    @property
+    @functools.cached_property
     def source_bytes(self) -> int:
-        return sum(info.nbytes for info in self.sources)
+        with gc_paused():  # the first count lists each quantized tensor's parts, which live on
+            return sum(info.nbytes for info in self.sources)
 
     @property
     def storage(self) -> str:
@@ -104,11 +107,13 @@ class LeafPlan:
     def process_bytes(self, devices: leaf_bytes.Devices | None = None) -> int:
         """Stored source bytes the shards of ``devices`` (default: this process's) need, each HF tensor
         once, every part of quantized or adapted tensors included — without pages or gaps."""
-        return leaf_bytes.leaf_needed(self, self.device_boxes(devices))
+        with gc_paused():  # the boxes and selections counted are cached by leaf_bytes, or acyclic
+            return leaf_bytes.leaf_needed(self, self.device_boxes(devices))
 
     def ideal_bytes(self, devices: leaf_bytes.Devices | None = None) -> int:
         """Source bytes of the elements ``devices`` hold, each distinct shard once: no reader goes below."""
-        return leaf_bytes.leaf_ideal(self, devices)
+        with gc_paused():  # as process_bytes
+            return leaf_bytes.leaf_ideal(self, devices)
 
     def shard_bytes(self) -> int:
         """Bytes of the leaf's largest device shard in its target dtype (what one device holds)."""
@@ -175,8 +180,9 @@ class LoadPlan:
     @property
     def source_bytes(self) -> int:
         """Checkpoint bytes the plan uses, each tensor once (DeepSeek's ``kv_b_proj`` feeds two leaves)."""
-        unique = {(info.file, info.name): info.nbytes for p in self.leaves.values() for info in p.sources}
-        return sum(unique.values())
+        with gc_paused():  # as LeafPlan.source_bytes
+            unique = {(info.file, info.name): info.nbytes for p in self.leaves.values() for info in p.sources}
+            return sum(unique.values())
 
 
 def _lookup(
@@ -317,10 +323,11 @@ def build_plan(
     config = config or {}
     problems: list[TensorProblem] = []
     plans = {}
-    for path, leaf in leaves.items():
-        plan = plan_leaf(leaf, table, index, config, problems)
-        if plan is not None:
-            plans[path] = plan
+    with gc_paused():  # every record made here lives as long as the plan
+        for path, leaf in leaves.items():
+            plan = plan_leaf(leaf, table, index, config, problems)
+            if plan is not None:
+                plans[path] = plan
     casts = [why for plan in plans.values() if (why := unfaithful_cast(plan))]
     if casts:
         raise UnfaithfulCastError(

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +84,7 @@ def fp8_pairs(method: str | None, tensors: dict[str, Tensor], suffix: str,
         scale = stored(method, key, tensors.pop(key))
         wblock = _per_tensor_or_block(method, weight, scale, block)
         stored_scale, codec = scale_part(checked_scale(method, weight, scale, wblock))
-        what = f"{storage} {weight.dtype.name}, {scale.dtype.name} scale per {_blk(wblock, weight.shape)}"
+        what = _storage(storage, weight.dtype, scale.dtype, wblock, weight.shape)
         tensors[name] = QuantizedTensor(name, weight.shape, PlainCodes(weight),
                                         BlockScales(stored_scale, wblock, scale_codec=codec), what)
 
@@ -99,6 +101,13 @@ def _fp4_experts(method: str | None, tensors: dict[str, Tensor], key: str, name:
     tensors[name] = QuantizedTensor(name, shape, PackedFp4Codes(codes), BlockScales(stored_scale, block,
                                     scale_codec=codec), f"fp4 e2m1 ({weight.dtype.name}, two a byte), "
                                     f"{scale.dtype.name} scale per {MX_BLOCK}")
+
+
+@functools.lru_cache(maxsize=1024)  # a checkpoint's FP8 weights come in a few shapes: its layers repeat them
+def _storage(storage: str, dtype: np.dtype[Any], scale: np.dtype[Any], block: tuple[int, ...],
+             shape: tuple[int, ...]) -> str:
+    """What ``otfload inspect`` shows of an FP8 weight (``dtype.name`` costs microseconds a call)."""
+    return f"{storage} {dtype.name}, {scale.name} scale per {_blk(block, shape)}"
 
 
 def _blk(block: tuple[int, ...], shape: tuple[int, ...]) -> str:
