@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.harness import DEVICE_COUNT_FLAG
+from tests import forked
 from tests.servers.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,13 +39,19 @@ def join_cpu_job(spec: dict, pid: int) -> None:
                                    initialization_timeout=60)  # fmt: skip
 
 
-def start_workers(spec: dict, processes: int, out: Path) -> list[subprocess.Popen]:
-    """Write ``spec`` (plus ``processes``, ``port``, ``out``) and start one worker per process."""
+def write_spec(spec: dict, processes: int, out: Path) -> Path:
+    """Write ``spec`` (plus ``processes``, ``port``, ``out``) into ``out/spec.json``; its path."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "processes": processes, "port": free_port(), "out": str(out)}
     path = out / "spec.json"
     path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "tests.multihost.worker", str(path)]
+    return path
+
+
+def start_workers(spec: dict, processes: int, out: Path) -> list[subprocess.Popen]:
+    """Write ``spec`` and start one worker per process, each a plain child of this process (for a test
+    that polls or signals it)."""
+    cmd = [sys.executable, "-m", "tests.multihost.worker", str(write_spec(spec, processes, out))]
     return [
         subprocess.Popen(
             [*cmd, str(i)], cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -52,7 +60,14 @@ def start_workers(spec: dict, processes: int, out: Path) -> list[subprocess.Pope
     ]
 
 
-def wait_workers(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+def fork_workers(module: str, spec: Path, processes: int) -> list[forked.Process]:
+    """``python -m MODULE SPEC I`` for each process ``I``: fresh processes forked from tests.forked's
+    server (the imports done once for all), stderr merged into stdout."""
+    return [forked.Process([sys.executable, "-m", module, str(spec), str(i)], cwd=REPO_ROOT, env=worker_env(),
+                           merge=True) for i in range(processes)]  # fmt: skip
+
+
+def wait_workers(procs: Sequence[subprocess.Popen | forked.Process], timeout_s: float) -> list[str]:
     """Wait for every worker (killing all of them past ``timeout_s``); their output, Gloo lines removed.
 
     Raises ``AssertionError`` with the outputs if any worker failed or timed out.
@@ -75,13 +90,14 @@ def wait_workers(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
 
 def run_workers(spec: dict, processes: int, out: Path, timeout_s: float = 90.0) -> list[dict]:
     """Run one job to completion; every process's ``proc<i>.json``."""
-    wait_workers(start_workers(spec, processes, out), timeout_s)
+    wait_workers(fork_workers("tests.multihost.worker", write_spec(spec, processes, out), processes), timeout_s)
     return [json.loads((out / f"proc{i}.json").read_text()) for i in range(processes)]
 
 
 def run_scenarios(spec: dict, scenarios: dict[str, dict], processes: int, out: Path, timeout_s: float) -> dict:
     """Run the ``scenarios`` (``{name: keys}``, in order) in one job to completion; for each, every
     process's ``proc<i>.json`` (the worker writes a scenario's files into ``out/<name>``)."""
-    wait_workers(start_workers({**spec, "scenarios": scenarios}, processes, out), timeout_s)
+    path = write_spec({**spec, "scenarios": scenarios}, processes, out)
+    wait_workers(fork_workers("tests.multihost.worker", path, processes), timeout_s)
     return {name: [json.loads((out / name / f"proc{i}.json").read_text()) for i in range(processes)]
             for name in scenarios}  # fmt: skip
