@@ -141,16 +141,13 @@ def glm5_fp8_headers(path: Path) -> tuple[Path, int]:
 
 @NEEDS_REAL
 def test_glm5_fp8_plans_at_256_devices(tmp_path):
-    """``otfload inspect --devices 256`` (tp=32, ep=8, process 0 of 32) of GLM-5 in GLM-5-FP8's layout:
+    """``otfload inspect --devices 256`` (fsdp=32, ep=8, process 0 of 32) of GLM-5 in GLM-5-FP8's layout:
     within 10 s of CPU and 1 GiB, experts and the indexer FP8 with 128x128 F32 scales, the indexer's
     head weights BF16, the MTP layer unused, one process's bytes within 1.1x its devices' share."""
     from tests.families.test_hybrid_quantized_realsize import assert_plans_at_scale
 
     path, total = glm5_fp8_headers(tmp_path / "glm5-fp8")
-    # tp, not fsdp: the MLA model shards q_b / k_b / v_b / the indexer's q by heads on tp only (their
-    # q_lora / kv_lora axes have no rule), so on fsdp=32,ep=8 they are whole on every device: 1.18x
-    # the share, in BF16 as in FP8
-    leaves = assert_plans_at_scale(path, "tp=32,ep=8", "glm_moe_dsa", check_cpu=False)
+    leaves = assert_plans_at_scale(path, "fsdp=32,ep=8", "glm_moe_dsa", check_cpu=False)
     info = leaves[""]
     assert info["unused"] and all(k.startswith("model.layers.78.") for k in info["unused"])
     fp8 = "fp8 float8_e4m3fn, float32 scale per 128x128 block"
@@ -160,6 +157,8 @@ def test_glm5_fp8_plans_at_256_devices(tmp_path):
     for leaf in ("attn.indexer.q.kernel", "attn.indexer.k.kernel", "attn.kv_a.kernel"):
         assert leaves[f"moe_layers.{leaf}"]["storage"] == fp8, leaf
     assert leaves["dense_layers.mlp.down.kernel"]["storage"] == fp8
+    for leaf in ("attn.q_b.kernel", "attn.k_b.kernel", "attn.v_b.kernel", "attn.indexer.q.kernel"):
+        assert "'fsdp'" in leaves[f"moe_layers.{leaf}"]["sharding"], leaf  # the latent inputs, like the width
     assert leaves["moe_layers.attn.indexer.head_weights.kernel"]["storage"] == "bfloat16"
     assert leaves["moe_layers.moe.router.kernel"]["storage"] == "bfloat16"
     totals = info["totals"]
@@ -167,5 +166,5 @@ def test_glm5_fp8_plans_at_256_devices(tmp_path):
     print(f"process bytes {totals['process_bytes'] * 256 / 8 / totals['source_bytes']:.3f}x share")
     cpu = info["cpu_seconds"]
     if cpu > 10:  # every other check above passed; the time bar alone is at its edge (issue 41)
-        pytest.xfail(f"GLM-5-FP8 plans at 256 devices in {cpu:.1f} s CPU (9-10 s alone, over 10 s beside "
-                     "the rest of the suite on 2 cores): the <= 10 s bar is missed by its margin")
+        pytest.xfail(f"GLM-5-FP8 plans at 256 devices in {cpu:.1f} s CPU (6-7 s on a loaded 2-core VM since "
+                     "the planner's GC pauses, ~8.5 s before): over 10 s only on an overloaded machine")
