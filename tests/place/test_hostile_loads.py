@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tests.synthetic import write_checkpoint
 
@@ -59,9 +58,8 @@ loader.ByteBudget = Spy
 _TRUNCATE = (
     _PRELUDE
     + """
-mode, when = sys.argv[1], sys.argv[2]
-for arg in sys.argv[3:]:  # one checkpoint per truncation length
-    root, keep = arg.rsplit(":", 1)
+for arg in sys.argv[1:]:  # one checkpoint per mode, moment and truncation length
+    mode, when, root, keep = arg.split(":")
     src = LocalSource(root, mmap=(mode == "mmap"))
     names = [f"l.{i}.w" for i in range(8)]
     plan, _ = plan_for(src, names, (256, 1024))
@@ -74,7 +72,8 @@ for arg in sys.argv[3:]:  # one checkpoint per truncation length
         print("RESULT loaded")
     except Exception as e:
         held = sum(b.held for b in budgets)
-        print("RESULT", keep, type(e).__name__, round(time.perf_counter() - start, 3), "held", held, "|", e)
+        print("RESULT", mode, when, keep, type(e).__name__, round(time.perf_counter() - start, 3), "held", held, "|",
+              e)
     src.close()
 """
 )
@@ -82,19 +81,20 @@ for arg in sys.argv[3:]:  # one checkpoint per truncation length
 _MANY_FILES = (
     _PRELUDE
     + """
-root, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[4]), int(sys.argv[4])))
-src = LocalSource(root, mmap=(mode == "mmap"))
+root, n = sys.argv[1], int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[3]), int(sys.argv[3])))
 names = [f"t.{i:03d}" for i in range(n)]
-plan, _ = plan_for(src, names, (4, 64))
-start = time.perf_counter()
-arrays, report = loader.execute_plan(plan, src, workers=2)
-for i, k in enumerate(names):
-    want = np.arange(4 * 64, dtype=np.float32).reshape(4, 64) + i
-    np.testing.assert_array_equal(np.asarray(arrays[k.replace(".", "_")]), want)
-print("RESULT ok", len(report.files), round(time.perf_counter() - start, 3), "fds", src.max_open_files)
-src.close()
-print("OPEN", len(os.listdir("/proc/self/fd")))
+for mode in ("mmap", "pread"):
+    src = LocalSource(root, mmap=(mode == "mmap"))
+    plan, _ = plan_for(src, names, (4, 64))
+    start = time.perf_counter()
+    arrays, report = loader.execute_plan(plan, src, workers=2)
+    for i, k in enumerate(names):
+        want = np.arange(4 * 64, dtype=np.float32).reshape(4, 64) + i
+        np.testing.assert_array_equal(np.asarray(arrays[k.replace(".", "_")]), want)
+    print("RESULT", mode, len(report.files), round(time.perf_counter() - start, 3), "fds", src.max_open_files)
+    src.close()
+    print("OPEN", mode, len(os.listdir("/proc/self/fd")))
 """
 )
 
@@ -119,7 +119,7 @@ def _child(script: str, *args: object) -> str:
 
 
 def _field(out: str, key: str) -> list[str]:
-    return next(line.split()[1:] for line in out.splitlines() if line.startswith(key + " "))
+    return next(line.split()[len(key.split()) :] for line in out.splitlines() if line.startswith(key + " "))
 
 
 def _eight_tensors(root: Path) -> Path:
@@ -129,28 +129,35 @@ def _eight_tensors(root: Path) -> Path:
     return write_checkpoint(root, tensors, files=2)
 
 
-@pytest.mark.parametrize(("mode", "when"), [("mmap", "before-mapping"), ("mmap", "after-mapping"), ("pread", "-")])
-def test_a_shard_truncated_after_planning_ends_typed_within_seconds(tmp_path: Path, mode: str, when: str):
-    roots = [_eight_tensors(tmp_path / str(i)) for i in range(3)]
+# Both modes, and a mapping made before and after the truncation, in one child (one Python + JAX start).
+MOMENTS = [("mmap", "before-mapping"), ("mmap", "after-mapping"), ("pread", "-")]
+
+
+def test_a_shard_truncated_after_planning_ends_typed_within_seconds(tmp_path: Path):
+    roots = [_eight_tensors(tmp_path / str(i)) for i in range(3 * len(MOMENTS))]
     size = (roots[0] / VICTIM).stat().st_size
     # inside the header (no tensor left), inside the first tensor, one byte short of the whole file
     keeps = [100, 100_000, size - 1]
-    out = _child(_TRUNCATE, mode, when, *(f"{root}:{keep}" for root, keep in zip(roots, keeps, strict=True)))
+    cases = [(mode, when, keep) for mode, when in MOMENTS for keep in keeps]
+    out = _child(_TRUNCATE, *(f"{m}:{w}:{root}:{k}" for (m, w, k), root in zip(cases, roots, strict=True)))
     results = [line.split() for line in out.splitlines() if line.startswith("RESULT")]
-    assert len(results) == len(keeps), out
-    for keep, (_, kept, kind, seconds, _, held, _, *message) in zip(keeps, results, strict=True):
-        assert (kind, int(kept)) == ("TruncatedFileError", keep), out
+    assert len(results) == len(cases), out
+    for (mode, when, keep), (_, got_mode, got_when, kept, kind, seconds, _, held, _, *message) in zip(
+        cases, results, strict=True
+    ):
+        assert (got_mode, got_when, kind, int(kept)) == (mode, when, "TruncatedFileError", keep), out
         assert float(seconds) < FAIL_BOUND_S
         assert held == "0"  # every chunk of every load gave its bytes back to the budget
         assert message[0] == f"{VICTIM}:" and f"has only {keep} bytes" in " ".join(message)
 
 
-@pytest.mark.parametrize("mode", ["mmap", "pread"])
-def test_more_shards_than_the_descriptor_limit_load(tmp_path: Path, mode: str):
+def test_more_shards_than_the_descriptor_limit_load(tmp_path: Path):
+    """Mapped and read with ``preadv``, in one child under the low limit."""
     tensors = {f"t.{i:03d}": np.arange(4 * 64, dtype=np.float32).reshape(4, 64) + i for i in range(MANY_SHARDS)}
     root = write_checkpoint(tmp_path / "many", tensors, files=MANY_SHARDS)
-    out = _child(_MANY_FILES, root, mode, MANY_SHARDS, LOW_FD_LIMIT)
-    _, files, seconds, _, cap = _field(out, "RESULT")
-    assert int(files) == MANY_SHARDS  # every shard was read, though at most `cap` were open at once
-    assert int(cap) == LOW_FD_LIMIT // 2
-    assert int(_field(out, "OPEN")[0]) < LOW_FD_LIMIT // 2  # closing gave every descriptor back
+    out = _child(_MANY_FILES, root, MANY_SHARDS, LOW_FD_LIMIT)
+    for mode in ("mmap", "pread"):
+        files, seconds, _, cap = _field(out, f"RESULT {mode}")
+        assert int(files) == MANY_SHARDS  # every shard was read, though at most `cap` were open at once
+        assert int(cap) == LOW_FD_LIMIT // 2
+        assert int(_field(out, f"OPEN {mode}")[0]) < LOW_FD_LIMIT // 2  # closing gave every descriptor back
