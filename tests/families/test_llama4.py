@@ -62,10 +62,11 @@ register_hf_model("llama4_plain", _llama4, PLAIN)
 register_hf_model("llama4_multimodal", _llama4_multimodal)
 
 
+# The multimodal wrapper (only its keys' prefix differs) once; unscanned on tp is llama4_plain's.
 @pytest.mark.parametrize(("kind", "scan_layers", "mesh_name"), [
     ("llama4", False, "fsdp2_ep4"), ("llama4", True, "fsdp2_tp4"), ("llama4", True, "fsdp2_ep4"),
     ("llama4_plain", True, "fsdp2_ep4"), ("llama4_plain", False, "fsdp2_tp4"),
-    ("llama4_multimodal", True, "fsdp2_ep4"), ("llama4_multimodal", False, "fsdp2_tp4"),
+    ("llama4_multimodal", True, "fsdp2_ep4"),
 ])  # fmt: skip
 def test_f32_logits_match_transformers(tiny_checkpoints, kind, scan_layers, mesh_name):
     loaded, torch_model, mesh = load_sharded(tiny_checkpoints, kind, mesh_name, scan_layers, return_report=True)
@@ -191,11 +192,14 @@ def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
     model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=scan_layers)
     assert max_rel_diff(logits(model, ids), reference) <= 1e-4
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
-    # kept as factors: the fused experts' factors (target_parameters) merge only, so they are left out
-    kept_adapter = make_adapter(torch_model, tmp_path / "kept", r=2, lora_alpha=4, target_modules=modules)
-    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=scan_layers)
-    assert kept_factors(kept)
-    assert max_rel_diff(logits(kept, ids), peft_logits(torch_model, [kept_adapter], ids)) <= 1e-4
+    # kept as factors: the fused experts' factors (target_parameters) merge only, so they are left out;
+    # checked scanned only: factors are stacked or per layer by the same generic code for every family
+    # (tests/adapters/test_factored.py checks both scan values), and merged is checked in both here
+    if scan_layers:
+        kept_adapter = make_adapter(torch_model, tmp_path / "kept", r=2, lora_alpha=4, target_modules=modules)
+        kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=True)
+        assert kept_factors(kept)
+        assert max_rel_diff(logits(kept, ids), peft_logits(torch_model, [kept_adapter], ids)) <= 1e-4
 
 
 def _real_config() -> dict:
