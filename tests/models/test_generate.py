@@ -46,8 +46,12 @@ def test_rows_continue_with_pad_after_eos_as_transformers_does(tiny_checkpoints,
     path, torch_model = tiny_checkpoints("llama")
     model = otfload.from_pretrained(path, mesh=mesh_2x4)
     ids, mask = _left_padded()
-    free = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[]))
-    eos = int(free[0, ids.shape[1] + 1])  # row 0's second new token ends row 0 (and maybe others)
+    # With the checkpoint's own EOS id (the programs test_greedy_matches_transformers...[llama] compiled),
+    # which row 0's first new token is not: its second new token is as without EOS ids, and ends row 0
+    # (and maybe others) below.
+    free = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask))
+    assert free[0, ids.shape[1]] != torch_model.generation_config.eos_token_id
+    eos = int(free[0, ids.shape[1] + 1])
     pad = 7
     ours = np.asarray(otfload.generate(model, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=eos,
                                        pad_token_id=pad))

@@ -30,15 +30,15 @@ UNSCANNED = ["mistral", "qwen3_moe", "gpt_oss", "gemma3_text", "deepseek_v2"]
 def test_padding_changes_no_real_token_and_matches_transformers(tiny_checkpoints, mesh_2x4, kind, scan_layers):
     path, torch_model = tiny_checkpoints(kind)
     model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
+    alone = torch_logits(torch_model, padded_batch("left")[2][None])[0]  # the unpadded sequence (both sides')
     with jax.set_mesh(mesh_2x4):
         for side in ("left", "right"):
-            ids, mask, base = padded_batch(side)
+            ids, mask, _ = padded_batch(side)
             ours = _masked_logits(model, ids, mask)  # both sides: one program
             real = mask.astype(bool)
             ref = torch_masked_logits(torch_model, ids, mask)
             diff = max_rel_diff(ours[real], ref[real])
             assert diff <= 1e-4, (side, diff)
-            alone = torch_logits(torch_model, base[None])[0]  # the unpadded sequence
             for row, n in enumerate(REAL):
                 diff = max_rel_diff(ours[row][real[row]], alone[:n])
                 assert diff <= 1e-4, (side, row, diff)
