@@ -1,16 +1,15 @@
 """Programs kept across jobs (``otfload.programs``), as a user meets them: ``otfload eval`` jobs in
-fresh processes sharing one ``--compile-cache`` (the first job a plain subprocess, the others
-forked from tests.forked's server, its imports done once). The second job loads every scoring program (no
-tracing, lowering or compilation: nothing new written, ``lower_seconds`` 0) and gives the first
-job's numbers; a corrupt entry and a stale one (a valid entry of another shape under this shape's
-name) are compiled afresh, with a warning, give the same numbers and are rewritten for the next
-job; a changed input (the batch size) is a new entry, not the old program."""
+fresh processes sharing one ``--compile-cache`` (forked from tests.forked's server, its imports done
+once; the console script as a plain subprocess is tests/cli/test_cli_messages.py's). The second job
+loads every scoring program (no tracing, lowering or compilation: nothing new written,
+``lower_seconds`` 0) and gives the first job's numbers; a corrupt entry and a stale one (a valid
+entry of another shape under this shape's name) are compiled afresh, with a warning, give the same
+numbers and are rewritten for the next job; a changed input (the batch size) is a new entry, not
+the old program."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,8 @@ def checkpoint(tiny_checkpoints, tmp_path_factory) -> Path:
     return with_tokenizer(path, tmp_path_factory.mktemp("llama-programs"))
 
 
-def eval_job(checkpoint: Path, data: Path, cache: Path, batch_size: int = 3,
-             run: Callable[..., subprocess.CompletedProcess] = forked.run) -> tuple[dict, str]:
-    out = run(
+def eval_job(checkpoint: Path, data: Path, cache: Path, batch_size: int = 3) -> tuple[dict, str]:
+    out = forked.run(
         [str(OTFLOAD), "eval", str(checkpoint), "--data", str(data), "--devices", "8", "--mesh", "fsdp=2,tp=4",
          "--max-len", str(MAX_LEN), "--batch-size", str(batch_size), "--compile-cache", str(cache), "--json",
          "--no-progress"],
@@ -49,7 +47,7 @@ def test_second_job_loads_its_programs_and_bad_entries_are_compiled_afresh(check
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     cache = tmp_path / "xla"
 
-    first, _ = eval_job(checkpoint, data, cache, run=subprocess.run)
+    first, _ = eval_job(checkpoint, data, cache)
     kept = entries(cache)
     assert len(kept) == 2 and all(name.startswith("_nll_of_batch-") for name in kept)  # two batch widths
     assert first["lower_seconds"] > 0
