@@ -15,8 +15,9 @@ from otfload.errors import AdapterError
 from otfload.plan.sharding import make_mesh
 from tests.adapters.support import kept_factors, make_adapter, merged_peft_logits
 from tests.adapters.test_parity import MIN_EFFECT, TOLERANCE
+from tests.families.checks import reference_logits
 from tests.families.test_qwen3_5_fused import fused  # noqa: F401  (the fused tiny checkpoint and its model)
-from tests.helpers import jax_logits, max_rel_diff, token_ids, torch_logits
+from tests.helpers import jax_logits, max_rel_diff, token_ids
 
 LINEAR = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -46,7 +47,7 @@ def test_peft_lora_matches_peft_merged(fused, tmp_path, merge_adapter, lora):  #
     with jax.set_mesh(mesh()):
         diff = max_rel_diff(jax_logits(model, ids), reference)
     assert diff <= TOLERANCE, diff
-    assert max_rel_diff(torch_logits(torch_model, ids), reference) > MIN_EFFECT
+    assert max_rel_diff(reference_logits(torch_model, ids), reference) > MIN_EFFECT
 
 
 def test_keeping_the_fused_experts_factors_is_refused_by_module(fused, tmp_path):  # noqa: F811
