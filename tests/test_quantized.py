@@ -22,7 +22,7 @@ import otfload
 from otfload.errors import QuantizationError, UnfaithfulCastError
 from otfload.plan.sharding import make_mesh
 from tests.families.moe_helpers import MESHES
-from tests.helpers import hf_tensors, max_rel_diff, token_ids, torch_logits
+from tests.helpers import hf_tensors, jax_logits, max_rel_diff, token_ids, torch_logits
 from tests.index.quant import layouts
 from tests.quantized_fixtures import quantized_factory
 
@@ -85,7 +85,8 @@ def test_logits_match_transformers_on_the_dequantised_weights(quantized, layout,
                                             return_report=True)
     assert report.unused_tensors == []  # every scale, zero point and block was used
     ids = token_ids()
-    diff = max_rel_diff(np.asarray(model(jnp.asarray(ids))), torch_logits(reference_model, ids))
+    # the session's jitted forward: the dequantised models of one base share one compiled program
+    diff = max_rel_diff(jax_logits(model, ids), torch_logits(reference_model, ids))
     assert diff <= 1e-4, diff
 
 
