@@ -76,7 +76,7 @@ def _index_built_in_tasks() -> None:
     the child is built as usual."""
     from lm_eval.tasks import _index, manager
 
-    original = _index.TaskIndex.build
+    original: Any = _index.TaskIndex.build  # lm_eval is untyped
     if getattr(original, "built_in", None) is not None:  # done already
         return
     root = Path(manager.__file__).parent  # the directory TaskManager(include_defaults=True) indexes first
@@ -85,8 +85,9 @@ def _index_built_in_tasks() -> None:
     def build(paths: Any, *, resolve_includes: bool = True) -> dict[str, Any]:
         paths = list(paths)
         if not (resolve_includes and paths and Path(paths[0]) == root):
-            return original(paths, resolve_includes=resolve_includes)
-        _index.TaskIndex.build = staticmethod(original)  # type: ignore[method-assign]  # once per child
+            built: dict[str, Any] = original(paths, resolve_includes=resolve_includes)
+            return built
+        _index.TaskIndex.build = staticmethod(original)  # once per child
         index = dict(built_in)
         for name, entry in original(paths[1:]).items():
             if name in index:
@@ -96,7 +97,7 @@ def _index_built_in_tasks() -> None:
         return index
 
     build.built_in = built_in  # type: ignore[attr-defined]
-    _index.TaskIndex.build = staticmethod(build)  # type: ignore[method-assign]
+    _index.TaskIndex.build = staticmethod(build)
     gc.freeze()  # the new entries too: left alone by the children's collections
 
 
