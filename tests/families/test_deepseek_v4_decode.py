@@ -1,8 +1,10 @@
 """DeepSeek-V4 decoding with the KV cache (the sliding keys, each compressor's windows and pending
 tokens: :mod:`otfload.models.compressor`): each cached step's f32 logits equal transformers' full
-forward; greedy ids equal transformers' ``generate(do_sample=False)`` through ``otfload generate``
-(unscanned, on fsdp) and the lm_eval backend's ``generate_until`` (scanned, experts on ``ep``; against
-lm_eval's ``hf`` backend, one request at a time).
+forward (unscanned, on one device); greedy ids equal transformers' ``generate(do_sample=False)``
+through ``otfload generate`` and the lm_eval backend's ``generate_until`` (against lm_eval's ``hf``
+backend, one request at a time), both scanned with the experts on ``ep`` and the same [3, 23] batch:
+one compiled decoding setup (:data:`otfload.generate._step`'s prefill and step programs), which the
+second of them finds compiled.
 
 The tiny model is tests/families/test_deepseek_v4.py's (sliding window 8, CSA windows of 4, HCA of
 8). Prompts of 3, 5 and 23 tokens (below every window; past one CSA window; past the sliding window and
@@ -12,6 +14,8 @@ transformers gives it alone. Transformers' batched V4 pools its compressor windo
 included, so its left-padded rows differ from the rows alone; otfload's cache cuts the windows from
 each row's real tokens.
 """
+
+import json
 
 import jax
 import numpy as np
@@ -28,6 +32,7 @@ from tests.helpers import max_rel_diff, torch_logits
 from tests.models.kinds import torch_greedy
 
 NEW = 14
+MESH = "fsdp=2,ep=4"  # both greedy tests' (otfload generate's --mesh; the lm_eval backend reads it too)
 
 
 def greedy_alone(torch_model, ids: np.ndarray, mask: np.ndarray, new: int, **kw) -> np.ndarray:
@@ -47,12 +52,21 @@ PROMPTS = ["a fox", "the quick brown fox",
 
 @pytest.fixture(scope="module")
 def with_tokenizer_files(tiny_checkpoints, tmp_path_factory):
-    """The tiny checkpoint with the tiny tokenizer (``tokenizer.json`` and its config) and the torch model."""
+    """The tiny checkpoint with the tiny tokenizer (``tokenizer.json`` and its config) and the torch model.
+    The tokenizer's config names the model's EOS token as its pad token: the pad otfload generate
+    takes from ``config.json`` (its first EOS id, no pad id there) and the lm_eval backend from the
+    tokenizer are then one, and so is the compiled decoding step that pads finished rows with it."""
+    from tokenizers import Tokenizer
+
     from tests.lmeval.tasks import tokenizer_config
 
     path, torch_model = tiny_checkpoints("deepseek_v4")
     checkpoint = with_tokenizer(path, tmp_path_factory.mktemp("deepseek_v4_tok"))
     tokenizer_config(checkpoint)
+    eos = json.loads((checkpoint / "config.json").read_text())["eos_token_id"]
+    pad = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).id_to_token(eos)
+    config = checkpoint / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pad_token": pad}))
     return checkpoint, torch_model
 
 
@@ -75,9 +89,9 @@ def test_the_cache_holds_each_compressors_state_sharded_by_the_logical_axis_rule
 def test_each_cached_steps_logits_equal_transformers_forward_of_the_whole_sequence(tiny_checkpoints):
     """An 11-token prefill then 29 one-token steps through the cache (every window kind completing
     several times, the sliding window sliding): each call's f32 logits equal transformers' full forward
-    at those positions (on one device: the mesh's cache is the greedy tests')."""
+    at those positions (unscanned, on one device: the greedy tests' mesh and scanned cache are theirs)."""
     path, torch_model = tiny_checkpoints("deepseek_v4")
-    model = otfload.from_pretrained(path)
+    model = otfload.from_pretrained(path, scan_layers=False)
     ids = np.random.default_rng(1).integers(3, 256, (1, 40))
     ref = torch_logits(torch_model, ids)
     step = jax.jit(lambda m, x, cache: m(x, cache=cache))
@@ -88,9 +102,9 @@ def test_each_cached_steps_logits_equal_transformers_forward_of_the_whole_sequen
         assert max_rel_diff(logits, ref[:, t : t + 1]) <= 1e-4, t
 
 
-def test_otfload_generate_unscanned_equals_transformers_of_each_prompt_alone(with_tokenizer_files, capsys):
+def test_otfload_generate_equals_transformers_of_each_prompt_alone(with_tokenizer_files, capsys):
     path, torch_model = with_tokenizer_files
-    assert_generate_matches(path, torch_model, capsys, PROMPTS, NEW, greedy_alone, ("--no-scan-layers",))
+    assert_generate_matches(path, torch_model, capsys, PROMPTS, NEW, greedy_alone, ("--mesh", MESH))
 
 
 def test_lm_eval_generate_until_equals_the_hf_backend_one_request_at_a_time(with_tokenizer_files):
@@ -103,7 +117,8 @@ def test_lm_eval_generate_until_equals_the_hf_backend_one_request_at_a_time(with
     path, _ = with_tokenizer_files
     requests = [Instance("generate_until", {}, (p, {"until": ["zebra"], "max_gen_toks": NEW}), i)
                 for i, p in enumerate(PROMPTS)]
-    ours = OtfloadLM(str(path), mesh="fsdp:2/ep:4", batch_size=4).generate_until(requests, disable_tqdm=True)
+    # one batch of the three rows, as otfload generate's: its compiled programs
+    ours = OtfloadLM(str(path), mesh=MESH, batch_size=3).generate_until(requests, disable_tqdm=True)
     ref = HFLM(pretrained=str(path), batch_size=1, device="cpu", dtype="float32").generate_until(requests,
                                                                                                 disable_tqdm=True)
     assert ours == ref and len(set(ours)) == len(ours), (ours, ref)
