@@ -7,6 +7,10 @@
 # first failing run's. Extra arguments go to the main run's pytest.
 set -u
 cd "$(dirname "$0")/.."
+# The run imports the package and the test modules in many processes (xdist workers, three venvs, the
+# CLI and worker subprocesses): let Python keep their bytecode, and pytest its rewritten test modules
+# (~3 CPU-s a collection), where the environment turned that off.
+unset PYTHONDONTWRITEBYTECODE
 logs=$(mktemp -d)
 PYTHONPATH=. .venv-maxtext/bin/python -m pytest -q -n 2 --dist loadfile tests/maxtext >"$logs/maxtext" 2>&1 &
 maxtext=$!
