@@ -8,8 +8,9 @@ the fresh process ``subprocess`` would start: its own environment, working direc
 ``sys.path``, standard streams, process group and exit status; its own JAX backend (``XLA_FLAGS``,
 hence the device count, is read when it starts one), compilation caches and module state; it exits as
 the interpreter does (threads joined, ``atexit`` handlers run, streams flushed), less the modules'
-teardown. What it shares with its siblings is the imported code, copy-on-write, and, once lm_eval's
-command line has been asked for, the index of lm_eval's built-in task files (:func:`_index_built_in_tasks`).
+teardown. What it shares with its siblings is the imported code, copy-on-write, once lm_eval's command
+line has been asked for, the index of lm_eval's built-in task files (:func:`_index_built_in_tasks`), and
+torch's environment report that lm_eval adds to its results (:func:`_share_environment_report`).
 
 Variables a library reads when it is imported (``JAX_*``, ``TQDM_*``, ``HF_*``, ...) are the
 server's: a command whose environment differs from a server's in any variable but those read later
@@ -99,6 +100,30 @@ def _index_built_in_tasks() -> None:
     build.built_in = built_in  # type: ignore[attr-defined]
     _index.TaskIndex.build = staticmethod(build)
     gc.freeze()  # the new entries too: left alone by the children's collections
+
+
+def _share_environment_report(directory: Path) -> None:
+    """lm_eval puts torch's environment report (``torch.utils.collect_env.get_pretty_env_info``: a dozen
+    commands, ``python -m pip list`` among them, ~1.2 CPU-s and seconds of wall) in every evaluation's
+    results: in a server's children the first report is written into ``directory`` and every later one
+    reads it (the same report: the installation and the machine do not change while the tests run)."""
+    if "torch" not in sys.modules:  # a venv without torch: lm_eval reports none
+        return
+    from torch.utils import collect_env
+
+    original = collect_env.get_pretty_env_info
+    path = directory / "pretty_env_info"
+
+    def get_pretty_env_info() -> str:
+        with contextlib.suppress(FileNotFoundError):
+            return path.read_text()
+        report = original()
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(report)
+        partial.replace(path)  # whole or absent for a sibling reading it meanwhile
+        return report
+
+    collect_env.get_pretty_env_info = get_pretty_env_info
 
 
 def _python_command(argv: Sequence[str]) -> bool:
@@ -260,6 +285,8 @@ def serve() -> None:
 
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("importing the preloaded modules started a JAX backend: its children could not fork it")
+    shared = tempfile.TemporaryDirectory(prefix="forked-server-")
+    _share_environment_report(Path(shared.name))
     gc.freeze()  # the children's collections leave the server's objects alone (no page copied for them)
     global _IMPORTED_WITH, _SERVER_PATH, _SET_BY_IMPORTS
     _SET_BY_IMPORTS = {k: v for k, v in os.environ.items() if before.get(k) != v}
@@ -287,6 +314,7 @@ def serve() -> None:
             reply = {}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
+    shared.cleanup()
 
 
 # --- the client, in the test process ---------------------------------------------------------------
