@@ -133,7 +133,7 @@ def _python_command(argv: Sequence[str]) -> bool:
     return len(argv) >= 3 and argv[1] in ("-m", "-c")
 
 
-def _early(env: Mapping[str, str]) -> frozenset[tuple[str, str]]:
+def import_time_variables(env: Mapping[str, str]) -> frozenset[tuple[str, str]]:
     """The variables of ``env`` that an import may have read: a server's key."""
     return frozenset((k, v) for k, v in env.items() if k not in LATE and not k.startswith(LATE_PREFIXES))
 
@@ -157,12 +157,15 @@ def _child(request: dict[str, Any]) -> NoReturn:
     for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
         finalizer.detach()
     weakref.finalize._registered_with_atexit = False  # type: ignore[attr-defined]  # the command's register anew
-    null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    err = out if request["stderr"] is None else os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    for fd, target in ((null, 0), (out, 1), (err, 2)):
+    if "fds" in request:  # the command's stdin, stdout and stderr, open in this process already
+        fds = request["fds"]
+    else:
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        err = out if request["stderr"] is None else os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        fds = [os.open(os.devnull, os.O_RDONLY), out, err]
+    for target, fd in enumerate(fds):
         os.dup2(fd, target)
-    for fd in {null, out, err}:
+    for fd in set(fds):
         os.close(fd)
     kind, target, *args = request["argv"][1:] if request["argv"][0] == sys.executable else ["script", *request["argv"]]
     first = {"-m": request["cwd"], "-c": ""}.get(kind, str(Path(target).parent))
@@ -188,12 +191,24 @@ def _child(request: dict[str, Any]) -> NoReturn:
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+    _leave_distributed_job()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
 
 
-def _become(request: dict[str, Any]) -> NoReturn:
+def _leave_distributed_job() -> None:
+    """What an interpreter's teardown does for a ``jax.distributed`` job, which ``os._exit`` skips: its
+    client's destructor shuts it down, a barrier with the job's other processes (process 0's exit would
+    otherwise take the coordination service away from a process still in the job, which then aborts).
+    A failure is left unreported, as a destructor's is."""
+    from jax._src import distributed
+
+    with contextlib.suppress(Exception):
+        distributed.shutdown()
+
+
+def become(request: dict[str, Any]) -> NoReturn:
     """In a process just forked: :func:`_child`, which ends it; a failure before the command runs
     (a working directory that does not exist, ...) ends it too, never returns into the forking code."""
     try:
@@ -244,7 +259,7 @@ def _run_here(cmd: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
     env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
     if (argv is None or not _python_command(argv) or not kwargs.get("capture_output")
             or set(kwargs) - {"capture_output", "text", "env", "cwd", "timeout", "check"}
-            or _early(env) != _IMPORTED_WITH or threading.active_count() > 1
+            or import_time_variables(env) != _IMPORTED_WITH or threading.active_count() > 1
             or xla_bridge.backends_are_initialized()):  # fmt: skip
         return _subprocess_run(cmd, **kwargs)
     timeout = kwargs.get("timeout")
@@ -254,7 +269,7 @@ def _run_here(cmd: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _become({"argv": argv, "env": env, "cwd": os.fspath(kwargs.get("cwd") or os.getcwd()), "stdout": str(out),
+            become({"argv": argv, "env": env, "cwd": os.fspath(kwargs.get("cwd") or os.getcwd()), "stdout": str(out),
                      "stderr": str(err)})  # fmt: skip
         code = _wait(pid, timeout)
         if code is None:
@@ -290,7 +305,7 @@ def serve() -> None:
     gc.freeze()  # the children's collections leave the server's objects alone (no page copied for them)
     global _IMPORTED_WITH, _SERVER_PATH, _SET_BY_IMPORTS
     _SET_BY_IMPORTS = {k: v for k, v in os.environ.items() if before.get(k) != v}
-    _IMPORTED_WITH = _early(os.environ)
+    _IMPORTED_WITH = import_time_variables(os.environ)
     _SERVER_PATH = [p for p in sys.path[1:] if p not in _pythonpath(os.environ)]
     replies.write('{"ready": true}\n')
     replies.flush()
@@ -305,7 +320,7 @@ def serve() -> None:
             if pid == 0:
                 requests.close()
                 replies.close()
-                _become(request)
+                become(request)
             reply: dict[str, Any] = {"pid": pid}
         elif request["op"] == "wait":
             reply = {"returncode": _wait(request["pid"], request["timeout"])}
@@ -351,7 +366,7 @@ _SERVERS: dict[frozenset[tuple[str, str]], _Server] = {}
 
 
 def _server(env: Mapping[str, str]) -> _Server:
-    key = _early(env)
+    key = import_time_variables(env)
     if not _SERVERS:
         atexit.register(_close_servers)
     if key not in _SERVERS:

@@ -10,7 +10,11 @@ and sends the exit code back for the client to exit with. What the command print
 shell sent it, byte for byte, and the shell sees the command's exit status.
 
 A command that joins a ``jax.distributed`` job (``--coordinator``) needs a process of its own: the client
-runs the real console script for it (``os.execv``), so the page's multi-process jobs stay real processes.
+hands it to a process forked when the worker starts (before any command: no JAX backend, one thread), which
+forks a fresh process for it that runs the real console script (``tests.forked``: its imports done once), so
+the page's multi-process jobs stay processes of their own. A command whose environment differs from the
+worker's in a variable an import reads, not only ``PATH`` and bash's ``SHLVL``, or given to a worker made in
+a process with threads or a JAX backend (which cannot fork safely), becomes the console script itself.
 
 State a command leaves in the process is put back afterwards: ``os.environ``, the working directory,
 ``sys.argv``, the SIGINT handler, the descriptors 0-2 and ``sys.stdin``/``stdout``/``stderr``. JAX's backend
@@ -29,10 +33,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
+
+from jax._src import xla_bridge
+
+from tests import forked
 
 ADDRESS = "OTFLOAD_CLI_WORKER"  # the variable that gives the client the worker's socket
 CONSOLE_SCRIPT = Path(sys.executable).with_name("otfload")
@@ -41,11 +50,13 @@ STREAMS = ((0, "r", -1, "strict"), (1, "w", -1, "strict"), (2, "w", 1, "backslas
 SHIM = '''#!{python} -IS
 """otfload, as the docs test runs it: the command runs in the test's worker process (tests/docs/cli_worker.py)."""
 import json, os, socket, sys
-if "--coordinator" in sys.argv:  # one process of a jax.distributed job: a process of its own
+fresh = "--coordinator" in sys.argv  # one process of a jax.distributed job: a process of its own
+address = os.environ["{address}"] + ("-fresh" if fresh else "")
+if fresh and not os.path.exists(address):  # a worker that cannot fork one: the console script itself
     os.execv({script!r}, [{script!r}, *sys.argv[1:]])
 request = json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
 with socket.socket(socket.AF_UNIX) as worker:
-    worker.connect(os.environ["{address}"])
+    worker.connect(address)
     socket.send_fds(worker, [b"."], [0, 1, 2])
     worker.sendall(request)
     worker.shutdown(socket.SHUT_WR)
@@ -108,6 +119,52 @@ def command_context(env: Mapping[str, str], cwd: str, fds: Sequence[int]) -> Ite
         signal.signal(signal.SIGINT, saved_sigint)
 
 
+def receive(connection: socket.socket) -> tuple[list[int], dict[str, Any]]:
+    """A client's descriptors 0-2 and its request (``argv``, ``cwd``, ``env``)."""
+    _, fds, _, _ = socket.recv_fds(connection, 1, 3)
+    chunks = []
+    while chunk := connection.recv(1 << 16):
+        chunks.append(chunk)
+    return fds, json.loads(b"".join(chunks))
+
+
+def run_fresh(connection: socket.socket) -> NoReturn:
+    """In a child of the fresh processes' parent: one client's command in a fresh process forked from this
+    one, running the real console script (:func:`tests.forked.become`), or the console script itself when
+    the command's environment is not this process's at import time; its exit code sent back."""
+    fds, request = receive(connection)
+    argv, env = [str(CONSOLE_SCRIPT), *request["argv"]], request["env"]
+    changed = forked.import_time_variables(env) ^ forked.import_time_variables(os.environ)
+    pid = os.fork()
+    if pid == 0:
+        if {name for name, _ in changed} <= {"PATH", "SHLVL"}:
+            forked.become({"argv": argv, "env": env, "cwd": request["cwd"], "fds": fds})
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.chdir(request["cwd"])
+        os.execve(argv[0], argv, env)
+    for fd in fds:
+        os.close(fd)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    with contextlib.suppress(OSError):  # a client killed meanwhile
+        connection.sendall(str(status if status >= 0 else 128 - status).encode())  # as bash reports a signal
+    os._exit(0)
+
+
+def serve_fresh(listener: socket.socket) -> NoReturn:
+    """The fresh processes' parent, forked before any command ran: a child for each client (:func:`run_fresh`),
+    until the worker kills it."""
+    while True:
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            run_fresh(connection)
+        connection.close()
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:  # the clients' children that have ended
+                pass
+
+
 def run_command(argv: list[str], env: Mapping[str, str], cwd: str, fds: Sequence[int]) -> int:
     """``otfload ARGV`` as the console script would run it, in this process; its exit code."""
     from otfload.cli import main
@@ -126,11 +183,7 @@ def run_command(argv: list[str], env: Mapping[str, str], cwd: str, fds: Sequence
 def serve(connection: socket.socket) -> None:
     """One client's request: run it and answer its exit code."""
     with connection:
-        _, fds, _, _ = socket.recv_fds(connection, 1, 3)
-        chunks = []
-        while chunk := connection.recv(1 << 16):
-            chunks.append(chunk)
-        request = json.loads(b"".join(chunks))
+        fds, request = receive(connection)
         try:
             code = run_command(request["argv"], request["env"], request["cwd"], fds)
         finally:
@@ -154,8 +207,20 @@ class Worker:
         self.listener = socket.socket(socket.AF_UNIX)
         self.listener.bind(self.address)
         self.listener.listen(8)
+        self.fresh = None  # the fresh processes' parent: forked only from a process that can fork safely
+        if threading.active_count() == 1 and not xla_bridge.backends_are_initialized():
+            with socket.socket(socket.AF_UNIX) as fresh:
+                fresh.bind(f"{self.address}-fresh")
+                fresh.listen(8)
+                self.fresh = os.fork()
+                if self.fresh == 0:
+                    self.listener.close()
+                    serve_fresh(fresh)
 
     def close(self) -> None:
+        if self.fresh is not None:
+            os.kill(self.fresh, signal.SIGKILL)
+            os.waitpid(self.fresh, 0)
         self.listener.close()
         self.directory.cleanup()
 
