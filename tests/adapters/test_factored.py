@@ -110,13 +110,20 @@ def torch_factor_grads(torch_model, adapter, ids, modules) -> dict[str, tuple[np
                      params[f"base_model.model.{module}.lora_B.default.weight"].grad.numpy()) for module in modules}
 
 
+@jax.jit
+def weighted_logits_grads(model, ids: jax.Array, w: jax.Array):
+    """The gradient of ``sum(logits * w)`` w.r.t. every Param of ``model``, compiled whole (one program a
+    model structure) rather than run op by op."""
+    return nnx.grad(lambda m: jnp.sum(m(ids) * w))(model)
+
+
 # Scanned only: the factors' gradient has no scan-specific code (the unscanned forward's parity is
 # test_factored_logits_match_peft_and_merged's), and scanned is from_pretrained's default.
 def test_gradients_match_torch(adapters):
     model, _, torch_model, adapter = factored_model(adapters, "qwen3_all")
     ids = token_ids()
     w = jnp.asarray(loss_weights((*ids.shape, model.cfg.vocab_size)))
-    grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(ids)) * w))(model)
+    grads = weighted_logits_grads(model, jnp.asarray(ids), w)
     modules = {"o": "model.layers.2.self_attn.o_proj", "q": "model.layers.2.self_attn.q_proj"}
     reference = torch_factor_grads(torch_model, adapter, ids, modules.values())
     for name, module in modules.items():
@@ -146,7 +153,7 @@ def test_gradients_match_torch(adapters):
 def sgd_step(model, ids: np.ndarray, lr: float = 0.2) -> None:
     """One gradient step on every kept factor (the base is left as it is), as training would."""
     w = jnp.asarray(loss_weights((*ids.shape, model.cfg.vocab_size)))
-    grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(ids)) * w))(model)
+    grads = weighted_logits_grads(model, jnp.asarray(ids), w)
     is_lora = lambda x: isinstance(x, LoraWeight)  # noqa: E731
 
     def step(x, g):
