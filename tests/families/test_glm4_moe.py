@@ -102,10 +102,10 @@ def test_router_picks_transformers_experts_and_weights(tiny_checkpoints, mesh_2x
     assert (np.sort(np.asarray(ungrouped), -1) != np.sort(np.asarray(idx), -1)).any()
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
+def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4):
+    """Scanned: the cache is the generic one of every family, checked unscanned by other families' tests."""
     path, torch_model = tiny_checkpoints("glm4_moe")
-    assert_greedy_matches(otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers), torch_model)
+    assert_greedy_matches(otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=True), torch_model)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -141,12 +141,13 @@ def test_unsupported_fields_are_refused_by_name(field, value):
     assert field in err.value.field
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
+def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path):
     """A PEFT adapter on the attention, the dense and shared MLPs and the fused routed experts
     (transformers' runtime names, mapped through the family's LoRA layout) merges on the fly: logits
     equal ``PeftModel``'s, and the adapter moves them well past the bound; one on the attention is
-    also kept as factors (``merge_adapter=False``), logits again ``PeftModel``'s."""
+    also kept as factors (``merge_adapter=False``), logits again ``PeftModel``'s. Scanned: the merge
+    works on the checkpoint's index, before any stacking, and factors are stacked or per layer by the
+    generic code tests/adapters/test_factored.py checks with both scan values."""
     from tests.adapters.support import DOWN, GATE_UP, kept_factors, make_adapter, peft_logits
 
     path, torch_model = tiny_checkpoints("glm4_moe")
@@ -155,12 +156,12 @@ def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
                            target_parameters=[GATE_UP, DOWN])
     ids = token_ids()
     reference = peft_logits(torch_model, [adapter], ids)
-    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=scan_layers)
+    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=True)
     assert max_rel_diff(logits(model, ids), reference) <= 1e-4
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
     # kept as factors: the fused experts' factors (target_parameters, where PEFT also puts ``down_proj``)
     # merge only, so they are left out
     kept_adapter = make_adapter(torch_model, tmp_path / "kept", r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"])
-    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=scan_layers)
+    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=True)
     assert kept_factors(kept)
     assert max_rel_diff(logits(kept, ids), peft_logits(torch_model, [kept_adapter], ids)) <= 1e-4
