@@ -79,10 +79,10 @@ def test_partial_rotary_and_correction_bias_matter(tiny_checkpoints, mesh_2x4):
     bias[...] = kept
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4, scan_layers):
+def test_greedy_decoding_with_the_cache_matches_transformers(tiny_checkpoints, mesh_2x4):
+    """Scanned: the cache is the generic one of every family, checked unscanned by other families' tests."""
     path, torch_model = tiny_checkpoints("minimax_m2")
-    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=scan_layers)
+    model = otfload.from_pretrained(path, mesh=mesh_2x4, scan_layers=True)
     assert_greedy_matches(model, torch_model, no_eos=True)
 
 
@@ -189,12 +189,13 @@ def test_published_minimax_m25_plans_at_256_devices(tmp_path):
     assert max(totals["process_bytes"], totals["fetch_bytes"]) <= 1.1 * share, (totals, share)
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
+def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path):
     """A PEFT adapter on the attention and the fused routed experts (transformers' runtime names,
     mapped to the stored ``block_sparse_moe.experts.{e}.w1/w3/w2``) merges on the fly: logits equal
     ``PeftModel``'s, and the adapter moves them well past the bound; without the routed experts it is
-    also kept as factors (``merge_adapter=False``), logits again ``PeftModel``'s."""
+    also kept as factors (``merge_adapter=False``), logits again ``PeftModel``'s. Scanned: the merge
+    works on the checkpoint's index, before any stacking, and factors are stacked or per layer by the
+    generic code tests/adapters/test_factored.py checks with both scan values."""
     from tests.adapters.support import DOWN, GATE_UP, kept_factors, make_adapter, peft_logits
 
     path, torch_model = tiny_checkpoints("minimax_m2")
@@ -203,11 +204,11 @@ def test_peft_lora_merges_like_peft(tiny_checkpoints, tmp_path, scan_layers):
                            target_parameters=[GATE_UP, DOWN])
     ids = token_ids()
     reference = peft_logits(torch_model, [adapter], ids)
-    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=scan_layers)
+    model = otfload.from_pretrained(path, adapter=adapter, mesh=mesh, scan_layers=True)
     assert max_rel_diff(logits(model, ids), reference) <= 1e-4
     assert max_rel_diff(torch_logits(torch_model, ids), reference) > 1e-3
     # kept as factors: the fused experts' factors (target_parameters) merge only, so they are left out
     kept_adapter = make_adapter(torch_model, tmp_path / "kept", r=2, lora_alpha=4, target_modules=modules)
-    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=scan_layers)
+    kept = otfload.from_pretrained(path, adapter=kept_adapter, merge_adapter=False, mesh=mesh, scan_layers=True)
     assert kept_factors(kept)
     assert max_rel_diff(logits(kept, ids), peft_logits(torch_model, [kept_adapter], ids)) <= 1e-4
