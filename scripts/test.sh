@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: the main venv's tests (pytest-xdist, 2 workers, one file per worker at a time)
 # with the tunix and MaxText venvs' tests running beside them from the start, not after: on a 2-core
-# machine the main run leaves a core idle while its last files finish, and the side venvs fill it
-# (quiet 2-core VM, 2026-12-03: 16 min 19 s with the side venvs after the main run).
+# machine the main run leaves a core idle while it starts its workers and while its last files finish,
+# and the side venvs fill it (their wall time then overlaps the main run's instead of adding to it).
 # The side runs' output is kept in a log each and shown after the main run's; the exit status is the
 # first failing run's. Extra arguments go to the main run's pytest.
 set -u
