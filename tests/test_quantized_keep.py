@@ -176,8 +176,9 @@ def test_deepseek_fp8_keeps_what_its_hooks_allow_and_says_why_not(deepseek_fp8):
     dense = otfload.from_pretrained(deepseek_fp8, mesh=mesh, dtype="float32")
     kept = otfload.from_pretrained(deepseek_fp8, mesh=mesh, dtype="float32", quantized="keep")
     reference = dense_leaves(dense)
+    dequantize = jax.jit(otfload.dequantize)  # one program a leaf, not one an op
     for name, leaf in kept_leaves(kept).items():
-        got = jax.jit(otfload.dequantize)(leaf)  # one program a leaf, not one an op
+        got = dequantize(leaf)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(reference[name]), err_msg=name)
     ids = token_ids()
     np.testing.assert_array_equal(jax_logits(kept, ids), jax_logits(dense, ids))  # compiled whole, not op by op
