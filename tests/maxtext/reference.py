@@ -59,7 +59,8 @@ def build(family: Family, scan_layers: bool, param_scan_axis: int) -> Built:
     """MaxText's config and abstract NNX model of ``family`` in one layout, on 8 CPU devices."""
     # jax_cache_dir "": MaxText leaves XLA's cache as the tests' conftest set it (else ``~/jax_cache``)
     config = pyconfig.initialize([""], hardware="cpu", attention="dot_product", skip_jax_distributed_system=True,
-                                 jax_cache_dir="", **MESH, **NUMERICS, **family.maxtext_kwargs(scan_layers, param_scan_axis))
+                                 jax_cache_dir="", **MESH, **NUMERICS,
+                                 **family.maxtext_kwargs(scan_layers, param_scan_axis))
     create, model = model_creation_utils.create_nnx_abstract_model(config)
     # the weights MaxText's checkpointing hands its loader: every variable but RNG, cache and
     # intermediates (DeepSeek-V3's routing bias is a MoEBiasVar, no nnx.Param)
