@@ -15,8 +15,8 @@ MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 # MaxText's loader jit-compiles a stacking program per leaf shape and its models share blocks, so the
 # tiny families compile the same programs again and again under new function objects: XLA's persistent
-# cache, every program kept however fast it compiled, serves them once compiled (234 -> 188 CPU-s for
-# tests/maxtext). The cache lives in a directory of this run (made by the first process, xdist's
+# cache, every program kept however fast it compiled, serves them once compiled (301 -> 250 CPU-s for
+# tests/maxtext from a fresh home). The cache lives in a directory of this run (made by the first process, xdist's
 # controller, and inherited by its workers), never in MaxText's default ``~/jax_cache``:
 # ``reference.build`` turns MaxText's own cache setting off.
 CACHE_ENV = "OTFLOAD_TEST_MAXTEXT_JAX_CACHE"
